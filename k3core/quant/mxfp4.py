@@ -1,0 +1,123 @@
+"""OCP Microscaling MXFP4: e2m1 elements sharing one e8m0 scale per block of 32.
+
+Layout (the compressed-tensors ``mxfp4-pack-quantized`` convention):
+- blocks run along the LAST dim (``in_features`` of a Linear weight), 32 elements each;
+- ``packed``: uint8 ``[..., K // 2]``, two e2m1 codes per byte, element ``2i`` in the LOW nibble and
+  element ``2i + 1`` in the HIGH nibble;
+- ``scales``: uint8 ``[..., K // 32]``, e8m0 biased exponents: byte ``e`` means ``2 ** (e - 127)``;
+  ``0xFF`` is NaN (a block that held a NaN or an infinity dequantises to NaN).
+
+An e2m1 code is ``sign << 3 | magnitude_index`` with magnitudes ``0, .5, 1, 1.5, 2, 3, 4, 6``.
+Scale choice follows OCP MX v1.0 §6.3: shared exponent ``floor(log2(amax)) - 2`` (2 = emax of e2m1),
+elements rounded to nearest, ties to even, then saturated to ±6.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32
+E2M1_MAX = 6.0
+E2M1_EMAX = 2
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+# Magnitudes indexed by the 3 low bits of a code; the 4th bit is the sign.
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between neighbouring magnitudes: where round-to-nearest changes its answer.
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _check_blocks(k: int, group: int) -> None:
+    if group != BLOCK:
+        raise ValueError(f"MXFP4 blocks are {BLOCK} elements (OCP MX); got group={group}")
+    if k % group:
+        raise ValueError(f"last dim {k} is not a multiple of the MXFP4 block size {group}")
+
+
+def shared_exponents(w: torch.Tensor, group: int = BLOCK) -> torch.Tensor:
+    """Unbiased shared exponent per block (int32 ``[..., K // group]``), clamped to the e8m0 range."""
+    _check_blocks(w.shape[-1], group)
+    amax = w.float().unflatten(-1, (-1, group)).abs().amax(dim=-1)
+    # frexp gives amax = m * 2**e with m in [0.5, 1): floor(log2(amax)) == e - 1 exactly, no log rounding.
+    _, e = torch.frexp(amax)
+    exp = (e - 1 - E2M1_EMAX).to(torch.int32)
+    exp = torch.where(amax == 0, torch.full_like(exp, -E8M0_BIAS), exp)
+    return exp.clamp(-E8M0_BIAS, E8M0_BIAS)
+
+
+def _round_to_e2m1(y: torch.Tensor) -> torch.Tensor:
+    """Magnitude index (int64) of |y| rounded to nearest e2m1 magnitude, ties to even, saturating."""
+    mags = y.abs().clamp(max=E2M1_MAX)
+    mid = torch.tensor(_MIDPOINTS, dtype=mags.dtype, device=mags.device)
+    lower = torch.bucketize(mags, mid, right=False)  # a tie goes to the smaller magnitude
+    upper = torch.bucketize(mags, mid, right=True)  # a tie goes to the larger magnitude
+    # Only on an exact tie do the two differ; then the even code (mantissa bit 0) wins.
+    return torch.where(lower % 2 == 0, lower, upper)
+
+
+def quantize(w: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``w`` (any float dtype, last dim a multiple of 32) to ``(packed uint8, scales uint8)``."""
+    _check_blocks(w.shape[-1], group)
+    x = w.float().unflatten(-1, (-1, group))
+    exp = shared_exponents(w, group)
+    # Scaling by a power of two is exact (ldexp), so the only rounding is the e2m1 one.
+    y = torch.ldexp(x, (-exp).unsqueeze(-1).to(x.dtype))
+    codes = _round_to_e2m1(y) | (torch.signbit(y).to(torch.int64) << 3)
+    codes = torch.where(torch.isnan(y), torch.zeros_like(codes), codes).flatten(-2)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    scales = (exp + E8M0_BIAS).to(torch.uint8)
+    non_finite = ~torch.isfinite(x).all(dim=-1)
+    scales = torch.where(non_finite, torch.full_like(scales, E8M0_NAN), scales)
+    return packed, scales
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., K // 2]`` -> e2m1 codes int64 ``[..., K]`` (low nibble first)."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed MXFP4 must be uint8, got {packed.dtype}")
+    low = (packed & 0x0F).to(torch.int64)
+    high = (packed >> 4).to(torch.int64)
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def decode_scales(scales: torch.Tensor) -> torch.Tensor:
+    """e8m0 bytes -> float32 powers of two (0xFF -> NaN)."""
+    if scales.dtype != torch.uint8:
+        raise TypeError(f"MXFP4 scales must be uint8 (e8m0), got {scales.dtype}")
+    exp = scales.to(torch.int32) - E8M0_BIAS
+    value = torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp.to(torch.float32))
+    return torch.where(scales == E8M0_NAN, torch.full_like(value, float("nan")), value)
+
+
+def dequantize(
+    packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Inverse of :func:`quantize`: ``[..., K // 2]`` + ``[..., K // 32]`` -> ``dtype`` ``[..., K]``."""
+    codes = unpack_codes(packed)
+    k = codes.shape[-1]
+    if scales.shape[:-1] != packed.shape[:-1] or scales.shape[-1] * BLOCK != k:
+        raise ValueError(
+            f"MXFP4 shapes disagree: packed {tuple(packed.shape)} holds {k} elements per row, "
+            f"scales {tuple(scales.shape)} cover {scales.shape[-1] * BLOCK}"
+        )
+    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=packed.device)
+    values = table[codes & 0x7]
+    values = torch.where(codes >= 8, -values, values).unflatten(-1, (-1, BLOCK))
+    return (values * decode_scales(scales).unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+class _FakeQuantSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        packed, scales = quantize(w)
+        return dequantize(packed, scales, w.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        # Straight-through estimator: the rounding is treated as identity for the gradient (§4.1.4 QAT).
+        return grad
+
+
+def fake_quant(w: torch.Tensor) -> torch.Tensor:
+    """MXFP4 quantise-dequantise in ``w``'s dtype with an identity gradient, for QAT."""
+    return _FakeQuantSTE.apply(w)
