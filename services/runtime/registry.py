@@ -1,0 +1,193 @@
+"""Fleet membership in etcd: instances register under a lease and peers watch the prefix.
+
+Keys: `<prefix>/instances/<cluster>/<service>/<instance>` -> JSON `InstanceRecord`. A registration lives as
+long as its lease; a killed process stops refreshing and etcd deletes the key within the TTL. When etcd is
+unreachable, registrations retry and watchers keep serving the last known membership (and say so loudly);
+when it returns, instances re-register and watchers re-list.
+
+The etcd client (pyetcd, the etcd3 API) is synchronous, so each registration and watch runs in a thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import pyetcd
+
+log = logging.getLogger("k3.registry")
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceRecord:
+    service: str
+    cluster: str
+    instance: str
+    address: str
+    region: str = ""
+    started: float = 0.0
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    def key(self, prefix: str) -> str:
+        return f"{prefix}/instances/{self.cluster}/{self.service}/{self.instance}"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: bytes | str) -> InstanceRecord:
+        return cls(**json.loads(text))
+
+
+def connect(endpoints: list[str], timeout: float = 2.0) -> pyetcd.client:
+    """A client for the first endpoint that answers."""
+    last: Exception | None = None
+    for endpoint in endpoints:
+        host, _, port = endpoint.rpartition(":")
+        client = pyetcd.client(host=host, port=int(port), timeout=timeout)
+        try:
+            client.status()
+            return client
+        except Exception as exc:  # noqa: BLE001 - try the next endpoint
+            last = exc
+            client.close()
+    raise ConnectionError(f"no etcd endpoint answered ({', '.join(endpoints)}): {last}")
+
+
+class Registration:
+    """Keeps one instance record alive in etcd until `close()`; survives etcd outages."""
+
+    def __init__(self, endpoints: list[str], prefix: str, record: InstanceRecord, ttl_s: float,
+                 on_state: Callable[[bool], None] | None = None):
+        self.endpoints, self.prefix, self.record = endpoints, prefix, record
+        self.ttl = max(1, int(round(ttl_s)))
+        self.on_state = on_state or (lambda up: None)
+        self._stop = threading.Event()
+        self._registered = threading.Event()
+        self._lease = None
+        self._client = None
+        self._thread = threading.Thread(target=self._run, name=f"etcd-register-{record.service}", daemon=True)
+        self._thread.start()
+
+    def wait_registered(self, timeout: float) -> bool:
+        return self._registered.wait(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._client = connect(self.endpoints)
+                self._lease = self._client.lease(self.ttl)
+                self._client.put(self.record.key(self.prefix), self.record.to_json(), lease=self._lease)
+                log.info("registered in etcd", extra={"key": self.record.key(self.prefix), "ttl_s": self.ttl})
+                self._registered.set()
+                self.on_state(True)
+                self._keepalive()
+            except Exception as exc:  # noqa: BLE001 - etcd down: keep serving, retry
+                log.error("etcd registration lost; serving on, retrying", extra={"error": str(exc)})
+            self._registered.clear()
+            self.on_state(False)
+            self._stop.wait(min(1.0, self.ttl / 3))
+
+    def _keepalive(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            responses = list(self._client.refresh_lease(self._lease.id))
+            if not responses or responses[0].TTL <= 0:
+                raise ConnectionError("lease expired")
+
+    def close(self) -> None:
+        """Stop refreshing and revoke the lease, so peers see this instance leave at once."""
+        self._stop.set()
+        if self._lease is not None:
+            try:
+                self._lease.revoke()
+            except Exception:  # noqa: BLE001 - etcd gone: the lease expires by itself
+                pass
+        self._thread.join(timeout=2)
+        if self._client is not None:
+            self._client.close()
+
+
+class Watcher:
+    """Mirrors every record under `<prefix>/instances/` into memory and calls `on_change(snapshot)`."""
+
+    def __init__(self, endpoints: list[str], prefix: str,
+                 on_change: Callable[[dict[str, InstanceRecord]], None] | None = None):
+        self.endpoints = endpoints
+        self.watch_prefix = f"{prefix}/instances/"
+        self.on_change = on_change or (lambda snapshot: None)
+        self.connected = False
+        self._snapshot: dict[str, InstanceRecord] = {}
+        self._lock = threading.Lock()
+        self._synced = threading.Event()
+        self._stop = threading.Event()
+        self._cancel: Callable[[], None] | None = None
+        self._thread = threading.Thread(target=self._run, name="etcd-watch", daemon=True)
+        self._thread.start()
+
+    def snapshot(self) -> dict[str, InstanceRecord]:
+        with self._lock:
+            return dict(self._snapshot)
+
+    def wait_synced(self, timeout: float) -> bool:
+        return self._synced.wait(timeout)
+
+    def _publish(self, snapshot: dict[str, InstanceRecord]) -> None:
+        with self._lock:
+            self._snapshot = snapshot
+        try:
+            self.on_change(dict(snapshot))
+        except Exception:  # noqa: BLE001 - a bad callback must not kill the watch
+            log.exception("membership callback failed")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client = connect(self.endpoints)
+                snapshot, revision = self._list(client)
+                self._publish(snapshot)
+                self.connected = True
+                self._synced.set()
+                events, self._cancel = client.watch_prefix(self.watch_prefix, start_revision=revision + 1)
+                for event in events:
+                    if self._stop.is_set():
+                        break
+                    snapshot = self.snapshot()
+                    key = event.key.decode()
+                    if isinstance(event, pyetcd.events.DeleteEvent):
+                        snapshot.pop(key, None)
+                    else:
+                        snapshot[key] = InstanceRecord.from_json(event.value)
+                    self._publish(snapshot)
+            except Exception as exc:  # noqa: BLE001 - etcd down: keep the last membership
+                if not self._stop.is_set():
+                    log.error("etcd watch lost; serving last known membership",
+                              extra={"error": str(exc), "instances": len(self.snapshot())})
+            self.connected = False
+            self._stop.wait(0.5)
+
+    def _list(self, client: pyetcd.client) -> tuple[dict[str, InstanceRecord], int]:
+        response = client.get_prefix_response(self.watch_prefix)
+        snapshot = {kv.key.decode(): InstanceRecord.from_json(kv.value) for kv in response.kvs}
+        return snapshot, response.header.revision
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._cancel is not None:
+            try:
+                self._cancel()
+            except Exception:  # noqa: BLE001
+                pass
+        self._thread.join(timeout=2)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

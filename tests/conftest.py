@@ -1,0 +1,42 @@
+"""Shared fixtures: a real etcd server on a free loopback port, and real service processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.runtime.local_etcd import EtcdServer
+from tests.support.processes import ServiceProcess
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory):
+    """A real etcd (the Debian etcd-server binary) for the whole test session; yields "127.0.0.1:PORT"."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    server.start()
+    yield server.endpoint
+    server.stop()
+
+
+@pytest.fixture
+def etcd_restartable(tmp_path):
+    """A private etcd a test may stop and restart (outage drills)."""
+    server = EtcdServer(tmp_path / "etcd")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    """Start services as real OS processes; all are killed at the end of the test."""
+    started: list[ServiceProcess] = []
+
+    def _spawn(*args: str, env: dict[str, str] | None = None, name: str = "svc") -> ServiceProcess:
+        proc = ServiceProcess(list(args), tmp_path / f"{name}-{len(started)}", env=env)
+        started.append(proc)
+        proc.start()
+        return proc
+
+    yield _spawn
+    for proc in started:
+        proc.kill()
