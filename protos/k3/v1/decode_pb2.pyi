@@ -70,10 +70,13 @@ class DecodeFromHandleRequest(_message.Message):
     HANDLE_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    TRANSFER_ADDRESS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token: _builtins.int
     """The token sampled by the prefill worker; decoding continues after it."""
     model: _builtins.str
+    transfer_address: _builtins.str
+    """The KV transfer service holding the handle's pages."""
     @_builtins.property
     def session(self) -> _common_pb2.SessionRef: ...
     @_builtins.property
@@ -92,10 +95,11 @@ class DecodeFromHandleRequest(_message.Message):
         handle: _common_pb2.KVHandle | None = ...,
         first_token: _builtins.int = ...,
         model: _builtins.str = ...,
+        transfer_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["handle", b"handle", "prompt", b"prompt", "sampling", b"sampling", "session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token", b"first_token", "handle", b"handle", "model", b"model", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token", b"first_token", "handle", b"handle", "model", b"model", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "session", b"session", "transfer_address", b"transfer_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

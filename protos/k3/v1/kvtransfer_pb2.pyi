@@ -3,8 +3,10 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from k3.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -234,3 +236,78 @@ class GetTransferStatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetTransferStatsResponse: _TypeAlias = GetTransferStatsResponse  # noqa: Y015
+
+@_typing.final
+class GetHandleStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HANDLE_ID_FIELD_NUMBER: _builtins.int
+    handle_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        handle_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handle_id", b"handle_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetHandleStatusRequest: _TypeAlias = GetHandleStatusRequest  # noqa: Y015
+
+@_typing.final
+class ProducerProgress(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TP_RANK_FIELD_NUMBER: _builtins.int
+    PAGES_VERIFIED_FIELD_NUMBER: _builtins.int
+    PAGES_TOTAL_FIELD_NUMBER: _builtins.int
+    tp_rank: _builtins.int
+    pages_verified: _builtins.int
+    """Pages [0, pages_verified) arrived and matched their fingerprints; a resumed push starts there."""
+    pages_total: _builtins.int
+    def __init__(
+        self,
+        *,
+        tp_rank: _builtins.int = ...,
+        pages_verified: _builtins.int = ...,
+        pages_total: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pages_total", b"pages_total", "pages_verified", b"pages_verified", "tp_rank", b"tp_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProducerProgress: _TypeAlias = ProducerProgress  # noqa: Y015
+
+@_typing.final
+class GetHandleStatusResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    COMPLETE_FIELD_NUMBER: _builtins.int
+    PRODUCERS_FIELD_NUMBER: _builtins.int
+    NUM_BYTES_FIELD_NUMBER: _builtins.int
+    found: _builtins.bool
+    complete: _builtins.bool
+    """Every producer rank delivered every page."""
+    num_bytes: _builtins.int
+    @_builtins.property
+    def producers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProducerProgress]: ...
+    def __init__(
+        self,
+        *,
+        found: _builtins.bool = ...,
+        complete: _builtins.bool = ...,
+        producers: _abc.Iterable[Global___ProducerProgress] | None = ...,
+        num_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete", b"complete", "found", b"found", "num_bytes", b"num_bytes", "producers", b"producers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetHandleStatusResponse: _TypeAlias = GetHandleStatusResponse  # noqa: Y015

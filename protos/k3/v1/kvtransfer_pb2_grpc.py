@@ -56,6 +56,11 @@ class KVTransferServiceStub:
                 request_serializer=k3_dot_v1_dot_kvtransfer__pb2.GetTransferStatsRequest.SerializeToString,
                 response_deserializer=k3_dot_v1_dot_kvtransfer__pb2.GetTransferStatsResponse.FromString,
                 _registered_method=True)
+        self.GetHandleStatus = channel.unary_unary(
+                '/k3.v1.KVTransferService/GetHandleStatus',
+                request_serializer=k3_dot_v1_dot_kvtransfer__pb2.GetHandleStatusRequest.SerializeToString,
+                response_deserializer=k3_dot_v1_dot_kvtransfer__pb2.GetHandleStatusResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServiceServicer:
@@ -89,6 +94,14 @@ class KVTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetHandleStatus(self, request, context):
+        """Which pages of each producer rank have arrived and verified: producers resume a broken push from here,
+        consumers can wait for completeness.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +124,11 @@ def add_KVTransferServiceServicer_to_server(servicer, server):
                     servicer.GetTransferStats,
                     request_deserializer=k3_dot_v1_dot_kvtransfer__pb2.GetTransferStatsRequest.FromString,
                     response_serializer=k3_dot_v1_dot_kvtransfer__pb2.GetTransferStatsResponse.SerializeToString,
+            ),
+            'GetHandleStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetHandleStatus,
+                    request_deserializer=k3_dot_v1_dot_kvtransfer__pb2.GetHandleStatusRequest.FromString,
+                    response_serializer=k3_dot_v1_dot_kvtransfer__pb2.GetHandleStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +241,33 @@ class KVTransferService:
             '/k3.v1.KVTransferService/GetTransferStats',
             k3_dot_v1_dot_kvtransfer__pb2.GetTransferStatsRequest.SerializeToString,
             k3_dot_v1_dot_kvtransfer__pb2.GetTransferStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHandleStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/k3.v1.KVTransferService/GetHandleStatus',
+            k3_dot_v1_dot_kvtransfer__pb2.GetHandleStatusRequest.SerializeToString,
+            k3_dot_v1_dot_kvtransfer__pb2.GetHandleStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,10 @@ class KVTransferServiceStub:
     """Consumer side: stream the pages of a handle laid out for the given TP rank."""
     Release: _grpc.UnaryUnaryMultiCallable[_kvtransfer_pb2.ReleaseRequest, _kvtransfer_pb2.ReleaseResponse]
     GetTransferStats: _grpc.UnaryUnaryMultiCallable[_kvtransfer_pb2.GetTransferStatsRequest, _kvtransfer_pb2.GetTransferStatsResponse]
+    GetHandleStatus: _grpc.UnaryUnaryMultiCallable[_kvtransfer_pb2.GetHandleStatusRequest, _kvtransfer_pb2.GetHandleStatusResponse]
+    """Which pages of each producer rank have arrived and verified: producers resume a broken push from here,
+    consumers can wait for completeness.
+    """
 
 @_typing.type_check_only
 class KVTransferServiceAsyncStub(KVTransferServiceStub):
@@ -55,6 +59,10 @@ class KVTransferServiceAsyncStub(KVTransferServiceStub):
     """Consumer side: stream the pages of a handle laid out for the given TP rank."""
     Release: _aio.UnaryUnaryMultiCallable[_kvtransfer_pb2.ReleaseRequest, _kvtransfer_pb2.ReleaseResponse]  # type: ignore[assignment]
     GetTransferStats: _aio.UnaryUnaryMultiCallable[_kvtransfer_pb2.GetTransferStatsRequest, _kvtransfer_pb2.GetTransferStatsResponse]  # type: ignore[assignment]
+    GetHandleStatus: _aio.UnaryUnaryMultiCallable[_kvtransfer_pb2.GetHandleStatusRequest, _kvtransfer_pb2.GetHandleStatusResponse]  # type: ignore[assignment]
+    """Which pages of each producer rank have arrived and verified: producers resume a broken push from here,
+    consumers can wait for completeness.
+    """
 
 class KVTransferServiceServicer(metaclass=_abc_1.ABCMeta):
     """KV transfer service: moves a request's pages between prefill and decode ranks as per-head byte streams,
@@ -90,5 +98,15 @@ class KVTransferServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _kvtransfer_pb2.GetTransferStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvtransfer_pb2.GetTransferStatsResponse, _abc.Awaitable[_kvtransfer_pb2.GetTransferStatsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetHandleStatus(
+        self,
+        request: _kvtransfer_pb2.GetHandleStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvtransfer_pb2.GetHandleStatusResponse, _abc.Awaitable[_kvtransfer_pb2.GetHandleStatusResponse]]:
+        """Which pages of each producer rank have arrived and verified: producers resume a broken push from here,
+        consumers can wait for completeness.
+        """
 
 def add_KVTransferServiceServicer_to_server(servicer: KVTransferServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
