@@ -46,6 +46,7 @@ class ServiceApp:
         self.address = ""
         self.metrics_address = ""
         self.registration: Registration | None = None
+        # Published in the etcd record and the ready file (e.g. a worker's TP layout, the gateway's HTTP address).
         self.meta: dict[str, Any] = {}
         self._services: list[tuple[Callable, Any, str]] = []
         self._on_start: list[Hook] = []
@@ -146,6 +147,6 @@ class ServiceApp:
             return
         path = Path(self.config.ready_file)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"address": self.address, "metrics_address": self.metrics_address,
+        tmp.write_text(json.dumps({**self.meta, "address": self.address, "metrics_address": self.metrics_address,
                                    "pid": os.getpid(), "service": self.name, "instance": self.instance}))
         tmp.replace(path)

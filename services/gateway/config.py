@@ -1,0 +1,35 @@
+"""Gateway configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.runtime import ServiceConfig
+
+
+@dataclasses.dataclass
+class GatewayConfig(ServiceConfig):
+    # OpenAI-compatible HTTP front door; 0 picks a free port (published as `http_address`).
+    http_port: int = 8080
+    model: str = "nano"
+    # Longest prompt accepted, in tokens (HTTP 400 beyond it).
+    max_prompt_tokens: int = 32_768
+    max_output_tokens: int = 4_096
+    # Static peers for running without etcd; with etcd they are discovered.
+    router_address: str = ""
+    admission_address: str = ""
+    # Clusters to try for one request before giving up (primary, then its backup, ...).
+    max_attempts: int = 3
+    request_timeout_s: float = 600.0
+    # Mid-stream failure: continue on the backup by re-prefilling prompt + tokens sent so far.
+    resume_mid_stream: bool = True
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        if not 0 <= self.http_port <= 65535:
+            problems.append(f"http_port: must be in [0, 65535], got {self.http_port}")
+        if self.max_prompt_tokens < 1:
+            problems.append("max_prompt_tokens: must be >= 1")
+        if self.max_attempts < 1:
+            problems.append("max_attempts: must be >= 1")
+        return problems
