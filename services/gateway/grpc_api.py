@@ -43,16 +43,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def Complete(self, request, context):
         try:
-            job = self.frontend.prepare(self._request(request))
+            prepared = self.frontend.prepare(self._request(request))
         except RequestError as exc:
             raise errors.InvalidArgument(exc.param or "", exc.message) from exc
-        async for delta in self.frontend.stream(job):
-            finish = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}.get(
+        job = prepared.job
+        async for delta in self.frontend.stream(prepared):
+            finish = {"stop": common_pb2.FINISH_REASON_STOP, "tool_calls": common_pb2.FINISH_REASON_STOP,
+                      "length": common_pb2.FINISH_REASON_LENGTH}.get(
                 delta.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
+            if delta.reasoning:
+                yield gateway_pb2.CompleteResponse(
+                    chunk=common_pb2.TokenChunk(request_id=job.request_id, text=delta.reasoning),
+                    channel="think", cluster=delta.cluster)
             yield gateway_pb2.CompleteResponse(
                 chunk=common_pb2.TokenChunk(request_id=job.request_id, token_ids=delta.token_ids, text=delta.text,
                                             finish_reason=finish),
-                channel="response", cluster=delta.cluster)
+                channel="response", cluster=delta.cluster,
+                tool_calls_json=json.dumps(delta.tool_calls) if delta.tool_calls else "")
 
     async def ListModels(self, request, context):
         return gateway_pb2.ListModelsResponse(models=[gateway_pb2.ModelInfo(id=self.frontend.model)])

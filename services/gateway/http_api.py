@@ -80,19 +80,20 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
         raise RequestError(400, f"request body is not valid JSON: {exc.msg} at position {exc.pos}") from exc
     parsed = parse(body, chat=chat, served_model=frontend.model, max_output_tokens=request.app["max_output_tokens"],
                    session_header=request.headers.get("x-session-id", ""))
-    job = frontend.prepare(parsed)
+    prepared = frontend.prepare(parsed)
+    job = prepared.job
     created = int(time.time())
     kind = "chat.completion" if chat else "text_completion"
     base = {"id": job.request_id, "created": created, "model": frontend.model}
     if not parsed.stream:
-        return await _whole(frontend, job, base, kind, chat)
+        return await _whole(frontend, prepared, base, kind, chat)
 
     response = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
                                            "x-session-id": parsed.session_id})
     started = False
     completion_tokens = cached = 0
     try:
-        async for delta in frontend.stream(job):
+        async for delta in frontend.stream(prepared):
             if not started:
                 await response.prepare(request)
                 started = True
@@ -101,10 +102,11 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
                         {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
             completion_tokens += len(delta.token_ids)
             cached = max(cached, delta.cached_tokens)
-            choice = ({"index": 0, "delta": {"content": delta.text} if delta.text else {},
-                       "finish_reason": delta.finish_reason} if chat else
+            choice = ({"index": 0, "delta": _chat_delta(delta), "finish_reason": delta.finish_reason} if chat else
                       {"index": 0, "text": delta.text, "finish_reason": delta.finish_reason})
-            await _sse(response, {**base, "object": "chat.completion.chunk" if chat else kind, "choices": [choice]})
+            # system_fingerprint names the cluster that produced the chunk (it changes on failover).
+            await _sse(response, {**base, "object": "chat.completion.chunk" if chat else kind, "choices": [choice],
+                                  "system_fingerprint": f"k3:{delta.cluster}"})
     except errors.ServiceError as exc:
         if not started:
             return _service_error_response(exc)
@@ -118,17 +120,37 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     return response
 
 
-async def _whole(frontend: Frontend, job, base: dict, kind: str, chat: bool) -> web.Response:
-    text, finish, tokens, cached, cluster = [], None, 0, 0, ""
-    async for delta in frontend.stream(job):
+def _chat_delta(delta) -> dict:
+    out: dict = {}
+    if delta.reasoning:
+        out["reasoning_content"] = delta.reasoning
+    if delta.text:
+        out["content"] = delta.text
+    if delta.tool_calls:
+        out["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta.tool_calls)]
+    return out
+
+
+async def _whole(frontend: Frontend, prepared, base: dict, kind: str, chat: bool) -> web.Response:
+    text, reasoning, calls, finish, tokens, cached, cluster = [], [], [], None, 0, 0, ""
+    async for delta in frontend.stream(prepared):
         text.append(delta.text)
+        reasoning.append(delta.reasoning)
+        calls.extend(delta.tool_calls)
         tokens += len(delta.token_ids)
         cached = max(cached, delta.cached_tokens)
         finish, cluster = delta.finish_reason or finish, delta.cluster
     content = "".join(text)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
+    message: dict = {"role": "assistant", "content": content}
+    if prepared.thinking:
+        message["reasoning_content"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    choice = ({"index": 0, "message": message, "finish_reason": finish}
               if chat else {"index": 0, "text": content, "finish_reason": finish})
-    return web.json_response({**base, "object": kind, "choices": [choice], "usage": _usage(job, tokens, cached)},
+    job = prepared.job
+    return web.json_response({**base, "object": kind, "choices": [choice], "usage": _usage(job, tokens, cached),
+                              "system_fingerprint": f"k3:{cluster}"},
                              headers={"x-k3-cluster": cluster, "x-session-id": job.session.session_id})
 
 
