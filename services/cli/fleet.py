@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,7 @@ class FleetState:
     etcd_data: str
     members: list[Member]
     clusters: list[str]
+    lease_ttl_s: float = 3.0
 
     def save(self) -> None:
         home().mkdir(parents=True, exist_ok=True)
@@ -87,12 +89,19 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    # A zombie (exited, not yet reaped by its parent) is not alive.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
-def start_member(service: str, cluster: str, etcd_endpoint: str, extra_args: list[str],
+def member_name(service: str, cluster: str, index: int) -> str:
+    return f"{service}-{cluster}-{index}"
+
+
+def start_member(name: str, service: str, cluster: str, etcd_endpoint: str, extra_args: list[str],
                  ttl_s: float, token: str = "") -> subprocess.Popen:
-    name = f"{service}-{cluster}"
     logs = home() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     ready = home() / "run" / f"{name}.json"
@@ -106,17 +115,17 @@ def start_member(service: str, cluster: str, etcd_endpoint: str, extra_args: lis
                             start_new_session=True, env=env)
 
 
-def wait_ready(service: str, cluster: str, proc: subprocess.Popen, timeout: float) -> dict:
-    ready = home() / "run" / f"{service}-{cluster}.json"
+def wait_ready(name: str, proc: subprocess.Popen, timeout: float) -> dict:
+    ready = home() / "run" / f"{name}.json"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if ready.exists():
             return json.loads(ready.read_text())
         if proc.poll() is not None:
-            log = (home() / "logs" / f"{service}-{cluster}.log").read_text()[-2000:]
-            raise RuntimeError(f"{service} ({cluster}) exited with {proc.returncode}:\n{log}")
+            log = (home() / "logs" / f"{name}.log").read_text()[-2000:]
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log}")
         time.sleep(0.05)
-    raise RuntimeError(f"{service} ({cluster}) was not ready within {timeout:.0f}s")
+    raise RuntimeError(f"{name} was not ready within {timeout:.0f}s")
 
 
 def up(clusters: int = 1, etcd_endpoint: str = "", with_services: tuple[str, ...] = (), ttl_s: float = 3.0,
@@ -126,18 +135,15 @@ def up(clusters: int = 1, etcd_endpoint: str = "", with_services: tuple[str, ...
         raise RuntimeError(f"a local fleet is already running (state in {home()}); run `k3 down` first")
     etcd_pid, etcd_data = 0, ""
     if not etcd_endpoint:
-        etcd = EtcdServer(home() / "etcd")
+        # A fresh etcd each time: stale registrations of an earlier fleet must not linger.
+        shutil.rmtree(home() / "etcd", ignore_errors=True)
+        etcd = EtcdServer(home() / "etcd", detach=True)
         etcd.start()
         etcd_endpoint, etcd_pid, etcd_data = etcd.endpoint, etcd.proc.pid, str(etcd.data_dir)
-    state = FleetState(etcd_endpoint, etcd_pid, etcd_data, [], [f"c{i}" for i in range(clusters)])
+    state = FleetState(etcd_endpoint, etcd_pid, etcd_data, [], [f"c{i}" for i in range(clusters)], ttl_s)
     try:
         for service, cluster in plan(clusters, with_services):
-            proc = start_member(service, cluster, etcd_endpoint, [], ttl_s)
-            info = wait_ready(service, cluster, proc, timeout)
-            extra = {k: v for k, v in info.items() if k not in ("address", "metrics_address", "pid")}
-            state.members.append(Member(service, cluster, f"{service}-{cluster}", proc.pid, info["address"],
-                                        info.get("metrics_address", ""), extra))
-            state.save()
+            add_member(state, service, cluster, timeout)
     except BaseException:
         state.save()
         down()
@@ -146,12 +152,48 @@ def up(clusters: int = 1, etcd_endpoint: str = "", with_services: tuple[str, ...
     return state
 
 
-def down(grace_s: float = 15.0) -> int:
-    """SIGTERM every member (they drain), then SIGKILL what is left; stop the fleet's etcd. Returns count."""
+def add_member(state: FleetState, service: str, cluster: str, timeout: float = 120.0) -> Member:
+    taken = {m.name for m in state.members}
+    index = next(i for i in range(len(taken) + 1) if member_name(service, cluster, i) not in taken)
+    name = member_name(service, cluster, index)
+    proc = start_member(name, service, cluster, state.etcd_endpoint, [], state.lease_ttl_s)
+    info = wait_ready(name, proc, timeout)
+    extra = {k: v for k, v in info.items() if k not in ("address", "metrics_address", "pid", "service", "instance")}
+    member = Member(service, cluster, name, proc.pid, info["address"], info.get("metrics_address", ""), extra)
+    state.members.append(member)
+    state.save()
+    return member
+
+
+def stop_member(state: FleetState, member: Member, grace_s: float = 15.0) -> None:
+    terminate([member.pid], grace_s)
+    state.members.remove(member)
+    state.save()
+
+
+def scale(service: str, replicas: int, cluster: str) -> list[str]:
+    """Start or drain instances of `service` in `cluster` until it has `replicas`; returns what changed."""
     state = FleetState.load()
     if state is None:
-        return 0
-    pids = [m.pid for m in reversed(state.members) if alive(m.pid)]
+        raise RuntimeError("no local fleet (run `k3 up`)")
+    if cluster not in state.clusters and cluster != "global":
+        raise RuntimeError(f"unknown cluster {cluster!r}; the fleet has {', '.join(state.clusters)}")
+    current = [m for m in state.members if m.service == service and m.cluster == cluster and alive(m.pid)]
+    changes = []
+    while len(current) < replicas:
+        member = add_member(state, service, cluster)
+        current.append(member)
+        changes.append(f"started {member.name} at {member.address}")
+    while len(current) > replicas:
+        member = current.pop()
+        stop_member(state, member)
+        changes.append(f"drained {member.name}")
+    return changes
+
+
+def terminate(pids: list[int], grace_s: float) -> None:
+    """SIGTERM (the services drain), then SIGKILL whatever outlives the grace period."""
+    pids = [p for p in pids if alive(p)]
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -160,6 +202,15 @@ def down(grace_s: float = 15.0) -> int:
     for pid in pids:
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def down(grace_s: float = 15.0) -> int:
+    """SIGTERM every member (they drain), then SIGKILL what is left; stop the fleet's etcd. Returns count."""
+    state = FleetState.load()
+    if state is None:
+        return 0
+    pids = [m.pid for m in reversed(state.members) if alive(m.pid)]
+    terminate(pids, grace_s)
     if state.etcd_pid and alive(state.etcd_pid):
         os.kill(state.etcd_pid, signal.SIGKILL)
     (home() / "fleet.json").unlink(missing_ok=True)

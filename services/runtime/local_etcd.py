@@ -12,7 +12,9 @@ from services.runtime.ports import free_port
 
 
 class EtcdServer:
-    def __init__(self, data_dir: Path, binary: str | None = None):
+    def __init__(self, data_dir: Path, binary: str | None = None, detach: bool = False):
+        # detach: run in its own session so it outlives the process that started it (the local fleet).
+        self.detach = detach
         self.binary = binary or shutil.which("etcd") or "/usr/bin/etcd"
         self.data_dir = Path(data_dir)
         self.client_port = free_port()
@@ -32,7 +34,7 @@ class EtcdServer:
              "--listen-client-urls", client, "--advertise-client-urls", client,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
              "--initial-cluster", f"k3test={peer}", "--log-level", "error"],
-            stdout=subprocess.DEVNULL, stderr=open(self.data_dir / "etcd.log", "ab"))
+            stdout=subprocess.DEVNULL, stderr=open(self.data_dir / "etcd.log", "ab"), start_new_session=self.detach)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
