@@ -1,0 +1,152 @@
+"""Admission under a burst of 1M-token requests: per-class budgets vs one FIFO budget vs no admission.
+
+    python bench/admission.py [--seconds 600] [--short-rate 100] [--burst 12]
+
+A discrete-event simulation of one cluster of prefill nodes driven by the calibrated cost model and the
+service's own AdmissionScheduler. Steady short traffic (Poisson; 512-4096-token prompts, up to half of
+each cached, 64-512 output tokens) runs alone, then again with a burst of 1M-token requests. A request's
+time to first token is admission wait + wait for a node + its prefill; its ticket is held until its last
+token (prefill, then decode at a fixed time per output token on the separate decode pool).
+Schemes: "class budgets" (independent SHORT/MEDIUM/LONG/FAILOVER/ROLLOUT budgets), "FIFO budget" (one
+FIFO queue over one budget of the same total), "no admission" (everything goes straight to the nodes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from services.admission.classifier import RequestClassifier
+from services.admission.cost_model import CostModel
+from services.admission.scheduler import AdmissionScheduler, Rejection, Ticket
+
+RESULTS = Path(__file__).resolve().parent / "results" / "admission.json"
+NODES, GPUS_PER_NODE = 16, 8
+DECODE_MS_PER_TOKEN = 30.0
+QUEUE_DEADLINE_S = 3600.0
+LONG_PROMPT, LONG_OUTPUT = 1_000_000, 1_024
+# In-flight cost budgets (GPU-ms): SHORT has ~4x its steady-state need, LONG room for two 1M requests.
+CLASS_BUDGETS = {"SHORT": 2_000_000, "MEDIUM": 1_000_000, "LONG": 11_200_000, "FAILOVER": 1_000_000,
+                 "ROLLOUT": 500_000}
+
+
+@dataclass
+class Request:
+    arrival: float
+    prompt: int
+    cached: int
+    output: int
+    short: bool
+    request_class: str = ""
+    cost: int = 0
+    ttft: float | None = None
+
+
+def workload(seconds: float, rate: float, burst: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    requests, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            break
+        prompt = rng.randint(512, 4096)
+        requests.append(Request(t, prompt, int(prompt * rng.uniform(0, 0.5)), rng.randint(64, 512), True))
+    for _ in range(burst):
+        requests.append(Request(rng.uniform(60, 70), LONG_PROMPT, 0, LONG_OUTPUT, False))
+    return sorted(requests, key=lambda r: r.arrival)
+
+
+def simulate(requests: list[Request], scheme: str, model: CostModel) -> None:
+    """Fills in each request's ttft (seconds)."""
+    classifier = RequestClassifier(model)
+    budgets = CLASS_BUDGETS if scheme == "class budgets" else {"SHORT": sum(CLASS_BUDGETS.values())}
+    scheduler = AdmissionScheduler(budgets, max_queue=1 << 30)
+    node_free_at = [0.0] * NODES
+    events: list[tuple[float, int, str, object]] = []
+    seq = itertools.count()
+    waiting: dict[int, Request] = {}
+
+    def dispatch(req: Request, now: float, ticket: Ticket | None) -> None:
+        node = min(range(NODES), key=node_free_at.__getitem__)
+        finish = max(now, node_free_at[node]) + model.prefill(req.prompt, req.cached) / GPUS_PER_NODE / 1e3
+        node_free_at[node] = finish
+        req.ttft = finish - req.arrival
+        if ticket is not None:
+            done = finish + req.output * DECODE_MS_PER_TOKEN / 1e3
+            heapq.heappush(events, (done, next(seq), "release", ticket.ticket_id))
+
+    for req in requests:
+        c = classifier.classify(req.prompt, req.cached, req.output)
+        req.request_class = c.request_class if scheme == "class budgets" else "SHORT"
+        req.cost = c.cost
+        heapq.heappush(events, (req.arrival, next(seq), "arrive", req))
+    while events:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "arrive":
+            assert isinstance(payload, Request)
+            if scheme == "no admission":
+                dispatch(payload, now, None)
+                continue
+            outcome = scheduler.offer(payload.request_class, payload.cost, now, now + QUEUE_DEADLINE_S)
+            if isinstance(outcome, Rejection):
+                raise RuntimeError(f"{scheme}: unexpected rejection: {outcome.reason}")
+            if isinstance(outcome, Ticket):
+                dispatch(payload, now, outcome)
+            else:
+                waiting[outcome.key] = payload
+        else:
+            _, admitted = scheduler.release(str(payload), now)
+            for waiter, ticket in admitted:
+                dispatch(waiting.pop(waiter.key), now, ticket)
+
+
+def short_ttft(requests: list[Request]) -> np.ndarray:
+    return np.array([r.ttft for r in requests if r.short])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=600.0)
+    parser.add_argument("--short-rate", type=float, default=100.0, help="short requests per second")
+    parser.add_argument("--burst", type=int, default=12, help="1M-token requests arriving in [60 s, 70 s]")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    model = CostModel.k3_h200()
+    rows = []
+    header = (f"{'scheme':<14} {'p50 base':>9} {'p99 base':>9} {'p50 burst':>10} {'p99 burst':>10} "
+              f"{'p99 ratio':>10} {'long TTFT p50':>14}")
+    print(f"{NODES} prefill nodes x {GPUS_PER_NODE} H200 (cost model), {args.short_rate:g} short req/s for "
+          f"{args.seconds:g} s, burst of {args.burst} x 1M-token requests; TTFT in seconds")
+    print(header + "\n" + "-" * len(header))
+    for scheme in ("class budgets", "FIFO budget", "no admission"):
+        base = workload(args.seconds, args.short_rate, 0, args.seed)
+        burst = workload(args.seconds, args.short_rate, args.burst, args.seed)
+        simulate(base, scheme, model)
+        simulate(burst, scheme, model)
+        b, s = short_ttft(base), short_ttft(burst)
+        longs = [r.ttft for r in burst if not r.short]
+        row = {"scheme": scheme, "short_p50_base_s": float(np.percentile(b, 50)),
+               "short_p99_base_s": float(np.percentile(b, 99)), "short_p50_burst_s": float(np.percentile(s, 50)),
+               "short_p99_burst_s": float(np.percentile(s, 99)), "long_ttft_p50_s": float(np.median(longs))}
+        row["p99_ratio"] = row["short_p99_burst_s"] / row["short_p99_base_s"]
+        rows.append(row)
+        print(f"{scheme:<14} {row['short_p50_base_s']:>9.3f} {row['short_p99_base_s']:>9.3f} "
+              f"{row['short_p50_burst_s']:>10.3f} {row['short_p99_burst_s']:>10.3f} {row['p99_ratio']:>9.2f}x "
+              f"{row['long_ttft_p50_s']:>14.1f}")
+    print("bar: class budgets p99 ratio <= 1.25x; FIFO budget p99 ratio >= 10x")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"bench": "admission", "args": vars(args), "nodes": NODES,
+                                   "gpus_per_node": GPUS_PER_NODE, "class_budgets": CLASS_BUDGETS,
+                                   "rows": rows}, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

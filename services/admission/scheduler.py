@@ -1,0 +1,143 @@
+"""Admission decisions over a budget ledger: per-class FIFO queues with deadlines, tickets, retry hints.
+
+Pure and clock-free (callers pass `now` in seconds), so the gRPC service and the discrete-event benchmark
+run the same code. A class admits only while its own budget has room; when it has none, requests wait in
+that class's FIFO queue until their deadline, so a burst of one class queues behind itself only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.admission.ledger import BudgetLedger
+
+RATE_WINDOW_S = 30.0
+MIN_RETRY_MS, MAX_RETRY_MS, UNKNOWN_RATE_RETRY_MS = 50, 60_000, 1_000
+
+
+@dataclass(frozen=True)
+class Ticket:
+    ticket_id: str
+    request_class: str
+    cost: int
+    arrived_at: float
+    admitted_at: float
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: str
+    retry_after_ms: int
+    # False when waiting cannot help (the request alone is larger than its class budget).
+    retriable: bool = True
+
+
+@dataclass
+class Waiter:
+    key: int
+    cost: int
+    arrived_at: float
+    deadline: float
+
+
+@dataclass
+class ClassStats:
+    admitted: int = 0
+    rejected: int = 0
+    releases: deque[tuple[float, int]] = field(default_factory=deque)
+
+
+class AdmissionScheduler:
+    def __init__(self, budgets: Mapping[str, int], max_queue: int = 1024):
+        self.ledger = BudgetLedger(budgets)
+        self.max_queue = max_queue
+        self.queues: dict[str, deque[Waiter]] = {cls: deque() for cls in self.ledger.accounts}
+        self.stats: dict[str, ClassStats] = {cls: ClassStats() for cls in self.ledger.accounts}
+        self.tickets: dict[str, Ticket] = {}
+        self._keys = itertools.count(1)
+
+    def offer(self, request_class: str, cost: int, now: float, deadline: float) -> Ticket | Waiter | Rejection:
+        """Admit now, queue until `deadline`, or reject with a retry hint."""
+        account = self.ledger.account(request_class)
+        queue = self.queues[request_class]
+        if cost > account.budget:
+            self.stats[request_class].rejected += 1
+            return Rejection(f"cost {cost} exceeds the whole {request_class} budget {account.budget}", 0, False)
+        if not queue and self.ledger.fits(request_class, cost):
+            return self._admit(request_class, cost, now, now)
+        if deadline <= now or len(queue) >= self.max_queue:
+            self.stats[request_class].rejected += 1
+            why = "queue full" if len(queue) >= self.max_queue else "over budget"
+            return Rejection(f"{request_class} class {why} ({account.in_use}/{account.budget} in use, "
+                             f"{len(queue)} queued)", self.retry_after_ms(request_class, cost, now))
+        waiter = Waiter(next(self._keys), cost, now, deadline)
+        queue.append(waiter)
+        return waiter
+
+    def release(self, ticket_id: str, now: float) -> tuple[bool, list[tuple[Waiter, Ticket]]]:
+        """Return a ticket's cost; yields the waiters this admits (from the same class only)."""
+        ticket = self.tickets.pop(ticket_id, None)
+        if ticket is None:
+            return False, []
+        self.ledger.give_back(ticket.request_class, ticket.cost)
+        releases = self.stats[ticket.request_class].releases
+        releases.append((now, ticket.cost))
+        while releases and releases[0][0] < now - RATE_WINDOW_S:
+            releases.popleft()
+        return True, self._pump(ticket.request_class, now)
+
+    def cancel(self, request_class: str, key: int) -> bool:
+        queue = self.queues[request_class]
+        for waiter in queue:
+            if waiter.key == key:
+                queue.remove(waiter)
+                return True
+        return False
+
+    def expire(self, now: float) -> list[tuple[str, Waiter, Rejection]]:
+        """Drop waiters whose deadline passed, each with the rejection to answer it with."""
+        expired = []
+        for cls, queue in self.queues.items():
+            for waiter in [w for w in queue if w.deadline <= now]:
+                queue.remove(waiter)
+                self.stats[cls].rejected += 1
+                expired.append((cls, waiter, Rejection(f"{cls} class: queue deadline passed",
+                                                       self.retry_after_ms(cls, waiter.cost, now))))
+        return expired
+
+    def set_budgets(self, budgets: Mapping[str, int], now: float) -> list[tuple[Waiter, Ticket]]:
+        self.ledger.set_budgets(budgets)
+        for cls in budgets:
+            self.queues.setdefault(cls, deque())
+            self.stats.setdefault(cls, ClassStats())
+        return [admitted for cls in budgets for admitted in self._pump(cls, now)]
+
+    def retry_after_ms(self, request_class: str, cost: int, now: float) -> int:
+        """When enough of the class budget should have drained for this request and those queued ahead."""
+        account = self.ledger.account(request_class)
+        needed = sum(w.cost for w in self.queues[request_class]) + cost - account.free
+        releases = self.stats[request_class].releases
+        recent = sum(c for t, c in releases if t >= now - RATE_WINDOW_S)
+        if recent == 0:
+            return UNKNOWN_RATE_RETRY_MS
+        rate_per_ms = recent / (RATE_WINDOW_S * 1e3)
+        return int(min(max(math.ceil(needed / rate_per_ms), MIN_RETRY_MS), MAX_RETRY_MS))
+
+    def _admit(self, cls: str, cost: int, arrived_at: float, now: float) -> Ticket:
+        self.ledger.take(cls, cost)
+        self.stats[cls].admitted += 1
+        ticket = Ticket(f"t{next(self._keys)}", cls, cost, arrived_at, now)
+        self.tickets[ticket.ticket_id] = ticket
+        return ticket
+
+    def _pump(self, cls: str, now: float) -> list[tuple[Waiter, Ticket]]:
+        admitted = []
+        queue = self.queues[cls]
+        while queue and self.ledger.fits(cls, queue[0].cost):
+            waiter = queue.popleft()
+            admitted.append((waiter, self._admit(cls, waiter.cost, waiter.arrived_at, now)))
+        return admitted
