@@ -1,0 +1,71 @@
+"""Offline rendering of helm/k3 through the Helm v4 SDK (helm-python-sdk), as parsed Kubernetes objects."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART_DIR = REPO / "helm" / "k3"
+CI_VALUES = sorted((CHART_DIR / "ci").glob("*-values.yaml"))
+RELEASE = "k3"
+NAMESPACE = "serve"
+# Minimal values that install: the chart refuses to invent the fleet-wide auth token.
+MINIMAL = {"auth": {"token": "0123456789abcdef-test"}}
+
+Obj = dict[str, Any]
+
+
+@cache
+def chart() -> helm_python.Chart:
+    return helm_python.Chart.load(str(CHART_DIR))
+
+
+def load_values(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def render(values: dict[str, Any], release: str = RELEASE) -> list[Obj]:
+    """Every object the chart renders for `values` (NOTES.txt and empty documents skipped)."""
+    manifests = chart().render(values, name=release, namespace=NAMESPACE)
+    objects: list[Obj] = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return objects
+
+
+@cache
+def render_file(path: Path) -> tuple[Obj, ...]:
+    return tuple(render(load_values(path)))
+
+
+def of_kind(objects: list[Obj] | tuple[Obj, ...], kind: str) -> dict[str, Obj]:
+    """Objects of one kind keyed by their app.kubernetes.io/component label (or name when unlabelled)."""
+    found = {}
+    for obj in objects:
+        if obj["kind"] == kind:
+            labels = obj["metadata"].get("labels", {})
+            found[labels.get("app.kubernetes.io/component", obj["metadata"]["name"])] = obj
+    return found
+
+
+def container(deployment: Obj) -> Obj:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def env_map(container_spec: Obj) -> dict[str, Any]:
+    """name -> value, or the valueFrom mapping for downward-API and secret entries."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container_spec.get("env", [])}
+
+
+def ci_values(name: str) -> Path:
+    path = CHART_DIR / "ci" / f"{name}-values.yaml"
+    assert path.exists(), path
+    return path
