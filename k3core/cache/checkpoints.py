@@ -1,0 +1,104 @@
+"""KDA checkpoints: read-only snapshots of the recurrent state at hash-aligned boundaries.
+
+A checkpoint is one page per KDA cache group, all taken at the same boundary and registered under the
+chain hash of the boundary's last hash block. It is one entry: evicting any of its pages evicts all of them
+and removes the key, so a checkpoint is hittable in every group or in none. A snapshot is always written
+into freshly allocated pages; a registered checkpoint is never written again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Which boundaries get a checkpoint and how much of the pool checkpoints may hold.
+
+    every_hash_blocks: snapshot only where the boundary (in hash blocks) is a multiple of this.
+    supersede: a request's previous checkpoint is reclaimed when it takes a new one, unless it was kept
+        (turn boundary); False keeps every snapshot until eviction (what a block-grid cache does).
+    max_pool_fraction: cap on the pages held by checkpoints; the least recently used go first.
+    keep_prompt_end: keep the checkpoint at the last boundary of the prompt (resampling, retries).
+    """
+
+    every_hash_blocks: int = 1
+    supersede: bool = True
+    max_pool_fraction: float = 0.25
+    keep_prompt_end: bool = True
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    key: int  # chain hash of the last hash block before the boundary
+    num_tokens: int  # the boundary B
+    pages: list[int]  # one per KDA group
+    chain: list[int]  # chain hashes of the prefix (shared with the request that took it; read [:B/hb])
+    on_evict: Callable[[Checkpoint], None]
+    owner: str | None = None  # request that took it; it may reclaim it when superseded
+    keep: bool = False  # turn boundary: survives supersession
+    ready: bool = False  # bytes landed (committed)
+    fingerprints: list[int] | None = None  # per page, taken when the snapshot landed
+    pins: int = 0  # hits being restored from it
+
+    def evict(self) -> None:
+        self.on_evict(self)
+
+    def prefix_hashes(self, hash_block: int) -> list[int]:
+        return self.chain[: self.num_tokens // hash_block]
+
+
+@dataclass
+class CheckpointStore:
+    pages_per_checkpoint: int
+    max_pages: int
+    by_key: dict[int, Checkpoint] = field(default_factory=dict)
+    _lru: OrderedDict[int, Checkpoint] = field(default_factory=OrderedDict)  # by key, oldest first
+    _pending: list[Checkpoint] = field(default_factory=list)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.by_key) * self.pages_per_checkpoint
+
+    def find(self, key: int) -> Checkpoint | None:
+        checkpoint = self.by_key.get(key)
+        return checkpoint if checkpoint is not None and checkpoint.ready else None
+
+    def add(self, checkpoint: Checkpoint) -> None:
+        if checkpoint.key in self.by_key:
+            raise KeyError(f"checkpoint {checkpoint.key:#x} exists; snapshots never overwrite")
+        self.by_key[checkpoint.key] = checkpoint
+        self._lru[checkpoint.key] = checkpoint
+        self._pending.append(checkpoint)
+
+    def pending(self) -> list[Checkpoint]:
+        return [c for c in self._pending if self.by_key.get(c.key) is c]
+
+    def commit(self) -> None:
+        for checkpoint in self._pending:
+            checkpoint.ready = True
+        self._pending.clear()
+
+    def remove(self, checkpoint: Checkpoint) -> None:
+        if self.by_key.get(checkpoint.key) is checkpoint:
+            del self.by_key[checkpoint.key]
+            del self._lru[checkpoint.key]
+
+    def touch(self, checkpoint: Checkpoint) -> None:
+        if checkpoint.key in self._lru:
+            self._lru.move_to_end(checkpoint.key)
+
+    def victims_for(self, extra: int) -> list[Checkpoint] | None:
+        """Least recently used unpinned, committed checkpoints to drop so that `extra` more fit the cap;
+        None when the cap cannot be met."""
+        need = self.num_pages + extra - self.max_pages
+        victims: list[Checkpoint] = []
+        for checkpoint in self._lru.values():
+            if need <= 0:
+                break
+            if checkpoint.ready and checkpoint.pins == 0:
+                victims.append(checkpoint)
+                need -= self.pages_per_checkpoint
+        return victims if need <= 0 else None

@@ -1,0 +1,49 @@
+"""K3 report figure 12: 6144-token physical blocks, 512-token hash blocks, a request matching 2800 cached
+tokens hits at B = 2560 and recomputes only from there."""
+
+from __future__ import annotations
+
+import random
+
+from k3core.cache.hashing import chain_hashes
+from k3core.cache.layout import plan_layout, shape_from_config
+from k3core.cache.manager import PrefixCacheManager
+from k3core.presets import preset
+
+
+def _run(manager: PrefixCacheManager, rid: str, tokens: list[int], chunk: int = 1024) -> None:
+    """Prefill in chunks snapped to hash-block multiples (the last remainder runs alone), then commit."""
+    req = manager.requests[rid]
+    while req.num_computed < len(tokens):
+        manager.reserve(rid, manager.prefill_chunk(rid, chunk))
+        manager.pre_forward()
+        manager.forward_done(rid)
+        manager.commit_step()
+
+
+def test_k3_tp1_hits_inside_a_6144_token_block() -> None:
+    layout = plan_layout(shape_from_config(preset("k3"), "k3"), tp=1)
+    assert (layout.tokens_per_block, layout.hash_block_tokens) == (6144, 512)
+    manager = PrefixCacheManager(layout, num_pages=64)  # metadata only: K3 pages are 162 MiB each
+    rng = random.Random(0)
+    cached = [rng.randrange(1000) for _ in range(2600)]  # its prompt-end checkpoint sits at 2560
+    manager.add_request("a", cached)
+    _run(manager, "a", cached)
+    manager.finish("a")
+    assert sorted(c.num_tokens for c in manager.checkpoints.by_key.values()) == [2560]
+
+    request = cached[:2800] + [rng.randrange(1000, 2000) for _ in range(1200)]
+    hit = manager.lookup(chain_hashes(request, 512), len(request))
+    assert hit.mla_tokens == 2560  # the hash block ending at 3072 differs; 2800 is not an endpoint
+    assert manager.add_request("b", request) == 2560
+    req = manager.requests["b"]
+    assert req.num_computed == 2560 and len(req.blocks) == 1
+    # Block 0 is shared and partial: "b" gets a private copy-on-write copy of exactly 2560 tokens.
+    ops = manager.pre_forward()
+    assert ops == []  # metadata only: the copies are the worker's; check the plan instead
+    assert req.blocks[0].filled == 5 and req.blocks[0].pages != manager.index.find(hit_hash := req.chain[4]).block.pages
+    assert hit_hash == chain_hashes(cached, 512)[4]
+    manager.reserve("b", len(request) - 2560)  # prefill resumes at B: 1440 tokens, not 4000
+    manager.forward_done("b")
+    manager.commit_step()
+    assert req.num_computed == len(request)
