@@ -1,0 +1,1 @@
+"""Failover drills: generate multi-turn load, inject a real fault, observe, report, check SLOs."""

@@ -1,0 +1,39 @@
+"""How fast the control plane notices a fault: poll the router's view of the fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from k3.v1 import router_pb2, router_pb2_grpc
+from services.runtime.client import aio_channel
+
+
+class FleetObserver:
+    """Records when the router stops counting `cluster` as healthy (and when it counts it again)."""
+
+    def __init__(self, router_address: str, token: str = "", interval_s: float = 0.05):
+        self.router_address, self.token, self.interval_s = router_address, token, interval_s
+        self.history: list[tuple[float, dict[str, bool]]] = []
+
+    async def healthy(self, stub) -> dict[str, bool]:
+        reply = await stub.GetFleet(router_pb2.GetFleetRequest(), timeout=1)
+        return {c.cluster.name: c.healthy for c in reply.clusters}
+
+    async def watch(self, t0: float, stop: asyncio.Event) -> None:
+        async with aio_channel(self.router_address, self.token) as channel:
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+            while not stop.is_set():
+                try:
+                    self.history.append((time.monotonic() - t0, await self.healthy(stub)))
+                except grpc.aio.AioRpcError:
+                    pass
+                await asyncio.sleep(self.interval_s)
+
+    def first_unhealthy(self, cluster: str, after: float) -> float | None:
+        for t, view in self.history:
+            if t >= after and not view.get(cluster, False):
+                return t
+        return None
