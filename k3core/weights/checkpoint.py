@@ -1,0 +1,222 @@
+"""Save and strictly load K3 / Kimi Linear checkpoints, optionally MXFP4 experts and one TP rank's part.
+
+Loading checks everything before reading any tensor data: every tensor the model needs is there,
+nothing else is, every shape matches (MXFP4 tensors by the shape they decode to), and a missing,
+unexpected or mis-shaped tensor produces ONE error listing all of them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from k3core.quant import mxfp4
+from k3core.weights import hf_layout
+from k3core.weights.errors import CheckpointError, CheckpointMismatchError
+from k3core.weights.quant_config import PACKED_SUFFIX, SCALE_SUFFIX, MxQuantConfig
+from k3core.weights.sharding import ShardPlanError, ShardSpec
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # the Hugging Face default
+
+
+@dataclass
+class LoadedCheckpoint:
+    state_dict: dict[str, torch.Tensor]
+    config: dict[str, Any]  # config.json as written (K3Config.from_hf_dict reads it)
+    quantization: MxQuantConfig | None
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    return dict(config) if isinstance(config, Mapping) else config.to_hf_dict()
+
+
+def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], quant: MxQuantConfig) -> dict[str, torch.Tensor]:
+    """Replace each targeted ``X.weight`` by ``X.weight_packed`` + ``X.weight_scale``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if module is None or tensor.ndim != 2 or not tensor.is_floating_point() or not quant.quantizes(module):
+            out[name] = tensor
+            continue
+        if tensor.shape[-1] % quant.group_size:
+            raise CheckpointError(f"{name}: in-dim {tensor.shape[-1]} is not a multiple of {quant.group_size} (MXFP4)")
+        out[module + PACKED_SUFFIX], out[module + SCALE_SUFFIX] = mxfp4.quantize(tensor, quant.group_size)
+    return out
+
+
+def save_checkpoint(
+    directory: str | Path,
+    state_dict: Mapping[str, torch.Tensor],
+    config: Any,
+    *,
+    quantization: MxQuantConfig | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Write ``state_dict`` in Hugging Face layout; ``config`` is a K3Config or a config.json dict."""
+    tensors = quantize_state_dict(state_dict, quantization) if quantization else dict(state_dict)
+    seen: set[int] = set()
+    for name, tensor in tensors.items():
+        # safetensors refuses aliased storage (tied embeddings) and non-contiguous views.
+        t = tensor.detach().to("cpu").contiguous()
+        if t.numel() and t.data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.data_ptr())
+        tensors[name] = t
+    has_packed = any(n.endswith(PACKED_SUFFIX) for n in tensors)
+    config_out = _config_dict(config)
+    if has_packed:
+        if quantization is None:
+            raise CheckpointError("state dict holds MXFP4 tensors: pass quantization= to record it in config.json")
+        config_out["quantization_config"] = quantization.to_hf_dict()
+    hf_layout.write_files(Path(directory), hf_layout.group_into_files(tensors, max_shard_bytes), config_out)
+
+
+def _logical_shapes(
+    shapes: Mapping[str, tuple[int, ...]], group: int
+) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """Map stored tensors to the tensors they stand for: MXFP4 pairs become ``X.weight``."""
+    logical: dict[str, tuple[int, ...]] = {}
+    problems: list[str] = []
+    for name, shape in shapes.items():
+        if name.endswith(SCALE_SUFFIX):
+            if name[: -len(SCALE_SUFFIX)] + PACKED_SUFFIX not in shapes:
+                problems.append(f"{name} without its {PACKED_SUFFIX}")
+            continue
+        if not name.endswith(PACKED_SUFFIX):
+            logical[name] = shape
+            continue
+        module = name[: -len(PACKED_SUFFIX)]
+        scale = shapes.get(module + SCALE_SUFFIX)
+        full = (*shape[:-1], shape[-1] * 2)
+        if scale is None:
+            problems.append(f"{name} without its {SCALE_SUFFIX}")
+        elif tuple(scale) != (*shape[:-1], full[-1] // group):
+            problems.append(f"{module + SCALE_SUFFIX}: shape {list(scale)} does not fit packed {list(shape)}")
+        logical[module + ".weight"] = full
+    return logical, problems
+
+
+def check_against_model(
+    expected: Mapping[str, Sequence[int]], found: Mapping[str, Sequence[int]], where: str
+) -> None:
+    missing = [n for n in expected if n not in found]
+    unexpected = [n for n in found if n not in expected]
+    mismatched = [(n, tuple(expected[n]), tuple(found[n])) for n in expected if n in found and tuple(expected[n]) != tuple(found[n])]
+    if missing or unexpected or mismatched:
+        raise CheckpointMismatchError(missing, unexpected, mismatched, where=where)
+
+
+def load_checkpoint(
+    directory: str | Path,
+    *,
+    expected: Mapping[str, Sequence[int]] | None = None,
+    plan: Mapping[str, ShardSpec] | None = None,
+    rank: int = 0,
+    dequantize: bool = True,
+    dtype: torch.dtype | None = None,
+) -> LoadedCheckpoint:
+    """Read a checkpoint. ``expected``: the model's full tensor shapes (strict check; omit to read as is).
+    ``plan`` + ``rank``: read only that rank's slices (expert tensors only on their owner).
+    ``dequantize=False`` keeps MXFP4 experts packed (for a kernel that consumes them).
+    ``dtype`` casts floating-point tensors (never the packed uint8 ones)."""
+    directory = Path(directory)
+    config = hf_layout.read_config(directory)
+    weight_map = hf_layout.read_weight_map(directory)
+    shapes = _stored_shapes(directory, weight_map)
+    quant = _quantization(config, shapes, directory)
+    logical, problems = _logical_shapes(shapes, quant.group_size if quant else mxfp4.BLOCK)
+    if problems:
+        raise CheckpointError(f"{directory}: broken MXFP4 tensors:\n  " + "\n  ".join(problems))
+    if expected is not None:
+        check_against_model(expected, logical, str(directory))
+    if plan is not None and set(plan) != set(logical):
+        raise CheckpointMismatchError(
+            set(plan) - set(logical), set(logical) - set(plan), where=f"{directory} (against the shard plan)"
+        )
+    stored = _read(directory, weight_map, shapes, plan, rank)
+    return LoadedCheckpoint(_finish(stored, dequantize, dtype), config, quant)
+
+
+def _stored_shapes(directory: Path, weight_map: Mapping[str, str]) -> dict[str, tuple[int, ...]]:
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name, file in weight_map.items():
+        by_file[file].append(name)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file, names in by_file.items():
+        with safe_open(directory / file, framework="pt") as f:
+            for name in names:
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return {name: shapes[name] for name in weight_map}
+
+
+def _quantization(config: Mapping[str, Any], shapes: Mapping[str, Any], directory: Path) -> MxQuantConfig | None:
+    raw = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    packed = any(n.endswith(PACKED_SUFFIX) for n in shapes)
+    if raw is None:
+        if packed:
+            raise CheckpointError(f"{directory}: MXFP4 tensors present but config.json has no quantization_config")
+        return None
+    return MxQuantConfig.from_hf_dict(raw)
+
+
+def _spec_for(name: str, plan: Mapping[str, ShardSpec]) -> ShardSpec:
+    for suffix in (PACKED_SUFFIX, SCALE_SUFFIX):
+        if name.endswith(suffix):
+            return plan[name[: -len(suffix)] + ".weight"]
+    return plan[name]
+
+
+def _read(
+    directory: Path,
+    weight_map: Mapping[str, str],
+    shapes: Mapping[str, tuple[int, ...]],
+    plan: Mapping[str, ShardSpec] | None,
+    rank: int,
+) -> dict[str, torch.Tensor]:
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name, file in weight_map.items():
+        by_file[file].append(name)
+    out: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        with safe_open(directory / file, framework="pt") as f:
+            for name in names:
+                if plan is None:
+                    out[name] = f.get_tensor(name)
+                    continue
+                spec = _spec_for(name, plan)
+                if not spec.on_rank(rank):
+                    continue
+                if spec.dim is not None and shapes[name][spec.dim] % spec.parts:
+                    raise ShardPlanError(f"{name}: stored shape {list(shapes[name])} does not split {spec.parts} ways")
+                # Only this rank's bytes are read from disk.
+                out[name] = f.get_slice(name)[spec.index(rank, shapes[name])]
+    return {name: out[name] for name in weight_map if name in out}
+
+
+def _finish(stored: dict[str, torch.Tensor], dequantize: bool, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in stored.items():
+        if name.endswith(SCALE_SUFFIX) and dequantize:
+            continue
+        if name.endswith(PACKED_SUFFIX) and dequantize:
+            module = name[: -len(PACKED_SUFFIX)]
+            out[module + ".weight"] = mxfp4.dequantize(tensor, stored[module + SCALE_SUFFIX], dtype or torch.bfloat16)
+        elif dtype is not None and tensor.is_floating_point():
+            out[name] = tensor.to(dtype)
+        else:
+            out[name] = tensor
+    return out
+
+
+def load_into(module: torch.nn.Module, directory: str | Path, *, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Strictly load a checkpoint into a whole (unsharded) model; returns config.json."""
+    expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    loaded = load_checkpoint(directory, expected=expected, dtype=dtype)
+    module.load_state_dict(loaded.state_dict, strict=True)
+    return loaded.config
