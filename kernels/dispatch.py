@@ -1,0 +1,50 @@
+"""One entry point per kernel: CUDA tensors go to Triton, anything else to the plain-torch reference.
+
+Set K3_KERNELS_REFERENCE=1 to force the references everywhere (debugging, bisecting a numerical issue).
+CPU tensors always take the reference, also under TRITON_INTERPRET=1 (the tests call the Triton
+launchers directly to run them interpreted).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from importlib import import_module
+from typing import Any
+
+import torch
+
+from kernels._triton import HAS_TRITON
+
+FORCE_REFERENCE_ENV = "K3_KERNELS_REFERENCE"
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    if os.environ.get(FORCE_REFERENCE_ENV, "0") == "1":
+        return False
+    return HAS_TRITON and all(t.is_cuda for t in tensors)
+
+
+def _dispatcher(naive_module: str, triton_module: str, name: str) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        first = next(a for a in args if isinstance(a, torch.Tensor))
+        module = triton_module if use_triton(first) else naive_module
+        return getattr(import_module(module), name)(*args, **kwargs)
+
+    run.__name__ = name
+    run.__doc__ = f"{name}: {triton_module} on CUDA tensors, {naive_module} otherwise."
+    return run
+
+
+fused_kda_recurrent = _dispatcher("kernels.kda.naive", "kernels.kda.decode_triton", "fused_kda_recurrent")
+kda_decode_step = _dispatcher("kernels.kda.naive", "kernels.kda.decode_triton", "kda_decode_step")
+mla_decode_paged = _dispatcher("kernels.mla.naive", "kernels.mla.decode_triton", "mla_decode_paged")
+
+
+def kda_verify_replay(*args: Any, **kwargs: Any) -> Any:
+    """kernels.kda.verify_triton.kda_verify_replay on the Triton recurrence for CUDA, the reference else."""
+    from kernels.kda import naive, verify_triton
+
+    on_gpu = use_triton(next(a for a in args if isinstance(a, torch.Tensor)))
+    recurrent = verify_triton.fused_kda_recurrent if on_gpu else naive.fused_kda_recurrent
+    return verify_triton.kda_verify_replay(*args, recurrent=recurrent, **kwargs)

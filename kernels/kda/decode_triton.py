@@ -1,0 +1,208 @@
+"""Fused KDA token-recurrent kernel on the paged state pool: decode step and replay verify (§5.4.2).
+
+One program per (sequence, head) loads the fp32 state S [K, V] once, runs every token of the sequence
+through ShortConv + Swish (q, k, v), L2Norm (q, k), the gate (bounded or softplus), sigmoid(beta), the
+gated delta rule and the output RMSNorm x sigmoid gate, all on chip, and writes S back once. The decode
+step is one new token; the replay verify prepends the cached projected inputs of accepted draft tokens
+(replayed, no output) so that only the verified state ever reaches memory.
+
+Virtual token positions of one sequence: [conv history (W-1) | replay (r_b) | new (L)]; the conv history is
+the pool's conv state, channel-major [3, H, D, W-1] per slot (k3core.ops.short_conv convention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import next_pow2, require, tl, triton
+
+if triton is not None:
+
+    @triton.jit
+    def _raw_input(new, rep, hist, p, r, b, h, L, R, offs, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr):
+        """Pre-conv input of one stream at virtual position p (< 0: conv history, < r: replay, else new)."""
+        # Masks are `offs < limit` with a scalar limit of D or 0: one comparison, no scalar-vector `&`
+        # (which the interpreter mistypes).
+        x = tl.load(hist + offs * (W - 1) + (W - 1 + p), mask=offs < tl.where(p < 0, D, 0), other=0.0)
+        in_rep = tl.where(p >= 0, tl.where(p < r, D, 0), 0)
+        x = x.to(tl.float32) + tl.load(rep + ((b * R + p) * H + h) * D + offs, mask=offs < in_rep,
+                                       other=0.0).to(tl.float32)
+        x += tl.load(new + ((b * L + (p - r)) * H + h) * D + offs, mask=offs < tl.where(p >= r, D, 0),
+                     other=0.0).to(tl.float32)
+        return x
+
+    @triton.jit
+    def _conv_silu(new, rep, hist, wgt, t, r, b, h, L, R, offs, H: tl.constexpr, D: tl.constexpr,
+                   W: tl.constexpr):
+        """Swish(ShortConv(x))[t] for one stream; wgt points at this head's [D, W] conv taps."""
+        acc = tl.zeros([D], dtype=tl.float32)
+        for w in tl.static_range(W):
+            x = _raw_input(new, rep, hist, t - (W - 1) + w, r, b, h, L, R, offs, H, D, W)
+            acc += x * tl.load(wgt + offs * W + w).to(tl.float32)
+        return acc * tl.sigmoid(acc)
+
+    @triton.jit
+    def _new_conv_window(new, rep, hist, end, r, b, h, L, R, offs, H: tl.constexpr, D: tl.constexpr,
+                         W: tl.constexpr, BWM: tl.constexpr):
+        """The last W-1 inputs before virtual position `end`, as a [D, BWM] block (history slots)."""
+        cols = tl.arange(0, BWM)
+        block = tl.zeros([D, BWM], dtype=tl.float32)
+        for j in tl.static_range(W - 1):
+            x = _raw_input(new, rep, hist, end - (W - 1) + j, r, b, h, L, R, offs, H, D, W)
+            block = tl.where(cols[None, :] == j, x[:, None], block)
+        return block
+
+    @triton.jit
+    def _store_conv_window(hist, block, offs, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr):
+        cols = tl.arange(0, BWM)
+        ptrs = hist + offs[:, None] * (W - 1) + cols[None, :]
+        tl.store(ptrs, block.to(hist.dtype.element_ty), mask=(offs[:, None] < D) & (cols[None, :] < W - 1))
+
+    @triton.jit
+    def _kda_fused_recurrent_kernel(
+        q, k, v, z, beta, gate,
+        rq, rk, rv, rz, rbeta, n_replay,
+        conv_w, A_log, dt_bias, norm_w,
+        state, conv_state, slots, out, snapshots,
+        L, R, n_commit, state_slot_stride, conv_slot_stride,
+        scale, lower_bound, l2_eps, norm_eps,
+        H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr,
+        BOUNDED: tl.constexpr, HAS_REPLAY: tl.constexpr, SNAPSHOT: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        offs = tl.arange(0, D)
+        slot = tl.load(slots + b).to(tl.int64)
+        r = b * 0  # a tensor, so that masks built from it are tensors under the interpreter too
+        if HAS_REPLAY:
+            r = tl.load(n_replay + b).to(tl.int64)
+        s_offs = offs[:, None] * D + offs[None, :]
+        s_ptrs = state + slot * state_slot_stride + h * D * D + s_offs
+        S = tl.load(s_ptrs)
+        stream = H * D * (W - 1)
+        hist = conv_state + slot * conv_slot_stride + h * D * (W - 1)
+        taps = conv_w + h * D * W
+        a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
+        g_bias = tl.load(dt_bias + h * D + offs).to(tl.float32)
+        norm_weight = tl.load(norm_w + offs).to(tl.float32)
+        commit = r + n_commit
+        for t in range(0, r + L):
+            qt = _conv_silu(q, rq, hist, taps, t, r, b, h, L, R, offs, H, D, W)
+            kt = _conv_silu(k, rk, hist + stream, taps + H * D * W, t, r, b, h, L, R, offs, H, D, W)
+            vt = _conv_silu(v, rv, hist + 2 * stream, taps + 2 * H * D * W, t, r, b, h, L, R, offs, H, D, W)
+            qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + l2_eps)
+            kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + l2_eps)
+            zt = _raw_input(z, rz, hist, t, r, b, h, L, R, offs, H, D, W) + g_bias
+            if BOUNDED:
+                gt = lower_bound * tl.sigmoid(a_scale * zt)
+            else:  # Kimi Linear: -exp(A) softplus(z), torch's threshold of 20 kept
+                gt = -a_scale * tl.where(zt > 20.0, zt, tl.log(1.0 + tl.exp(zt)))
+            bt = tl.load(rbeta + (b * R + t) * H + h, mask=t < r, other=0.0).to(tl.float32)
+            bt += tl.load(beta + (b * L + (t - r)) * H + h, mask=t >= r, other=0.0).to(tl.float32)
+            bt = tl.sigmoid(bt)
+            S = S * tl.exp(gt)[:, None]
+            u = bt * (vt - tl.sum(S * kt[:, None], 0))
+            S = S + kt[:, None] * u[None, :]
+            o = tl.sum(S * (qt * scale)[:, None], 0)
+            new_lim = tl.where(t >= r, D, 0)
+            tok = ((b * L + (t - r)) * H + h) * D
+            gt_out = tl.load(gate + tok + offs, mask=offs < new_lim, other=0.0).to(tl.float32)
+            y = o * tl.rsqrt(tl.sum(o * o, 0) / D + norm_eps) * norm_weight * tl.sigmoid(gt_out)
+            tl.store(out + tok + offs, y.to(out.dtype.element_ty), mask=offs < new_lim)
+            if SNAPSHOT:
+                tl.store(snapshots + tok * D + s_offs, S, mask=s_offs < new_lim * D)
+            tl.store(s_ptrs, S, mask=s_offs < tl.where(t == commit - 1, D * D, 0))
+        # The conv windows after the committed tokens; each stream reads only its own old history.
+        _store_conv_window(hist, _new_conv_window(q, rq, hist, commit, r, b, h, L, R, offs, H, D, W, BWM),
+                           offs, D, W, BWM)
+        hk = hist + stream
+        _store_conv_window(hk, _new_conv_window(k, rk, hk, commit, r, b, h, L, R, offs, H, D, W, BWM),
+                           offs, D, W, BWM)
+        hv = hist + 2 * stream
+        _store_conv_window(hv, _new_conv_window(v, rv, hv, commit, r, b, h, L, R, offs, H, D, W, BWM),
+                           offs, D, W, BWM)
+
+
+def _check_pool(state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, heads: int,
+                dim: int) -> int:
+    require(state_pool.dtype == torch.float32, f"state_pool must be float32, got {state_pool.dtype}")
+    require(state_pool.dim() == 4 and tuple(state_pool.shape[1:]) == (heads, dim, dim),
+            f"state_pool must be [num_slots, {heads}, {dim}, {dim}], got {tuple(state_pool.shape)}")
+    require(state_pool[0].is_contiguous(), "state_pool rows must be contiguous [H, K, V]")
+    require(conv_pool.dim() == 5 and tuple(conv_pool.shape[1:4]) == (3, heads, dim),
+            f"conv_pool must be [num_slots, 3, {heads}, {dim}, W-1], got {tuple(conv_pool.shape)}")
+    require(conv_pool[0].is_contiguous(), "conv_pool rows must be contiguous [3, H, D, W-1]")
+    require(slots.dim() == 1 and not slots.dtype.is_floating_point, "slots must be a 1-D integer tensor")
+    return conv_pool.shape[-1] + 1
+
+
+def fused_kda_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
+    gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
+    replay: tuple[torch.Tensor, ...] | None = None, n_commit: int | None = None,
+    lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
+    norm_eps: float = 1e-6, snapshots: torch.Tensor | None = None, num_warps: int = 8,
+) -> torch.Tensor:
+    """Run L new tokens per sequence ([B, L, H, D] inputs) on the pooled states of `slots` [B].
+
+    replay: optional (q, k, v, z, beta, n_replay) of cached draft inputs [B, R, ...] with n_replay [B]
+    tokens to replay first (no output). The state after replay + n_commit new tokens (default all L) is
+    written to the pool, as is the conv window there; snapshots [B, L, H, D, D] (optional) receives the
+    state after every new token (the one-state-per-draft baseline). Returns y [B, L, H, D] in q's dtype.
+    """
+    B, L, H, D = q.shape
+    for name, t in (("k", k), ("v", v), ("z", z), ("gate", gate)):
+        require(t.shape == q.shape, f"{name} must be {tuple(q.shape)} like q, got {tuple(t.shape)}")
+        require(t.is_contiguous(), f"{name} must be contiguous")
+    require(beta.shape == (B, L, H), f"beta must be [{B}, {L}, {H}], got {tuple(beta.shape)}")
+    require(D == next_pow2(D), f"head dim must be a power of two, got {D}")
+    W = _check_pool(state_pool, conv_pool, slots, H, D)
+    require(slots.shape[0] == B, f"slots must have {B} entries, got {slots.shape[0]}")
+    require(conv_weight.shape == (3, H * D, W), f"conv_weight must be [3, {H * D}, {W}], got "
+            f"{tuple(conv_weight.shape)}")
+    require(A_log.shape == (H,), f"A_log must be [{H}], got {tuple(A_log.shape)}")
+    require(dt_bias.numel() == H * D, f"dt_bias must hold H*K={H * D} values, got {dt_bias.numel()}")
+    require(norm_weight.shape == (D,), f"norm_weight must be [{D}], got {tuple(norm_weight.shape)}")
+    n_commit = L if n_commit is None else n_commit
+    require(0 <= n_commit <= L, f"n_commit must be in [0, {L}], got {n_commit}")
+    if replay is None:
+        rq, rk, rv, rz, rbeta, n_replay = q, k, v, z, beta, slots
+        R = 0
+    else:
+        rq, rk, rv, rz, rbeta, n_replay = replay
+        R = rq.shape[1]
+        require(rq.shape == (B, R, H, D) and rbeta.shape == (B, R, H), "replay inputs must be [B, R, H, D]")
+        require(n_replay.shape == (B,), f"n_replay must be [{B}], got {tuple(n_replay.shape)}")
+    if snapshots is not None:
+        require(snapshots.shape == (B, L, H, D, D) and snapshots.dtype == torch.float32,
+                f"snapshots must be float32 [{B}, {L}, {H}, {D}, {D}]")
+    out = torch.empty_like(q)
+    _kda_fused_recurrent_kernel[(B, H)](
+        q, k, v, z, beta, gate,
+        rq.contiguous(), rk.contiguous(), rv.contiguous(), rz.contiguous(), rbeta.contiguous(), n_replay,
+        conv_weight.contiguous(), A_log, dt_bias.contiguous(), norm_weight,
+        state_pool, conv_pool, slots, out, snapshots if snapshots is not None else out,
+        L, R, n_commit, state_pool.stride(0), conv_pool.stride(0),
+        D**-0.5 if scale is None else scale, -5.0 if lower_bound is None else lower_bound, l2_eps, norm_eps,
+        H=H, D=D, W=W, BWM=next_pow2(W - 1),
+        BOUNDED=lower_bound is not None, HAS_REPLAY=replay is not None, SNAPSHOT=snapshots is not None,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def kda_decode_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
+    gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
+    lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
+    norm_eps: float = 1e-6, num_warps: int = 8,
+) -> torch.Tensor:
+    """One decode token per sequence: [B, H, D] inputs (beta [B, H]) -> y [B, H, D]; pool updated in place."""
+    y = fused_kda_recurrent(
+        q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), z.unsqueeze(1), beta.unsqueeze(1), gate.unsqueeze(1),
+        conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool, slots, lower_bound=lower_bound,
+        scale=scale, l2_eps=l2_eps, norm_eps=norm_eps, num_warps=num_warps,
+    )
+    return y.squeeze(1)

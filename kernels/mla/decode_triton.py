@@ -1,0 +1,114 @@
+"""Paged MLA decode on the latent cache with split-KV (FlashDecoding-style), weight-absorbed queries.
+
+Every head of a sequence attends to the same latent rows [c_kv (R) | k_pe (P)], so one program loads a tile
+of rows once and scores all heads against it with tensor-core dots (MQA in latent space). Long contexts are
+cut into NUM_SPLITS ranges per sequence so that even a small batch fills the GPU; a second kernel merges the
+per-split partial outputs through their log-sum-exp. Rows are gathered token by token through the page
+table, so any page size works and the pool can hand over any view of [num_pages, page_tokens, R + P].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels._triton import next_pow2, require, tl, triton
+
+if triton is not None:
+
+    @triton.jit
+    def _mla_split_kernel(
+        q, cache, page_table, lengths, o_part, lse_part,
+        H, max_pages, page_tokens, page_stride, row_stride, sm_scale_log2,
+        NUM_SPLITS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        heads = tl.arange(0, BH)
+        offs_r = tl.arange(0, R)
+        offs_p = tl.arange(0, P)
+        length = tl.load(lengths + b)
+        chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BN) * BN
+        start = split * chunk
+        end = tl.minimum(start + chunk, length)
+        q_rows = q + (b * H + heads[:, None]) * (R + P)
+        head_ok = heads[:, None] < H
+        q_lat = tl.load(q_rows + offs_r[None, :], mask=head_ok, other=0.0)
+        q_pe = tl.load(q_rows + R + offs_p[None, :], mask=head_ok, other=0.0)
+        m = tl.full([BH], float("-inf"), dtype=tl.float32)
+        denom = tl.zeros([BH], dtype=tl.float32)
+        acc = tl.zeros([BH, R], dtype=tl.float32)
+        for n0 in range(start, end, BN):
+            n = n0 + tl.arange(0, BN)
+            valid = n < end
+            page = tl.load(page_table + b * max_pages + n // page_tokens, mask=valid, other=0).to(tl.int64)
+            rows = cache + page * page_stride + (n % page_tokens) * row_stride
+            kv = tl.load(rows[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
+            kpe = tl.load(rows[:, None] + R + offs_p[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q_lat, tl.trans(kv)) + tl.dot(q_pe, tl.trans(kpe))
+            s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+            m = m_new
+        out = (b * NUM_SPLITS + split) * H + heads
+        has_rows = denom > 0
+        o = acc / tl.where(has_rows, denom, 1.0)[:, None]
+        tl.store(o_part + out[:, None] * R + offs_r[None, :], o, mask=head_ok)
+        lse = tl.where(has_rows, m + tl.log2(tl.where(has_rows, denom, 1.0)), float("-inf"))
+        tl.store(lse_part + out, lse, mask=heads < H)
+
+    @triton.jit
+    def _mla_combine_kernel(o_part, lse_part, o, H, NUM_SPLITS: tl.constexpr, BS: tl.constexpr,
+                            R: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        splits = tl.arange(0, BS)
+        offs_r = tl.arange(0, R)
+        rows = (b * NUM_SPLITS + splits) * H + h
+        lse = tl.load(lse_part + rows, mask=splits < NUM_SPLITS, other=float("-inf"))
+        top = tl.max(lse, 0)
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
+        parts = tl.load(o_part + rows[:, None] * R + offs_r[None, :], mask=(splits < NUM_SPLITS)[:, None],
+                        other=0.0)
+        res = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(o + (b * H + h) * R + offs_r, res.to(o.dtype.element_ty))
+
+
+def default_splits(batch: int, capacity: int, block: int, sms: int = 132) -> int:
+    """Enough (sequence, split) programs for about two waves, never a split shorter than a few tiles."""
+    return max(1, min(math.ceil(2 * sms / batch), capacity // (4 * block), 64))
+
+
+def mla_decode_paged(
+    q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor, scale: float,
+    latent_dim: int = 512, num_splits: int | None = None, block_n: int = 32, num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """q [B, H, R+P] (absorbed q_nope W_uk | q_pe); cache [num_pages, page_tokens, R+P]; page_table
+    [B, max_pages] int; lengths [B] int (tokens cached per sequence, >= 1). Returns the latent-space output
+    softmax(scale * q . row) . c_kv as [B, H, R] in q's dtype (the caller applies W_uv and the gate)."""
+    B, H, width = q.shape
+    R, P = latent_dim, width - latent_dim
+    require(cache.dim() == 3 and cache.shape[-1] == width, f"cache must be [pages, tokens, {width}], got "
+            f"{tuple(cache.shape)}")
+    require(cache.stride(-1) == 1 and q.is_contiguous(), "cache rows and q must be contiguous")
+    require(R == next_pow2(R) and P == next_pow2(P), f"latent ({R}) and rope ({P}) dims must be powers of two")
+    require(page_table.dim() == 2 and page_table.shape[0] == B, f"page_table must be [{B}, max_pages]")
+    require(lengths.shape == (B,), f"lengths must be [{B}], got {tuple(lengths.shape)}")
+    capacity = page_table.shape[1] * cache.shape[1]
+    splits = num_splits or default_splits(B, capacity, block_n)
+    o_part = torch.empty(B, splits, H, R, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
+    _mla_split_kernel[(B, splits)](
+        q, cache, page_table, lengths, o_part, lse_part,
+        H, page_table.shape[1], cache.shape[1], cache.stride(0), cache.stride(1), scale * math.log2(math.e),
+        NUM_SPLITS=splits, R=R, P=P, BH=max(16, next_pow2(H)), BN=block_n,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    o = torch.empty(B, H, R, dtype=q.dtype, device=q.device)
+    _mla_combine_kernel[(B, H)](o_part, lse_part, o, H, NUM_SPLITS=splits, BS=next_pow2(splits), R=R)
+    return o

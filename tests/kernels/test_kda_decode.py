@@ -1,0 +1,147 @@
+"""KDA decode step and replay verify: reference vs float64 math, Triton (interpreted) vs reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.kda import decode_triton, naive
+from kernels.kda.verify_triton import kda_verify_replay
+from tests.kernels.kda_inputs import KdaCase
+
+CASE = KdaCase()
+
+
+def _float64_step(x, conv, state, params, lower_bound):
+    """One token of one sequence written out in float64 from eq.1-6 (independent of k3core.ops)."""
+    q, k, v, z, beta, gate = (t.double() for t in x)
+    conv_w, A_log, dt_bias, norm_w = (p.double() for p in params)
+    H, D = q.shape
+    streams = []
+    for c, raw in enumerate((q, k, v)):
+        window = torch.cat([conv[c].double(), raw.reshape(H, D, 1)], dim=-1)  # [H, D, W]
+        y = (window * conv_w[c].reshape(H, D, -1)).sum(-1)
+        streams.append(y * torch.sigmoid(y))
+    qc, kc, vc = streams
+    qc = qc / torch.sqrt((qc * qc).sum(-1, keepdim=True) + 1e-6)
+    kc = kc / torch.sqrt((kc * kc).sum(-1, keepdim=True) + 1e-6)
+    zz = A_log.exp()[:, None] * (z + dt_bias.reshape(H, D))
+    g = lower_bound * torch.sigmoid(zz)
+    s = state.double() * g.exp()[..., None]
+    b = torch.sigmoid(beta)
+    s = s + b[:, None, None] * kc[..., None] * (vc - torch.einsum("hkv,hk->hv", s, kc))[:, None, :]
+    o = torch.einsum("hkv,hk->hv", s, qc) / math.sqrt(D)
+    y = o / torch.sqrt((o * o).mean(-1, keepdim=True) + 1e-6) * norm_w * torch.sigmoid(gate)
+    return y, s
+
+
+def test_reference_step_matches_float64_math():
+    gen = torch.Generator().manual_seed(1)
+    params = CASE.params(gen)
+    state_pool, conv_pool = CASE.pools(gen)
+    x = [t[:, 0] for t in CASE.tokens(gen, 2, 1)]
+    slots = torch.tensor([5, 1])
+    expected = [_float64_step([t[b] for t in x], conv_pool[s], state_pool[s], params, -5.0)
+                for b, s in enumerate(slots.tolist())]
+    y = naive.kda_decode_step(*x, *params, state_pool, conv_pool, slots)
+    for b, s in enumerate(slots.tolist()):
+        torch.testing.assert_close(y[b].double(), expected[b][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state_pool[s].double(), expected[b][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_triton_decode_step_matches_reference(interpreted, lower_bound):
+    gen = torch.Generator().manual_seed(2)
+    params = CASE.params(gen)
+    state_pool, conv_pool = CASE.pools(gen)
+    x = [t[:, 0] for t in CASE.tokens(gen, 3, 1)]
+    slots = torch.tensor([4, 0, 6])
+    ref_pools = (state_pool.clone(), conv_pool.clone())
+    y = decode_triton.kda_decode_step(*x, *params, state_pool, conv_pool, slots, lower_bound=lower_bound)
+    y_ref = naive.kda_decode_step(*x, *params, *ref_pools, slots, lower_bound=lower_bound)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state_pool, ref_pools[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(conv_pool, ref_pools[1], rtol=0, atol=0)
+
+
+def test_triton_decode_leaves_other_slots_alone(interpreted):
+    gen = torch.Generator().manual_seed(3)
+    params = CASE.params(gen)
+    state_pool, conv_pool = CASE.pools(gen)
+    before = (state_pool.clone(), conv_pool.clone())
+    x = [t[:, 0] for t in CASE.tokens(gen, 2, 1)]
+    decode_triton.kda_decode_step(*x, *params, state_pool, conv_pool, torch.tensor([2, 5]))
+    untouched = [0, 1, 3, 4, 6]
+    assert torch.equal(state_pool[untouched], before[0][untouched])
+    assert torch.equal(conv_pool[untouched], before[1][untouched])
+    assert not torch.equal(state_pool[2], before[0][2])
+
+
+def _decode_sequentially(tokens, params, pools, slots, n):
+    """y of the first n tokens, one kda_decode_step each."""
+    return torch.stack([decode_triton.kda_decode_step(*(t[:, i] for t in tokens), *params, *pools, slots)
+                        for i in range(n)], dim=1)
+
+
+def test_replay_verify_equals_sequential_decode(interpreted):
+    """Two verify steps with drafts accepted in between give exactly the sequential-decode results."""
+    gen = torch.Generator().manual_seed(4)
+    params = CASE.params(gen)
+    pools = CASE.pools(gen)
+    seq_pools = tuple(p.clone() for p in pools)
+    slots = torch.tensor([3, 6])
+    n = 3
+    first = CASE.tokens(gen, 2, n + 1)
+    second = CASE.tokens(gen, 2, n + 1)
+    accepted = torch.tensor([2, 0])
+    y1, drafts = kda_verify_replay(*first, *params, *pools, slots)
+    y2, _ = kda_verify_replay(*second, *params, *pools, slots, previous_drafts=drafts, n_accepted=accepted)
+    for b, a in enumerate(accepted.tolist()):
+        sel = torch.tensor([b])
+        own = tuple(p for p in seq_pools)
+        # Sequential decode of the verified history: t0, the a accepted drafts, then the second window.
+        y_seq = _decode_sequentially([t[sel] for t in first], params, own, slots[sel], a + 1)
+        assert torch.equal(y1[b, : a + 1], y_seq[0])
+        window = _decode_sequentially([t[sel] for t in second], params, tuple(p.clone() for p in own),
+                                      slots[sel], n + 1)
+        assert torch.equal(y2[b], window[0])  # drafts of the new window too, not only t0
+        _decode_sequentially([t[sel] for t in second], params, own, slots[sel], 1)
+        s = int(slots[b])
+        assert torch.equal(pools[0][s], own[0][s])
+        assert torch.equal(pools[1][s], own[1][s])
+
+
+def test_triton_verify_matches_reference_and_snapshots(interpreted):
+    gen = torch.Generator().manual_seed(5)
+    params = CASE.params(gen)
+    pools = CASE.pools(gen)
+    ref_pools = tuple(p.clone() for p in pools)
+    slots = torch.tensor([1, 2, 0])
+    replay = (*CASE.tokens(gen, 3, 2)[:5], torch.tensor([2, 0, 1]))
+    x = CASE.tokens(gen, 3, 3)
+    snaps = torch.empty(3, 3, CASE.heads, CASE.dim, CASE.dim)
+    ref_snaps = torch.empty_like(snaps)
+    y = decode_triton.fused_kda_recurrent(*x, *params, *pools, slots, replay=replay, n_commit=1, snapshots=snaps)
+    y_ref = naive.fused_kda_recurrent(*x, *params, *ref_pools, slots, replay=replay, n_commit=1,
+                                      snapshots=ref_snaps)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(snaps, ref_snaps, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pools[0], ref_pools[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pools[1], ref_pools[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [(lambda a: a.__setitem__(0, a[0][..., :8]), "k"), (lambda a: a.__setitem__(12, a[12].float()), "slots"),
+     (lambda a: a.__setitem__(10, a[10].double()), "state_pool"), (lambda a: a.__setitem__(7, a[7][:1]), "A_log")],
+)
+def test_bad_input_names_the_field(interpreted, change, field):
+    gen = torch.Generator().manual_seed(6)
+    args = [*CASE.tokens(gen, 2, 1), *CASE.params(gen), *CASE.pools(gen), torch.tensor([0, 1])]
+    args[1], args[0] = args[0], args[1]  # change(…, 0) edits k
+    change(args)
+    args[0], args[1] = args[1], args[0]
+    with pytest.raises(ValueError, match=field):
+        decode_triton.fused_kda_recurrent(*args)
