@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from k3.v1 import common_pb2 as k3_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12k3/v1/router.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\"b\n\x0cRouteRequest\x12\"\n\x07session\x18\x01 \x01(\x0b\x32\x11.k3.v1.SessionRef\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x06\x12\x18\n\x10\x65xclude_clusters\x18\x03 \x03(\t\"\x91\x02\n\rRouteResponse\x12!\n\x07primary\x18\x01 \x01(\x0b\x32\x10.k3.v1.ClusterId\x12 \n\x06\x62\x61\x63kup\x18\x02 \x01(\x0b\x32\x10.k3.v1.ClusterId\x12 \n\x06target\x18\x03 \x01(\x0b\x32\x10.k3.v1.ClusterId\x12\x10\n\x08\x66\x61ilover\x18\x04 \x01(\x08\x12\"\n\x07prefill\x18\x05 \x01(\x0b\x32\x11.k3.v1.InstanceId\x12!\n\x06\x64\x65\x63ode\x18\x06 \x01(\x0b\x32\x11.k3.v1.InstanceId\x12#\n\x08transfer\x18\x07 \x01(\x0b\x32\x11.k3.v1.InstanceId\x12\x1b\n\x13\x65xpected_hit_tokens\x18\x08 \x01(\x04\"\x11\n\x0fGetFleetRequest\"i\n\rClusterHealth\x12!\n\x07\x63luster\x18\x01 \x01(\x0b\x32\x10.k3.v1.ClusterId\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12$\n\tinstances\x18\x03 \x03(\x0b\x32\x11.k3.v1.InstanceId\"L\n\x10GetFleetResponse\x12&\n\x08\x63lusters\x18\x01 \x03(\x0b\x32\x14.k3.v1.ClusterHealth\x12\x10\n\x08revision\x18\x02 \x01(\x04\x32\x80\x01\n\rRouterService\x12\x32\n\x05Route\x12\x13.k3.v1.RouteRequest\x1a\x14.k3.v1.RouteResponse\x12;\n\x08GetFleet\x12\x16.k3.v1.GetFleetRequest\x1a\x17.k3.v1.GetFleetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12k3/v1/router.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\"}\n\x0cRouteRequest\x12\"\n\x07session\x18\x01 \x01(\x0b\x32\x11.k3.v1.SessionRef\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x06\x12\x18\n\x10\x65xclude_clusters\x18\x03 \x03(\t\x12\x19\n\x11hash_block_tokens\x18\x04 \x01(\r\"\x91\x02\n\rRouteResponse\x12!\n\x07primary\x18\x01 \x01(\x0b\x32\x10.k3.v1.ClusterId\x12 \n\x06\x62\x61\x63kup\x18\x02 \x01(\x0b\x32\x10.k3.v1.ClusterId\x12 \n\x06target\x18\x03 \x01(\x0b\x32\x10.k3.v1.ClusterId\x12\x10\n\x08\x66\x61ilover\x18\x04 \x01(\x08\x12\"\n\x07prefill\x18\x05 \x01(\x0b\x32\x11.k3.v1.InstanceId\x12!\n\x06\x64\x65\x63ode\x18\x06 \x01(\x0b\x32\x11.k3.v1.InstanceId\x12#\n\x08transfer\x18\x07 \x01(\x0b\x32\x11.k3.v1.InstanceId\x12\x1b\n\x13\x65xpected_hit_tokens\x18\x08 \x01(\x04\"\x11\n\x0fGetFleetRequest\"\x8c\x01\n\rClusterHealth\x12!\n\x07\x63luster\x18\x01 \x01(\x0b\x32\x10.k3.v1.ClusterId\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12$\n\tinstances\x18\x03 \x03(\x0b\x32\x11.k3.v1.InstanceId\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\x11\n\theld_down\x18\x05 \x01(\x08\"L\n\x10GetFleetResponse\x12&\n\x08\x63lusters\x18\x01 \x03(\x0b\x32\x14.k3.v1.ClusterHealth\x12\x10\n\x08revision\x18\x02 \x01(\x04\x32\x80\x01\n\rRouterService\x12\x32\n\x05Route\x12\x13.k3.v1.RouteRequest\x1a\x14.k3.v1.RouteResponse\x12;\n\x08GetFleet\x12\x16.k3.v1.GetFleetRequest\x1a\x17.k3.v1.GetFleetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'k3.v1.router_pb2', _globals
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ROUTEREQUEST']._serialized_start=49
-  _globals['_ROUTEREQUEST']._serialized_end=147
-  _globals['_ROUTERESPONSE']._serialized_start=150
-  _globals['_ROUTERESPONSE']._serialized_end=423
-  _globals['_GETFLEETREQUEST']._serialized_start=425
-  _globals['_GETFLEETREQUEST']._serialized_end=442
-  _globals['_CLUSTERHEALTH']._serialized_start=444
-  _globals['_CLUSTERHEALTH']._serialized_end=549
-  _globals['_GETFLEETRESPONSE']._serialized_start=551
-  _globals['_GETFLEETRESPONSE']._serialized_end=627
-  _globals['_ROUTERSERVICE']._serialized_start=630
-  _globals['_ROUTERSERVICE']._serialized_end=758
+  _globals['_ROUTEREQUEST']._serialized_end=174
+  _globals['_ROUTERESPONSE']._serialized_start=177
+  _globals['_ROUTERESPONSE']._serialized_end=450
+  _globals['_GETFLEETREQUEST']._serialized_start=452
+  _globals['_GETFLEETREQUEST']._serialized_end=469
+  _globals['_CLUSTERHEALTH']._serialized_start=472
+  _globals['_CLUSTERHEALTH']._serialized_end=612
+  _globals['_GETFLEETRESPONSE']._serialized_start=614
+  _globals['_GETFLEETRESPONSE']._serialized_end=690
+  _globals['_ROUTERSERVICE']._serialized_start=693
+  _globals['_ROUTERSERVICE']._serialized_end=821
 # @@protoc_insertion_point(module_scope)

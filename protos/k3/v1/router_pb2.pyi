@@ -26,6 +26,9 @@ class RouteRequest(_message.Message):
     SESSION_FIELD_NUMBER: _builtins.int
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     EXCLUDE_CLUSTERS_FIELD_NUMBER: _builtins.int
+    HASH_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    hash_block_tokens: _builtins.int
+    """Tokens per entry of block_hashes; 0 means the router's configured default (512)."""
     @_builtins.property
     def session(self) -> _common_pb2.SessionRef: ...
     @_builtins.property
@@ -42,10 +45,11 @@ class RouteRequest(_message.Message):
         session: _common_pb2.SessionRef | None = ...,
         block_hashes: _abc.Iterable[_builtins.int] | None = ...,
         exclude_clusters: _abc.Iterable[_builtins.str] | None = ...,
+        hash_block_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "exclude_clusters", b"exclude_clusters", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "exclude_clusters", b"exclude_clusters", "hash_block_tokens", b"hash_block_tokens", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -121,7 +125,13 @@ class ClusterHealth(_message.Message):
     CLUSTER_FIELD_NUMBER: _builtins.int
     HEALTHY_FIELD_NUMBER: _builtins.int
     INSTANCES_FIELD_NUMBER: _builtins.int
+    WEIGHT_FIELD_NUMBER: _builtins.int
+    HELD_DOWN_FIELD_NUMBER: _builtins.int
     healthy: _builtins.bool
+    weight: _builtins.float
+    """Placement weight (relative capacity)."""
+    held_down: _builtins.bool
+    """Healthy but within its failback hold-down: receives no traffic yet."""
     @_builtins.property
     def cluster(self) -> _common_pb2.ClusterId: ...
     @_builtins.property
@@ -132,10 +142,12 @@ class ClusterHealth(_message.Message):
         cluster: _common_pb2.ClusterId | None = ...,
         healthy: _builtins.bool = ...,
         instances: _abc.Iterable[_common_pb2.InstanceId] | None = ...,
+        weight: _builtins.float = ...,
+        held_down: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cluster", b"cluster"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster", b"cluster", "healthy", b"healthy", "instances", b"instances"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster", b"cluster", "healthy", b"healthy", "held_down", b"held_down", "instances", b"instances", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
