@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -29,23 +30,27 @@ def load_values(path: Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text()) or {}
 
 
-def render(values: dict[str, Any], release: str = RELEASE) -> list[Obj]:
-    """Every object the chart renders for `values` (NOTES.txt and empty documents skipped)."""
-    manifests = chart().render(values, name=release, namespace=NAMESPACE)
+def render(values: dict[str, Any], release: str = RELEASE) -> tuple[Obj, ...]:
+    """Every object the chart renders for `values` (NOTES.txt and empty documents skipped); read-only."""
+    return _render(json.dumps(values, sort_keys=True), release)
+
+
+@cache
+def _render(values_json: str, release: str) -> tuple[Obj, ...]:
+    manifests = chart().render(json.loads(values_json), name=release, namespace=NAMESPACE)
     objects: list[Obj] = []
     for path, text in sorted(manifests.items()):
         if path.endswith("NOTES.txt"):
             continue
         objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
-    return objects
+    return tuple(objects)
 
 
-@cache
 def render_file(path: Path) -> tuple[Obj, ...]:
-    return tuple(render(load_values(path)))
+    return render(load_values(path))
 
 
-def of_kind(objects: list[Obj] | tuple[Obj, ...], kind: str) -> dict[str, Obj]:
+def of_kind(objects: tuple[Obj, ...], kind: str) -> dict[str, Obj]:
     """Objects of one kind keyed by their app.kubernetes.io/component label (or name when unlabelled)."""
     found = {}
     for obj in objects:

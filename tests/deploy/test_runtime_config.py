@@ -1,0 +1,61 @@
+"""The chart speaks the runtime's config language: each pod's file + env loads through the real loader.
+
+services/runtime/config.py is the service side of the contract (config file sections, K3_* env, field names);
+loading the rendered ConfigMap and container env through it catches a renamed field or a bad value here
+instead of in a crash-looping pod.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from services.runtime.config import ServiceConfig
+from tests.deploy.chart import CI_VALUES, container, env_map, of_kind, render_file
+
+# Values the kubelet fills in (downward API, secrets) stand in for a real pod.
+POD_IP = "10.1.2.3"
+
+
+def _config_class(service: str) -> type[ServiceConfig]:
+    if service == "gateway":
+        from services.gateway.config import GatewayConfig
+
+        return GatewayConfig
+    return ServiceConfig
+
+
+def _pod_env(deployment) -> dict[str, str]:
+    env = {}
+    for name, value in env_map(container(deployment)).items():
+        if isinstance(value, dict):
+            ref = value.get("fieldRef", {}).get("fieldPath")
+            value = {"status.podIP": POD_IP, "metadata.name": "pod-0"}.get(ref, "secret-token-from-kubelet")
+        env[name] = value.replace("$(K3_POD_IP)", POD_IP)
+    return env
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=lambda p: p.stem)
+def test_every_pod_config_loads_and_validates(values_file, tmp_path):
+    objects = render_file(values_file)
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(of_kind(objects, "ConfigMap")["config"]["data"]["config.yaml"])
+    for name, deployment in of_kind(objects, "Deployment").items():
+        env = _pod_env(deployment)
+        config = _config_class(name).load(name, ["--config", str(config_file)], env=env)
+        labels = deployment["metadata"]["labels"]
+        assert config.host == "0.0.0.0"
+        assert config.port == 50051 and config.metrics_port == 9090
+        assert (config.cluster, config.region) == (labels["k3.io/cluster"], labels["k3.io/region"])
+        assert config.advertise_address == f"{POD_IP}:50051"
+        assert config.instance == "pod-0"
+        assert config.auth_token == "secret-token-from-kubelet"
+        assert config.etcd_endpoint_list() == env["K3_ETCD_ENDPOINTS"].split(",")
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert config.drain_grace_s < grace
+
+
+def test_gateway_http_port_comes_from_the_chart():
+    objects = render_file(next(p for p in CI_VALUES if p.stem.startswith("single-cluster")))
+    data = yaml.safe_load(of_kind(objects, "ConfigMap")["config"]["data"]["config.yaml"])
+    assert data["gateway"]["http_port"] == 8080
