@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from services.admission.classifier import RequestClassifier
+from services.admission.config import DEFAULT_BUDGETS
 from services.admission.cost_model import CostModel
 from services.admission.scheduler import AdmissionScheduler, Rejection, Ticket
 
@@ -32,9 +33,8 @@ NODES, GPUS_PER_NODE = 16, 8
 DECODE_MS_PER_TOKEN = 30.0
 QUEUE_DEADLINE_S = 3600.0
 LONG_PROMPT, LONG_OUTPUT = 1_000_000, 1_024
-# In-flight cost budgets (GPU-ms): SHORT has ~4x its steady-state need, LONG room for two 1M requests.
-CLASS_BUDGETS = {"SHORT": 2_000_000, "MEDIUM": 1_000_000, "LONG": 11_200_000, "FAILOVER": 1_000_000,
-                 "ROLLOUT": 500_000}
+# The service's default per-cluster budgets (GPU-ms in flight): SHORT ~4x its need, LONG two 1M requests.
+CLASS_BUDGETS = DEFAULT_BUDGETS
 
 
 @dataclass

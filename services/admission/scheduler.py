@@ -91,10 +91,12 @@ class AdmissionScheduler:
         return True, self._pump(ticket.request_class, now)
 
     def cancel(self, request_class: str, key: int) -> bool:
+        """Take a waiter out of its queue (its caller gave up); counts as a rejection."""
         queue = self.queues[request_class]
         for waiter in queue:
             if waiter.key == key:
                 queue.remove(waiter)
+                self.stats[request_class].rejected += 1
                 return True
         return False
 

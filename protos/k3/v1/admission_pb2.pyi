@@ -189,16 +189,20 @@ class GetBudgetsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     BUDGETS_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    """The replica that accounts for this cluster (each cluster's budgets live on exactly one replica)."""
     @_builtins.property
     def budgets(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClassBudget]: ...
     def __init__(
         self,
         *,
         budgets: _abc.Iterable[Global___ClassBudget] | None = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budgets", b"budgets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budgets", b"budgets", "owner", b"owner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
