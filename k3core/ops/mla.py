@@ -51,9 +51,9 @@ def mla_attention_naive(
 ) -> torch.Tensor:
     """q_nope [T, H, Dn], q_pe [T, H, P], latent [S, R+P], mask [T, S] -> o [T, H, Dv] (q's dtype)."""
     dtype = acc_dtype(q_nope, latent)
-    heads, rope = q_nope.shape[1], q_pe.shape[-1]
+    heads, rank = q_nope.shape[1], kv_b_weight.shape[1]
     w_uk, w_uv = (w.to(dtype) for w in split_kv_b(kv_b_weight, heads, v_head_dim))
-    c_kv, k_pe = latent[:, :-rope].to(dtype), latent[:, -rope:].to(dtype)
+    c_kv, k_pe = latent[:, :rank].to(dtype), latent[:, rank:].to(dtype)
     k_nope = torch.einsum("sr,hdr->shd", c_kv, w_uk)
     values = torch.einsum("sr,hdr->shd", c_kv, w_uv)
     scores = torch.einsum("thd,shd->hts", q_nope.to(dtype), k_nope)
@@ -73,9 +73,9 @@ def mla_attention_absorbed(
 ) -> torch.Tensor:
     """Same contract as `mla_attention_naive`, attending in the latent space (the decode path)."""
     dtype = acc_dtype(q_nope, latent)
-    heads, rope = q_nope.shape[1], q_pe.shape[-1]
+    heads, rank = q_nope.shape[1], kv_b_weight.shape[1]
     w_uk, w_uv = (w.to(dtype) for w in split_kv_b(kv_b_weight, heads, v_head_dim))
-    c_kv, k_pe = latent[:, :-rope].to(dtype), latent[:, -rope:].to(dtype)
+    c_kv, k_pe = latent[:, :rank].to(dtype), latent[:, rank:].to(dtype)
     q_latent = torch.einsum("thd,hdr->thr", q_nope.to(dtype), w_uk)
     scores = torch.einsum("thr,sr->hts", q_latent, c_kv) + torch.einsum("thp,sp->hts", q_pe.to(dtype), k_pe)
     probs = _softmax_attend(scores * scale, mask)
