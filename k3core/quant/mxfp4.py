@@ -23,8 +23,6 @@ E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 # Magnitudes indexed by the 3 low bits of a code; the 4th bit is the sign.
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Midpoints between neighbouring magnitudes: where round-to-nearest changes its answer.
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def _check_blocks(k: int, group: int) -> None:
@@ -46,13 +44,17 @@ def shared_exponents(w: torch.Tensor, group: int = BLOCK) -> torch.Tensor:
 
 
 def _round_to_e2m1(y: torch.Tensor) -> torch.Tensor:
-    """Magnitude index (int64) of |y| rounded to nearest e2m1 magnitude, ties to even, saturating."""
-    mags = y.abs().clamp(max=E2M1_MAX)
-    mid = torch.tensor(_MIDPOINTS, dtype=mags.dtype, device=mags.device)
-    lower = torch.bucketize(mags, mid, right=False)  # a tie goes to the smaller magnitude
-    upper = torch.bucketize(mags, mid, right=True)  # a tie goes to the larger magnitude
-    # Only on an exact tie do the two differ; then the even code (mantissa bit 0) wins.
-    return torch.where(lower % 2 == 0, lower, upper)
+    """Magnitude index (uint8) of |y| rounded to the nearest e2m1 magnitude, ties to even, saturating.
+
+    Within each binade the e2m1 grid is uniform (step 0.5 below 2, 1 in [2, 4), 2 in [4, 6]) and the
+    parity of the multiple of the step is the parity of the code, so torch.round (half to even) on
+    |y| / step is exactly round-to-nearest-even on the grid.
+    """
+    mags = torch.nan_to_num(y.abs(), nan=0.0).clamp(max=E2M1_MAX)
+    step = torch.where(mags < 2, 0.5, torch.where(mags < 4, 1.0, 2.0))
+    q = torch.round(mags / step) * step
+    code = torch.where(q < 2, q * 2, torch.where(q < 4, q + 2, q / 2 + 4))
+    return code.to(torch.uint8)
 
 
 def quantize(w: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,9 +64,9 @@ def quantize(w: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.T
     exp = shared_exponents(w, group)
     # Scaling by a power of two is exact (ldexp), so the only rounding is the e2m1 one.
     y = torch.ldexp(x, (-exp).unsqueeze(-1).to(x.dtype))
-    codes = _round_to_e2m1(y) | (torch.signbit(y).to(torch.int64) << 3)
-    codes = torch.where(torch.isnan(y), torch.zeros_like(codes), codes).flatten(-2)
-    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    # A NaN element gets code 0; its block's scale becomes NaN below, so it decodes to NaN anyway.
+    codes = (_round_to_e2m1(y) | (torch.signbit(y).to(torch.uint8) << 3)).flatten(-2)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     scales = (exp + E8M0_BIAS).to(torch.uint8)
     non_finite = ~torch.isfinite(x).all(dim=-1)
     scales = torch.where(non_finite, torch.full_like(scales, E8M0_NAN), scales)

@@ -60,14 +60,7 @@ def save_checkpoint(
 ) -> None:
     """Write ``state_dict`` in Hugging Face layout; ``config`` is a K3Config or a config.json dict."""
     tensors = quantize_state_dict(state_dict, quantization) if quantization else dict(state_dict)
-    seen: set[int] = set()
-    for name, tensor in tensors.items():
-        # safetensors refuses aliased storage (tied embeddings) and non-contiguous views.
-        t = tensor.detach().to("cpu").contiguous()
-        if t.numel() and t.data_ptr() in seen:
-            t = t.clone()
-        seen.add(t.data_ptr())
-        tensors[name] = t
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in _without_aliases(tensors).items()}
     has_packed = any(n.endswith(PACKED_SUFFIX) for n in tensors)
     config_out = _config_dict(config)
     if has_packed:
@@ -75,6 +68,20 @@ def save_checkpoint(
             raise CheckpointError("state dict holds MXFP4 tensors: pass quantization= to record it in config.json")
         config_out["quantization_config"] = quantization.to_hf_dict()
     hf_layout.write_files(Path(directory), hf_layout.group_into_files(tensors, max_shard_bytes), config_out)
+
+
+def _without_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop later names of the same storage (tied lm_head): as in Hugging Face checkpoints, the tie is
+    recorded by ``tie_word_embeddings`` in config.json, not by a second copy."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    out = {}
+    for name, t in tensors.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
 
 
 def _logical_shapes(
@@ -215,8 +222,11 @@ def _finish(stored: dict[str, torch.Tensor], dequantize: bool, dtype: torch.dtyp
 
 
 def load_into(module: torch.nn.Module, directory: str | Path, *, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """Strictly load a checkpoint into a whole (unsharded) model; returns config.json."""
-    expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
-    loaded = load_checkpoint(directory, expected=expected, dtype=dtype)
-    module.load_state_dict(loaded.state_dict, strict=True)
+    """Strictly load a checkpoint into a whole (unsharded) model; returns config.json. Tied tensors
+    are expected once, under their first name."""
+    own = _without_aliases(module.state_dict())
+    loaded = load_checkpoint(directory, expected={n: tuple(t.shape) for n, t in own.items()}, dtype=dtype)
+    with torch.no_grad():
+        for name, tensor in loaded.state_dict.items():
+            own[name].copy_(tensor)
     return loaded.config

@@ -149,3 +149,17 @@ def test_fake_quant_forward_is_dequant_quant_and_gradient_is_identity():
     upstream = torch.randn(6, 64)
     out.backward(upstream)
     assert torch.equal(w.grad, upstream)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    picks=st.lists(st.sampled_from([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 3.0, 6.5]), min_size=31, max_size=31),
+    signs=st.lists(st.booleans(), min_size=31, max_size=31),
+    shift=st.integers(-100, 100),
+)
+def test_every_tie_at_any_scale_matches_the_oracle(picks, signs, shift):
+    # 7.0 pins the block scale to 2**shift so every pick lands exactly on a tie (or saturates).
+    values = [7.0] + [-p if neg else p for p, neg in zip(picks, signs, strict=True)]
+    x = torch.tensor(values, dtype=torch.float64)[None] * 2.0**shift
+    out = dequantize(*quantize(x.float()), torch.float64)
+    assert torch.equal(out, _oracle_dequant(x.float()))
