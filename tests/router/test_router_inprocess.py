@@ -1,0 +1,67 @@
+"""The router servicer in-process with a controllable clock: the failback hold-down, weights, unreachable
+decode workers (real sockets to closed ports), and the no-fleet / no-healthy-cluster errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3.v1 import common_pb2, router_pb2
+from services.router.config import RouterConfig
+from services.router.service import RouterServicer
+from services.runtime import errors
+from services.runtime.client import aio_channel
+from services.runtime.ports import free_port
+from services.runtime.registry import InstanceRecord
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def decode(cluster: str) -> InstanceRecord:
+    # A free port nobody listens on: the probe fails fast and the router must fall back.
+    return InstanceRecord("decode", cluster, f"{cluster}-d0", f"127.0.0.1:{free_port()}", region="eu")
+
+
+def request(session: str) -> router_pb2.RouteRequest:
+    return router_pb2.RouteRequest(session=common_pb2.SessionRef(session_id=session), block_hashes=[1, 2])
+
+
+async def test_failback_waits_for_the_hold_and_weights_are_reported():
+    clock = Clock()
+    config = RouterConfig(failback_hold_s=5, slot_bits=10, cluster_weights={"a": 3.0}, probe_timeout_ms=200)
+    router = RouterServicer(config, aio_channel, clock)
+    with pytest.raises(errors.Unavailable, match="no cluster"):
+        await router.Route(request("s"), None)
+    records = [decode(c) for c in "abc"]
+    router.apply_membership(records)
+    await router.wait_ready()
+    fleet = await router.GetFleet(router_pb2.GetFleetRequest(), None)
+    assert {c.cluster.name: c.weight for c in fleet.clusters} == {"a": 3.0, "b": 1.0, "c": 1.0}
+    session = next(s for s in (f"s{i}" for i in range(100)) if router.table.place(s).primary == "a")
+    first = await router.Route(request(session), None)
+    assert first.target.name == "a" and first.decode.instance == "a-d0" and first.expected_hit_tokens == 0
+
+    clock.now = 1
+    router.apply_membership(records[1:])
+    moved = await router.Route(request(session), None)
+    assert moved.failover and moved.target == first.backup and moved.primary.region == "eu"
+
+    clock.now = 10
+    router.apply_membership(records)
+    held = await router.Route(request(session), None)
+    assert held.failover and held.target == first.backup
+    fleet = await router.GetFleet(router_pb2.GetFleetRequest(), None)
+    assert [c.cluster.name for c in fleet.clusters if c.held_down] == ["a"]
+    clock.now = 15
+    router.tick()
+    back = await router.Route(request(session), None)
+    assert not back.failover and back.target.name == "a"
+
+    router.apply_membership([])
+    with pytest.raises(errors.Unavailable, match="no healthy cluster"):
+        await router.Route(request(session), None)
