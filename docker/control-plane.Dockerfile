@@ -1,9 +1,9 @@
 # syntax=docker/dockerfile:1.7
 # Slim control-plane image: gateway, admission, router, kvtransfer, sandbox (and `k3` itself).
 #   docker build -f docker/control-plane.Dockerfile -t ghcr.io/k3serve/k3-control-plane:0.1.0 .
-# Assumption: these services need torch only on the CPU (k3core imports it for tokenizer/config helpers), so
-# the image carries the CPU wheel (~200 MB) instead of the CUDA build (~3 GB). If they become torch-free,
-# drop the torch layer.
+# torch: the gateway imports it through k3core.cache.hashing (prefix-cache block hashes), so the image carries
+# the CPU wheel (~200 MB) instead of the CUDA build (~3 GB). admission, router and kvtransfer import no torch;
+# if the gateway stops needing it, the torch layer can go.
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build

@@ -104,3 +104,42 @@ def test_health_entrypoint_reports_a_dead_server():
                              f"127.0.0.1:{port}", "--timeout", "0.5"], capture_output=True, text=True,
                             timeout=30, cwd=REPO)
     assert result.returncode == 1 and "UNREACHABLE" in result.stdout, result.stderr
+
+
+def _build_stage_copies(dockerfile: Path) -> list[str]:
+    """Sources the build stage copies from the context (up to the first runtime-stage FROM)."""
+    sources, stage = [], 0
+    for keyword, args in _instructions(dockerfile):
+        if keyword == "FROM":
+            stage += 1
+        elif keyword == "COPY" and stage == 1 and not args.startswith("--from"):
+            sources.extend(args.split()[:-1])
+    return sources
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_build_stage_inputs_make_a_complete_wheel(dockerfile, tmp_path):
+    """Runs the build stage's wheel step on exactly the files it copies: the wheel must carry the `k3` entry
+    point, the generated stubs and every service."""
+    import shutil
+    import zipfile
+
+    context = tmp_path / "src"
+    context.mkdir()
+    for source in _build_stage_copies(dockerfile):
+        origin = REPO / source
+        if origin.is_dir():
+            shutil.copytree(origin, context / source, ignore=shutil.ignore_patterns("__pycache__", "results"))
+        else:
+            shutil.copy(origin, context / source)
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                             "--wheel-dir", str(tmp_path / "wheels"), str(context)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (wheel,) = (tmp_path / "wheels").glob("k3serve-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "k3 = services.cli.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert {"k3/v1/decode_pb2.py", "k3/v1/gateway_pb2_grpc.py", "services/cli/main.py"} <= names
+    assert {n.split("/")[1] for n in names if n.startswith("services/") and n.count("/") > 1} >= {
+        "gateway", "admission", "router", "kvtransfer", "runtime", "cli"}

@@ -8,7 +8,7 @@ import helm_python
 import kubernetes_validate
 import pytest
 
-from tests.deploy.chart import CHART_DIR, CI_VALUES, load_values, render_file
+from tests.deploy.chart import CHART_DIR, CI_VALUES, chart, load_values, render_file
 
 # The chart's kubeVersion floor and the newest schema kubernetes-validate ships.
 KUBE_VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
@@ -47,3 +47,14 @@ def test_names_are_unique_and_namespaced(values_file: Path):
     assert all(o["metadata"]["namespace"] == "serve" for o in objects)
     # Deployment names leave room for the ReplicaSet and pod suffixes inside a 63-char label.
     assert all(len(o["metadata"]["name"]) <= 47 for o in objects)
+
+
+def test_packaged_chart_renders_the_same(tmp_path):
+    """`helm package` honours .helmignore (ci/ and docs stay out); the archive must still hold the schema."""
+    archive = helm_python.package(str(CHART_DIR), destination=str(tmp_path))
+    with helm_python.Chart.load(archive) as packaged:
+        assert packaged.schema is not None
+        assert not [f for f in packaged.files if f["name"].startswith("ci/")]
+        values = load_values(CI_VALUES[0])
+        assert packaged.render(values, name="k3", namespace="serve") == chart().render(
+            values, name="k3", namespace="serve")
