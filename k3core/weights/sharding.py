@@ -69,14 +69,15 @@ def shard_plan(
     if tp_size < 1:
         raise ShardPlanError(f"tp_size must be >= 1, got {tp_size}")
     shapes = dict(shapes) if shapes is not None else model_tensor_shapes(config)
+    kinds = {name: rules.rule_for(_rule_name(name)) for name in shapes}
     experts_per_layer: dict[str, set[int]] = defaultdict(set)
-    for name in shapes:
-        if rules.rule_for(_rule_name(name)) == rules.EXPERT:
+    for name, kind in kinds.items():
+        if kind == rules.EXPERT:
             experts_per_layer[name.split(".experts.")[0]].add(rules.expert_id(name))
     plan: dict[str, ShardSpec] = {}
     problems = _head_problems(config, tp_size, shapes)
     for name, shape in shapes.items():
-        kind = rules.rule_for(_rule_name(name))
+        kind = kinds[name]
         if kind is None:
             problems.append(f"{name}: no sharding rule (add one to k3core/weights/shard_rules.py)")
             continue
