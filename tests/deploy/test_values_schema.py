@@ -39,6 +39,8 @@ TEMPLATE_CHECKS = [
     ({"services": {"router": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}}},
      r"services\.router\.autoscaling\.minReplicas \(5\) is above maxReplicas \(2\)"),
     ({"services": {"router": {"autoscaling": {"cpuUtilization": 0}}}}, r"services\.router\.autoscaling"),
+    ({"etcd": {"bundled": {"replicas": 3, "persistence": {"enabled": False}}}},
+     r"etcd\.bundled\.replicas is 3 but etcd\.bundled\.persistence\.enabled is false"),
 ]
 
 

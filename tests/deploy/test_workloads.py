@@ -172,3 +172,22 @@ def test_headless_services_for_workers_pinned_by_the_router():
     assert services["gateway"]["spec"]["type"] == "ClusterIP"
     assert {p["name"]: p["port"] for p in services["gateway"]["spec"]["ports"]} == {
         "grpc": 50051, "metrics": 9090, "http": 8080}
+
+
+def test_scheduling_overrides_pass_through_per_service():
+    anti_affinity = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+        "topologyKey": "kubernetes.io/hostname",
+        "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "decode"}}}]}}
+    values = {**MINIMAL, "services": {"decode": {
+        "affinity": anti_affinity, "priorityClassName": "k3-serving",
+        "tolerations": [{"key": "dedicated", "value": "k3", "effect": "NoSchedule"}],
+        "topologySpread": [{"topologyKey": "topology.kubernetes.io/zone", "maxSkew": 2,
+                            "whenUnsatisfiable": "DoNotSchedule"}]}}}
+    deployments = of_kind(render(values), "Deployment")
+    pod = deployments["decode"]["spec"]["template"]["spec"]
+    assert pod["affinity"] == anti_affinity and pod["priorityClassName"] == "k3-serving"
+    # Lists replace the defaults instead of appending to them.
+    assert pod["tolerations"] == [{"key": "dedicated", "value": "k3", "effect": "NoSchedule"}]
+    assert [(c["maxSkew"], c["whenUnsatisfiable"]) for c in pod["topologySpreadConstraints"]] == [
+        (2, "DoNotSchedule")]
+    assert "affinity" not in deployments["prefill"]["spec"]["template"]["spec"]
