@@ -7,6 +7,7 @@ unexpected or mis-shaped tensor produces ONE error listing all of them.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -127,14 +128,20 @@ def load_checkpoint(
     rank: int = 0,
     dequantize: bool = True,
     dtype: torch.dtype | None = None,
+    skip: Sequence[str] = (),
 ) -> LoadedCheckpoint:
     """Read a checkpoint. ``expected``: the model's full tensor shapes (strict check; omit to read as is).
     ``plan`` + ``rank``: read only that rank's slices (expert tensors only on their owner).
     ``dequantize=False`` keeps MXFP4 experts packed (for a kernel that consumes them).
-    ``dtype`` casts floating-point tensors (never the packed uint8 ones)."""
+    ``dtype`` casts floating-point tensors (never the packed uint8 ones).
+    ``skip``: regexes of stored tensors deliberately left out (e.g. a vision tower or an MTP head),
+    neither read nor reported as unexpected."""
     directory = Path(directory)
     config = hf_layout.read_config(directory)
-    weight_map = hf_layout.read_weight_map(directory)
+    skipped = [re.compile(p) for p in skip]
+    weight_map = {
+        n: f for n, f in hf_layout.read_weight_map(directory).items() if not any(p.match(n) for p in skipped)
+    }
     shapes = _stored_shapes(directory, weight_map)
     quant = _quantization(config, shapes, directory)
     logical, problems = _logical_shapes(shapes, quant.group_size if quant else mxfp4.BLOCK)

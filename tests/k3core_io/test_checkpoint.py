@@ -77,6 +77,10 @@ def test_one_error_names_every_missing_unexpected_and_misshaped_tensor(tmp_path,
     assert err.mismatched == [("model.layers.2.self_attn.dt_bias", (32,), (7,))]
     for name in ("q_proj", "kv_b_proj", "surprise", "dt_bias", "[32]", "[7]"):
         assert name in str(err)
+    # A deliberately unused part (say an MTP head) is skipped by pattern, not read, not reported.
+    with pytest.raises(CheckpointMismatchError) as info:
+        load_checkpoint(tmp_path, expected=shapes(state), skip=[r".*\.surprise\."])
+    assert info.value.unexpected == [] and len(info.value.missing) == 2
 
 
 def test_index_that_disagrees_with_its_shards_is_refused(tmp_path, state):
