@@ -156,13 +156,17 @@ def test_service_env_uses_the_runtime_naming():
     assert env["K3_DECODE_INSTANCE"] == {"fieldRef": {"fieldPath": "metadata.name"}}
 
 
-def test_config_change_rolls_the_pods():
-    def checksum(values):
-        deployment = of_kind(render(values), "Deployment")["router"]
-        return deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+def test_config_change_rolls_only_the_pods_that_read_it():
+    def checksums(values):
+        return {name: d["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+                for name, d in of_kind(render(values), "Deployment").items()}
 
-    assert checksum(MINIMAL) != checksum({**MINIMAL, "config": {"log_level": "DEBUG"}})
-    assert checksum(MINIMAL) == checksum(MINIMAL)
+    base = checksums(MINIMAL)
+    shared = checksums({**MINIMAL, "config": {"log_level": "DEBUG"}})
+    assert all(shared[name] != base[name] for name in base)
+    # A gateway-only change must not restart GPU workers (a restart is a model reload).
+    gateway_only = checksums({**MINIMAL, "services": {"gateway": {"config": {"max_attempts": 5}}}})
+    assert {name for name in base if gateway_only[name] != base[name]} == {"gateway"}
 
 
 def test_headless_services_for_workers_pinned_by_the_router():
