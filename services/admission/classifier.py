@@ -22,6 +22,8 @@ MEDIUM_EDGE = (131_072, 0, 4_096)
 class Classified:
     request_class: str
     cost: int
+    # The prefill part of cost, returnable at the first token.
+    prefill_cost: int = 0
 
 
 class RequestClassifier:
@@ -41,11 +43,14 @@ class RequestClassifier:
             raise ValueError(f"cached_tokens: {cached_tokens} exceeds prompt_tokens {prompt_tokens}")
         if override is not None and override not in REQUEST_CLASSES:
             raise ValueError(f"request_class: unknown class {override!r}")
-        cost = math.ceil(self.model.cost(prompt_tokens, cached_tokens, max_output_tokens))
+        prefill = math.ceil(self.model.prefill(prompt_tokens, cached_tokens))
+        cost = prefill + math.ceil(self.model.decode(prompt_tokens, max_output_tokens))
         if failover:
-            return Classified("FAILOVER", cost)
-        if override is not None:
-            return Classified(override, cost)
-        if cost <= self.short_max_cost:
-            return Classified("SHORT", cost)
-        return Classified("MEDIUM" if cost <= self.medium_max_cost else "LONG", cost)
+            request_class = "FAILOVER"
+        elif override is not None:
+            request_class = override
+        elif cost <= self.short_max_cost:
+            request_class = "SHORT"
+        else:
+            request_class = "MEDIUM" if cost <= self.medium_max_cost else "LONG"
+        return Classified(request_class, cost, prefill)

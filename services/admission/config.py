@@ -9,9 +9,10 @@ from services.admission.ledger import check_budgets
 from services.runtime import ServiceConfig
 
 # In-flight cost (GPU-ms, see cost_model.py) each class may hold per cluster. Sized for a 16-node x 8-GPU
-# cluster: SHORT ~4x its steady need at 100 req/s, LONG two 1M-token requests, FAILOVER the re-prefill of
-# ~1000 short sessions. Operators override them per cluster, live, through etcd (docs/control-plane.md).
-DEFAULT_BUDGETS = {"SHORT": 2_000_000, "MEDIUM": 1_000_000, "LONG": 11_200_000, "FAILOVER": 1_000_000,
+# cluster (bench/admission.py): SHORT far above its steady need at 100 req/s, LONG two 1M-token prefills,
+# FAILOVER ~50 GPU-s of re-prefill in flight, which keeps survivors' short p99 TTFT flat during a surge.
+# Operators override them per cluster, live, through etcd (docs/control-plane.md).
+DEFAULT_BUDGETS = {"SHORT": 2_000_000, "MEDIUM": 1_000_000, "LONG": 11_200_000, "FAILOVER": 50_000,
                    "ROLLOUT": 500_000}
 
 

@@ -16,7 +16,7 @@ from prometheus_client import Counter, Gauge
 
 from services.admission.classifier import Classified, RequestClassifier
 from services.admission.ledger import REQUEST_CLASSES, check_budgets
-from services.admission.scheduler import AdmissionScheduler, Rejection, Ticket, Waiter
+from services.admission.scheduler import AdmissionScheduler, Rejection, Released, Ticket, Waiter
 from services.runtime import errors
 
 log = logging.getLogger("k3.admission")
@@ -73,7 +73,7 @@ class AdmissionController:
     async def admit(self, cluster: str, classified: Classified, timeout_s: float) -> Ticket:
         sched = self.scheduler(cluster)
         cls, now = classified.request_class, self.clock()
-        outcome = sched.offer(cls, classified.cost, now, now + timeout_s)
+        outcome = sched.offer(cls, classified.cost, now, now + timeout_s, classified.prefill_cost)
         if isinstance(outcome, Rejection):
             DECISIONS.labels(cluster, cls, "rejected").inc()
             error = errors.ResourceExhausted if outcome.retriable else OverClassBudget
@@ -106,22 +106,22 @@ class AdmissionController:
     def ticket_id(self, cluster: str, ticket: Ticket) -> str:
         return f"{self.instance}/{cluster}/{ticket.ticket_id}"
 
-    def release(self, ticket_id: str) -> bool:
+    def release(self, ticket_id: str, prefill_only: bool = False) -> Released:
         _, cluster, local_id = ticket_id.rsplit("/", 2)
         sched = self.schedulers.get(cluster)
         if sched is None:
-            return False
-        found, admitted = sched.release(local_id, self.clock())
-        self._deliver(cluster, admitted)
+            return Released(False, 0, [])
+        released = sched.release(local_id, self.clock(), prefill_only)
+        self._deliver(cluster, released.admitted)
         self._export(cluster)
-        return found
+        return released
 
     def _deliver(self, cluster: str, admitted: list[tuple[Waiter, Ticket]]) -> None:
         for waiter, ticket in admitted:
             future = self.waiters.pop((cluster, waiter.key), None)
             if future is None or future.done():
                 # Its caller gave up between the pump and now: give the cost straight back.
-                self._deliver(cluster, self.schedulers[cluster].release(ticket.ticket_id, self.clock())[1])
+                self._deliver(cluster, self.schedulers[cluster].release(ticket.ticket_id, self.clock()).admitted)
             else:
                 future.set_result(ticket)
 
@@ -144,7 +144,7 @@ class AdmissionController:
         cutoff, swept = self.clock() - self.ticket_ttl_s, 0
         for cluster, sched in self.schedulers.items():
             for ticket in [t for t in sched.tickets.values() if t.admitted_at < cutoff]:
-                self._deliver(cluster, sched.release(ticket.ticket_id, self.clock())[1])
+                self._deliver(cluster, sched.release(ticket.ticket_id, self.clock()).admitted)
                 swept += 1
             self._export(cluster)
         return swept

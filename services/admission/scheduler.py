@@ -26,6 +26,17 @@ class Ticket:
     cost: int
     arrived_at: float
     admitted_at: float
+    # The part of `cost` that may be returned early, once the request's prefill is done (first token).
+    prefill_cost: int = 0
+
+
+@dataclass(frozen=True)
+class Released:
+    found: bool
+    # Cost units given back to the class by this call.
+    returned: int
+    # Waiters of the same class admitted with the room this made.
+    admitted: list[tuple[Waiter, Ticket]]
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,7 @@ class Waiter:
     cost: int
     arrived_at: float
     deadline: float
+    prefill_cost: int = 0
 
 
 @dataclass
@@ -58,9 +70,12 @@ class AdmissionScheduler:
         self.queues: dict[str, deque[Waiter]] = {cls: deque() for cls in self.ledger.accounts}
         self.stats: dict[str, ClassStats] = {cls: ClassStats() for cls in self.ledger.accounts}
         self.tickets: dict[str, Ticket] = {}
+        # Cost each live ticket still holds (less than its cost once its prefill part was returned).
+        self.held: dict[str, int] = {}
         self._keys = itertools.count(1)
 
-    def offer(self, request_class: str, cost: int, now: float, deadline: float) -> Ticket | Waiter | Rejection:
+    def offer(self, request_class: str, cost: int, now: float, deadline: float,
+              prefill_cost: int = 0) -> Ticket | Waiter | Rejection:
         """Admit now, queue until `deadline`, or reject with a retry hint."""
         account = self.ledger.account(request_class)
         queue = self.queues[request_class]
@@ -68,27 +83,35 @@ class AdmissionScheduler:
             self.stats[request_class].rejected += 1
             return Rejection(f"cost {cost} exceeds the whole {request_class} budget {account.budget}", 0, False)
         if not queue and self.ledger.fits(request_class, cost):
-            return self._admit(request_class, cost, now, now)
+            return self._admit(request_class, Waiter(0, cost, now, deadline, prefill_cost), now)
         if deadline <= now or len(queue) >= self.max_queue:
             self.stats[request_class].rejected += 1
             why = "queue full" if len(queue) >= self.max_queue else "over budget"
             return Rejection(f"{request_class} class {why} ({account.in_use}/{account.budget} in use, "
                              f"{len(queue)} queued)", self.retry_after_ms(request_class, cost, now))
-        waiter = Waiter(next(self._keys), cost, now, deadline)
+        waiter = Waiter(next(self._keys), cost, now, deadline, prefill_cost)
         queue.append(waiter)
         return waiter
 
-    def release(self, ticket_id: str, now: float) -> tuple[bool, list[tuple[Waiter, Ticket]]]:
-        """Return a ticket's cost; yields the waiters this admits (from the same class only)."""
-        ticket = self.tickets.pop(ticket_id, None)
+    def release(self, ticket_id: str, now: float, prefill_only: bool = False) -> Released:
+        """Return a ticket's cost (or, with prefill_only, just its prefill part, once); admits waiters of
+        the same class with the room this makes. Partial and final releases add up to the admitted cost."""
+        ticket = self.tickets.get(ticket_id)
         if ticket is None:
-            return False, []
-        self.ledger.give_back(ticket.request_class, ticket.cost)
+            return Released(False, 0, [])
+        held = self.held[ticket_id]
+        if prefill_only:
+            returned = max(held - (ticket.cost - ticket.prefill_cost), 0)
+            self.held[ticket_id] = held - returned
+        else:
+            returned = held
+            del self.tickets[ticket_id], self.held[ticket_id]
+        self.ledger.give_back(ticket.request_class, returned)
         releases = self.stats[ticket.request_class].releases
-        releases.append((now, ticket.cost))
+        releases.append((now, returned))
         while releases and releases[0][0] < now - RATE_WINDOW_S:
             releases.popleft()
-        return True, self._pump(ticket.request_class, now)
+        return Released(True, returned, self._pump(ticket.request_class, now))
 
     def cancel(self, request_class: str, key: int) -> bool:
         """Take a waiter out of its queue (its caller gave up); counts as a rejection."""
@@ -129,11 +152,13 @@ class AdmissionScheduler:
         rate_per_ms = recent / (RATE_WINDOW_S * 1e3)
         return int(min(max(math.ceil(needed / rate_per_ms), MIN_RETRY_MS), MAX_RETRY_MS))
 
-    def _admit(self, cls: str, cost: int, arrived_at: float, now: float) -> Ticket:
-        self.ledger.take(cls, cost)
+    def _admit(self, cls: str, waiter: Waiter, now: float) -> Ticket:
+        self.ledger.take(cls, waiter.cost)
         self.stats[cls].admitted += 1
-        ticket = Ticket(f"t{next(self._keys)}", cls, cost, arrived_at, now)
+        ticket = Ticket(f"t{next(self._keys)}", cls, waiter.cost, waiter.arrived_at, now,
+                        min(waiter.prefill_cost, waiter.cost))
         self.tickets[ticket.ticket_id] = ticket
+        self.held[ticket.ticket_id] = ticket.cost
         return ticket
 
     def _pump(self, cls: str, now: float) -> list[tuple[Waiter, Ticket]]:
@@ -141,5 +166,5 @@ class AdmissionScheduler:
         queue = self.queues[cls]
         while queue and self.ledger.fits(cls, queue[0].cost):
             waiter = queue.popleft()
-            admitted.append((waiter, self._admit(cls, waiter.cost, waiter.arrived_at, now)))
+            admitted.append((waiter, self._admit(cls, waiter, now)))
         return admitted

@@ -79,7 +79,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
             raise errors.InvalidArgument("ticket", f"{request.ticket!r} is not a ticket from Admit")
         issuer = parts[0]
         if issuer == self.controller.instance:
-            return admission_pb2.ReleaseTicketResponse(found=self.controller.release(request.ticket))
+            released = self.controller.release(request.ticket, request.prefill_done)
+            return admission_pb2.ReleaseTicketResponse(found=released.found, returned_cost=released.returned)
         record = next((r for r in self.replicas() if r.instance == issuer), None)
         if record is None or self._forwarded(context):
             # The issuing replica is gone, and its budgets with it.

@@ -1,7 +1,8 @@
 """Two admission replicas as real processes over a real etcd: owner-per-cluster accounting, forwarding,
 RESOURCE_EXHAUSTED with retry hints, queueing with deadlines, live budgets from etcd, clear bad-input errors.
 
-The cost model is overridden to cost = uncached prompt tokens, so every expected number is hand-computed."""
+The cost model is overridden to cost = uncached prompt tokens + output tokens, so every expected number is
+hand-computed."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from services.runtime.errors import error_detail
 from services.runtime.registry import connect
 from tests.support.processes import ServiceProcess
 
-LINEAR = {"prefill_ms_per_token": 1, "attention_ms_per_token_pair": 0, "decode_ms_per_step": 0,
+# cost = uncached prompt tokens + output tokens.
+LINEAR = {"prefill_ms_per_token": 1, "attention_ms_per_token_pair": 0, "decode_ms_per_step": 1,
           "decode_ms_per_context_token": 0}
 BUDGETS = {"SHORT": 1000, "MEDIUM": 50_000, "LONG": 200_000, "FAILOVER": 300, "ROLLOUT": 100}
 SHORT, LONG, FAILOVER = (common_pb2.REQUEST_CLASS_SHORT, common_pb2.REQUEST_CLASS_LONG,
@@ -74,6 +76,19 @@ def test_any_replica_admits_and_releases_against_one_owner(replicas):
     assert release(b, first.ticket) and release(a, second.ticket)
     assert not release(a, first.ticket)
     assert budgets(b)[SHORT].in_use == 0
+
+
+def test_prefill_part_returns_at_the_first_token_and_the_rest_at_the_end(replicas):
+    (a, b), _, _ = replicas
+    admitted = admit(a, cluster="c5", prompt=700, cached=200, out=30)
+    assert admitted.cost == 530
+    early = b.ReleaseTicket(admission_pb2.ReleaseTicketRequest(ticket=admitted.ticket, prefill_done=True))
+    assert early.found and early.returned_cost == 500
+    assert budgets(a, "c5")[SHORT].in_use == 30
+    again = a.ReleaseTicket(admission_pb2.ReleaseTicketRequest(ticket=admitted.ticket, prefill_done=True))
+    assert again.found and again.returned_cost == 0
+    final = a.ReleaseTicket(admission_pb2.ReleaseTicketRequest(ticket=admitted.ticket))
+    assert final.found and final.returned_cost == 30 and budgets(b, "c5")[SHORT].in_use == 0
 
 
 def test_over_budget_is_resource_exhausted_with_a_retry_hint_and_classes_are_independent(replicas):

@@ -1,5 +1,6 @@
-"""Budget properties under random operation sequences: in_use never exceeds budget, release returns
-exactly what admit took, a class's traffic never changes another class's account, FIFO within a class."""
+"""Budget properties under random operation sequences: in_use never exceeds budget, releases (the early
+prefill part plus the final one) return exactly what admit took, a class's traffic never changes another
+class's account, FIFO within a class."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from services.admission.scheduler import AdmissionScheduler, Rejection, Ticket, 
 
 classes = st.sampled_from(REQUEST_CLASSES)
 operations = st.lists(st.one_of(
-    st.tuples(st.just("offer"), classes, st.integers(0, 120), st.floats(0, 5)),
-    st.tuples(st.just("release"), st.integers(0, 50)),
+    st.tuples(st.just("offer"), classes, st.integers(0, 120), st.floats(0, 5), st.integers(0, 150)),
+    st.tuples(st.just("release"), st.integers(0, 50), st.booleans()),
     st.tuples(st.just("budget"), classes, st.integers(0, 300)),
     st.tuples(st.just("tick"), st.floats(0, 3)),
 ), max_size=80)
@@ -29,32 +30,41 @@ def test_budget_invariants(budgets, ops):
     s = AdmissionScheduler(budgets, max_queue=4)
     now = 0.0
     held: list[Ticket] = []
+    returned: dict[str, int] = {}  # ticket id -> cost given back so far
     admitted_order: dict[str, list[int]] = {c: [] for c in REQUEST_CLASSES}
     queued_order: dict[str, list[int]] = {c: [] for c in REQUEST_CLASSES}
     for op in ops:
         before = accounts(s)
         touched: set[str] = set()
         if op[0] == "offer":
-            _, cls, cost, wait = op
+            _, cls, cost, wait, prefill = op
             touched.add(cls)
-            out = s.offer(cls, cost, now, now + wait)
+            out = s.offer(cls, cost, now, now + wait, prefill)
             if isinstance(out, Ticket):
                 held.append(out)
-                assert out.cost == cost
+                assert out.cost == cost and out.prefill_cost == min(prefill, cost)
             elif isinstance(out, Waiter):
                 queued_order[cls].append(out.key)
             else:
                 assert isinstance(out, Rejection) and out.retry_after_ms >= 0
         elif op[0] == "release" and held:
-            ticket = held.pop(op[1] % len(held))
+            index = op[1] % len(held)
+            ticket, prefill_only = held[index], op[2]
             touched.add(ticket.request_class)
             in_use = s.ledger.accounts[ticket.request_class].in_use
-            found, admitted = s.release(ticket.ticket_id, now)
-            assert found and not s.release(ticket.ticket_id, now)[0]  # a second release finds nothing
-            admitted_cost = sum(t.cost for _, t in admitted)
-            # Release gives back exactly the ticket's cost (then queued work of the same class may take it).
-            assert s.ledger.accounts[ticket.request_class].in_use == in_use - ticket.cost + admitted_cost
-            for waiter, t in admitted:
+            released = s.release(ticket.ticket_id, now, prefill_only)
+            assert released.found
+            returned[ticket.ticket_id] = returned.get(ticket.ticket_id, 0) + released.returned
+            if prefill_only:
+                # The early release gives back the prefill part once; the decode part stays held.
+                assert returned[ticket.ticket_id] == ticket.prefill_cost
+            else:
+                held.pop(index)
+                assert returned.pop(ticket.ticket_id) == ticket.cost
+                assert not s.release(ticket.ticket_id, now).found  # a second release finds nothing
+            admitted_cost = sum(t.cost for _, t in released.admitted)
+            assert s.ledger.accounts[ticket.request_class].in_use == in_use - released.returned + admitted_cost
+            for waiter, t in released.admitted:
                 assert t.request_class == ticket.request_class
                 admitted_order[t.request_class].append(waiter.key)
                 held.append(t)
@@ -71,7 +81,7 @@ def test_budget_invariants(budgets, ops):
         after = accounts(s)
         for cls in REQUEST_CLASSES:
             budget, in_use, _ = after[cls]
-            outstanding = sum(t.cost for t in held if t.request_class == cls)
+            outstanding = sum(t.cost - returned.get(t.ticket_id, 0) for t in held if t.request_class == cls)
             assert in_use == outstanding
             # Admission never pushes a class over its budget (a live cut may leave it over until drained).
             assert in_use <= max(budget, before[cls][1])
@@ -92,9 +102,9 @@ def test_queued_request_is_admitted_when_budget_frees():
     assert isinstance(waiter, Waiter)
     # LONG has its own budget: a big LONG request is admitted while SHORT is full.
     assert isinstance(s.offer("LONG", 100, 0.0, 1.0), Ticket)
-    found, admitted = s.release(first.ticket_id, 0.5)
-    assert found and [w.key for w, _ in admitted] == [waiter.key]
-    assert admitted[0][1].arrived_at == 0.0 and admitted[0][1].admitted_at == 0.5
+    released = s.release(first.ticket_id, 0.5)
+    assert released.found and released.returned == 8 and [w.key for w, _ in released.admitted] == [waiter.key]
+    assert released.admitted[0][1].arrived_at == 0.0 and released.admitted[0][1].admitted_at == 0.5
 
 
 def test_over_budget_without_wait_is_rejected_with_a_drain_based_hint():

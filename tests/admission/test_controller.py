@@ -36,7 +36,7 @@ async def test_waiter_that_gives_up_leaves_the_queue_and_costs_nothing():
     with pytest.raises(asyncio.CancelledError):
         await waiter
     assert len(c.scheduler("c0").queues["SHORT"]) == 0
-    assert c.release(c.ticket_id("c0", held))
+    assert c.release(c.ticket_id("c0", held)).found
     assert c.scheduler("c0").ledger.accounts["SHORT"].in_use == 0
 
 

@@ -52,7 +52,8 @@ def test_classes_follow_cost_bands_failover_and_overrides():
     assert classifier.classify(5_000, 4_999, 1).request_class == "SHORT"
     assert classifier.classify(50, 0, 1, failover=True).request_class == "FAILOVER"
     assert classifier.classify(50, 0, 1, override="ROLLOUT").request_class == "ROLLOUT"
-    assert classifier.classify(50, 0, 1).cost == 65  # 50 * (1 + 0.01 * 25) + (2 + 0.001 * 50.5), rounded up
+    # ceil(50 * (1 + 0.01 * 25)) prefill + ceil(2 + 0.001 * 50.5) decode
+    assert (classifier.classify(50, 0, 1).cost, classifier.classify(50, 0, 1).prefill_cost) == (66, 63)
 
 
 @pytest.mark.parametrize("args, field", [((0, 0, 1), "prompt_tokens"), ((10, 11, 1), "cached_tokens")])

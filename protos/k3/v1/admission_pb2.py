@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from k3.v1 import common_pb2 as k3_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15k3/v1/admission.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\"\xf8\x01\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07session\x18\x02 \x01(\x0b\x32\x11.k3.v1.SessionRef\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\x04\x12\x19\n\x11max_output_tokens\x18\x05 \x01(\x04\x12\x0f\n\x07\x63luster\x18\x06 \x01(\t\x12\x10\n\x08\x66\x61ilover\x18\x07 \x01(\x08\x12*\n\rrequest_class\x18\x08 \x01(\x0e\x32\x13.k3.v1.RequestClass\x12\x18\n\x10queue_timeout_ms\x18\t \x01(\r\"l\n\rAdmitResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12*\n\rrequest_class\x18\x02 \x01(\x0e\x32\x13.k3.v1.RequestClass\x12\x0c\n\x04\x63ost\x18\x03 \x01(\x01\x12\x11\n\tqueued_ms\x18\x04 \x01(\x01\"&\n\x14ReleaseTicketRequest\x12\x0e\n\x06ticket\x18\x01 \x01(\t\"&\n\x15ReleaseTicketResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"$\n\x11GetBudgetsRequest\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\"\x8d\x01\n\x0b\x43lassBudget\x12*\n\rrequest_class\x18\x01 \x01(\x0e\x32\x13.k3.v1.RequestClass\x12\x0e\n\x06\x62udget\x18\x02 \x01(\x01\x12\x0e\n\x06in_use\x18\x03 \x01(\x01\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12\x10\n\x08\x61\x64mitted\x18\x05 \x01(\x04\x12\x10\n\x08rejected\x18\x06 \x01(\x04\"H\n\x12GetBudgetsResponse\x12#\n\x07\x62udgets\x18\x01 \x03(\x0b\x32\x12.k3.v1.ClassBudget\x12\r\n\x05owner\x18\x02 \x01(\t2\xd5\x01\n\x10\x41\x64missionService\x12\x32\n\x05\x41\x64mit\x12\x13.k3.v1.AdmitRequest\x1a\x14.k3.v1.AdmitResponse\x12J\n\rReleaseTicket\x12\x1b.k3.v1.ReleaseTicketRequest\x1a\x1c.k3.v1.ReleaseTicketResponse\x12\x41\n\nGetBudgets\x12\x18.k3.v1.GetBudgetsRequest\x1a\x19.k3.v1.GetBudgetsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15k3/v1/admission.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\"\xf8\x01\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07session\x18\x02 \x01(\x0b\x32\x11.k3.v1.SessionRef\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\x04\x12\x19\n\x11max_output_tokens\x18\x05 \x01(\x04\x12\x0f\n\x07\x63luster\x18\x06 \x01(\t\x12\x10\n\x08\x66\x61ilover\x18\x07 \x01(\x08\x12*\n\rrequest_class\x18\x08 \x01(\x0e\x32\x13.k3.v1.RequestClass\x12\x18\n\x10queue_timeout_ms\x18\t \x01(\r\"l\n\rAdmitResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12*\n\rrequest_class\x18\x02 \x01(\x0e\x32\x13.k3.v1.RequestClass\x12\x0c\n\x04\x63ost\x18\x03 \x01(\x01\x12\x11\n\tqueued_ms\x18\x04 \x01(\x01\"<\n\x14ReleaseTicketRequest\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x14\n\x0cprefill_done\x18\x02 \x01(\x08\"=\n\x15ReleaseTicketResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x15\n\rreturned_cost\x18\x02 \x01(\x01\"$\n\x11GetBudgetsRequest\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\"\x8d\x01\n\x0b\x43lassBudget\x12*\n\rrequest_class\x18\x01 \x01(\x0e\x32\x13.k3.v1.RequestClass\x12\x0e\n\x06\x62udget\x18\x02 \x01(\x01\x12\x0e\n\x06in_use\x18\x03 \x01(\x01\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12\x10\n\x08\x61\x64mitted\x18\x05 \x01(\x04\x12\x10\n\x08rejected\x18\x06 \x01(\x04\"H\n\x12GetBudgetsResponse\x12#\n\x07\x62udgets\x18\x01 \x03(\x0b\x32\x12.k3.v1.ClassBudget\x12\r\n\x05owner\x18\x02 \x01(\t2\xd5\x01\n\x10\x41\x64missionService\x12\x32\n\x05\x41\x64mit\x12\x13.k3.v1.AdmitRequest\x1a\x14.k3.v1.AdmitResponse\x12J\n\rReleaseTicket\x12\x1b.k3.v1.ReleaseTicketRequest\x1a\x1c.k3.v1.ReleaseTicketResponse\x12\x41\n\nGetBudgets\x12\x18.k3.v1.GetBudgetsRequest\x1a\x19.k3.v1.GetBudgetsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,15 +37,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADMITRESPONSE']._serialized_start=303
   _globals['_ADMITRESPONSE']._serialized_end=411
   _globals['_RELEASETICKETREQUEST']._serialized_start=413
-  _globals['_RELEASETICKETREQUEST']._serialized_end=451
-  _globals['_RELEASETICKETRESPONSE']._serialized_start=453
-  _globals['_RELEASETICKETRESPONSE']._serialized_end=491
-  _globals['_GETBUDGETSREQUEST']._serialized_start=493
-  _globals['_GETBUDGETSREQUEST']._serialized_end=529
-  _globals['_CLASSBUDGET']._serialized_start=532
-  _globals['_CLASSBUDGET']._serialized_end=673
-  _globals['_GETBUDGETSRESPONSE']._serialized_start=675
-  _globals['_GETBUDGETSRESPONSE']._serialized_end=747
-  _globals['_ADMISSIONSERVICE']._serialized_start=750
-  _globals['_ADMISSIONSERVICE']._serialized_end=963
+  _globals['_RELEASETICKETREQUEST']._serialized_end=473
+  _globals['_RELEASETICKETRESPONSE']._serialized_start=475
+  _globals['_RELEASETICKETRESPONSE']._serialized_end=536
+  _globals['_GETBUDGETSREQUEST']._serialized_start=538
+  _globals['_GETBUDGETSREQUEST']._serialized_end=574
+  _globals['_CLASSBUDGET']._serialized_start=577
+  _globals['_CLASSBUDGET']._serialized_end=718
+  _globals['_GETBUDGETSRESPONSE']._serialized_start=720
+  _globals['_GETBUDGETSRESPONSE']._serialized_end=792
+  _globals['_ADMISSIONSERVICE']._serialized_start=795
+  _globals['_ADMISSIONSERVICE']._serialized_end=1008
 # @@protoc_insertion_point(module_scope)

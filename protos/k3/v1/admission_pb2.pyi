@@ -98,15 +98,21 @@ class ReleaseTicketRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TICKET_FIELD_NUMBER: _builtins.int
+    PREFILL_DONE_FIELD_NUMBER: _builtins.int
     ticket: _builtins.str
+    prefill_done: _builtins.bool
+    """Return only the prefill part of the ticket's cost (call at the first token); the decode part stays held
+    until the final release. Budgets then bound in-flight prefill work, which is what delays others' TTFT.
+    """
     def __init__(
         self,
         *,
         ticket: _builtins.str = ...,
+        prefill_done: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ticket", b"ticket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefill_done", b"prefill_done", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -117,15 +123,19 @@ class ReleaseTicketResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FOUND_FIELD_NUMBER: _builtins.int
+    RETURNED_COST_FIELD_NUMBER: _builtins.int
     found: _builtins.bool
+    returned_cost: _builtins.float
+    """Cost units this call gave back to the class budget."""
     def __init__(
         self,
         *,
         found: _builtins.bool = ...,
+        returned_cost: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "returned_cost", b"returned_cost"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
