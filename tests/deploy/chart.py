@@ -27,7 +27,8 @@ def chart() -> helm_python.Chart:
 
 
 def load_values(path: Path) -> dict[str, Any]:
-    return yaml.safe_load(path.read_text()) or {}
+    """A values file parsed by Helm's own YAML reader (what `helm install -f` does: anchors, merge keys)."""
+    return helm_python.values_from_yaml(path.read_text())
 
 
 def render(values: dict[str, Any], release: str = RELEASE) -> tuple[Obj, ...]:
