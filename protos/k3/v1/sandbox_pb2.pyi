@@ -86,6 +86,11 @@ class SandboxInfo(_message.Message):
     MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     SNAPSHOT_IDS_FIELD_NUMBER: _builtins.int
     CREATED_UNIX_FIELD_NUMBER: _builtins.int
+    IDLE_PAUSE_S_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    IDLE_S_FIELD_NUMBER: _builtins.int
+    RUNNING_COMMANDS_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     image: _builtins.str
     tenant: _builtins.str
@@ -93,6 +98,12 @@ class SandboxInfo(_message.Message):
     backend: _builtins.str
     memory_bytes: _builtins.int
     created_unix: _builtins.float
+    idle_pause_s: _builtins.int
+    ttl_s: _builtins.int
+    snapshot_interval_s: _builtins.int
+    idle_s: _builtins.float
+    """Seconds since the last API call touched the sandbox."""
+    running_commands: _builtins.int
     @_builtins.property
     def limits(self) -> Global___ResourceLimits: ...
     @_builtins.property
@@ -109,10 +120,15 @@ class SandboxInfo(_message.Message):
         memory_bytes: _builtins.int = ...,
         snapshot_ids: _abc.Iterable[_builtins.str] | None = ...,
         created_unix: _builtins.float = ...,
+        idle_pause_s: _builtins.int = ...,
+        ttl_s: _builtins.int = ...,
+        snapshot_interval_s: _builtins.int = ...,
+        idle_s: _builtins.float = ...,
+        running_commands: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "created_unix", b"created_unix", "image", b"image", "limits", b"limits", "memory_bytes", b"memory_bytes", "sandbox_id", b"sandbox_id", "snapshot_ids", b"snapshot_ids", "state", b"state", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "created_unix", b"created_unix", "idle_pause_s", b"idle_pause_s", "idle_s", b"idle_s", "image", b"image", "limits", b"limits", "memory_bytes", b"memory_bytes", "running_commands", b"running_commands", "sandbox_id", b"sandbox_id", "snapshot_ids", b"snapshot_ids", "snapshot_interval_s", b"snapshot_interval_s", "state", b"state", "tenant", b"tenant", "ttl_s", b"ttl_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -309,10 +325,15 @@ class ExecRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     CWD_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
+    BACKGROUND_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     stdin: _builtins.bytes
     timeout_s: _builtins.int
     cwd: _builtins.str
+    background: _builtins.bool
+    """Detach the command (its stdio goes to /tmp/.bg-*.log inside the sandbox) and return at once; it keeps
+    running across pause, snapshot, restore and fork.
+    """
     @_builtins.property
     def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -326,10 +347,11 @@ class ExecRequest(_message.Message):
         timeout_s: _builtins.int = ...,
         cwd: _builtins.str = ...,
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        background: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cwd", b"cwd", "env", b"env", "sandbox_id", b"sandbox_id", "stdin", b"stdin", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "background", b"background", "cwd", b"cwd", "env", b"env", "sandbox_id", b"sandbox_id", "stdin", b"stdin", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -726,3 +748,114 @@ class DeleteSnapshotResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteSnapshotResponse: _TypeAlias = DeleteSnapshotResponse  # noqa: Y015
+
+@_typing.final
+class ListBackendsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListBackendsRequest: _TypeAlias = ListBackendsRequest  # noqa: Y015
+
+@_typing.final
+class BackendInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    AVAILABLE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MEMORY_SNAPSHOT_FIELD_NUMBER: _builtins.int
+    INCREMENTAL_FIELD_NUMBER: _builtins.int
+    LIVE_FORK_FIELD_NUMBER: _builtins.int
+    IS_DEFAULT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    available: _builtins.bool
+    reason: _builtins.str
+    """Why the backend cannot run on this host, when it cannot."""
+    memory_snapshot: _builtins.bool
+    incremental: _builtins.bool
+    live_fork: _builtins.bool
+    is_default: _builtins.bool
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        available: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        memory_snapshot: _builtins.bool = ...,
+        incremental: _builtins.bool = ...,
+        live_fork: _builtins.bool = ...,
+        is_default: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "incremental", b"incremental", "is_default", b"is_default", "live_fork", b"live_fork", "memory_snapshot", b"memory_snapshot", "name", b"name", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackendInfo: _TypeAlias = BackendInfo  # noqa: Y015
+
+@_typing.final
+class ListBackendsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BACKENDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def backends(self) -> _containers.RepeatedCompositeFieldContainer[Global___BackendInfo]: ...
+    def __init__(
+        self,
+        *,
+        backends: _abc.Iterable[Global___BackendInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backends", b"backends"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListBackendsResponse: _TypeAlias = ListBackendsResponse  # noqa: Y015
+
+@_typing.final
+class SetSandboxTimeoutRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    ttl_s: _builtins.int
+    """Destroy the sandbox once it has been idle this long; 0 disables the TTL."""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        ttl_s: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetSandboxTimeoutRequest: _TypeAlias = SetSandboxTimeoutRequest  # noqa: Y015
+
+@_typing.final
+class SetSandboxTimeoutResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetSandboxTimeoutResponse: _TypeAlias = SetSandboxTimeoutResponse  # noqa: Y015

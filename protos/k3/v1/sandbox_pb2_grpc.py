@@ -100,6 +100,16 @@ class SandboxServiceStub:
                 request_serializer=k3_dot_v1_dot_sandbox__pb2.DeleteSnapshotRequest.SerializeToString,
                 response_deserializer=k3_dot_v1_dot_sandbox__pb2.DeleteSnapshotResponse.FromString,
                 _registered_method=True)
+        self.ListBackends = channel.unary_unary(
+                '/k3.v1.SandboxService/ListBackends',
+                request_serializer=k3_dot_v1_dot_sandbox__pb2.ListBackendsRequest.SerializeToString,
+                response_deserializer=k3_dot_v1_dot_sandbox__pb2.ListBackendsResponse.FromString,
+                _registered_method=True)
+        self.SetSandboxTimeout = channel.unary_unary(
+                '/k3.v1.SandboxService/SetSandboxTimeout',
+                request_serializer=k3_dot_v1_dot_sandbox__pb2.SetSandboxTimeoutRequest.SerializeToString,
+                response_deserializer=k3_dot_v1_dot_sandbox__pb2.SetSandboxTimeoutResponse.FromString,
+                _registered_method=True)
 
 
 class SandboxServiceServicer:
@@ -184,6 +194,18 @@ class SandboxServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListBackends(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetSandboxTimeout(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandboxServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -251,6 +273,16 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.DeleteSnapshot,
                     request_deserializer=k3_dot_v1_dot_sandbox__pb2.DeleteSnapshotRequest.FromString,
                     response_serializer=k3_dot_v1_dot_sandbox__pb2.DeleteSnapshotResponse.SerializeToString,
+            ),
+            'ListBackends': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBackends,
+                    request_deserializer=k3_dot_v1_dot_sandbox__pb2.ListBackendsRequest.FromString,
+                    response_serializer=k3_dot_v1_dot_sandbox__pb2.ListBackendsResponse.SerializeToString,
+            ),
+            'SetSandboxTimeout': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetSandboxTimeout,
+                    request_deserializer=k3_dot_v1_dot_sandbox__pb2.SetSandboxTimeoutRequest.FromString,
+                    response_serializer=k3_dot_v1_dot_sandbox__pb2.SetSandboxTimeoutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -605,6 +637,60 @@ class SandboxService:
             '/k3.v1.SandboxService/DeleteSnapshot',
             k3_dot_v1_dot_sandbox__pb2.DeleteSnapshotRequest.SerializeToString,
             k3_dot_v1_dot_sandbox__pb2.DeleteSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBackends(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/k3.v1.SandboxService/ListBackends',
+            k3_dot_v1_dot_sandbox__pb2.ListBackendsRequest.SerializeToString,
+            k3_dot_v1_dot_sandbox__pb2.ListBackendsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetSandboxTimeout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/k3.v1.SandboxService/SetSandboxTimeout',
+            k3_dot_v1_dot_sandbox__pb2.SetSandboxTimeoutRequest.SerializeToString,
+            k3_dot_v1_dot_sandbox__pb2.SetSandboxTimeoutResponse.FromString,
             options,
             channel_credentials,
             insecure,

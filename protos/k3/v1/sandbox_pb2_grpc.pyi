@@ -46,6 +46,8 @@ class SandboxServiceStub:
     ForkSandbox: _grpc.UnaryUnaryMultiCallable[_sandbox_pb2.ForkSandboxRequest, _sandbox_pb2.ForkSandboxResponse]
     DestroySandbox: _grpc.UnaryUnaryMultiCallable[_sandbox_pb2.DestroySandboxRequest, _sandbox_pb2.DestroySandboxResponse]
     DeleteSnapshot: _grpc.UnaryUnaryMultiCallable[_sandbox_pb2.DeleteSnapshotRequest, _sandbox_pb2.DeleteSnapshotResponse]
+    ListBackends: _grpc.UnaryUnaryMultiCallable[_sandbox_pb2.ListBackendsRequest, _sandbox_pb2.ListBackendsResponse]
+    SetSandboxTimeout: _grpc.UnaryUnaryMultiCallable[_sandbox_pb2.SetSandboxTimeoutRequest, _sandbox_pb2.SetSandboxTimeoutResponse]
 
 @_typing.type_check_only
 class SandboxServiceAsyncStub(SandboxServiceStub):
@@ -65,6 +67,8 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     ForkSandbox: _aio.UnaryUnaryMultiCallable[_sandbox_pb2.ForkSandboxRequest, _sandbox_pb2.ForkSandboxResponse]  # type: ignore[assignment]
     DestroySandbox: _aio.UnaryUnaryMultiCallable[_sandbox_pb2.DestroySandboxRequest, _sandbox_pb2.DestroySandboxResponse]  # type: ignore[assignment]
     DeleteSnapshot: _aio.UnaryUnaryMultiCallable[_sandbox_pb2.DeleteSnapshotRequest, _sandbox_pb2.DeleteSnapshotResponse]  # type: ignore[assignment]
+    ListBackends: _aio.UnaryUnaryMultiCallable[_sandbox_pb2.ListBackendsRequest, _sandbox_pb2.ListBackendsResponse]  # type: ignore[assignment]
+    SetSandboxTimeout: _aio.UnaryUnaryMultiCallable[_sandbox_pb2.SetSandboxTimeoutRequest, _sandbox_pb2.SetSandboxTimeoutResponse]  # type: ignore[assignment]
 
 class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
     """Sandbox manager: isolated agent environments with pause/resume, live fork, snapshots and restore."""
@@ -159,5 +163,19 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _sandbox_pb2.DeleteSnapshotRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_sandbox_pb2.DeleteSnapshotResponse, _abc.Awaitable[_sandbox_pb2.DeleteSnapshotResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListBackends(
+        self,
+        request: _sandbox_pb2.ListBackendsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sandbox_pb2.ListBackendsResponse, _abc.Awaitable[_sandbox_pb2.ListBackendsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def SetSandboxTimeout(
+        self,
+        request: _sandbox_pb2.SetSandboxTimeoutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sandbox_pb2.SetSandboxTimeoutResponse, _abc.Awaitable[_sandbox_pb2.SetSandboxTimeoutResponse]]: ...
 
 def add_SandboxServiceServicer_to_server(servicer: SandboxServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

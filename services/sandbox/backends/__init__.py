@@ -1,0 +1,1 @@
+"""Sandbox backends: namespace (bubblewrap + overlayfs + cgroups), criu (runc + CRIU), firecracker."""

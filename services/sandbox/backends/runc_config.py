@@ -1,0 +1,71 @@
+"""OCI runtime config for a CRIU-backed sandbox container.
+
+A user namespace with an identity mapping is what makes checkpointing unprivileged tenants possible on hosts
+where the manager lacks CAP_SYS_RESOURCE (containers, as here): CRIU must read every task's rlimits, which the
+kernel allows only to a task holding CAP_SYS_RESOURCE in the *target's* user namespace, and root owns the
+namespace runc creates. The init is a shell loop: tiny, reaps adopted orphans, and CRIU can dump it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.sandbox.backends.base import Limits
+from services.sandbox.backends.launch import BASE_ENV
+
+INIT_ARGV = ["/bin/sh", "-c", 'trap "exit 0" TERM; while :; do sleep 86400 & wait; done']
+_ID_MAP = [{"containerID": 0, "hostID": 0, "size": 65536}]
+_MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
+           "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware", "/proc/scsi"]
+_READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+_CFS_PERIOD_US = 100_000
+
+
+def runc_config(rootfs: Path, hostname: str, cgroups_path: str, limits: Limits, host_usr: bool) -> dict:
+    mounts = [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
+    ]
+    namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount", "user")]
+    if not limits.network:
+        namespaces.append({"type": "network"})
+        # sysfs may only be mounted by the owner of the network namespace, i.e. when it is our own.
+        mounts.append({"destination": "/sys", "type": "sysfs", "source": "sysfs",
+                       "options": ["nosuid", "noexec", "nodev", "ro"]})
+    if host_usr:
+        mounts.append({"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]})
+    no_caps: list[str] = []
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": INIT_ARGV,
+            "env": [f"{k}={v}" for k, v in BASE_ENV.items()],
+            "cwd": "/",
+            "capabilities": {k: no_caps for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},
+            "noNewPrivileges": True,
+        },
+        "root": {"path": str(rootfs), "readonly": False},
+        "hostname": hostname,
+        "mounts": mounts,
+        "linux": {
+            "uidMappings": _ID_MAP,
+            "gidMappings": _ID_MAP,
+            "namespaces": namespaces,
+            "cgroupsPath": cgroups_path,
+            "resources": {
+                "memory": {"limit": limits.memory_bytes, "swap": limits.memory_bytes},
+                "cpu": {"quota": limits.cpu_millis * _CFS_PERIOD_US // 1000, "period": _CFS_PERIOD_US},
+                "pids": {"limit": limits.pids},
+            },
+            "maskedPaths": _MASKED,
+            "readonlyPaths": _READONLY,
+        },
+    }
