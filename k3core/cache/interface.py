@@ -12,6 +12,12 @@ Shapes (per rank; H = KDA heads on this rank, D = KDA head dim, W = short-conv k
 
 KDA layers are indexed by their position among KDA layers (0..num_kda_layers-1), MLA layers by their
 position among MLA layers, so a cache can size itself from the config alone.
+
+Call order within one forward (what `K3Model.forward` does, and all it assumes): per KDA layer one
+`kda_read` then one `kda_write`; per MLA layer one `mla_append` then one `mla_read` per sequence. The
+model never advances lengths: the owner does after the forward (`ContiguousBatchCache.commit()`), and may
+stage writes until then so that a failed forward leaves every sequence unchanged. States are read and
+written in the cache's dtypes; the model computes in at least float32 and casts back.
 """
 
 from __future__ import annotations
