@@ -67,9 +67,11 @@ class MxQuantConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> MxQuantConfig:
-        if raw.get("format") != FORMAT:
-            raise CheckpointError(f"quantization_config.format: only {FORMAT!r} is supported, got {raw.get('format')!r}")
         groups = raw.get("config_groups") or {}
+        # Newer compressed-tensors releases may record the format per group instead of at the top.
+        formats = {raw.get("format")} if raw.get("format") else {g.get("format") for g in groups.values()}
+        if formats != {FORMAT}:
+            raise CheckpointError(f"quantization_config.format: only {FORMAT!r} is supported, got {sorted(map(str, formats))}")
         targets: list[str] = []
         for name, group in groups.items():
             weights = group.get("weights") or {}

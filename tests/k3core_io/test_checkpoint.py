@@ -135,6 +135,10 @@ def test_broken_mxfp4_checkpoints_are_refused(tmp_path, state):
     config_path.write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="group_size 32"):
         load_checkpoint(tmp_path)
+    config["quantization_config"]["format"] = "nvfp4-pack-quantized"
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="only 'mxfp4-pack-quantized' is supported"):
+        load_checkpoint(tmp_path)
     del config["quantization_config"]
     config_path.write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="no quantization_config"):
@@ -146,3 +150,16 @@ def test_broken_mxfp4_checkpoints_are_refused(tmp_path, state):
         load_checkpoint(tmp_path / "bad")
     assert "a.weight_scale: shape [4, 2] does not fit packed [4, 16]" in str(info.value)
     assert "b.weight_scale without its .weight_packed" in str(info.value)
+
+
+def test_quantization_config_round_trips_with_format_at_group_level():
+    raw = MxQuantConfig().to_hf_dict()
+    raw["config_groups"]["group_0"]["format"] = raw.pop("format")  # newer compressed-tensors layout
+    assert MxQuantConfig.from_hf_dict(raw) == MxQuantConfig()
+    assert MxQuantConfig().quantizes("model.layers.1.block_sparse_moe.experts.0.w1")
+    assert not MxQuantConfig().quantizes("model.layers.1.block_sparse_moe.shared_experts.up_proj")
+    # The release's class target "Linear" plus its ignore list: router and attention stay unquantised.
+    released = MxQuantConfig(targets=("Linear",))
+    assert released.quantizes("model.layers.1.block_sparse_moe.experts.0.w2")
+    assert not released.quantizes("model.layers.1.block_sparse_moe.gate")
+    assert not released.quantizes("model.layers.0.self_attn.q_proj")
