@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Many torch processes share 2 cores in these tests (the suite, service processes, fleets): one OpenMP
+# thread each avoids spin-waiting threads starving each other. Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from services.runtime.local_etcd import EtcdServer
 from tests.support.processes import ServiceProcess

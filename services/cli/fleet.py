@@ -110,7 +110,8 @@ def start_member(name: str, service: str, cluster: str, etcd_endpoint: str, extr
     cmd = [sys.executable, "-m", "services.cli.main", "serve", service, "--port", "0", "--metrics-port", "0",
            "--cluster", cluster, "--instance", name, "--etcd-endpoints", etcd_endpoint,
            "--lease-ttl-s", str(ttl_s), "--ready-file", str(ready), *DEFAULT_ARGS.get(service, []), *extra_args]
-    env = {**os.environ, "K3_AUTH_TOKEN": token} if token else None
+    # A CPU fleet shares few cores among many torch processes: one OpenMP thread each unless told otherwise.
+    env = {"OMP_NUM_THREADS": "1", **os.environ, **({"K3_AUTH_TOKEN": token} if token else {})}
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(logs / f"{name}.log", "ab"),
                             start_new_session=True, env=env)
 

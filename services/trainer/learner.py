@@ -1,0 +1,111 @@
+"""One policy-optimisation step on the model: log-probs of the sampled tokens, the per-token off-policy
+loss, Per-Head Muon (AdamW for embeddings, norms and vectors), then the Quantile-Balancing router-bias
+update from the routing scores seen in the step (the bias only selects experts; it is not trained by
+gradients)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from k3core.cache.contiguous import ContiguousBatchCache
+from k3core.layers.moe import MoEGate
+from k3core.model.k3model import K3Model
+from k3core.ops.qb import qb_update_histogram
+from services.trainer.loss import group_advantages, per_token_policy_loss
+from services.trainer.muon import PerHeadMuon
+
+# Attention projections whose rows split into heads (Per-Head Muon orthogonalises each head's block).
+HEADED = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+
+
+@dataclasses.dataclass
+class Sample:
+    group: str
+    tokens: list[int]
+    behaviour_logprobs: list[float]  # one per token; prompt tokens carry 0 and mask 0
+    loss_mask: list[int]
+    reward: float
+
+
+@dataclasses.dataclass
+class StepStats:
+    loss: float
+    tokens: int
+    max_log_ratio: float
+
+
+class Learner:
+    def __init__(self, model: K3Model, lr: float = 2e-3, adam_lr: float = 3e-4, tau: float = 0.1,
+                 max_log_ratio: float = 2.0):
+        self.model, self.tau, self.max_log_ratio = model, tau, max_log_ratio
+        matrices, headed, vectors = [], [], []
+        heads = model.config.kda_num_heads
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            if p.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name:
+                (headed if name.endswith(HEADED) and p.shape[0] % heads == 0 else matrices).append(p)
+            else:
+                vectors.append(p)
+        self.muon = PerHeadMuon([{"params": matrices, "heads": 0}, {"params": headed, "heads": heads}], lr=lr)
+        self.adam = torch.optim.AdamW(vectors, lr=adam_lr, weight_decay=0.0)
+        self.gates = [m for m in model.modules() if isinstance(m, MoEGate)]
+        self._scores: dict[int, list[torch.Tensor]] = {}
+        for gate in self.gates:
+            gate.register_forward_hook(self._record_scores)
+
+    def _record_scores(self, gate: MoEGate, _inputs, logits: torch.Tensor) -> None:
+        self._scores.setdefault(id(gate), []).append(torch.sigmoid(logits.detach()))
+
+    def token_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """log p(token_t | tokens_<t) for t >= 1 of each sample, with gradients."""
+        caches = [self.model.new_sequence_cache() for _ in samples]
+        batch = ContiguousBatchCache(caches, [len(s.tokens) for s in samples])
+        flat = torch.tensor([t for s in samples for t in s.tokens])
+        logp = torch.log_softmax(self.model(flat, batch).float(), dim=-1)
+        out, offset = [], 0
+        for s in samples:
+            n = len(s.tokens)
+            rows = logp[offset : offset + n - 1]
+            out.append(rows.gather(1, torch.tensor(s.tokens[1:])[:, None])[:, 0])
+            offset += n
+        return out
+
+    def step(self, samples: list[Sample]) -> StepStats:
+        self._scores.clear()
+        groups = sorted({s.group for s in samples})
+        rewards = torch.tensor([s.reward for s in samples])
+        advantages = torch.zeros(len(samples))
+        for g in groups:
+            idx = torch.tensor([i for i, s in enumerate(samples) if s.group == g])
+            advantages[idx] = group_advantages(rewards[idx][None])[0]
+        logps = self.token_logprobs(samples)
+        width = max(len(x) for x in logps)
+
+        def pad(rows: list) -> torch.Tensor:
+            return torch.stack([torch.nn.functional.pad(torch.as_tensor(r, dtype=torch.float32),
+                                                        (0, width - len(r))) for r in rows])
+
+        logp = torch.stack([torch.nn.functional.pad(x, (0, width - len(x))) for x in logps])
+        behaviour = pad([s.behaviour_logprobs[1:] for s in samples])
+        mask = pad([s.loss_mask[1:] for s in samples])
+        loss = per_token_policy_loss(logp, behaviour, advantages, mask, self.tau, self.max_log_ratio)
+        self.muon.zero_grad()
+        self.adam.zero_grad()
+        loss.backward()
+        self.muon.step()
+        self.adam.step()
+        self._update_router_bias()
+        ratio = ((logp.detach() - behaviour).abs() * mask).max().item()
+        return StepStats(loss.item(), int(mask.sum().item()), ratio)
+
+    @torch.no_grad()
+    def _update_router_bias(self) -> None:
+        top_k = self.model.config.num_experts_per_token
+        for gate in self.gates:
+            scores = self._scores.get(id(gate))
+            if scores:
+                gate.e_score_correction_bias.copy_(
+                    qb_update_histogram(torch.cat(scores), gate.e_score_correction_bias, top_k))
