@@ -75,3 +75,15 @@ def ci_values(name: str) -> Path:
     path = CHART_DIR / "ci" / f"{name}-values.yaml"
     assert path.exists(), path
     return path
+
+
+def pod_env(deployment: Obj, pod_ip: str = "10.1.2.3") -> dict[str, str]:
+    """The container env as the kubelet would resolve it: downward-API fields filled in (pod IP, name
+    `pod-0`), secret references replaced by a stand-in token, $(VAR) references expanded."""
+    env: dict[str, str] = {}
+    for name, value in env_map(container(deployment)).items():
+        if isinstance(value, dict):
+            ref = value.get("fieldRef", {}).get("fieldPath")
+            value = {"status.podIP": pod_ip, "metadata.name": "pod-0"}.get(ref, "secret-token-from-kubelet")
+        env[name] = value.replace("$(K3_POD_IP)", pod_ip)
+    return env

@@ -12,8 +12,7 @@ import sys
 import pytest
 
 from services.runtime.local_etcd import EtcdServer
-from tests.deploy.chart import REPO, ci_values, container, of_kind, render_file
-from tests.deploy.test_runtime_config import _pod_env
+from tests.deploy.chart import REPO, ci_values, container, of_kind, pod_env, render_file
 from tests.support.processes import ServiceProcess
 
 # Started in this order: the gateway dials the router and admission it is given.
@@ -38,7 +37,7 @@ def test_rendered_control_plane_pods_serve_and_drain(etcd, tmp_path):
         for name in SERVICES:
             spec = container(deployments[name])
             prefix = f"K3_{name.upper()}_"
-            env = _pod_env(deployments[name]) | {
+            env = pod_env(deployments[name]) | {
                 "K3_ETCD_ENDPOINTS": etcd.endpoint, prefix + "HOST": "127.0.0.1", prefix + "PORT": "0",
                 prefix + "METRICS_PORT": "0", prefix + "ADVERTISE_ADDRESS": "", "K3_AUTH_TOKEN": "t" * 20}
             if name == "gateway":

@@ -11,9 +11,8 @@ import pytest
 import yaml
 
 from services.runtime.config import ServiceConfig
-from tests.deploy.chart import CI_VALUES, container, env_map, of_kind, render_file
+from tests.deploy.chart import CI_VALUES, of_kind, pod_env, render_file
 
-# Values the kubelet fills in (downward API, secrets) stand in for a real pod.
 POD_IP = "10.1.2.3"
 
 
@@ -25,23 +24,13 @@ def _config_class(service: str) -> type[ServiceConfig]:
     return ServiceConfig
 
 
-def _pod_env(deployment) -> dict[str, str]:
-    env = {}
-    for name, value in env_map(container(deployment)).items():
-        if isinstance(value, dict):
-            ref = value.get("fieldRef", {}).get("fieldPath")
-            value = {"status.podIP": POD_IP, "metadata.name": "pod-0"}.get(ref, "secret-token-from-kubelet")
-        env[name] = value.replace("$(K3_POD_IP)", POD_IP)
-    return env
-
-
 @pytest.mark.parametrize("values_file", CI_VALUES, ids=lambda p: p.stem)
 def test_every_pod_config_loads_and_validates(values_file, tmp_path):
     objects = render_file(values_file)
     config_file = tmp_path / "config.yaml"
     config_file.write_text(of_kind(objects, "ConfigMap")["config"]["data"]["config.yaml"])
     for name, deployment in of_kind(objects, "Deployment").items():
-        env = _pod_env(deployment)
+        env = pod_env(deployment, POD_IP)
         config = _config_class(name).load(name, ["--config", str(config_file)], env=env)
         labels = deployment["metadata"]["labels"]
         assert config.host == "0.0.0.0"
