@@ -60,15 +60,28 @@ def save_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
     """Write ``state_dict`` in Hugging Face layout; ``config`` is a K3Config or a config.json dict."""
-    tensors = quantize_state_dict(state_dict, quantization) if quantization else dict(state_dict)
+    config_out = _config_dict(config)
+    tensors = _untie(dict(state_dict), config_out)
+    tensors = quantize_state_dict(tensors, quantization) if quantization else tensors
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in _without_aliases(tensors).items()}
     has_packed = any(n.endswith(PACKED_SUFFIX) for n in tensors)
-    config_out = _config_dict(config)
     if has_packed:
         if quantization is None:
             raise CheckpointError("state dict holds MXFP4 tensors: pass quantization= to record it in config.json")
         config_out["quantization_config"] = quantization.to_hf_dict()
     hf_layout.write_files(Path(directory), hf_layout.group_into_files(tensors, max_shard_bytes), config_out)
+
+
+def _untie(tensors: dict[str, torch.Tensor], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """With ``tie_word_embeddings`` the lm_head is the embedding and is not stored, even when the caller
+    cloned it into a separate tensor; a head that differs from the embedding is refused, not dropped."""
+    tied = config.get("tie_word_embeddings") or (config.get("text_config") or {}).get("tie_word_embeddings")
+    head, emb = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if not tied or head is None or emb is None:
+        return tensors
+    if not torch.equal(head, emb):
+        raise CheckpointError("config ties lm_head to embed_tokens but the state dict holds different values")
+    return {n: t for n, t in tensors.items() if n != "lm_head.weight"}
 
 
 def _without_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -163,3 +163,12 @@ def test_quantization_config_round_trips_with_format_at_group_level():
     assert released.quantizes("model.layers.1.block_sparse_moe.experts.0.w2")
     assert not released.quantizes("model.layers.1.block_sparse_moe.gate")
     assert not released.quantizes("model.layers.0.self_attn.q_proj")
+
+
+def test_tied_head_is_not_stored_even_when_cloned(tmp_path):
+    emb = torch.randn(4, 8)
+    config = {"tie_word_embeddings": True}
+    save_checkpoint(tmp_path, {"model.embed_tokens.weight": emb, "lm_head.weight": emb.clone()}, config)
+    assert list(load_checkpoint(tmp_path).state_dict) == ["model.embed_tokens.weight"]
+    with pytest.raises(CheckpointError, match="ties lm_head"):
+        save_checkpoint(tmp_path, {"model.embed_tokens.weight": emb, "lm_head.weight": emb + 1}, config)

@@ -53,3 +53,16 @@ def test_whole_nano_model_save_load_bit_exact_and_same_logits(tmp_path):
         load_into(bad, tmp_path)
     v, d = config.vocab_size, config.hidden_size
     assert f"model.embed_tokens.weight: model wants [{v}, {d // 2}], checkpoint has [{v}, {d}]" in str(info.value)
+
+
+def test_tied_embedding_model_round_trips(tmp_path):
+    config = preset("nano").replace(tie_word_embeddings=True)
+    model = K3Model(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_()
+    save_checkpoint(tmp_path, model.state_dict(), config)
+    assert set(load_checkpoint(tmp_path, expected=parameter_shapes(config)).state_dict) == set(parameter_shapes(config))
+    fresh = K3Model(config)
+    load_into(fresh, tmp_path)
+    assert torch.equal(fresh.lm_head.weight, model.model.embed_tokens.weight)
+    assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()  # still tied
