@@ -33,9 +33,9 @@ if triton is not None:
 
     @triton.jit
     def _conv_silu(new, rep, hist, wgt, t, r, b, h, L, R, offs, H: tl.constexpr, D: tl.constexpr,
-                   W: tl.constexpr):
-        """Swish(ShortConv(x))[t] for one stream; wgt points at this head's [D, W] conv taps."""
-        acc = tl.zeros([D], dtype=tl.float32)
+                   W: tl.constexpr, N: tl.constexpr):
+        """Swish(ShortConv(x))[t] for the N channels `offs` of one stream; wgt: this head's [D, W] taps."""
+        acc = tl.zeros([N], dtype=tl.float32)
         for w in tl.static_range(W):
             x = _raw_input(new, rep, hist, t - (W - 1) + w, r, b, h, L, R, offs, H, D, W)
             acc += x * tl.load(wgt + offs * W + w).to(tl.float32)
@@ -43,40 +43,71 @@ if triton is not None:
 
     @triton.jit
     def _new_conv_window(new, rep, hist, end, r, b, h, L, R, offs, H: tl.constexpr, D: tl.constexpr,
-                         W: tl.constexpr, BWM: tl.constexpr):
-        """The last W-1 inputs before virtual position `end`, as a [D, BWM] block (history slots)."""
+                         W: tl.constexpr, BWM: tl.constexpr, N: tl.constexpr):
+        """The last W-1 inputs before virtual position `end` of the N channels `offs`, as [N, BWM]."""
         cols = tl.arange(0, BWM)
-        block = tl.zeros([D, BWM], dtype=tl.float32)
+        block = tl.zeros([N, BWM], dtype=tl.float32)
         for j in tl.static_range(W - 1):
             x = _raw_input(new, rep, hist, end - (W - 1) + j, r, b, h, L, R, offs, H, D, W)
             block = tl.where(cols[None, :] == j, x[:, None], block)
         return block
 
     @triton.jit
-    def _store_conv_window(hist, block, offs, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr):
+    def _write_conv_window(new, rep, hist, end, r, b, h, L, R, offs, H: tl.constexpr, D: tl.constexpr,
+                           W: tl.constexpr, BWM: tl.constexpr, N: tl.constexpr, lim):
+        """Store the new conv window of the channels offs < lim (lim = 0: store nothing)."""
+        block = _new_conv_window(new, rep, hist, end, r, b, h, L, R, offs, H, D, W, BWM, N)
         cols = tl.arange(0, BWM)
         ptrs = hist + offs[:, None] * (W - 1) + cols[None, :]
-        tl.store(ptrs, block.to(hist.dtype.element_ty), mask=(offs[:, None] < D) & (cols[None, :] < W - 1))
+        tl.store(ptrs, block.to(hist.dtype.element_ty), mask=(offs[:, None] < lim) & (cols[None, :] < W - 1))
+
+    @triton.jit
+    def _gated_norm_store(o, gate, out, tok, offs, norm_weight, norm_eps, lim, D: tl.constexpr):
+        """y = RMSNorm(o) * w * sigmoid(gate) for one token of one head, stored where offs < lim."""
+        g = tl.load(gate + tok + offs, mask=offs < lim, other=0.0).to(tl.float32)
+        y = o * tl.rsqrt(tl.sum(o * o, 0) / D + norm_eps) * norm_weight * tl.sigmoid(g)
+        tl.store(out + tok + offs, y.to(out.dtype.element_ty), mask=offs < lim)
+
+    @triton.jit
+    def _norm_parked_rows(o_scratch, gate, out, norm_w, norm_eps, b, h, L, offs, lim, H: tl.constexpr,
+                          D: tl.constexpr):
+        """The gated RMSNorm of all L rows of one head from the o slices its programs parked (lim = D in
+        the last program to arrive, 0 elsewhere: masks, not a branch, so all programs run the same code)."""
+        weight = tl.load(norm_w + offs).to(tl.float32)
+        for j in range(0, L):
+            row = ((b * L + j) * H + h) * D
+            # .cg: read the siblings' writes from L2, never a stale L1 line.
+            o = tl.load(o_scratch + row + offs, mask=offs < lim, other=0.0, cache_modifier=".cg")
+            _gated_norm_store(o, gate, out, row, offs, weight, norm_eps, lim, D)
 
     @triton.jit
     def _kda_fused_recurrent_kernel(
         q, k, v, z, beta, gate,
         rq, rk, rv, rz, rbeta, n_replay,
         conv_w, A_log, dt_bias, norm_w,
-        state, conv_state, slots, out, snapshots,
+        state, conv_state, slots, out, snapshots, o_scratch, counters,
         L, R, n_commit, state_slot_stride, conv_slot_stride,
         scale, lower_bound, l2_eps, norm_eps,
-        H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr,
+        H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, BV: tl.constexpr,
         BOUNDED: tl.constexpr, HAS_REPLAY: tl.constexpr, SNAPSHOT: tl.constexpr,
     ):
+        """Grid (B, H, D // BV): program (b, h, j) owns value columns j*BV.. of head h's state.
+
+        With BV < D the value columns of one head are split over D // BV programs (more programs in
+        flight, fewer registers each); the output RMSNorm needs the whole row, so each program parks its
+        o slice in o_scratch and the last one to finish (an atomic counter per (b, h)) normalises the
+        rows and writes the q/k conv windows, which every sibling reads until it is done.
+        """
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
+        NV: tl.constexpr = D // BV
         offs = tl.arange(0, D)
+        offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
         slot = tl.load(slots + b).to(tl.int64)
         r = b * 0  # a tensor, so that masks built from it are tensors under the interpreter too
         if HAS_REPLAY:
             r = tl.load(n_replay + b).to(tl.int64)
-        s_offs = offs[:, None] * D + offs[None, :]
+        s_offs = offs[:, None] * D + offs_v[None, :]
         s_ptrs = state + slot * state_slot_stride + h * D * D + s_offs
         S = tl.load(s_ptrs)
         stream = H * D * (W - 1)
@@ -84,12 +115,13 @@ if triton is not None:
         taps = conv_w + h * D * W
         a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
         g_bias = tl.load(dt_bias + h * D + offs).to(tl.float32)
-        norm_weight = tl.load(norm_w + offs).to(tl.float32)
+        norm_weight = tl.load(norm_w + offs_v).to(tl.float32)
         commit = r + n_commit
         for t in range(0, r + L):
-            qt = _conv_silu(q, rq, hist, taps, t, r, b, h, L, R, offs, H, D, W)
-            kt = _conv_silu(k, rk, hist + stream, taps + H * D * W, t, r, b, h, L, R, offs, H, D, W)
-            vt = _conv_silu(v, rv, hist + 2 * stream, taps + 2 * H * D * W, t, r, b, h, L, R, offs, H, D, W)
+            qt = _conv_silu(q, rq, hist, taps, t, r, b, h, L, R, offs, H, D, W, D)
+            kt = _conv_silu(k, rk, hist + stream, taps + H * D * W, t, r, b, h, L, R, offs, H, D, W, D)
+            vt = _conv_silu(v, rv, hist + 2 * stream, taps + 2 * H * D * W, t, r, b, h, L, R, offs_v, H, D, W,
+                            BV)
             qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + l2_eps)
             kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + l2_eps)
             zt = _raw_input(z, rz, hist, t, r, b, h, L, R, offs, H, D, W) + g_bias
@@ -106,21 +138,36 @@ if triton is not None:
             o = tl.sum(S * (qt * scale)[:, None], 0)
             new_lim = tl.where(t >= r, D, 0)
             tok = ((b * L + (t - r)) * H + h) * D
-            gt_out = tl.load(gate + tok + offs, mask=offs < new_lim, other=0.0).to(tl.float32)
-            y = o * tl.rsqrt(tl.sum(o * o, 0) / D + norm_eps) * norm_weight * tl.sigmoid(gt_out)
-            tl.store(out + tok + offs, y.to(out.dtype.element_ty), mask=offs < new_lim)
+            if NV == 1:
+                _gated_norm_store(o, gate, out, tok, offs_v, norm_weight, norm_eps, new_lim, D)
+            else:
+                tl.store(o_scratch + tok + offs_v, o, mask=offs_v < new_lim)
             if SNAPSHOT:
                 tl.store(snapshots + tok * D + s_offs, S, mask=s_offs < new_lim * D)
             tl.store(s_ptrs, S, mask=s_offs < tl.where(t == commit - 1, D * D, 0))
-        # The conv windows after the committed tokens; each stream reads only its own old history.
-        _store_conv_window(hist, _new_conv_window(q, rq, hist, commit, r, b, h, L, R, offs, H, D, W, BWM),
-                           offs, D, W, BWM)
-        hk = hist + stream
-        _store_conv_window(hk, _new_conv_window(k, rk, hk, commit, r, b, h, L, R, offs, H, D, W, BWM),
-                           offs, D, W, BWM)
-        hv = hist + 2 * stream
-        _store_conv_window(hv, _new_conv_window(v, rv, hv, commit, r, b, h, L, R, offs, H, D, W, BWM),
-                           offs, D, W, BWM)
+        # The conv windows after the committed tokens. Each program owns its v channels.
+        _write_conv_window(v, rv, hist + 2 * stream, commit, r, b, h, L, R, offs_v, H, D, W, BWM, BV, D)
+        lim = D  # channels this program writes below: all of them unless it is not the last sibling
+        if NV > 1:
+            # acq_rel: the siblings' o slices (and their reads of the q/k history) happen before.
+            arrived = tl.atomic_add(counters + b * H + h, 1)
+            lim = tl.where(arrived == NV - 1, D, 0)
+        _write_conv_window(q, rq, hist, commit, r, b, h, L, R, offs, H, D, W, BWM, D, lim)
+        _write_conv_window(k, rk, hist + stream, commit, r, b, h, L, R, offs, H, D, W, BWM, D, lim)
+        if NV > 1:
+            _norm_parked_rows(o_scratch, gate, out, norm_w, norm_eps, b, h, L, offs, lim, H, D)
+            tl.atomic_xchg(counters + b * H + h, 0, mask=lim > 0)  # ready for the next launch
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _zeroed_counters(n: int, device: torch.device) -> torch.Tensor:
+    """Per-(sequence, head) arrival counters; every launch leaves them at zero again, so they are reused."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 def _check_pool(state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, heads: int,
@@ -142,14 +189,16 @@ def fused_kda_recurrent(
     norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
     replay: tuple[torch.Tensor, ...] | None = None, n_commit: int | None = None,
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
-    norm_eps: float = 1e-6, snapshots: torch.Tensor | None = None, num_warps: int = 8,
+    norm_eps: float = 1e-6, snapshots: torch.Tensor | None = None, num_warps: int = 4,
+    block_v: int | None = None,
 ) -> torch.Tensor:
     """Run L new tokens per sequence ([B, L, H, D] inputs) on the pooled states of `slots` [B].
 
     replay: optional (q, k, v, z, beta, n_replay) of cached draft inputs [B, R, ...] with n_replay [B]
     tokens to replay first (no output). The state after replay + n_commit new tokens (default all L) is
     written to the pool, as is the conv window there; snapshots [B, L, H, D, D] (optional) receives the
-    state after every new token (the one-state-per-draft baseline). Returns y [B, L, H, D] in q's dtype.
+    state after every new token (the one-state-per-draft baseline). block_v < D splits each head's value
+    columns over D // block_v programs. Returns y [B, L, H, D] in q's dtype.
     """
     B, L, H, D = q.shape
     for name, t in (("k", k), ("v", v), ("z", z), ("gate", gate)):
@@ -177,15 +226,20 @@ def fused_kda_recurrent(
     if snapshots is not None:
         require(snapshots.shape == (B, L, H, D, D) and snapshots.dtype == torch.float32,
                 f"snapshots must be float32 [{B}, {L}, {H}, {D}, {D}]")
+    block_v = block_v or D
+    require(D % block_v == 0 and block_v == next_pow2(block_v), f"block_v must divide {D}, got {block_v}")
     out = torch.empty_like(q)
-    _kda_fused_recurrent_kernel[(B, H)](
+    split = block_v < D
+    o_scratch = torch.empty(q.shape, dtype=torch.float32, device=q.device) if split else out
+    counters = _zeroed_counters(B * H, q.device) if split else slots
+    _kda_fused_recurrent_kernel[(B, H, D // block_v)](
         q, k, v, z, beta, gate,
         rq.contiguous(), rk.contiguous(), rv.contiguous(), rz.contiguous(), rbeta.contiguous(), n_replay,
         conv_weight.contiguous(), A_log, dt_bias.contiguous(), norm_weight,
-        state_pool, conv_pool, slots, out, snapshots if snapshots is not None else out,
+        state_pool, conv_pool, slots, out, snapshots if snapshots is not None else out, o_scratch, counters,
         L, R, n_commit, state_pool.stride(0), conv_pool.stride(0),
         D**-0.5 if scale is None else scale, -5.0 if lower_bound is None else lower_bound, l2_eps, norm_eps,
-        H=H, D=D, W=W, BWM=next_pow2(W - 1),
+        H=H, D=D, W=W, BWM=next_pow2(W - 1), BV=block_v,
         BOUNDED=lower_bound is not None, HAS_REPLAY=replay is not None, SNAPSHOT=snapshots is not None,
         num_warps=num_warps,
     )
@@ -197,12 +251,12 @@ def kda_decode_step(
     gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
-    norm_eps: float = 1e-6, num_warps: int = 8,
+    norm_eps: float = 1e-6, num_warps: int = 4, block_v: int | None = None,
 ) -> torch.Tensor:
     """One decode token per sequence: [B, H, D] inputs (beta [B, H]) -> y [B, H, D]; pool updated in place."""
     y = fused_kda_recurrent(
         q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), z.unsqueeze(1), beta.unsqueeze(1), gate.unsqueeze(1),
         conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool, slots, lower_bound=lower_bound,
-        scale=scale, l2_eps=l2_eps, norm_eps=norm_eps, num_warps=num_warps,
+        scale=scale, l2_eps=l2_eps, norm_eps=norm_eps, num_warps=num_warps, block_v=block_v,
     )
     return y.squeeze(1)

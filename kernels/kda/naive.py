@@ -60,10 +60,11 @@ def fused_kda_recurrent(
     norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
     replay: tuple[torch.Tensor, ...] | None = None, n_commit: int | None = None,
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
-    norm_eps: float = 1e-6, snapshots: torch.Tensor | None = None, num_warps: int = 8,
+    norm_eps: float = 1e-6, snapshots: torch.Tensor | None = None, num_warps: int = 4,
+    block_v: int | None = None,
 ) -> torch.Tensor:
-    """Reference of kernels.kda.decode_triton.fused_kda_recurrent (same contract; num_warps ignored)."""
-    del num_warps
+    """Reference of kernels.kda.decode_triton.fused_kda_recurrent (same contract; tuning ignored)."""
+    del num_warps, block_v
     B, L = q.shape[:2]
     n_commit = L if n_commit is None else n_commit
     out = torch.empty_like(q)
@@ -94,7 +95,7 @@ def kda_decode_step(
     gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
-    norm_eps: float = 1e-6, num_warps: int = 8,
+    norm_eps: float = 1e-6, num_warps: int = 4, block_v: int | None = None,
 ) -> torch.Tensor:
     """Reference of kernels.kda.decode_triton.kda_decode_step."""
     y = fused_kda_recurrent(

@@ -22,6 +22,7 @@ if triton is not None:
         q, cache, page_table, lengths, o_part, lse_part,
         H, max_pages, page_tokens, page_stride, row_stride, sm_scale_log2,
         NUM_SPLITS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+        TOKENS_MAJOR: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -38,7 +39,10 @@ if triton is not None:
         q_pe = tl.load(q_rows + R + offs_p[None, :], mask=head_ok, other=0.0)
         m = tl.full([BH], float("-inf"), dtype=tl.float32)
         denom = tl.zeros([BH], dtype=tl.float32)
-        acc = tl.zeros([BH, R], dtype=tl.float32)
+        if TOKENS_MAJOR:
+            acc_t = tl.zeros([R, BH], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BH, R], dtype=tl.float32)
         for n0 in range(start, end, BN):
             n = n0 + tl.arange(0, BN)
             valid = n < end
@@ -46,14 +50,27 @@ if triton is not None:
             rows = cache + page * page_stride + (n % page_tokens) * row_stride
             kv = tl.load(rows[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
             kpe = tl.load(rows[:, None] + R + offs_p[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q_lat, tl.trans(kv)) + tl.dot(q_pe, tl.trans(kpe))
-            s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            denom = denom * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+            if TOKENS_MAJOR:
+                # Scores as [tokens, heads]: the tile's BN rows are the MMA's M side (wgmma-sized) and
+                # the few heads its N side, instead of a 16-row M that only fits the older mma path.
+                s = tl.dot(kv, tl.trans(q_lat)) + tl.dot(kpe, tl.trans(q_pe))
+                s = tl.where(valid[:, None], s * sm_scale_log2, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 0))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[None, :])
+                denom = denom * alpha + tl.sum(p, 0)
+                acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(kv), p.to(kv.dtype))
+            else:
+                s = tl.dot(q_lat, tl.trans(kv)) + tl.dot(q_pe, tl.trans(kpe))
+                s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                denom = denom * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
             m = m_new
+        if TOKENS_MAJOR:
+            acc = tl.trans(acc_t)
         out = (b * NUM_SPLITS + split) * H + heads
         has_rows = denom > 0
         o = acc / tl.where(has_rows, denom, 1.0)[:, None]
@@ -79,14 +96,15 @@ if triton is not None:
 
 
 def default_splits(batch: int, capacity: int, block: int, sms: int = 132) -> int:
-    """Enough (sequence, split) programs for about two waves, never a split shorter than a few tiles."""
-    return max(1, min(math.ceil(2 * sms / batch), capacity // (4 * block), 64))
+    """About 8 (sequence, split) programs per SM (finer work units balance the SMs better than one or
+    two waves: measured on the H200), never a split shorter than a few tiles."""
+    return max(1, min(math.ceil(8 * sms / batch), capacity // (4 * block), 64))
 
 
 def mla_decode_paged(
     q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor, scale: float,
     latent_dim: int = 512, num_splits: int | None = None, block_n: int = 32, num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3, tokens_major: bool = False,
 ) -> torch.Tensor:
     """q [B, H, R+P] (absorbed q_nope W_uk | q_pe); cache [num_pages, page_tokens, R+P]; page_table
     [B, max_pages] int; lengths [B] int (tokens cached per sequence, >= 1). Returns the latent-space output
@@ -106,7 +124,7 @@ def mla_decode_paged(
     _mla_split_kernel[(B, splits)](
         q, cache, page_table, lengths, o_part, lse_part,
         H, page_table.shape[1], cache.shape[1], cache.stride(0), cache.stride(1), scale * math.log2(math.e),
-        NUM_SPLITS=splits, R=R, P=P, BH=max(16, next_pow2(H)), BN=block_n,
+        NUM_SPLITS=splits, R=R, P=P, BH=max(16, next_pow2(H)), BN=block_n, TOKENS_MAJOR=tokens_major,
         num_warps=num_warps, num_stages=num_stages,
     )
     o = torch.empty(B, H, R, dtype=q.dtype, device=q.device)

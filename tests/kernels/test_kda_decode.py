@@ -51,15 +51,16 @@ def test_reference_step_matches_float64_math():
         torch.testing.assert_close(state_pool[s].double(), expected[b][1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_triton_decode_step_matches_reference(interpreted, lower_bound):
+@pytest.mark.parametrize(("lower_bound", "block_v"), [(-5.0, None), (None, None), (-5.0, 4)])
+def test_triton_decode_step_matches_reference(interpreted, lower_bound, block_v):
     gen = torch.Generator().manual_seed(2)
     params = CASE.params(gen)
     state_pool, conv_pool = CASE.pools(gen)
     x = [t[:, 0] for t in CASE.tokens(gen, 3, 1)]
     slots = torch.tensor([4, 0, 6])
     ref_pools = (state_pool.clone(), conv_pool.clone())
-    y = decode_triton.kda_decode_step(*x, *params, state_pool, conv_pool, slots, lower_bound=lower_bound)
+    y = decode_triton.kda_decode_step(*x, *params, state_pool, conv_pool, slots, lower_bound=lower_bound,
+                                      block_v=block_v)
     y_ref = naive.kda_decode_step(*x, *params, *ref_pools, slots, lower_bound=lower_bound)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state_pool, ref_pools[0], rtol=1e-5, atol=1e-6)
@@ -113,7 +114,8 @@ def test_replay_verify_equals_sequential_decode(interpreted):
         assert torch.equal(pools[1][s], own[1][s])
 
 
-def test_triton_verify_matches_reference_and_snapshots(interpreted):
+@pytest.mark.parametrize("block_v", [None, 8])
+def test_triton_verify_matches_reference_and_snapshots(interpreted, block_v):
     gen = torch.Generator().manual_seed(5)
     params = CASE.params(gen)
     pools = CASE.pools(gen)
@@ -123,7 +125,8 @@ def test_triton_verify_matches_reference_and_snapshots(interpreted):
     x = CASE.tokens(gen, 3, 3)
     snaps = torch.empty(3, 3, CASE.heads, CASE.dim, CASE.dim)
     ref_snaps = torch.empty_like(snaps)
-    y = decode_triton.fused_kda_recurrent(*x, *params, *pools, slots, replay=replay, n_commit=1, snapshots=snaps)
+    y = decode_triton.fused_kda_recurrent(*x, *params, *pools, slots, replay=replay, n_commit=1, snapshots=snaps,
+                                          block_v=block_v)
     y_ref = naive.fused_kda_recurrent(*x, *params, *ref_pools, slots, replay=replay, n_commit=1,
                                       snapshots=ref_snaps)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)

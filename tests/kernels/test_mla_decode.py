@@ -29,11 +29,11 @@ def test_reference_matches_float64_attention():
         torch.testing.assert_close(out[b].double(), probs @ rows[:, :R], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(("splits", "block"), [(1, 16), (3, 16), (4, 32)])
-def test_triton_split_kv_matches_reference(interpreted, splits, block):
+@pytest.mark.parametrize(("splits", "block", "tokens_major"), [(1, 16, False), (3, 16, True), (4, 32, False)])
+def test_triton_split_kv_matches_reference(interpreted, splits, block, tokens_major):
     q, cache, table, lengths = _paged_case(1, [1, 17, 40, 9])
     out = decode_triton.mla_decode_paged(q, cache, table, lengths, 0.2, latent_dim=R, num_splits=splits,
-                                         block_n=block)
+                                         block_n=block, tokens_major=tokens_major)
     ref = naive.mla_decode_paged(q, cache, table, lengths, 0.2, latent_dim=R)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 

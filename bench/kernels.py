@@ -1,0 +1,112 @@
+"""Benchmark of every kernel in kernels/ against its peer and the H200's measured ceilings (GPU only).
+
+    python -m bench.kernels [--only kda_decode,kda_verify,mla,...] [--out bench/results/kernels.json]
+
+Checks each kernel on fresh random inputs against its reference, measures copy bandwidth and bf16 matmul
+throughput in the same process, times every kernel and its peer (CUDA-graph replay, CUDA events, median
+after warm-up), prints one table and writes JSON. fla-core 0.6.0 must be importable for the fla peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from importlib import import_module
+
+import torch
+
+from kernels.perf.harness import Row, copy_bandwidth, matmul_flops
+
+GROUPS: dict[str, tuple[str, str]] = {
+    "kda_decode": ("kernels.perf.kda_decode_cases", "decode_rows"),
+    "kda_verify": ("kernels.perf.kda_decode_cases", "verify_rows"),
+    "mla": ("kernels.perf.mla_cases", "mla_rows"),
+    "kda_prefill": ("kernels.perf.kda_prefill_cases", "prefill_rows"),
+    "attnres": ("kernels.perf.attnres_cases", "attnres_rows"),
+    "moe": ("kernels.perf.moe_cases", "moe_rows"),
+}
+PEER_PREFIXES = ("fla", "torch")
+
+
+def _is_peer(row: Row) -> bool:
+    return row.impl.startswith(PEER_PREFIXES)
+
+
+def summarise(rows: list[Row], copy_bps: float) -> list[dict]:
+    """Per (kernel, shape): our best variant, the peer, the ratio, and the fraction of copy bandwidth."""
+    out = []
+    keys = list(dict.fromkeys((r.kernel, r.shape) for r in rows))
+    for kernel, shape in keys:
+        group = [r for r in rows if (r.kernel, r.shape) == (kernel, shape) and not math.isnan(r.ms)]
+        ours = [r for r in group if not _is_peer(r)]
+        peers = [r for r in group if _is_peer(r)]
+        if not ours:
+            continue
+        best = min(ours, key=lambda r: r.ms)
+        entry = {"kernel": kernel, "shape": shape, "ours": best.impl, "ours_ms": best.ms}
+        if best.bytes:
+            entry["ours_copy_bw_frac"] = best.bytes / (best.ms * 1e-3) / copy_bps
+        for p in peers:
+            entry.setdefault("peers", {})[p.impl] = {"ms": p.ms, "speedup": p.ms / best.ms}
+        out.append(entry)
+    return out
+
+
+def print_table(rows: list[Row], copy_bps: float, file=sys.stdout) -> None:
+    print(f"{'kernel':<18} {'shape':<34} {'impl':<40} {'ms':>9} {'GB/s':>7} {'%copy':>6}  note", file=file)
+    for r in rows:
+        bw = r.bytes / (r.ms * 1e-3) if r.bytes and r.ms == r.ms else float("nan")
+        frac = 100 * bw / copy_bps if bw == bw else float("nan")
+        print(f"{r.kernel:<18} {r.shape:<34} {r.impl:<40} {r.ms:>9.4f} {bw / 1e9:>7.0f} {frac:>6.1f}  {r.note}",
+              file=file)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(GROUPS), help="comma-separated groups: " + ",".join(GROUPS))
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "kernels.json"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.kernels needs a CUDA device (run it on the lent H200)", file=sys.stderr)
+        return 2
+    torch.manual_seed(int(time.time()))  # fresh inputs every run
+    copy_bps, mm_flops = copy_bandwidth(), matmul_flops()
+    print(f"ceilings: copy {copy_bps / 1e12:.2f} TB/s (read+write), bf16 matmul {mm_flops / 1e12:.0f} TFLOP/s")
+    rows: list[Row] = []
+    errors = {}
+    for name in args.only.split(","):
+        module, func = GROUPS[name]
+        started = time.time()
+        try:
+            fn: Callable[[], list[Row]] = getattr(import_module(module), func)
+            rows += fn()
+        except Exception as e:  # noqa: BLE001 - one broken group must not hide the others' numbers
+            errors[name] = repr(e)[-1500:]
+            print(f"group {name} failed: {e!r}", file=sys.stderr)
+        print(f"[{name}: {time.time() - started:.0f} s]", file=sys.stderr, flush=True)
+    print_table(rows, copy_bps)
+    result = {
+        "card": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": import_module("triton").__version__, "python": platform.python_version(),
+        "ceilings": {"copy_bytes_per_s": copy_bps, "bf16_matmul_flop_per_s": mm_flops},
+        "rows": [r.as_dict() for r in rows], "summary": summarise(rows, copy_bps), "errors": errors,
+    }
+    try:
+        result["fla"] = import_module("fla").__version__
+    except Exception:  # noqa: BLE001
+        result["fla"] = None
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

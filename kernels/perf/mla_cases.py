@@ -1,0 +1,87 @@
+"""Paged MLA decode on the H200: ours (split-KV Triton) vs torch SDPA over gathered pages (GPU only)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from kernels.mla import decode_triton, naive
+from kernels.perf.harness import Row, rel_err, time_ms
+
+R, P, PAGE, HEADS = 512, 64, 64, 16
+BF16 = torch.bfloat16
+
+
+def _case(batch: int, ctx: int, dev: str = "cuda"):
+    pages = ctx // PAGE
+    cache = torch.randn(batch * pages, PAGE, R + P, device=dev, dtype=BF16)
+    table = torch.randperm(batch * pages, device=dev).reshape(batch, pages).int()
+    q = torch.randn(batch, HEADS, R + P, device=dev, dtype=BF16)
+    return q, cache, table, torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+
+
+def _sdpa_gathered(q, cache, table, scale):
+    """The plain-torch way: gather every page of every sequence, then one SDPA call (MQA via GQA)."""
+    B = q.shape[0]
+    kv = cache[table.long()].reshape(B, 1, -1, R + P)
+    return F.scaled_dot_product_attention(q.unsqueeze(2), kv, kv[..., :R], scale=scale, enable_gqa=True)
+
+
+def mla_bytes(batch: int, ctx: int) -> float:
+    return batch * ctx * (R + P) * 2 + batch * HEADS * (R + P + R) * 2
+
+
+# (block_n, num_warps, num_stages, num_splits or 0 for the default, tokens_major)
+VARIANTS = ((32, 4, 3, 0, False), (32, 4, 3, 32, False), (32, 4, 4, 16, False), (32, 8, 3, 16, False),
+            (32, 8, 4, 32, False), (64, 8, 3, 16, False), (32, 2, 3, 16, False), (64, 4, 2, 16, False))
+
+
+def _tuning(v: tuple) -> dict:
+    bn, nw, ns, splits, tokens_major = v
+    return {"block_n": bn, "num_warps": nw, "num_stages": ns, "num_splits": splits or None,
+            "tokens_major": tokens_major}
+
+
+def _name(v: tuple) -> str:
+    bn, nw, ns, splits, tokens_major = v
+    return f"ours(bn={bn},w={nw},s={ns},splits={splits or 'auto'}{',tokens-major' if tokens_major else ''})"
+
+
+def mla_rows(shapes: tuple[tuple[int, int], ...] = ((64, 4096), (64, 16384), (64, 65536), (1, 65536), (16, 65536)),
+             variants: tuple[tuple[int, int, int, int, bool], ...] = VARIANTS) -> list[Row]:
+    rows: list[Row] = []
+    scale = (128 + 64) ** -0.5
+    # Correctness on fresh inputs with ragged lengths, against the reference.
+    q, cache, table, _ = _case(4, 4096)
+    lengths = torch.tensor([4096, 1, 1000, 2049], device="cuda", dtype=torch.int32)
+    ref = naive.mla_decode_paged(q, cache, table, lengths, scale)
+    errs = {}
+    for v in variants:
+        try:
+            errs[_name(v)] = rel_err(decode_triton.mla_decode_paged(q, cache, table, lengths, scale, **_tuning(v)),
+                                     ref)
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for a variant
+            errs[_name(v)] = repr(e)[:100]
+    for B, ctx in shapes:
+        q, cache, table, lengths = _case(B, ctx)
+        shape = f"B={B},ctx={ctx},H={HEADS},page={PAGE}"
+        for v in variants:
+            try:
+                ms, how = time_ms(partial(decode_triton.mla_decode_paged, q, cache, table, lengths, scale,
+                                          **_tuning(v)))
+                rows.append(Row("mla_decode_paged", shape, _name(v), ms, mla_bytes(B, ctx), note=how,
+                                extra={"rel_err": errs.get(_name(v))}))
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for a variant
+                rows.append(Row("mla_decode_paged", shape, _name(v), float("nan"), note=repr(e)[:200]))
+        try:
+            ms, how = time_ms(partial(_sdpa_gathered, q, cache, table, scale), inner=3, reps=10)
+            rows.append(Row("mla_decode_paged", shape, "torch SDPA over gathered pages", ms, mla_bytes(B, ctx),
+                            note=how))
+        except Exception as e:  # noqa: BLE001
+            rows.append(Row("mla_decode_paged", shape, "torch SDPA over gathered pages", float("nan"),
+                            note=repr(e)[:200]))
+        del q, cache, table
+        torch.cuda.empty_cache()
+    return rows
