@@ -51,10 +51,17 @@ class SparseMoE(nn.Module):
                 RMSNorm(width, config.rms_norm_eps) if config.latent_moe_use_norm else None
             )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights [N, k], expert ids [N, k], unbiased sigmoid scores [N, E]); the scores feed QB updates
+        of `gate.e_score_correction_bias` (k3core.ops.qb) during training."""
+        logits = self.gate(x)
         weights, indices = sigmoid_router(
-            self.gate(x), self.top_k, self.gate.e_score_correction_bias, self.renormalize, self.scaling
+            logits, self.top_k, self.gate.e_score_correction_bias, self.renormalize, self.scaling
         )
+        return weights, indices, torch.sigmoid(logits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, indices, _ = self.route(x)
         z = self.routed_expert_down_proj(x) if self.latent else x
         routed = torch.zeros(z.shape, dtype=weights.dtype, device=z.device)
         for expert_id in indices.unique().tolist():
