@@ -95,6 +95,9 @@ def _write_skeleton(rootfs: Path) -> None:
         (rootfs / link).symlink_to(target)
     for fname, text in _ETC_FILES.items():
         (rootfs / "etc" / fname).write_text(text)
+    # Debian reaches many /usr commands (awk, editor, ...) through /etc/alternatives symlinks.
+    if Path("/etc/alternatives").is_dir():
+        shutil.copytree("/etc/alternatives", rootfs / "etc/alternatives", symlinks=True)
     os.chmod(rootfs / "tmp", 0o1777)
     os.chmod(rootfs / "var/tmp", 0o1777)
     os.chown(rootfs / "home/user", 1000, 1000)
