@@ -35,4 +35,4 @@ def test_step_raises_logprob_of_rewarded_sample_and_updates_router_bias():
         assert stats.tokens == 8 and stats.max_log_ratio < 1e-4  # on-policy: behaviour == current
     assert seq_logp(good) > before_good + 0.1
     assert seq_logp(bad) < before_bad
-    assert learner.gates and any(not torch.equal(b, g.e_score_correction_bias) for b, g in zip(biases, learner.gates))
+    assert learner.gates and any(not torch.equal(b, g.e_score_correction_bias) for b, g in zip(biases, learner.gates, strict=True))
