@@ -24,6 +24,8 @@ class Classified:
     cost: int
     # The prefill part of cost, returnable at the first token.
     prefill_cost: int = 0
+    # The class by cost alone (differs from request_class for failover and explicit classes).
+    cost_class: str = ""
 
 
 class RequestClassifier:
@@ -45,12 +47,9 @@ class RequestClassifier:
             raise ValueError(f"request_class: unknown class {override!r}")
         prefill = math.ceil(self.model.prefill(prompt_tokens, cached_tokens))
         cost = prefill + math.ceil(self.model.decode(prompt_tokens, max_output_tokens))
-        if failover:
-            request_class = "FAILOVER"
-        elif override is not None:
-            request_class = override
-        elif cost <= self.short_max_cost:
-            request_class = "SHORT"
+        if cost <= self.short_max_cost:
+            cost_class = "SHORT"
         else:
-            request_class = "MEDIUM" if cost <= self.medium_max_cost else "LONG"
-        return Classified(request_class, cost, prefill)
+            cost_class = "MEDIUM" if cost <= self.medium_max_cost else "LONG"
+        request_class = "FAILOVER" if failover else override or cost_class
+        return Classified(request_class, cost, prefill, cost_class)

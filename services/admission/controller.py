@@ -73,6 +73,10 @@ class AdmissionController:
     async def admit(self, cluster: str, classified: Classified, timeout_s: float) -> Ticket:
         sched = self.scheduler(cluster)
         cls, now = classified.request_class, self.clock()
+        if classified.cost > sched.ledger.account(cls).budget and classified.cost_class:
+            # A failover re-prefill (or explicitly classed request) larger than its class's whole budget,
+            # e.g. a 1M-token session, is budgeted by its size instead of being unadmittable.
+            cls = classified.cost_class
         outcome = sched.offer(cls, classified.cost, now, now + timeout_s, classified.prefill_cost)
         if isinstance(outcome, Rejection):
             DECISIONS.labels(cluster, cls, "rejected").inc()

@@ -87,3 +87,12 @@ def test_budget_document_forms():
         parse_budget_document('{"c0": {"BULK": 5}}')
     with pytest.raises(ValueError, match="JSON object"):
         parse_budget_document("[1, 2]")
+
+
+async def test_failover_larger_than_the_failover_budget_is_budgeted_by_its_size():
+    classifier = RequestClassifier(CostModel.k3_h200())
+    c = AdmissionController(classifier, {"SHORT": 10_000, "LONG": 6_000_000, "FAILOVER": 5_000}, 8, 60, "me",
+                            Clock())
+    small = await c.admit("c0", classifier.classify(2_048, 0, 16, failover=True), 1.0)
+    big = await c.admit("c0", classifier.classify(1_000_000, 0, 16, failover=True), 1.0)
+    assert (small.request_class, big.request_class) == ("FAILOVER", "LONG")
