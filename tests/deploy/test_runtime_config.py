@@ -7,21 +7,24 @@ instead of in a crash-looping pod.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import yaml
 
+from services.cli.main import SERVICES
 from services.runtime.config import ServiceConfig
-from tests.deploy.chart import CI_VALUES, of_kind, pod_env, render_file
+from tests.deploy.chart import CI_VALUES, container, of_kind, pod_env, render_file
 
 POD_IP = "10.1.2.3"
 
 
 def _config_class(service: str) -> type[ServiceConfig]:
-    if service == "gateway":
-        from services.gateway.config import GatewayConfig
-
-        return GatewayConfig
-    return ServiceConfig
+    """The ServiceConfig subclass the service's server module loads (what `k3 serve SERVICE` uses)."""
+    module = importlib.import_module(SERVICES[service])
+    (found,) = {value for value in vars(module).values()
+                if isinstance(value, type) and issubclass(value, ServiceConfig) and value is not ServiceConfig}
+    return found
 
 
 @pytest.mark.parametrize("values_file", CI_VALUES, ids=lambda p: p.stem)
@@ -42,6 +45,10 @@ def test_every_pod_config_loads_and_validates(values_file, tmp_path):
         assert config.etcd_endpoint_list() == env["K3_ETCD_ENDPOINTS"].split(",")
         grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert config.drain_grace_s < grace
+        gpus = container(deployment)["resources"].get("limits", {}).get("nvidia.com/gpu")
+        if hasattr(config, "tp_size"):
+            # One pod holds one TP group: its ranks are exactly the GPUs it asked for.
+            assert config.tp_size == (gpus or 1) and config.device == ("cuda" if gpus else "cpu")
 
 
 def test_gateway_http_port_comes_from_the_chart():

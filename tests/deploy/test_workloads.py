@@ -49,7 +49,8 @@ def test_gpu_workers_request_one_gpu_per_tp_rank(tp):
     decode = container(deployments["decode"])
     assert decode["resources"]["limits"]["nvidia.com/gpu"] == tp
     assert decode["resources"]["requests"]["nvidia.com/gpu"] == tp
-    assert env_map(decode)["K3_DECODE_TENSOR_PARALLEL"] == str(tp)
+    assert env_map(decode)["K3_DECODE_TP_SIZE"] == str(tp)
+    assert env_map(decode)["K3_DECODE_DEVICE"] == "cuda"
     assert container(deployments["prefill"])["resources"]["limits"]["nvidia.com/gpu"] == 8
     for name in ALL - GPU:
         resources = container(deployments[name])["resources"]
