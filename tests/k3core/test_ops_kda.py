@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from k3core.ops.kda import (
     causal_short_conv,
@@ -135,3 +137,23 @@ def test_bad_varlen_input_is_rejected():
         kda_recurrent(*(torch.cat([x, x]) for x in (q, k, v, g, beta)), cu_seqlens=torch.tensor([0, 10]))
     with pytest.raises(ValueError, match="sequences"):
         kda_chunk(q, k, v, g, beta, initial_state=torch.zeros(2, 2, 8, 6, dtype=F64))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 23), min_size=1, max_size=4),
+    chunk_size=st.sampled_from([1, 3, 8, 64]),
+    gate=st.sampled_from(["bounded", "softplus"]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_chunk_equals_recurrent_for_any_packing(lengths, chunk_size, gate, seed):
+    total = sum(lengths)
+    q, k, v, g, beta = _inputs(max(total, 1), heads=1, key_dim=4, value_dim=3, gate=gate, seed=seed)
+    q, k, v, g, beta = (x[:, :total] for x in (q, k, v, g, beta))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    s0 = torch.randn(len(lengths), 1, 4, 3, dtype=F64, generator=torch.Generator().manual_seed(seed))
+    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu)
+    o, s = kda_chunk(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, chunk_size=chunk_size)
+    assert torch.allclose(o, o_ref, atol=1e-12, rtol=1e-10) and torch.allclose(
+        s, s_ref, atol=1e-12, rtol=1e-10
+    )
