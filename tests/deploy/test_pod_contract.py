@@ -1,6 +1,7 @@
 """Pods as the chart renders them, run as real processes: container args + the ConfigMap file + the pod env
 (etcd, ports and hosts rewritten to loopback) start the real services against a real etcd; the image's health
-command reports SERVING; SIGTERM drains them inside the pod's termination grace period.
+command reports SERVING; SIGTERM drains them inside the pod's termination grace period. The CPU-dev prefill
+and decode pods (nano model on the CPU) run the same way under `-m slow`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from tests.support.processes import ServiceProcess
 
 # Started in this order: the gateway dials the router and admission it is given.
 SERVICES = ["admission", "router", "kvtransfer", "gateway"]
+# The CPU-dev release runs the workers on the CPU (nano model), so their pods can run here too.
+WORKERS = ["prefill", "decode"]
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +30,16 @@ def etcd(tmp_path_factory):
     server.stop()
 
 
-def test_rendered_control_plane_pods_serve_and_drain(etcd, tmp_path):
+@pytest.mark.parametrize("services", [SERVICES, pytest.param(WORKERS, marks=pytest.mark.slow)],
+                         ids=["control-plane", "workers"])
+def test_rendered_pods_serve_and_drain(etcd, tmp_path, services):
     objects = render_file(ci_values("cpu-dev"))
     config_file = tmp_path / "config.yaml"
     config_file.write_text(of_kind(objects, "ConfigMap")["config"]["data"]["config.yaml"])
     deployments = of_kind(objects, "Deployment")
     started: dict[str, ServiceProcess] = {}
     try:
-        for name in SERVICES:
+        for name in services:
             spec = container(deployments[name])
             prefix = f"K3_{name.upper()}_"
             env = pod_env(deployments[name]) | {
@@ -51,7 +56,7 @@ def test_rendered_control_plane_pods_serve_and_drain(etcd, tmp_path):
             health = subprocess.run([sys.executable, "-m", "services.cli.main", "health", "--address",
                                      process.address], capture_output=True, text=True, timeout=30, cwd=REPO)
             assert health.stdout.strip() == "SERVING", (name, health.stdout, process.log()[-2000:])
-        for name in reversed(SERVICES):
+        for name in reversed(services):
             grace = deployments[name]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
             started[name].signal(signal.SIGTERM)
             assert started[name].wait(timeout=grace) == 0, started[name].log()[-2000:]
