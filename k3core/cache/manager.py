@@ -61,6 +61,12 @@ class PrefixCacheManager:
         self._dirty: set[str] = set()  # requests forwarded in the current step
         self.integrity_errors = 0
 
+    @property
+    def step_open(self) -> bool:
+        """Whether copies, pins or registrations of the current step are waiting for `commit_step`."""
+        return bool(self._pre_ops or self._zero_pages or self._post_ops or self._unpin_pages
+                    or self._unpin_host or self._dirty)
+
     # ---- lookup and admission -------------------------------------------------------------------------
     def lookup(self, chain: list[int], num_tokens: int) -> Hit:
         """Side-effect-free two-phase lookup (for routing decisions); `add_request` does its own."""

@@ -22,6 +22,7 @@ class PagedBatchCache:
                 raise ValueError(f"request {req.rid!r} has no tokens reserved for this step")
         self._context = [r.num_computed for r in requests]
         self._new = [r.scheduled for r in requests]
+        self._mla_written: set[int] = set()
 
     @property
     def num_sequences(self) -> int:
@@ -70,10 +71,12 @@ class PagedBatchCache:
                 rows = self.store.mla_rows(req.blocks[block].pages[group], slot)
                 rows[first:last].copy_(latent[offset + at : offset + at + last - first])
             offset += self._new[seq]
+        self._mla_written.add(mla_layer)
 
     def mla_read(self, mla_layer: int, seq: int) -> torch.Tensor:
         group, slot = self.layout.mla_slot(mla_layer)
         req = self._requests[seq]
+        rows = self._context[seq] + (self._new[seq] if mla_layer in self._mla_written else 0)
         parts = [self.store.mla_rows(req.blocks[block].pages[group], slot)[first:last]
-                 for block, first, last, _ in self._spans(0, self._context[seq] + self._new[seq])]
-        return torch.cat(parts)
+                 for block, first, last, _ in self._spans(0, rows)]
+        return torch.cat(parts) if parts else self.store.mla_rows(req.blocks[0].pages[group], slot)[:0]

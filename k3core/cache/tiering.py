@@ -99,9 +99,13 @@ class Tiering:
     def prefetch(self, hit: Hit, chain: list[int]) -> int:
         """Stage the host-resident whole blocks and checkpoint of a hit on the GPU (pending until commit)."""
         lay, m = self.lay, self.m
+        # Skip what an earlier prefetch of this step already staged (pending, so lookups do not see it).
         host_blocks = [(k, s) for k, s in enumerate(hit.blocks)
-                       if isinstance(s, HostBlock) and (k + 1) * lay.tokens_per_block <= hit.num_tokens]
+                       if isinstance(s, HostBlock) and (k + 1) * lay.tokens_per_block <= hit.num_tokens
+                       and not m.index.contains(s.endpoints[-1][0])]
         host_checkpoint = hit.checkpoint if isinstance(hit.checkpoint, HostCheckpoint) else None
+        if host_checkpoint is not None and host_checkpoint.key in m.checkpoints.by_key:
+            host_checkpoint = None
         needed = lay.num_mla_groups * len(host_blocks) + (lay.num_kda_groups if host_checkpoint else 0)
         if not needed or needed > m.pool.num_available or (
                 host_checkpoint and m.checkpoints.victims_for(lay.num_kda_groups) != []):

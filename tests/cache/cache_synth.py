@@ -35,7 +35,8 @@ def _step(rec: torch.Tensor, conv: torch.Tensor, token: int, layer: int) -> None
 
 
 def latent_of(rec_layer0: torch.Tensor, mla_layer: int) -> torch.Tensor:
-    return (rec_layer0.flatten()[: SHAPE.mla_latent_dim].remainder(251) + mla_layer).to(torch.bfloat16)
+    flat = rec_layer0.flatten().repeat(-(-SHAPE.mla_latent_dim // rec_layer0.numel()))
+    return (flat[: SHAPE.mla_latent_dim].remainder(251) + mla_layer).to(torch.bfloat16)
 
 
 def forward(cache, new_tokens: list[list[int]]) -> list[float]:
