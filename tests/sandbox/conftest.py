@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from bench.sandbox_workload import BUMP, COUNTER_PY
 from k3.v1 import sandbox_pb2 as pb
 from k3.v1 import sandbox_pb2_grpc
 from services.sandbox.backends.registry import unavailable_reason
@@ -25,28 +26,6 @@ NS_UNAVAILABLE = NS_UNAVAILABLE or unavailable_reason("namespace")
 CRIU_UNAVAILABLE = NS_UNAVAILABLE or unavailable_reason("criu")
 requires_namespace = pytest.mark.skipif(bool(NS_UNAVAILABLE), reason=f"namespace backend: {NS_UNAVAILABLE}")
 requires_criu = pytest.mark.skipif(bool(CRIU_UNAVAILABLE), reason=f"CRIU backend: {CRIU_UNAVAILABLE}")
-
-# A stateful process: a counter held in memory, mirrored into a file in the sandbox's root.
-COUNTER_PY = b"""
-import os, socket
-n = 0
-path = "/tmp/counter.sock"
-if os.path.exists(path):
-    os.unlink(path)
-server = socket.socket(socket.AF_UNIX)
-server.bind(path)
-server.listen(16)
-while True:
-    conn, _ = server.accept()
-    n += 1
-    with open("/home/user/count.txt", "w") as f:
-        f.write(str(n))
-    conn.sendall(str(n).encode())
-    conn.close()
-"""
-BUMP = ["python3", "-c", "import socket; s = socket.socket(socket.AF_UNIX); s.connect('/tmp/counter.sock'); "
-        "print(s.recv(64).decode())"]
-
 
 def leaked_mounts(root: Path) -> list[str]:
     return [line for line in Path("/proc/self/mounts").read_text().splitlines() if str(root) in line]

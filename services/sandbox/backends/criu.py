@@ -33,7 +33,7 @@ from services.sandbox.backends.cgroups import CGROUP_ROOT, remove_tree
 from services.sandbox.backends.cgroups import probe as probe_cgroups
 from services.sandbox.backends.launch import background_argv, command_env, frozen, require_tools, start_all
 from services.sandbox.backends.overlay import OverlayDisk
-from services.sandbox.backends.runc_config import runc_config
+from services.sandbox.backends.runc_config import prepare_dev_dir, runc_config
 from services.sandbox.backends.streaming import stream_command
 from services.sandbox.errors import BackendFailure
 from services.sandbox.images import Image
@@ -87,7 +87,9 @@ class CriuBackend(SandboxBackend):
 
     def _write_bundle(self, sb: SandboxHandle) -> None:
         disk: OverlayDisk = sb.state["disk"]
-        config = runc_config(disk.merged, sb.sandbox_id[:63], f"/{CGROUP_GROUP}/{sb.sandbox_id}", sb.limits,
+        dev = sb.dir / "dev"
+        prepare_dev_dir(dev)
+        config = runc_config(disk.merged, dev, sb.sandbox_id[:63], f"/{CGROUP_GROUP}/{sb.sandbox_id}", sb.limits,
                              sb.image.host_usr)
         (sb.dir / "config.json").write_text(json.dumps(config))
 

@@ -1,0 +1,183 @@
+"""Sandbox lifecycle latencies per backend next to AgentENV's published figures, plus idle density.
+
+    sudo python bench/sandbox.py [--iterations 20] [--criu-iterations 8] [--density 40]
+
+Runs the manager in-process (the gRPC service adds one loopback round trip, ~1 ms) on real sandboxes of the
+base image, each holding a small stateful process (a Python counter, ~10 MB). For each backend it times
+create, exec (a trivial command), pause, resume, snapshot, restore and fork (one copy), prints p50/p99, and
+compares p50 with AgentENV (K3 report 5.3.2: checkpoint 133 ms, restore 49 ms, resume < 50 ms, pause and
+snapshot < 100 ms) and with this project's goals (pause/resume <= 20 ms, fork <= 300 ms, restore <= 300 ms on
+CRIU). Density: memory charged per sandbox running and paused (cgroup usage, includes its tmpfs disk and
+page cache), the drop in host MemAvailable per sandbox, and how many idle sandboxes this host would hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+
+from bench.sandbox_workload import BUMP, COUNTER_PY
+from services.sandbox.backends.base import ExecSpec, collect
+from services.sandbox.backends.registry import available_backends
+from services.sandbox.config import SandboxConfig
+from services.sandbox.limits import LimitRequest
+from services.sandbox.manager import SandboxManager
+
+RESULTS = Path(__file__).resolve().parent / "results" / "sandbox.json"
+# op -> (AgentENV's published figure in ms, what it is)
+AGENTENV_MS = {"pause": (100.0, "< 100"), "resume": (50.0, "< 50"), "snapshot": (133.0, "133 (incr. ckpt)"),
+               "restore": (49.0, "49")}
+GOALS_MS = {"pause": 20.0, "resume": 20.0, "fork": 300.0, "restore": 300.0}
+OPS = ("create", "exec", "pause", "resume", "snapshot", "restore", "fork")
+
+
+def _mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def _stateful(mgr: SandboxManager, backend: str) -> str:
+    sb = await mgr.create("base", "bench", LimitRequest(), backend=backend)
+    await mgr.write_file(sb.sandbox_id, "/home/user/counter.py", COUNTER_PY, 0o644)
+    await collect(mgr.exec(sb.sandbox_id, ExecSpec(["python3", "/home/user/counter.py"], background=True)))
+    await collect(mgr.exec(sb.sandbox_id, ExecSpec(["sh", "-c", "while [ ! -S /tmp/counter.sock ]; do sleep 0.02; done"])))
+    result = await collect(mgr.exec(sb.sandbox_id, ExecSpec(BUMP)))
+    assert result.stdout.strip() == b"1", result
+    return sb.sandbox_id
+
+
+async def _timed(samples: dict[str, list[float]], op: str, call: Awaitable) -> object:
+    start = time.perf_counter()
+    out = await call
+    samples[op].append((time.perf_counter() - start) * 1e3)
+    return out
+
+
+async def bench_latency(mgr: SandboxManager, backend: str, iterations: int) -> dict[str, list[float]]:
+    samples: dict[str, list[float]] = {op: [] for op in OPS}
+    for _ in range(iterations):
+        start = time.perf_counter()
+        sid = await _stateful(mgr, backend)
+        samples["create"].append((time.perf_counter() - start) * 1e3)  # includes starting the counter
+        await _timed(samples, "exec", collect(mgr.exec(sid, ExecSpec(["true"]))))
+        await _timed(samples, "pause", mgr.pause(sid))
+        await _timed(samples, "resume", mgr.resume(sid))
+        snap, _ = await _timed(samples, "snapshot", mgr.snapshot(sid))
+        restored, _ = await _timed(samples, "restore", mgr.restore(snap.ref.snapshot_id))
+        forks, _ = await _timed(samples, "fork", mgr.fork(sid, 1))
+        if mgr.backends[backend].capabilities.live_fork:  # the copies really carry the live process
+            for copy in (restored.sandbox_id, forks[0].sandbox_id):
+                out = (await collect(mgr.exec(copy, ExecSpec(BUMP)))).stdout.strip()
+                assert out == b"2", f"{copy} did not continue the counter: {out!r}"
+        for s in (sid, restored.sandbox_id, forks[0].sandbox_id):
+            await mgr.destroy(s)
+        mgr.delete_snapshot(snap.ref.snapshot_id)
+    return samples
+
+
+async def bench_density(mgr: SandboxManager, backend: str, count: int) -> dict:
+    before = _mem_available()
+    ids = [await _stateful(mgr, backend) for _ in range(count)]
+    await asyncio.sleep(1.0)
+    be = mgr.backends[backend]
+    running = statistics.mean(be.memory_bytes(mgr.sandboxes[s].handle) for s in ids)
+    host_running = (before - _mem_available()) / count
+    for s in ids:
+        await mgr.pause(s)
+    cpu_before = _cpu_seconds(mgr, ids)
+    await asyncio.sleep(1.0)
+    paused = statistics.mean(be.memory_bytes(mgr.sandboxes[s].handle) for s in ids)
+    cpu_paused = _cpu_seconds(mgr, ids) - cpu_before
+    for s in ids:
+        await mgr.destroy(s)
+    per_sandbox = max(host_running, paused)
+    return {"sandboxes": count, "cgroup_bytes_running": running, "cgroup_bytes_paused": paused,
+            "host_bytes_per_sandbox": host_running, "cpu_s_while_paused_1s_all": cpu_paused,
+            "idle_sandboxes_per_host_estimate": int(before / per_sandbox) if per_sandbox > 0 else None}
+
+
+def _cpu_seconds(mgr: SandboxManager, ids: list[str]) -> float:
+    total = 0
+    for s in ids:
+        group = "k3sandbox-ns" if mgr.sandboxes[s].backend.name == "namespace" else "k3sandbox-criu"
+        stat = Path(f"/sys/fs/cgroup/unified/{group}/{s}/cpu.stat").read_text().split()
+        total += int(stat[1])
+    return total / 1e6
+
+
+def _row(backend: str, op: str, values: list[float]) -> dict:
+    p50, p99 = _percentile(values, 0.5), _percentile(values, 0.99)
+    peer = AGENTENV_MS.get(op)
+    goal = GOALS_MS.get(op)
+    return {"backend": backend, "op": op, "n": len(values), "p50_ms": round(p50, 2), "p99_ms": round(p99, 2),
+            "agentenv_ms": peer[1] if peer else None, "p50_vs_agentenv": round(p50 / peer[0], 3) if peer else None,
+            "goal_ms": goal, "meets_goal": (p50 <= goal) if goal else None}
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    root = Path(tempfile.mkdtemp(prefix="k3-sandbox-bench-"))
+    config = SandboxConfig(root_dir=str(root), max_sandboxes_per_tenant=10_000,
+                           max_memory_per_tenant_bytes=1 << 50, default_memory_bytes=256 << 20,
+                           default_disk_bytes=64 << 20)
+    backends = available_backends(root / "backends")
+    backends.pop("firecracker", None)
+    mgr = SandboxManager(config, backends)
+    mgr.images.ensure_base()
+    rows, density = [], {}
+    try:
+        for name in backends:
+            iterations = args.criu_iterations if name == "criu" else args.iterations
+            samples = await bench_latency(mgr, name, iterations)
+            rows += [_row(name, op, samples[op]) for op in OPS]
+            density[name] = await bench_density(mgr, name, args.density if name == "namespace" else args.criu_density)
+    finally:
+        await mgr.close()
+    return {"machine": f"{platform.node()} {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
+            "kernel": platform.release(), "rows": rows, "density": density,
+            "agentenv_reference": "K3 report 5.3.2 (Firecracker microVMs, incremental dirty-page snapshots)"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--criu-iterations", type=int, default=8)
+    parser.add_argument("--density", type=int, default=40)
+    parser.add_argument("--criu-density", type=int, default=10)
+    args = parser.parse_args()
+    result = asyncio.run(main_async(args))
+    print(f"{'backend':<10} {'op':<9} {'n':>3} {'p50 ms':>9} {'p99 ms':>9} {'AgentENV ms':>17} {'p50/AgentENV':>12} "
+          f"{'goal ms':>8} {'meets':>6}")
+    for r in result["rows"]:
+        ratio = f"{r['p50_vs_agentenv']:.2f}x" if r["p50_vs_agentenv"] is not None else "-"
+        meets = "-" if r["meets_goal"] is None else ("yes" if r["meets_goal"] else "NO")
+        print(f"{r['backend']:<10} {r['op']:<9} {r['n']:>3} {r['p50_ms']:>9.2f} {r['p99_ms']:>9.2f} "
+              f"{r['agentenv_ms'] or '-':>17} {ratio:>12} {r['goal_ms'] or '-':>8} {meets:>6}")
+    print("\ndensity (each sandbox: base image + a Python counter process)")
+    for name, d in result["density"].items():
+        print(f"{name:<10} {d['sandboxes']:>3} sandboxes: cgroup {d['cgroup_bytes_running'] / 2**20:.1f} MiB running, "
+              f"{d['cgroup_bytes_paused'] / 2**20:.1f} MiB paused; host {d['host_bytes_per_sandbox'] / 2**20:.1f} MiB "
+              f"each; CPU while paused {d['cpu_s_while_paused_1s_all'] * 1e3:.2f} ms over 1 s; "
+              f"~{d['idle_sandboxes_per_host_estimate']} idle sandboxes fit in this host's available memory")
+    print(f"\n{result['machine']}, kernel {result['kernel']}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
