@@ -1,0 +1,212 @@
+"""The engine loop of rank 0: take requests, schedule a step, send it to the other ranks, run it, sample,
+stream. Runs in its own thread; the gRPC servicers talk to it through `submit` and `cancel`."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from k3.v1 import common_pb2
+from services.engine.executor import Executor, StepResult
+from services.engine.metrics import EngineMetrics
+from services.engine.output import OutputProcessor
+from services.engine.plan import RecordingManager, StepPlan
+from services.engine.request import EngineRequest, Phase, StepOutput
+from services.engine.sampler import sample_next
+from services.engine.scheduler import Scheduler
+from services.runtime import errors
+
+log = logging.getLogger("k3.engine")
+
+Broadcast = Callable[[StepPlan], None]
+
+
+class Engine:
+    def __init__(self, executor: Executor, scheduler: Scheduler, manager: RecordingManager,
+                 output: OutputProcessor, metrics: EngineMetrics, broadcast: Broadcast | None = None):
+        self.executor = executor
+        self.scheduler = scheduler
+        self.manager = manager
+        self.output = output
+        self.metrics = metrics
+        self.broadcast = broadcast
+        self.requests: dict[str, EngineRequest] = {}
+        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stopped = threading.Event()
+        self.failure: BaseException | None = None
+        self._preemptions_seen = 0
+
+    # ---- called from the server's event loop ----------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, req: EngineRequest) -> None:
+        if self.failure is not None:
+            raise errors.Unavailable(f"engine stopped: {self.failure}", retry_after_ms=1000)
+        self._inbox.put(("add", req))
+
+    def cancel(self, rid: str) -> None:
+        self._inbox.put(("cancel", rid))
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run fn(cache manager) on the engine thread between steps (the manager is not thread-safe)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, future)))
+        return future
+
+    def stop(self) -> None:
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.failure is None
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                self._drain_inbox(block=not self.scheduler.has_work)
+                if self._stopped.is_set():
+                    break
+                if self.scheduler.has_work:
+                    self._step()
+        except BaseException as exc:  # noqa: BLE001 - a dead engine must fail every stream, not hang them
+            log.exception("engine loop died")
+            self.failure = exc
+            for req in list(self.requests.values()):
+                self._fail(req, errors.Unavailable(f"worker engine failed: {exc}", retry_after_ms=1000))
+        finally:
+            if self.broadcast is not None:
+                try:
+                    self.broadcast(StepPlan(shutdown=True))
+                except Exception:  # noqa: BLE001 - peers may be gone already
+                    pass
+            self.executor.close()
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if kind == "stop":
+                self._stopped.set()
+                return
+            if kind == "add":
+                req = item
+                assert isinstance(req, EngineRequest)
+                if req.rid in self.requests:
+                    req.emit(StepOutput([], error=errors.AlreadyExists(f"request {req.rid!r} is already running")))
+                    continue
+                self.requests[req.rid] = req
+                self.scheduler.add(req)
+            elif kind == "call":
+                fn, future = item  # type: ignore[misc]
+                try:
+                    future.set_result(fn(self.manager.manager))
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+            elif kind == "cancel":
+                req = self.requests.get(str(item))
+                if req is not None:
+                    self._finish(req, common_pb2.FINISH_REASON_CANCELLED, keep_turn=False)
+                    req.emit(StepOutput([], finish_reason=common_pb2.FINISH_REASON_CANCELLED))
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        for req in self.scheduler.rejected:
+            self.requests.pop(req.rid, None)
+            req.emit(StepOutput([], error=errors.ResourceExhausted(
+                f"request {req.rid!r} needs more cache pages than this worker's whole pool",
+                retry_after_ms=5000)))
+        if plan.empty:
+            return
+        if self.broadcast is not None:
+            self.broadcast(plan)
+        result = self.executor.execute(plan)
+        self._after_step(plan, result)
+        self._update_gauges()
+        self.metrics.step_seconds.observe(time.perf_counter() - started)
+
+    def _after_step(self, plan: StepPlan, result: StepResult) -> None:
+        for rid, why in result.failed_imports.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                self.scheduler.forget(req)
+                self._fail(req, errors.Unavailable(f"could not import the KV handle: {why}", retry_after_ms=500))
+        if plan.imports:
+            self.executor.release_handles(plan)
+        for item in plan.imports:
+            req = self.requests.get(item.rid)
+            if req is not None and item.rid not in result.failed_imports and req.forced and not req.output:
+                self._accept(req, req.forced.pop(0))
+        for rid, why in result.failed_exports.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, common_pb2.FINISH_REASON_ERROR, keep_turn=True)
+                self._fail(req, errors.Unavailable(f"could not export the KV cache: {why}", retry_after_ms=500))
+        sampled = [f for f in plan.forward if f.sample]
+        for row, item in enumerate(sampled):
+            req = self.requests.get(item.rid)
+            if req is None or req.phase is not Phase.RUNNING:
+                continue
+            if not req.output and not req.preemptions:
+                self.metrics.prompt_tokens.inc(len(req.prompt) - req.cached_tokens)
+            assert result.logits is not None
+            token = req.forced.pop(0) if req.forced else sample_next(result.logits[row], req.options,
+                                                                    len(req.output))
+            self._accept(req, token)
+
+    def _accept(self, req: EngineRequest, token: int) -> None:
+        now = time.monotonic()
+        if req.first_token_at is None:
+            req.first_token_at = now
+            self.metrics.ttft.observe(now - req.arrival)
+        elif req.last_token_at is not None:
+            self.metrics.tpot.observe(now - req.last_token_at)
+        req.last_token_at = now
+        self.metrics.record_tokens(1)
+        out = self.output.accept(req, token)
+        if out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            self._finish(req, out.finish_reason, keep_turn=True)
+        else:
+            self.manager.call("append_tokens", req.rid, [token])
+        req.emit(out)
+
+    def _finish(self, req: EngineRequest, reason: int, keep_turn: bool) -> None:
+        self.scheduler.remove(req, keep_turn)
+        self.requests.pop(req.rid, None)
+        self.output.forget(req.rid)
+        self.metrics.finished.labels(common_pb2.FinishReason.Name(reason)).inc()
+
+    def _fail(self, req: EngineRequest, error: errors.ServiceError) -> None:
+        if req.phase is not Phase.FINISHED:
+            self.scheduler.remove(req, keep_turn=False)
+        self.requests.pop(req.rid, None)
+        self.output.forget(req.rid)
+        self.metrics.finished.labels("FINISH_REASON_ERROR").inc()
+        req.emit(StepOutput([], error=error))
+
+    def _update_gauges(self) -> None:
+        pool = self.manager.manager.pool
+        self.metrics.running.set(len(self.scheduler.running))
+        self.metrics.waiting.set(len(self.scheduler.waiting))
+        self.metrics.pool_usage.set(self.pool_usage())
+        self.metrics.pool_cached.set(pool.num_cached / pool.num_pages)
+        self.metrics.preemptions.inc(self.scheduler.preemptions - self._preemptions_seen)
+        self._preemptions_seen = self.scheduler.preemptions
+        if self.scheduler.lookup_tokens:
+            self.metrics.hit_rate.set(self.scheduler.hit_tokens / self.scheduler.lookup_tokens)
+
+    def pool_usage(self) -> float:
+        pool = self.manager.manager.pool
+        return (pool.num_pages - pool.num_free - pool.num_cached) / pool.num_pages

@@ -1,0 +1,125 @@
+"""Runs a step on one TP rank: page copies, imports, the forward, exports, and the step commit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from k3.v1 import common_pb2
+from k3core.cache.manager import PrefixCacheManager
+from services.engine import kv_pages
+from services.engine.model_runner import ModelRunner
+from services.engine.plan import StepPlan
+from services.kvtransfer.grpc_transport import GrpcTransport
+from services.kvtransfer.relayout import rank_layout
+from services.kvtransfer.transport import Transport
+
+log = logging.getLogger("k3.engine.executor")
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor | None
+    failed_imports: dict[str, str]  # rid -> why (on any rank)
+    failed_exports: dict[str, str]
+
+
+def _messages(failed: set[str], local: dict[str, str]) -> dict[str, str]:
+    return {rid: local.get(rid, "a peer tensor-parallel rank failed this transfer") for rid in failed}
+
+
+class Executor:
+    def __init__(self, manager: PrefixCacheManager, runner: ModelRunner, *, rank: int, tp_size: int,
+                 total_heads: int, instance: common_pb2.InstanceId, auth_token: str = ""):
+        self.manager = manager
+        self.runner = runner
+        self.rank = rank
+        self.tp_size = tp_size
+        self.layout = rank_layout(total_heads, tp_size, rank)
+        self.instance = instance
+        self.auth_token = auth_token
+        # Transfers run on this thread's own event loop (the executor thread is not the server's loop).
+        self._loop = asyncio.new_event_loop()
+        self._transports: dict[str, Transport] = {}
+
+    def replay(self, plan: StepPlan) -> None:
+        """Ranks > 0: apply rank 0's cache-manager calls of this step."""
+        for name, args in plan.manager_calls:
+            getattr(self.manager, name)(*args)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run the step. Logits (identical on every rank) come back for the items that sample."""
+        manager = self.manager
+        manager.pre_forward()
+        import_errors: dict[str, str] = {}
+        for item in plan.imports:
+            try:
+                pulled = self._run(self._transport(item.transfer_address).pull(item.handle_id, self.layout))
+                kv_pages.import_request(manager, item.rid, list(pulled.handle.pages), pulled.pages,
+                                        item.shared_tokens)
+            except Exception as exc:  # noqa: BLE001 - fails this request only, on every rank alike
+                import_errors[item.rid] = f"{type(exc).__name__}: {exc}"
+        failed_imports = self._agree([i.rid for i in plan.imports], import_errors)
+        for item in plan.imports:
+            if item.rid in failed_imports:
+                manager.finish(item.rid, False)
+            elif item.reserved:
+                manager.forward_done(item.rid)
+        logits = None
+        if plan.forward:
+            cache = manager.batch_view([f.rid for f in plan.forward])
+            all_logits = self.runner.forward([f.token_ids for f in plan.forward], cache)
+            logits = all_logits[[i for i, f in enumerate(plan.forward) if f.sample]]
+            for item in plan.forward:
+                manager.forward_done(item.rid)
+        export_errors: dict[str, str] = {}
+        for item in plan.exports:
+            try:
+                self._export(item)
+            except Exception as exc:  # noqa: BLE001 - reported to this request's caller
+                export_errors[item.rid] = f"{type(exc).__name__}: {exc}"
+        failed_exports = self._agree([e.rid for e in plan.exports], export_errors)
+        manager.commit_step()
+        return StepResult(logits, _messages(failed_imports, import_errors), _messages(failed_exports, export_errors))
+
+    def _agree(self, rids: list[str], local_errors: dict[str, str]) -> set[str]:
+        """The items that failed on any rank (every rank must drop the same requests)."""
+        if self.tp_size == 1 or not rids:
+            return set(local_errors)
+        flags = torch.tensor([int(r in local_errors) for r in rids], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return {r for r, flag in zip(rids, flags.tolist(), strict=True) if flag}
+
+    def release_handles(self, plan: StepPlan) -> None:
+        """Rank 0, after every rank imported: the staged pages are no longer needed."""
+        for item in plan.imports:
+            try:
+                self._run(self._transport(item.transfer_address).release(item.handle_id))
+            except Exception as exc:  # noqa: BLE001 - the service's TTL frees it anyway
+                log.warning("handle release failed", extra={"handle": item.handle_id, "error": str(exc)})
+
+    def _export(self, item) -> None:
+        refs, pages = kv_pages.export_request(self.manager, item.rid)
+        req = self.manager.requests[item.rid]
+        handle = common_pb2.KVHandle(handle_id=item.handle_id, request_id=item.rid, producer=self.instance,
+                                     layout=self.layout, num_tokens=req.num_computed, pages=refs, model=item.model)
+        self._run(self._transport(item.transfer_address).push(handle, pages))
+
+    def _transport(self, address: str) -> Transport:
+        if address not in self._transports:
+            async def make() -> Transport:
+                return GrpcTransport(address, self.auth_token)
+            self._transports[address] = self._run(make())
+        return self._transports[address]
+
+    def _run(self, coro):
+        return self._loop.run_until_complete(coro)
+
+    def close(self) -> None:
+        for transport in self._transports.values():
+            self._run(transport.close())
+        self._loop.close()

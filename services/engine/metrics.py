@@ -1,0 +1,43 @@
+"""Worker metrics, named k3_decode_* on the decode worker and k3_prefill_* on the prefill worker."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+from k3core.cache.metrics import CacheMetrics
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class EngineMetrics:
+    def __init__(self, role: str):
+        p = f"k3_{role}"
+        self.running = Gauge(f"{p}_running", "Requests in the running batch")
+        self.waiting = Gauge(f"{p}_waiting", "Requests queued (new or preempted)")
+        self.pool_usage = Gauge(f"{p}_pool_usage", "Fraction of pool pages referenced by requests")
+        self.pool_cached = Gauge(f"{p}_pool_cached_fraction", "Fraction of pool pages held only by the cache")
+        self.hit_rate = Gauge(f"{p}_prefix_hit_rate", "Prompt tokens served from the prefix cache / looked up")
+        self.ttft = Histogram(f"{p}_ttft_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS)
+        self.tpot = Histogram(f"{p}_tpot_seconds", "Time per output token after the first", buckets=LATENCY_BUCKETS)
+        self.tokens_per_second = Gauge(f"{p}_tokens_per_second", "Generated tokens per second (last 10 s)")
+        self.generated = Counter(f"{p}_generated_tokens", "Tokens generated")
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens computed (not served from cache)")
+        self.preemptions = Counter(f"{p}_preemptions", "Requests preempted because the pool was full")
+        self.finished = Counter(f"{p}_requests_finished", "Requests ended", ["reason"])
+        self.step_seconds = Histogram(f"{p}_step_seconds", "Engine step duration", buckets=LATENCY_BUCKETS)
+        self.cache = CacheMetrics(REGISTRY, prefix=f"{p}_prefix_cache")
+        self._recent: deque[tuple[float, int]] = deque()
+        self.current_tokens_per_second = 0.0
+
+    def record_tokens(self, count: int) -> None:
+        now = time.monotonic()
+        self.generated.inc(count)
+        self._recent.append((now, count))
+        while self._recent and now - self._recent[0][0] > 10:
+            self._recent.popleft()
+        span = max(now - self._recent[0][0], 1.0)
+        self.current_tokens_per_second = sum(c for _, c in self._recent) / span
+        self.tokens_per_second.set(self.current_tokens_per_second)

@@ -1,0 +1,42 @@
+"""The model of one TP rank and its forward over a step's paged batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from k3core.cache.interface import BatchCache
+from k3core.model import K3Model
+from k3core.model.init import init_weights
+from k3core.weights.checkpoint import load_checkpoint
+from services.engine.config import WorkerConfig
+from services.engine.tensor_parallel import shard_model
+
+
+def build_model(config: WorkerConfig, rank: int, group: dist.ProcessGroup | None = None) -> K3Model:
+    """The full model (checkpoint or seeded random weights), cut to this rank's shard."""
+    model_config = config.model_config()
+    model = K3Model(model_config)
+    if config.checkpoint:
+        expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        loaded = load_checkpoint(config.checkpoint, expected=expected, dtype=config.torch_dtype)
+        model.load_state_dict(loaded.state_dict, strict=True)
+    else:
+        init_weights(model, seed=config.weights_seed)
+    model = model.to(device=config.device, dtype=config.torch_dtype).eval()
+    return shard_model(model, rank, config.tp_size, group)
+
+
+class ModelRunner:
+    def __init__(self, model: K3Model, device: str):
+        self.model = model
+        self.device = torch.device(device)
+
+    @torch.no_grad()
+    def forward(self, token_ids: Sequence[Sequence[int]], cache: BatchCache) -> torch.Tensor:
+        """Logits [B, V] (float32) at the last new token of each sequence of the batch."""
+        flat = [t for tokens in token_ids for t in tokens]
+        tokens = torch.tensor(flat, dtype=torch.long, device=self.device)
+        return self.model(tokens, cache, logits_for="last").float()

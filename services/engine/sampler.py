@@ -1,0 +1,37 @@
+"""Per-request seeded sampling of the next token.
+
+Token i of a request is drawn with a generator seeded from (seed, i) alone, so the draw does not depend
+on batch composition, on which worker computed the logits, or on a preemption in between: a prefill
+worker's first token and a decode worker's continuation are the tokens one offline run would produce.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.params import GenerationOptions
+
+_MIX = 0x9E3779B97F4A7C15
+_MASK = (1 << 63) - 1
+
+
+def token_seed(seed: int, index: int) -> int:
+    return (seed * _MIX + index + 1) & _MASK
+
+
+def sample_next(logits: torch.Tensor, options: GenerationOptions, index: int) -> int:
+    """logits [V] (float32) -> the token at output position `index`."""
+    if options.temperature == 0:
+        return int(torch.argmax(logits))
+    scores = logits.float() / options.temperature
+    if options.top_k and options.top_k < scores.numel():
+        kth = torch.topk(scores, options.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if options.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        outside = torch.cumsum(sorted_probs, 0) - sorted_probs >= options.top_p
+        sorted_probs[outside] = 0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    generator = torch.Generator(device="cpu").manual_seed(token_seed(options.seed, index))
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))

@@ -1,0 +1,175 @@
+"""Continuous batching with chunked prefill over the paged pool (rank 0 decides, the plan carries it).
+
+Every step: requests that ended leave, running requests get their next tokens (decode steps first, one
+token each, then prefill chunks), and waiting requests join while the step's token budget, the running
+limit and the pool allow. A prefill chunk that does not finish its prompt ends on a hash-block multiple,
+so the KDA state at the end of every forward is a state the prefix cache may checkpoint.
+
+Preemption (the pool is full): the newest running request is finished *with* its turn kept, which leaves
+its registered MLA blocks and latest KDA checkpoint in the prefix cache (written back to the CPU tier if
+they get evicted), and it goes back to the front of the queue. When it is admitted again, the two-phase
+lookup restores it up to its last hash boundary and only the tail is recomputed. So preemption is
+"offload through the prefix cache, recompute the tail", never a failure; a request that cannot fit even
+alone is refused with RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import deque
+
+from k3core.cache.pool import OutOfPages
+from services.engine.plan import ExportItem, ForwardItem, ImportItem, RecordingManager, StepPlan
+from services.engine.request import EngineRequest, Phase
+
+
+class Scheduler:
+    def __init__(self, manager: RecordingManager, *, hash_block_tokens: int, max_running: int,
+                 step_token_budget: int, model_name: str):
+        self.manager = manager
+        self.hash_block = hash_block_tokens
+        self.max_running = max_running
+        self.budget = step_token_budget
+        self.model_name = model_name
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.preemptions = 0
+        self.lookup_tokens = 0  # prompt tokens looked up in the prefix cache at first admission
+        self.hit_tokens = 0
+        # Requests that must leave before the next step: rid -> keep the turn's checkpoint.
+        self._leaving: dict[str, bool] = {}
+        # Filled by `schedule`: requests that could not be admitted even into an empty pool.
+        self.rejected: list[EngineRequest] = []
+
+    def add(self, req: EngineRequest) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: EngineRequest, keep_turn: bool) -> None:
+        """The request ended (finished, cancelled, failed): its pages go at the next step."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif req.phase is Phase.RUNNING:
+            self.running.remove(req)
+            self._leaving[req.rid] = keep_turn
+        req.phase = Phase.FINISHED
+
+    def forget(self, req: EngineRequest) -> None:
+        """The executor already released the request's pages (a failed import)."""
+        if req in self.running:
+            self.running.remove(req)
+        self._leaving.pop(req.rid, None)
+        req.phase = Phase.FINISHED
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._leaving)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self.rejected = []
+        for rid, keep in self._leaving.items():
+            self.manager.call("finish", rid, keep)
+        self._leaving.clear()
+        budget = self.budget
+        # Decode steps first (one token each, latency-critical), then prefill chunks, oldest first.
+        for req in sorted(self.running, key=lambda r: (self._remaining(r) > 1, r.arrival)):
+            if req.phase is not Phase.RUNNING:
+                continue  # preempted earlier in this pass
+            budget -= self._schedule_tokens(req, budget, plan)
+        while self.waiting and len(self.running) < self.max_running and budget > 0:
+            req = self.waiting[0]
+            outcome = self._admit(req, plan)
+            if outcome == "wait":
+                break
+            self.waiting.popleft()
+            if outcome == "admitted" and req.source is None:
+                budget -= self._schedule_tokens(req, budget, plan)
+        plan.manager_calls = self.manager.take_calls()
+        return plan
+
+    def _remaining(self, req: EngineRequest) -> int:
+        cached = self.manager.manager.requests[req.rid]
+        return cached.num_tokens - cached.num_computed
+
+    def _chunk(self, req: EngineRequest, budget: int) -> int:
+        """Tokens to compute this step: up to the budget, ending on a hash-block multiple whenever the
+        chunk crosses one (so the state after the forward is a checkpointable boundary state); only the
+        tail after the last boundary ends elsewhere."""
+        cached = self.manager.manager.requests[req.rid]
+        start = cached.num_computed
+        end = start + min(cached.num_tokens - start, budget)
+        boundary = end // self.hash_block * self.hash_block
+        if boundary > start:
+            return boundary - start
+        return end - start if end == cached.num_tokens else 0
+
+    def _schedule_tokens(self, req: EngineRequest, budget: int, plan: StepPlan) -> int:
+        """Reserve this step's tokens of a running request (preempting others if the pool is full)."""
+        count = self._chunk(req, budget)
+        if count == 0:
+            return 0
+        while True:
+            try:
+                self.manager.call("reserve", req.rid, count)
+                break
+            except OutOfPages:
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is req:
+                    return 0
+        cached = self.manager.manager.requests[req.rid]
+        start = cached.num_computed
+        sample = start + count == cached.num_tokens
+        plan.forward.append(ForwardItem(req.rid, req.tokens[start : start + count], sample))
+        if sample and req.export is not None and not req.output:
+            plan.exports.append(ExportItem(req.rid, req.export.handle_id, req.export.transfer_address,
+                                           self.model_name))
+        return count
+
+    def _admit(self, req: EngineRequest, plan: StepPlan) -> str:
+        """"admitted", "wait" (the pool is busy: stay queued), or "rejected" (cannot fit even alone)."""
+        tokens = req.prompt if req.source is not None else req.tokens
+        try:
+            hit = self.manager.call("add_request", req.rid, tokens)
+        except OutOfPages:
+            if self.running:
+                return "wait"
+            req.phase = Phase.FINISHED
+            self.rejected.append(req)
+            return "rejected"
+        if not req.preemptions:
+            req.cached_tokens = hit
+            self.lookup_tokens += len(tokens)
+            self.hit_tokens += hit
+        req.phase = Phase.RUNNING
+        self.running.append(req)
+        if req.source is not None:
+            rest = len(req.prompt) - hit
+            if rest:
+                try:
+                    self.manager.call("reserve", req.rid, rest)
+                except OutOfPages:
+                    self.manager.call("finish", req.rid, False)
+                    self.running.remove(req)
+                    req.phase = Phase.WAITING
+                    return "wait"
+            plan.imports.append(ImportItem(req.rid, req.source.handle_id, req.source.transfer_address, hit,
+                                           bool(rest)))
+        return "admitted"
+
+    def _preempt(self, req: EngineRequest, plan: StepPlan) -> None:
+        self.running.remove(req)
+        plan.forward[:] = [f for f in plan.forward if f.rid != req.rid]
+        plan.exports[:] = [e for e in plan.exports if e.rid != req.rid]
+        plan.imports[:] = [i for i in plan.imports if i.rid != req.rid]
+        self.manager.call("finish", req.rid, True)
+        req.phase = Phase.WAITING
+        req.preemptions += 1
+        self.preemptions += 1
+        # An imported request recomputes from its tokens (prefix hits permitting): the handle is gone.
+        req.source = None
+        self.waiting.appendleft(req)
+
+
+def new_handle_id() -> str:
+    return "kv-" + uuid.uuid4().hex[:20]

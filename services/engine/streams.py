@@ -1,0 +1,50 @@
+"""The bridge between the engine thread and a gRPC stream on the server's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from k3.v1 import common_pb2
+from services.engine.engine import Engine
+from services.engine.request import EngineRequest, StepOutput
+
+
+class RequestStream:
+    """Queue of a request's outputs; `emit` is called on the engine thread."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+
+    def emit(self, output: StepOutput) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
+
+    async def outputs(self, engine: Engine, req: EngineRequest) -> AsyncIterator[StepOutput]:
+        """Yields outputs until the request ends; raises the engine's error. If the caller goes away
+        (cancelled, disconnected), the engine is told at once so the request's pages are freed."""
+        done = False
+        try:
+            while True:
+                output = await self._queue.get()
+                if output.error is not None:
+                    done = True
+                    raise output.error
+                done = output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                yield output
+                if done:
+                    return
+        finally:
+            if not done:
+                engine.cancel(req.rid)
+
+
+def token_chunk(req: EngineRequest, output: StepOutput) -> common_pb2.TokenChunk:
+    chunk = common_pb2.TokenChunk(request_id=req.rid, token_ids=output.token_ids, text=output.text,
+                                  finish_reason=output.finish_reason)
+    if req.first_token_at is not None and len(req.output) == len(output.token_ids):
+        chunk.ttft_ms = 1e3 * (req.first_token_at - req.arrival)
+    if output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+        chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens,
+                                              completion_tokens=len(req.output)))
+    return chunk
