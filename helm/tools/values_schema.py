@@ -25,10 +25,11 @@ metric = {
         "name": {"type": "string", "pattern": "^[a-zA-Z_:][a-zA-Z0-9_:]*$",
                  "description": "metric name as the prometheus adapter serves it (the Prometheus series name)"},
         "selector": obj,
+        "perCluster": {"type": "boolean", "description": "External only: select this release's cluster"},
         "averageValue": quantity, "value": quantity},
     "allOf": [
         {"if": {"properties": {"type": {"const": "Pods"}}},
-         "then": {"required": ["averageValue"], "not": {"required": ["value"]}}},
+         "then": {"required": ["averageValue"], "not": {"anyOf": [{"required": ["value"]}, {"required": ["perCluster"]}]}}},
         {"if": {"properties": {"type": {"const": "External"}}},
          "then": {"anyOf": [{"required": ["value"]}, {"required": ["averageValue"]}]}}]}
 service_spec = {

@@ -6,15 +6,15 @@ import pytest
 
 from tests.deploy.chart import CI_VALUES, MINIMAL, ci_values, of_kind, render, render_file
 
-# The load signal each service scales on (metric names are the Prometheus series the services export).
+# The load signal each service scales on: queue depth, pool usage, in-flight work and cost.
 SIGNALS = {
-    "gateway": {"k3_gateway_inflight_requests"},
-    "admission": {"k3_admission_queue_depth"},
+    "gateway": {"k3_rpc_in_flight"},
+    "admission": {"k3_rpc_in_flight"},
     "router": set(),
-    "prefill": {"k3_prefill_queued_tokens"},
-    "decode": {"k3_decode_kv_pool_usage_ratio", "k3_decode_inflight_cost"},
-    "kvtransfer": {"k3_kvtransfer_inflight_bytes"},
-    "sandbox": {"k3_sandbox_active_sandboxes"},
+    "prefill": {"k3_prefill_waiting", "k3_prefill_pool_usage"},
+    "decode": {"k3_decode_pool_usage", "k3_decode_waiting", "k3_admission_in_use"},
+    "kvtransfer": {"k3_kvtransfer_bytes_held"},
+    "sandbox": {"k3_sandbox_sandboxes"},
 }
 
 
@@ -45,20 +45,26 @@ def test_pool_usage_target_is_a_fraction_and_gpu_scale_down_is_slow():
     hpas = of_kind(render(MINIMAL), "HorizontalPodAutoscaler")
     decode = {m["pods"]["metric"]["name"]: m["pods"]["target"] for m in hpas["decode"]["spec"]["metrics"]
               if m["type"] == "Pods"}
-    assert decode["k3_decode_kv_pool_usage_ratio"] == {"type": "AverageValue", "averageValue": "800m"}
+    assert decode["k3_decode_pool_usage"] == {"type": "AverageValue", "averageValue": "800m"}
+    (cost,) = [m["external"] for m in hpas["decode"]["spec"]["metrics"] if m["type"] == "External"]
+    # Admitted cost of this cluster only, spread over the decode pods.
+    assert cost["metric"]["selector"] == {"matchLabels": {"cluster": "local"}}
+    assert cost["target"]["type"] == "AverageValue"
     # A GPU worker takes minutes to load: never flap it.
     assert hpas["decode"]["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 600
     assert hpas["gateway"]["spec"]["behavior"]["scaleUp"]["stabilizationWindowSeconds"] == 0
 
 
 def test_external_metrics_and_cpu_off():
-    values = {**MINIMAL, "services": {"admission": {"autoscaling": {"cpuUtilization": 0, "metrics": [
-        {"type": "External", "name": "k3_admission_budget_usage_ratio",
-         "selector": {"matchLabels": {"class": "long"}}, "value": "900m"}]}}}}
-    hpa = of_kind(render(values), "HorizontalPodAutoscaler")["admission"]
+    values = {**MINIMAL, "cluster": {"name": "use1", "region": "us-east-1", "role": "cluster"},
+              "services": {"prefill": {"autoscaling": {"cpuUtilization": 0, "metrics": [
+                  {"type": "External", "name": "k3_admission_in_use", "perCluster": True,
+                   "selector": {"matchLabels": {"request_class": "LONG"}}, "value": "9000000"}]}}}}
+    hpa = of_kind(render(values), "HorizontalPodAutoscaler")["prefill"]
     assert hpa["spec"]["metrics"] == [{"type": "External", "external": {
-        "metric": {"name": "k3_admission_budget_usage_ratio", "selector": {"matchLabels": {"class": "long"}}},
-        "target": {"type": "Value", "value": "900m"}}}]
+        "metric": {"name": "k3_admission_in_use",
+                   "selector": {"matchLabels": {"request_class": "LONG", "cluster": "use1"}}},
+        "target": {"type": "Value", "value": "9000000"}}}]
 
 
 def test_cpu_dev_runs_fixed_replicas_without_hpa_or_pdb():

@@ -30,6 +30,9 @@ BAD = [
     ({"services": {"decode": {"env": {"max-batch": 1}}}}, r"/services/decode/env.*'max-batch' not allowed"),
     ({"services": {"decode": {"autoscaling": {"metrics": [{"type": "Pods", "name": "q"}]}}}},
      r"/services/decode/autoscaling/metrics/0"),
+    ({"services": {"decode": {"autoscaling": {"metrics": [
+        {"type": "Pods", "name": "q", "averageValue": "1", "perCluster": True}]}}}},
+     r"/services/decode/autoscaling/metrics/0"),
 ]
 
 TEMPLATE_CHECKS = [
