@@ -27,7 +27,6 @@ GROUPS: dict[str, tuple[str, str]] = {
     "kda_decode": ("kernels.perf.kda_decode_cases", "decode_rows"),
     "kda_verify": ("kernels.perf.kda_decode_cases", "verify_rows"),
     "mla": ("kernels.perf.mla_cases", "mla_rows"),
-    "kda_prefill": ("kernels.perf.kda_prefill_cases", "prefill_rows"),
     "attnres": ("kernels.perf.attnres_cases", "attnres_rows"),
     "moe": ("kernels.perf.moe_cases", "moe_rows"),
 }

@@ -32,13 +32,22 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _conv_silu(new, rep, hist, wgt, t, r, b, h, L, R, offs, H: tl.constexpr, D: tl.constexpr,
-                   W: tl.constexpr, N: tl.constexpr):
-        """Swish(ShortConv(x))[t] for the N channels `offs` of one stream; wgt: this head's [D, W] taps."""
-        acc = tl.zeros([N], dtype=tl.float32)
-        for w in tl.static_range(W):
-            x = _raw_input(new, rep, hist, t - (W - 1) + w, r, b, h, L, R, offs, H, D, W)
-            acc += x * tl.load(wgt + offs * W + w).to(tl.float32)
+    def _taps(wgt, offs, W: tl.constexpr):
+        """The 4 conv taps of the channels offs; wgt points at this head's [D, W] taps."""
+        return (tl.load(wgt + offs * W).to(tl.float32), tl.load(wgt + offs * W + 1).to(tl.float32),
+                tl.load(wgt + offs * W + 2).to(tl.float32), tl.load(wgt + offs * W + 3).to(tl.float32))
+
+    @triton.jit
+    def _history(new, rep, hist, r, b, h, L, R, offs, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr):
+        """The pooled conv history: inputs at t = -3, -2, -1."""
+        return (_raw_input(new, rep, hist, -3, r, b, h, L, R, offs, H, D, W),
+                _raw_input(new, rep, hist, -2, r, b, h, L, R, offs, H, D, W),
+                _raw_input(new, rep, hist, -1, r, b, h, L, R, offs, H, D, W))
+
+    @triton.jit
+    def _conv_silu(x3, x2, x1, x, w0, w1, w2, w3):
+        """Swish(ShortConv): inputs at t-3, t-2, t-1, t times the taps, summed in that order."""
+        acc = x3 * w0 + x2 * w1 + x1 * w2 + x * w3
         return acc * tl.sigmoid(acc)
 
     @triton.jit
@@ -117,11 +126,26 @@ if triton is not None:
         g_bias = tl.load(dt_bias + h * D + offs).to(tl.float32)
         norm_weight = tl.load(norm_w + offs_v).to(tl.float32)
         commit = r + n_commit
+        tl.static_assert(W == 4, "the register conv window assumes 4 taps (K3 / Kimi Linear)")
+        hk, hv = hist + stream, hist + 2 * stream
+        # The conv window lives in registers (x[t-3], x[t-2], x[t-1] per stream): one input load per
+        # token and stream instead of W, so a token step waits on a single round of loads.
+        q3, q2, q1 = _history(q, rq, hist, r, b, h, L, R, offs, H, D, W)
+        k3, k2, k1 = _history(k, rk, hk, r, b, h, L, R, offs, H, D, W)
+        v3, v2, v1 = _history(v, rv, hv, r, b, h, L, R, offs_v, H, D, W)
+        qw0, qw1, qw2, qw3 = _taps(taps, offs, W)
+        kw0, kw1, kw2, kw3 = _taps(taps + H * D * W, offs, W)
+        vw0, vw1, vw2, vw3 = _taps(taps + 2 * H * D * W, offs_v, W)
         for t in range(0, r + L):
-            qt = _conv_silu(q, rq, hist, taps, t, r, b, h, L, R, offs, H, D, W, D)
-            kt = _conv_silu(k, rk, hist + stream, taps + H * D * W, t, r, b, h, L, R, offs, H, D, W, D)
-            vt = _conv_silu(v, rv, hist + 2 * stream, taps + 2 * H * D * W, t, r, b, h, L, R, offs_v, H, D, W,
-                            BV)
+            xq = _raw_input(q, rq, hist, t, r, b, h, L, R, offs, H, D, W)
+            xk = _raw_input(k, rk, hk, t, r, b, h, L, R, offs, H, D, W)
+            xv = _raw_input(v, rv, hv, t, r, b, h, L, R, offs_v, H, D, W)
+            qt = _conv_silu(q3, q2, q1, xq, qw0, qw1, qw2, qw3)
+            kt = _conv_silu(k3, k2, k1, xk, kw0, kw1, kw2, kw3)
+            vt = _conv_silu(v3, v2, v1, xv, vw0, vw1, vw2, vw3)
+            q3, q2, q1 = q2, q1, xq
+            k3, k2, k1 = k2, k1, xk
+            v3, v2, v1 = v2, v1, xv
             qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + l2_eps)
             kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + l2_eps)
             zt = _raw_input(z, rz, hist, t, r, b, h, L, R, offs, H, D, W) + g_bias
@@ -207,6 +231,7 @@ def fused_kda_recurrent(
     require(beta.shape == (B, L, H), f"beta must be [{B}, {L}, {H}], got {tuple(beta.shape)}")
     require(D == next_pow2(D), f"head dim must be a power of two, got {D}")
     W = _check_pool(state_pool, conv_pool, slots, H, D)
+    require(W == 4, f"conv_pool must hold W-1 = 3 history columns (4-tap ShortConv), got {W - 1}")
     require(slots.shape[0] == B, f"slots must have {B} entries, got {slots.shape[0]}")
     require(conv_weight.shape == (3, H * D, W), f"conv_weight must be [3, {H * D}, {W}], got "
             f"{tuple(conv_weight.shape)}")

@@ -1,0 +1,23 @@
+"""Plain-torch reference of the fused Block AttnRes merge + RMSNorm, composed from k3core.ops."""
+
+from __future__ import annotations
+
+import torch
+
+from k3core.ops.attnres import OnlineSoftmax, attnres_merge
+from k3core.ops.norm import rms_norm
+
+
+def attnres_merge_norm(
+    stat_max: torch.Tensor, stat_denom: torch.Tensor, stat_acc: torch.Tensor, query: torch.Tensor,
+    partial: torch.Tensor | None, out_norm_weight: torch.Tensor, key_norm_weight: torch.Tensor | None = None,
+    key_eps: float = 1e-6, out_eps: float = 1e-6, out_dtype: torch.dtype | None = None,
+    num_warps: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of kernels.attnres.merge_norm_triton.attnres_merge_norm (num_warps ignored)."""
+    del num_warps
+    stats = OnlineSoftmax(stat_max.float(), stat_denom.float(), stat_acc)
+    h = attnres_merge(stats, query, partial, key_norm_weight, key_eps)
+    if partial is None and out_dtype is not None:
+        h = h.to(out_dtype)
+    return h, rms_norm(h, out_norm_weight, out_eps)

@@ -1,0 +1,88 @@
+"""Latent-MoE MXFP4 decode, SiTU-GLU and AttnRes merge+norm: references vs float64, Triton vs references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3core.ops.attnres import attnres_direct, attnres_inter
+from k3core.quant.mxfp4 import dequantize, quantize
+from kernels.attnres import merge_norm_triton
+from kernels.attnres import naive as attnres_naive
+from kernels.moe import latent_moe_decode_triton, situ_glu_triton
+from kernels.moe import naive as moe_naive
+
+T, K, E, L, F = 2, 3, 5, 64, 32
+
+
+def _moe_case(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, L, generator=gen)
+    gate_up = quantize(torch.randn(E, 2 * F, L, generator=gen) * 0.2)
+    down = quantize(torch.randn(E, L, F, generator=gen) * 0.2)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).int()
+    return x, ids, torch.rand(T, K, generator=gen), *gate_up, *down
+
+
+def test_moe_reference_matches_float64_math():
+    x, ids, w, gu_p, gu_s, d_p, d_s = _moe_case(0)
+    out = moe_naive.latent_moe_decode(x, ids, w, gu_p, gu_s, d_p, d_s)
+    w_gu, w_d = dequantize(gu_p, gu_s, torch.float64), dequantize(d_p, d_s, torch.float64)
+    for t in range(T):
+        expected = torch.zeros(L, dtype=torch.float64)
+        for j, e in enumerate(ids[t].tolist()):
+            g, u = (w_gu[e] @ x[t].double()).split(F)
+            h = 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
+            expected += w[t, j].double() * (w_d[e] @ h)
+        torch.testing.assert_close(out[t].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_cols", [32, 64])
+def test_triton_moe_decode_matches_reference(interpreted, block_cols):
+    case = _moe_case(1)
+    out = latent_moe_decode_triton.latent_moe_decode(*case, block_cols=block_cols, block_rows=8)
+    torch.testing.assert_close(out, moe_naive.latent_moe_decode(*case), rtol=1e-5, atol=1e-5)
+
+
+def test_moe_bad_scales_name_the_field(interpreted):
+    x, ids, w, gu_p, gu_s, d_p, d_s = _moe_case(2)
+    with pytest.raises(ValueError, match="down_scales"):
+        latent_moe_decode_triton.latent_moe_decode(x, ids, w, gu_p, gu_s, d_p, d_s[:, :1])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # sigmoid of a large negative: 0, as wanted
+def test_triton_situ_glu_matches_reference(interpreted):
+    gate_up = torch.randn(3, 5, 2 * 40, generator=torch.Generator().manual_seed(3)) * 30  # saturating range
+    out = situ_glu_triton.situ_glu_fused(gate_up, block=16)
+    torch.testing.assert_close(out, moe_naive.situ_glu_fused(gate_up), rtol=1e-5, atol=1e-4)
+    assert out.abs().max() < 4 * 25  # the eq.19 bound
+
+
+def _attnres_case(seed: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randn(3, 5, 48, generator=gen)
+    queries, key_w = torch.randn(4, 48, generator=gen), torch.rand(4, 48, generator=gen) + 0.5
+    stats = attnres_inter(queries, blocks, key_w).row(2)
+    partial = torch.randn(5, 48, generator=gen).to(dtype)
+    return blocks, queries[2], key_w[2], stats, partial, torch.rand(48, generator=gen) + 0.5
+
+
+def test_attnres_reference_equals_direct_attention_then_norm():
+    blocks, query, key_w, stats, partial, out_w = _attnres_case(4, torch.float64)
+    h, normed = attnres_naive.attnres_merge_norm(stats.max, stats.denom, stats.acc, query, partial, out_w, key_w)
+    direct = attnres_direct(query.double(), torch.cat([blocks.double(), partial[None]]), key_w.double())
+    torch.testing.assert_close(h, direct, rtol=1e-5, atol=1e-5)  # stats come from float32 blocks
+    expected = direct / direct.square().mean(-1, keepdim=True).add(1e-6).sqrt() * out_w.double()
+    torch.testing.assert_close(normed, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_partial", [True, False])
+def test_triton_attnres_merge_norm_matches_reference(interpreted, dtype, with_partial):
+    _, query, key_w, stats, partial, out_w = _attnres_case(5, dtype)
+    args = (stats.max, stats.denom, stats.acc.contiguous(), query, partial if with_partial else None, out_w, key_w)
+    ours = merge_norm_triton.attnres_merge_norm(*args)
+    ref = attnres_naive.attnres_merge_norm(*args)
+    for a, b in zip(ours, ref, strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b)  # dtype-aware: one bf16 rounding step apart at most
