@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the sandbox manager needs: bubblewrap, runc, util-linux tools and CRIU 4.x.
 # Debian bookworm's CRIU 3.17 fails `criu check` on recent kernels (vDSO bounds), so CRIU is built from
-# Debian trixie's source tarball. Idempotent: every step is skipped when its result is already there.
+# Debian trixie's source tarball. It is built with RUNDIR=/dev/shm: CRIU caches its kernel probes (~100-300 ms
+# per dump or restore on a loaded host) only on a tmpfs, and /run is not one on these machines.
+# Idempotent: every step is skipped when its result is already there.
 set -euo pipefail
 
 log() { echo "[install-sandbox-deps] $*" >&2; }
@@ -27,12 +29,16 @@ apt_install() {
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
-criu_works() { command -v criu >/dev/null 2>&1 && criu check >/dev/null 2>&1; }
+KDAT_RUNDIR=/dev/shm
+criu_works() {
+  command -v criu >/dev/null 2>&1 && criu check >/dev/null 2>&1 &&
+    grep -aq "$KDAT_RUNDIR/criu.kdat" "$(command -v criu)"
+}
 
 apt_install "${RUNTIME_PKGS[@]}"
 
 if criu_works; then
-  log "criu $(criu --version | head -1) already passes 'criu check'; skipping build"
+  log "criu $(criu --version | head -1) already passes 'criu check' (kdat cache in $KDAT_RUNDIR); skipping build"
   exit 0
 fi
 
@@ -68,7 +74,8 @@ tarball=$(ls criu_*.orig.tar.* 2>/dev/null | sort -V | tail -1 || true)
 src_dir=src-${tarball%.orig.tar.*}
 [ -d "$src_dir" ] || { mkdir -p "$src_dir" && tar -xf "$tarball" --strip-components=1 -C "$src_dir"; }
 log "building CRIU from $tarball"
-make -C "$src_dir" -j"$(nproc)" criu >/dev/null
+rm -f "$src_dir/criu/kerndat.o"  # KDAT_RUNDIR is compiled in there
+make -C "$src_dir" -j"$(nproc)" RUNDIR="$KDAT_RUNDIR" criu >/dev/null
 install -m 0755 "$src_dir/criu/criu" "$CRIU_PREFIX/criu"
 hash -r
 if criu_works; then

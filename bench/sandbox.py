@@ -34,9 +34,9 @@ from services.sandbox.manager import SandboxManager
 RESULTS = Path(__file__).resolve().parent / "results" / "sandbox.json"
 # op -> (AgentENV's published figure in ms, what it is)
 AGENTENV_MS = {"pause": (100.0, "< 100"), "resume": (50.0, "< 50"), "snapshot": (133.0, "133 (incr. ckpt)"),
-               "restore": (49.0, "49")}
+               "restore": (49.0, "49"), "hibernate": (100.0, "< 100 (pause)"), "wake": (50.0, "< 50 (resume)")}
 GOALS_MS = {"pause": 20.0, "resume": 20.0, "fork": 300.0, "restore": 300.0}
-OPS = ("create", "exec", "pause", "resume", "snapshot", "restore", "fork")
+OPS = ("create", "exec", "pause", "resume", "snapshot", "restore", "fork", "hibernate", "wake")
 
 
 def _mem_available() -> int:
@@ -46,19 +46,40 @@ def _mem_available() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
+def _group(mgr: SandboxManager, sid: str) -> str:
+    return "k3sandbox-ns" if mgr.sandboxes[sid].backend.name == "namespace" else "k3sandbox-criu"
+
+
+def _pss_and_private(mgr: SandboxManager, sid: str) -> tuple[int, int]:
+    """Proportional and private memory of the sandbox's processes (shared libraries split between sharers)."""
+    pss = private = 0
+    for pid in Path(f"/sys/fs/cgroup/memory/{_group(mgr, sid)}/{sid}/cgroup.procs").read_text().split():
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        fields = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in rollup[1:]}
+        pss += fields.get("Pss", 0)
+        private += fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
+    return pss, private
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _stateful(mgr: SandboxManager, backend: str) -> str:
+async def _stateful(mgr: SandboxManager, backend: str) -> tuple[str, float]:
+    """A sandbox running the counter; returns its id and how long `create` alone took (ms)."""
+    start = time.perf_counter()
     sb = await mgr.create("base", "bench", LimitRequest(), backend=backend)
+    create_ms = (time.perf_counter() - start) * 1e3
     await mgr.write_file(sb.sandbox_id, "/home/user/counter.py", COUNTER_PY, 0o644)
     await collect(mgr.exec(sb.sandbox_id, ExecSpec(["python3", "/home/user/counter.py"], background=True)))
     await collect(mgr.exec(sb.sandbox_id, ExecSpec(["sh", "-c", "while [ ! -S /tmp/counter.sock ]; do sleep 0.02; done"])))
     result = await collect(mgr.exec(sb.sandbox_id, ExecSpec(BUMP)))
     assert result.stdout.strip() == b"1", result
-    return sb.sandbox_id
+    return sb.sandbox_id, create_ms
 
 
 async def _timed(samples: dict[str, list[float]], op: str, call: Awaitable) -> object:
@@ -71,9 +92,8 @@ async def _timed(samples: dict[str, list[float]], op: str, call: Awaitable) -> o
 async def bench_latency(mgr: SandboxManager, backend: str, iterations: int) -> dict[str, list[float]]:
     samples: dict[str, list[float]] = {op: [] for op in OPS}
     for _ in range(iterations):
-        start = time.perf_counter()
-        sid = await _stateful(mgr, backend)
-        samples["create"].append((time.perf_counter() - start) * 1e3)  # includes starting the counter
+        sid, create_ms = await _stateful(mgr, backend)
+        samples["create"].append(create_ms)
         await _timed(samples, "exec", collect(mgr.exec(sid, ExecSpec(["true"]))))
         await _timed(samples, "pause", mgr.pause(sid))
         await _timed(samples, "resume", mgr.resume(sid))
@@ -84,6 +104,9 @@ async def bench_latency(mgr: SandboxManager, backend: str, iterations: int) -> d
             for copy in (restored.sandbox_id, forks[0].sandbox_id):
                 out = (await collect(mgr.exec(copy, ExecSpec(BUMP)))).stdout.strip()
                 assert out == b"2", f"{copy} did not continue the counter: {out!r}"
+        if mgr.backends[backend].capabilities.hibernate:  # pause that frees memory, resume that restores
+            await _timed(samples, "hibernate", mgr.pause(sid, release_memory=True))
+            await _timed(samples, "wake", mgr.resume(sid))
         for s in (sid, restored.sandbox_id, forks[0].sandbox_id):
             await mgr.destroy(s)
         mgr.delete_snapshot(snap.ref.snapshot_id)
@@ -91,31 +114,38 @@ async def bench_latency(mgr: SandboxManager, backend: str, iterations: int) -> d
 
 
 async def bench_density(mgr: SandboxManager, backend: str, count: int) -> dict:
-    before = _mem_available()
-    ids = [await _stateful(mgr, backend) for _ in range(count)]
+    available = _mem_available()
+    ids = [(await _stateful(mgr, backend))[0] for _ in range(count)]
     await asyncio.sleep(1.0)
     be = mgr.backends[backend]
     running = statistics.mean(be.memory_bytes(mgr.sandboxes[s].handle) for s in ids)
-    host_running = (before - _mem_available()) / count
+    pss = statistics.mean(_pss_and_private(mgr, s)[0] for s in ids)
+    private = statistics.mean(_pss_and_private(mgr, s)[1] for s in ids)
     for s in ids:
         await mgr.pause(s)
     cpu_before = _cpu_seconds(mgr, ids)
     await asyncio.sleep(1.0)
     paused = statistics.mean(be.memory_bytes(mgr.sandboxes[s].handle) for s in ids)
     cpu_paused = _cpu_seconds(mgr, ids) - cpu_before
+    hibernated = None
+    if be.capabilities.hibernate:  # what is left of a sandbox whose memory was released: its files
+        for s in ids:
+            await mgr.pause(s, release_memory=True)
+        hibernated = statistics.mean(be.memory_bytes(mgr.sandboxes[s].handle) for s in ids)
     for s in ids:
         await mgr.destroy(s)
-    per_sandbox = max(host_running, paused)
+    per_sandbox = max(paused, pss)
     return {"sandboxes": count, "cgroup_bytes_running": running, "cgroup_bytes_paused": paused,
-            "host_bytes_per_sandbox": host_running, "cpu_s_while_paused_1s_all": cpu_paused,
-            "idle_sandboxes_per_host_estimate": int(before / per_sandbox) if per_sandbox > 0 else None}
+            "bytes_hibernated": hibernated,
+            "pss_bytes": pss, "private_bytes": private, "cpu_s_while_paused_1s_all": cpu_paused,
+            "host_mem_available_bytes": available,
+            "idle_sandboxes_per_host_estimate": int(available / per_sandbox) if per_sandbox > 0 else None}
 
 
 def _cpu_seconds(mgr: SandboxManager, ids: list[str]) -> float:
     total = 0
     for s in ids:
-        group = "k3sandbox-ns" if mgr.sandboxes[s].backend.name == "namespace" else "k3sandbox-criu"
-        stat = Path(f"/sys/fs/cgroup/unified/{group}/{s}/cpu.stat").read_text().split()
+        stat = Path(f"/sys/fs/cgroup/unified/{_group(mgr, s)}/{s}/cpu.stat").read_text().split()
         total += int(stat[1])
     return total / 1e6
 
@@ -143,7 +173,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         for name in backends:
             iterations = args.criu_iterations if name == "criu" else args.iterations
             samples = await bench_latency(mgr, name, iterations)
-            rows += [_row(name, op, samples[op]) for op in OPS]
+            rows += [_row(name, op, samples[op]) for op in OPS if samples[op]]
             density[name] = await bench_density(mgr, name, args.density if name == "namespace" else args.criu_density)
     finally:
         await mgr.close()
@@ -170,8 +200,11 @@ def main() -> None:
     print("\ndensity (each sandbox: base image + a Python counter process)")
     for name, d in result["density"].items():
         print(f"{name:<10} {d['sandboxes']:>3} sandboxes: cgroup {d['cgroup_bytes_running'] / 2**20:.1f} MiB running, "
-              f"{d['cgroup_bytes_paused'] / 2**20:.1f} MiB paused; host {d['host_bytes_per_sandbox'] / 2**20:.1f} MiB "
-              f"each; CPU while paused {d['cpu_s_while_paused_1s_all'] * 1e3:.2f} ms over 1 s; "
+              f"{d['cgroup_bytes_paused'] / 2**20:.1f} MiB paused; processes PSS {d['pss_bytes'] / 2**20:.1f} MiB, "
+              f"private {d['private_bytes'] / 2**20:.1f} MiB; "
+              + (f"hibernated {d['bytes_hibernated'] / 2**20:.2f} MiB (tmpfs files only); "
+                 if d["bytes_hibernated"] is not None else "")
+              + f"CPU while paused {d['cpu_s_while_paused_1s_all'] * 1e3:.2f} ms over 1 s; "
               f"~{d['idle_sandboxes_per_host_estimate']} idle sandboxes fit in this host's available memory")
     print(f"\n{result['machine']}, kernel {result['kernel']}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

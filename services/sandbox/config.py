@@ -33,6 +33,8 @@ class SandboxConfig(ServiceConfig):
     max_memory_per_tenant_bytes: int = 64 * GIB
     max_fork_count: int = 32
     keep_periodic_snapshots: int = 3
+    # Idle auto-pause also releases memory (checkpoint to disk) on backends that can; resume then restores.
+    hibernate_when_idle: bool = True
     housekeeping_interval_s: float = 1.0
 
     def validate(self) -> list[str]:

@@ -172,9 +172,19 @@ class SandboxManager:
                     await sb.backend.resume(sb.handle)
 
     # ---- pause, snapshot, restore, fork -----------------------------------------------------------------
-    async def pause(self, sandbox_id: str) -> float:
+    async def pause(self, sandbox_id: str, release_memory: bool = False) -> float:
+        """Freezes the sandbox (no CPU); with `release_memory`, also checkpoints it to disk and frees its
+        memory (backends with `capabilities.hibernate`), at the price of a restore on resume."""
         sb = self.get(sandbox_id)
+        if release_memory and not sb.backend.capabilities.hibernate:
+            raise WrongState(f"the {sb.backend.name} backend cannot release memory on pause; "
+                             "pause without release_memory or use a backend that can (criu)")
         async with sb.lock:
+            if release_memory and not sb.handle.hibernated:
+                self._check_checkpointable(sb)
+                with metrics.timed("hibernate", sb.backend.name) as t:
+                    await sb.backend.hibernate(sb.handle)
+                return t.ms
             if sb.paused:
                 return 0.0
             with metrics.timed("pause", sb.backend.name) as t:
@@ -301,8 +311,10 @@ class SandboxManager:
                 if sb.ttl_s and idle >= sb.ttl_s:
                     await self.destroy(sb.sandbox_id, reason=f"idle for {idle:.0f}s, ttl {sb.ttl_s:.0f}s")
                     continue
-                if sb.idle_pause_s and not sb.paused and idle >= sb.idle_pause_s:
-                    await self.pause(sb.sandbox_id)
+                if sb.idle_pause_s and not sb.handle.hibernated and idle >= sb.idle_pause_s:
+                    release = self.config.hibernate_when_idle and sb.backend.capabilities.hibernate
+                    if release or not sb.paused:
+                        await self.pause(sb.sandbox_id, release_memory=release)
                 if sb.snapshot_interval_s and now >= sb.next_snapshot and not sb.running_execs:
                     sb.next_snapshot = now + sb.snapshot_interval_s
                     await self.snapshot(sb.sandbox_id, periodic=True)

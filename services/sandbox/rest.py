@@ -34,6 +34,7 @@ def sandbox_json(sb: Sandbox) -> dict:
     return {
         "sandboxID": sb.sandbox_id, "templateID": sb.handle.image.name, "clientID": sb.tenant,
         "state": "paused" if sb.paused else "running", "backend": sb.backend.name,
+        "memoryReleased": sb.handle.hibernated,
         "startedAt": datetime.fromtimestamp(sb.created, UTC).isoformat(),
         "cpuCount": max(1, lim.cpu_millis // 1000), "memoryMB": lim.memory_bytes >> 20,
         "diskSizeMB": lim.disk_bytes >> 20, "timeout": int(sb.ttl_s), "snapshots": list(sb.snapshots),
@@ -103,7 +104,8 @@ def rest_app(manager: SandboxManager) -> web.Application:
 
     @routes.post("/sandboxes/{id}/pause")
     async def pause(request: web.Request) -> web.Response:
-        await manager.pause(request.match_info["id"])
+        body = await _body(request)
+        await manager.pause(request.match_info["id"], release_memory=bool(body.get("releaseMemory", False)))
         return web.Response(status=204)
 
     @routes.post("/sandboxes/{id}/resume")

@@ -27,6 +27,7 @@ def sandbox_info(sb: Sandbox) -> pb.SandboxInfo:
         memory_bytes=sb.backend.memory_bytes(sb.handle), snapshot_ids=list(sb.snapshots), created_unix=sb.created,
         idle_pause_s=int(sb.idle_pause_s), ttl_s=int(sb.ttl_s), snapshot_interval_s=int(sb.snapshot_interval_s),
         idle_s=time.monotonic() - sb.last_active, running_commands=sb.running_execs,
+        memory_released=sb.handle.hibernated,
     )
 
 
@@ -75,7 +76,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
 
     async def PauseSandbox(self, request: pb.PauseSandboxRequest, context: grpc.aio.ServicerContext
                            ) -> pb.PauseSandboxResponse:
-        return pb.PauseSandboxResponse(took_ms=await self.manager.pause(request.sandbox_id))
+        return pb.PauseSandboxResponse(took_ms=await self.manager.pause(request.sandbox_id, request.release_memory))
 
     async def ResumeSandbox(self, request: pb.ResumeSandboxRequest, context: grpc.aio.ServicerContext
                             ) -> pb.ResumeSandboxResponse:
@@ -119,6 +120,6 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
             caps = cls.capabilities
             out.append(pb.BackendInfo(name=name, available=name in self.manager.backends, reason=reason or "",
                                       memory_snapshot=caps.memory_snapshot, incremental=caps.incremental,
-                                      live_fork=caps.live_fork,
+                                      live_fork=caps.live_fork, hibernate=caps.hibernate,
                                       is_default=name == self.manager.config.default_backend))
         return pb.ListBackendsResponse(backends=out)

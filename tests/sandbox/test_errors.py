@@ -71,6 +71,8 @@ def test_invalid_arguments_name_their_field(client):
            grpc.StatusCode.INVALID_ARGUMENT, "path", "No such file")
     _fails(client.stub.ForkSandbox, pb.ForkSandboxRequest(sandbox_id=sid, count=10_000),
            grpc.StatusCode.INVALID_ARGUMENT, "count")
+    _fails(client.stub.PauseSandbox, pb.PauseSandboxRequest(sandbox_id=sid, release_memory=True),
+           grpc.StatusCode.FAILED_PRECONDITION, "namespace", "release memory")
     assert client.sh(sid, "echo fine")[1] == "fine\n"  # none of that hurt the sandbox
     client.destroy(sid)
 

@@ -11,18 +11,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.sandbox.backends.base import ExecSpec, collect
+from services.sandbox.backends.criu import CriuBackend
 from services.sandbox.backends.namespace import NamespaceBackend
 from services.sandbox.config import SandboxConfig
 from services.sandbox.errors import InvalidRequest, NotFound
 from services.sandbox.limits import _FLOORS, LimitRequest, resolve_limits
 from services.sandbox.manager import SandboxManager
-from tests.sandbox.conftest import leaked_mounts, requires_namespace
+from tests.sandbox.conftest import leaked_mounts, requires_criu, requires_namespace
 
 
 @pytest.fixture
 async def manager(tmp_path):
     config = SandboxConfig(root_dir=str(tmp_path), keep_periodic_snapshots=2)
-    mgr = SandboxManager(config, {"namespace": NamespaceBackend(tmp_path / "backends" / "namespace")})
+    backends = {"namespace": NamespaceBackend(tmp_path / "backends" / "namespace"),
+                "criu": CriuBackend(tmp_path / "backends" / "criu")}
+    mgr = SandboxManager(config, backends)
     yield mgr
     await mgr.close()
     assert leaked_mounts(tmp_path) == []
@@ -52,6 +55,20 @@ async def test_idle_sandbox_is_paused_then_destroyed_and_use_resumes_it(manager)
     await manager.housekeep()
     with pytest.raises(NotFound, match="ttl"):
         manager.get(sb.sandbox_id)
+
+
+@requires_criu
+async def test_idle_criu_sandbox_is_hibernated_and_wakes_with_its_memory(manager):
+    sb = await manager.create("base", "t", LimitRequest(), backend="criu", idle_pause_s=60)
+    await collect(manager.exec(sb.sandbox_id, ExecSpec(["sh", "-c", "echo $$ > /tmp/pid; exec sleep 600"],
+                                                         background=True)))
+    pid_before = await _sh(manager, sb.sandbox_id, "sleep 0.2; cat /tmp/pid")
+    _age(manager, sb.sandbox_id, 61)
+    await manager.housekeep()
+    assert sb.handle.hibernated and sb.paused
+    # The same process (same pid in its namespace, still sleeping) is back after the wake-up.
+    assert await _sh(manager, sb.sandbox_id, f"ps -o args= -p {pid_before.strip()}") == "sleep 600\n"
+    assert not sb.handle.hibernated and not sb.paused
 
 
 @requires_namespace

@@ -86,5 +86,15 @@ def test_criu_memory_state_survives_snapshot_restore_and_fork(client):
     # The parent was at 4: every copy (and the parent, which kept running) continues from 4 independently.
     assert [client.bump(a), client.bump(a), client.bump(b), client.bump(sid)] == [5, 6, 5, 5]
     assert [client.read(x, "/home/user/count.txt") for x in (a, b, sid, restored)] == ["6", "5", "5", "4"]
+
+    # Hibernation: the processes leave the host entirely, and come back with their memory on first use.
+    running_bytes = client.stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=b)).sandbox.memory_bytes
+    client.stub.PauseSandbox(pb.PauseSandboxRequest(sandbox_id=b, release_memory=True))
+    info = client.stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=b)).sandbox
+    assert info.state == pb.SANDBOX_STATE_PAUSED and info.memory_released
+    assert not Path(f"/sys/fs/cgroup/pids/k3sandbox-criu/{b}").exists()  # no task of it is left
+    assert info.memory_bytes < running_bytes
+    assert client.bump(b) == 6  # exec resumes it: restored from disk, continuing from 5
+    assert not client.stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=b)).sandbox.memory_released
     for copy in (sid, restored, a, b):
         client.destroy(copy)

@@ -91,6 +91,7 @@ class SandboxInfo(_message.Message):
     SNAPSHOT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     IDLE_S_FIELD_NUMBER: _builtins.int
     RUNNING_COMMANDS_FIELD_NUMBER: _builtins.int
+    MEMORY_RELEASED_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     image: _builtins.str
     tenant: _builtins.str
@@ -104,6 +105,8 @@ class SandboxInfo(_message.Message):
     idle_s: _builtins.float
     """Seconds since the last API call touched the sandbox."""
     running_commands: _builtins.int
+    memory_released: _builtins.bool
+    """Paused with its memory released (state on disk until resume)."""
     @_builtins.property
     def limits(self) -> Global___ResourceLimits: ...
     @_builtins.property
@@ -125,10 +128,11 @@ class SandboxInfo(_message.Message):
         snapshot_interval_s: _builtins.int = ...,
         idle_s: _builtins.float = ...,
         running_commands: _builtins.int = ...,
+        memory_released: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "created_unix", b"created_unix", "idle_pause_s", b"idle_pause_s", "idle_s", b"idle_s", "image", b"image", "limits", b"limits", "memory_bytes", b"memory_bytes", "running_commands", b"running_commands", "sandbox_id", b"sandbox_id", "snapshot_ids", b"snapshot_ids", "snapshot_interval_s", b"snapshot_interval_s", "state", b"state", "tenant", b"tenant", "ttl_s", b"ttl_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "created_unix", b"created_unix", "idle_pause_s", b"idle_pause_s", "idle_s", b"idle_s", "image", b"image", "limits", b"limits", "memory_bytes", b"memory_bytes", "memory_released", b"memory_released", "running_commands", b"running_commands", "sandbox_id", b"sandbox_id", "snapshot_ids", b"snapshot_ids", "snapshot_interval_s", b"snapshot_interval_s", "state", b"state", "tenant", b"tenant", "ttl_s", b"ttl_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -479,15 +483,19 @@ class PauseSandboxRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    RELEASE_MEMORY_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
+    release_memory: _builtins.bool
+    """Also release the sandbox's memory (checkpoint to disk; resume restores). Backends with the capability only."""
     def __init__(
         self,
         *,
         sandbox_id: _builtins.str = ...,
+        release_memory: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["release_memory", b"release_memory", "sandbox_id", b"sandbox_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -775,6 +783,7 @@ class BackendInfo(_message.Message):
     INCREMENTAL_FIELD_NUMBER: _builtins.int
     LIVE_FORK_FIELD_NUMBER: _builtins.int
     IS_DEFAULT_FIELD_NUMBER: _builtins.int
+    HIBERNATE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     available: _builtins.bool
     reason: _builtins.str
@@ -783,6 +792,7 @@ class BackendInfo(_message.Message):
     incremental: _builtins.bool
     live_fork: _builtins.bool
     is_default: _builtins.bool
+    hibernate: _builtins.bool
     def __init__(
         self,
         *,
@@ -793,10 +803,11 @@ class BackendInfo(_message.Message):
         incremental: _builtins.bool = ...,
         live_fork: _builtins.bool = ...,
         is_default: _builtins.bool = ...,
+        hibernate: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "incremental", b"incremental", "is_default", b"is_default", "live_fork", b"live_fork", "memory_snapshot", b"memory_snapshot", "name", b"name", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "hibernate", b"hibernate", "incremental", b"incremental", "is_default", b"is_default", "live_fork", b"live_fork", "memory_snapshot", b"memory_snapshot", "name", b"name", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.sandbox.errors import InvalidRequest
+from services.sandbox.errors import InvalidRequest, WrongState
 from services.sandbox.images import Image
 
 SANDBOX_UID = 1000  # commands run as this unprivileged user ("user", home /home/user), as E2B does
@@ -19,6 +19,7 @@ class Capabilities:
     memory_snapshot: bool  # snapshots carry process memory, not just files
     incremental: bool  # snapshots store only pages dirtied since the previous one
     live_fork: bool  # forks continue running processes from the parent's exact state
+    hibernate: bool = False  # pause can release the sandbox's memory (state kept on disk until resume)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class SandboxHandle:
     env: dict[str, str]
     dir: Path
     paused: bool = False
+    hibernated: bool = False  # paused with its memory released; resume brings it back
     state: dict = field(default_factory=dict)
 
 
@@ -106,7 +108,11 @@ class SandboxBackend(abc.ABC):
 
     @abc.abstractmethod
     async def resume(self, sb: SandboxHandle) -> None:
-        ...
+        """Resumes a paused or a hibernated sandbox."""
+
+    async def hibernate(self, sb: SandboxHandle) -> None:
+        """Pauses and releases the sandbox's memory; only for backends with `capabilities.hibernate`."""
+        raise WrongState(f"the {self.name} backend cannot release memory on pause")
 
     @abc.abstractmethod
     async def snapshot(self, sb: SandboxHandle, snapshot_id: str, dest: Path) -> SnapshotRef:

@@ -44,7 +44,7 @@ TERM_GRACE_S = 1.0
 
 class CriuBackend(SandboxBackend):
     name = "criu"
-    capabilities = Capabilities(memory_snapshot=True, incremental=False, live_fork=True)
+    capabilities = Capabilities(memory_snapshot=True, incremental=False, live_fork=True, hibernate=True)
 
     def __init__(self, root_dir: Path) -> None:
         self.root_dir = Path(root_dir)
@@ -141,9 +141,37 @@ class CriuBackend(SandboxBackend):
         await self._set_frozen(sb, True)
 
     async def resume(self, sb: SandboxHandle) -> None:
+        if sb.hibernated:
+            await self._wake(sb)
         await self._set_frozen(sb, False)
 
+    async def hibernate(self, sb: SandboxHandle) -> None:
+        """Checkpoints the frozen container to disk and lets runc remove it: its memory and cgroups go away,
+        its files stay on the sandbox's disk, and `resume` restores it under the same id."""
+        if sb.hibernated:
+            return
+        if not sb.paused:
+            await self.pause(sb)
+        images = sb.dir / "hibernation"
+        shutil.rmtree(images, ignore_errors=True)
+        await self._runc("checkpoint", "--image-path", str(images / "memory"), "--work-path",
+                         str(images / "work"), sb.sandbox_id)
+        os.chmod(images / "memory", 0o700)
+        sb.hibernated = True
+
+    async def _wake(self, sb: SandboxHandle) -> None:
+        """Restores a hibernated container; it comes back frozen, as it was dumped."""
+        images = sb.dir / "hibernation"
+        await self._runc("restore", "-d", "--image-path", str(images / "memory"), "--work-path",
+                         str(images / "restore-work"), "--bundle", str(sb.dir), sb.sandbox_id,
+                         log=sb.dir / "runc.log")
+        shutil.rmtree(images, ignore_errors=True)
+        sb.hibernated = False
+        sb.paused = (sb.state["freezer"] / "freezer.state").read_text().strip() != "THAWED"
+
     async def _checkpoint(self, sb: SandboxHandle, dest: Path) -> None:
+        if sb.hibernated:
+            await self._wake(sb)
         async with frozen(self, sb):
             await sb.state["disk"].save_upper(dest / "upper")
             await self._runc("checkpoint", "--leave-running", "--image-path", str(dest / "memory"),
@@ -196,6 +224,8 @@ class CriuBackend(SandboxBackend):
         shutil.rmtree(sb.dir, ignore_errors=True)
 
     def memory_bytes(self, sb: SandboxHandle) -> int:
+        if sb.hibernated:
+            return sb.state["disk"].used_bytes()  # only its files, held in the sandbox's tmpfs
         try:
             usage = CGROUP_ROOT / "memory" / CGROUP_GROUP / sb.sandbox_id / "memory.usage_in_bytes"
             return int(usage.read_text())
