@@ -1,0 +1,232 @@
+"""Fine-grained KDA-aware prefix cache vs a block-grid-only cache on a multi-turn agentic trace.
+
+    python bench/prefix_cache.py [--sessions 200] [--gib 16 32] [--cpu-gib 256] [--seed 0]
+
+Replays a synthetic agentic trace against the scheduler-side cache manager (metadata only: page ids and
+chain hashes, no tensors) at K3 / TP8 shapes, for two configurations at the same GPU pool bytes:
+
+- fine (this cache): 512-token hash blocks inside the physical blocks the sizing function picks (1024
+  tokens at K3 TP8); KDA checkpoints at the end of each forward, superseded ones reclaimed, turn boundaries
+  kept, checkpoints capped at a quarter of the pool.
+- block grid (the peer, modelled on vLLM's hybrid "align" prefix caching): hash block = physical block =
+  1536 tokens (what the same sizing gives at that grid); a recurrent state is cached at every block-aligned
+  forward end (prefill chunks snapped to the grid, every block crossed in decode) and kept until LRU
+  eviction, with no supersession and no cap.
+
+Trace: sessions run `--concurrent` at a time (a new one starts when one ends); each has a shared system
+prompt, a first prompt of 10K-300K tokens (log-uniform), and 10-40 turns; each turn decodes 200-1500
+tokens and appends a tool result so that the context grows 1-4K tokens per turn, capped at 400K. Turns run
+one at a time (prefill in 8K chunks snapped to the hash grid, decode in hash-block segments, which
+changes no cache state compared to token-by-token decode).
+
+A second part times the scheduler-side cache operations of one decode step (append tokens, reserve,
+forward_done for each request, one commit) with 256 running requests, against a 1 ms/step budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from k3core.cache.checkpoints import CheckpointPolicy
+from k3core.cache.cpu_tier import CpuTier
+from k3core.cache.layout import PoolLayout, plan_layout, shape_from_config
+from k3core.cache.manager import PrefixCacheManager
+from k3core.cache.metrics import CacheMetrics
+from k3core.presets import preset
+
+RESULTS = Path(__file__).resolve().parent / "results" / "prefix_cache.json"
+GIB = 2**30
+SYSTEM_PROMPT = 6_000
+PREFILL_CHUNK = 8192
+MAX_CONTEXT = 400_000
+
+
+@dataclass
+class Session:
+    sid: int
+    first_prompt: int
+    turns: list[tuple[int, int]]  # (decoded tokens, tool-result tokens appended after them)
+    _chains: dict[int, list[int]] = field(default_factory=dict)
+
+    def chain(self, hash_block: int, num_tokens: int) -> list[int]:
+        """Chain hashes of this session's first `num_tokens // hash_block` hash blocks. A block lying
+        wholly inside the shared system prompt has the same content in every session."""
+        chain = self._chains.setdefault(hash_block, [])
+        while len(chain) < num_tokens // hash_block:
+            i = len(chain)
+            content = ("system", i) if (i + 1) * hash_block <= SYSTEM_PROMPT else (self.sid, i)
+            chain.append(hash((chain[-1] if chain else 0, hash_block, content)))
+        return chain[: num_tokens // hash_block]
+
+
+def make_trace(num_sessions: int, seed: int) -> list[Session]:
+    rng = random.Random(seed)
+    sessions = []
+    for sid in range(num_sessions):
+        first = int(math.exp(rng.uniform(math.log(10_000), math.log(300_000))))
+        turns, context = [], first
+        for _ in range(rng.randint(10, 40)):
+            decoded = rng.randint(200, 1500)
+            growth = max(decoded, rng.randint(1000, 4000))
+            if context + growth > MAX_CONTEXT:
+                break
+            turns.append((decoded, growth - decoded))
+            context += growth
+        sessions.append(Session(sid, first, turns))
+    return sessions
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    hash_block: int
+    policy: CheckpointPolicy
+
+    def layout(self) -> PoolLayout:
+        return plan_layout(shape_from_config(preset("k3"), "k3"), tp=8, hash_block_tokens=self.hash_block)
+
+
+# Agentic turns extend the previous turn's output, so the prompt-end checkpoint is not kept here.
+FINE = Scheme("fine (this cache)", 512, CheckpointPolicy(max_pool_fraction=0.25, keep_prompt_end=False))
+GRID = Scheme("block grid 1536 (vLLM-align-like)", 1536,
+              CheckpointPolicy(supersede=False, keep_prompt_end=False, max_pool_fraction=1.0))
+
+
+def _forward(manager: PrefixCacheManager, rid: str, tokens: int) -> None:
+    manager.reserve(rid, tokens)
+    manager.forward_done(rid)
+    manager.commit_step()
+
+
+def run_turn(manager: PrefixCacheManager, session: Session, rid: str, prompt: int, decoded: int) -> int:
+    hb = manager.layout.hash_block_tokens
+    hit = manager.add_request(rid, chain=session.chain(hb, prompt), num_tokens=prompt)
+    req = manager.requests[rid]
+    while req.num_computed < prompt:
+        _forward(manager, rid, manager.prefill_chunk(rid, PREFILL_CHUNK))
+    produced = 0
+    while produced < decoded:  # decode, in segments that end where token-by-token decode would snapshot
+        segment = min(decoded - produced, hb - req.num_tokens % hb)
+        before = req.num_tokens
+        full = session.chain(hb, before + segment)
+        manager.append_hashes(rid, segment, full[before // hb :])
+        _forward(manager, rid, segment)
+        produced += segment
+    manager.finish(rid)
+    return hit
+
+
+def replay(scheme: Scheme, pool_gib: float, sessions: list[Session], concurrent: int, seed: int,
+           cpu_gib: float = 0.0) -> dict:
+    layout = scheme.layout()
+    pages = int(pool_gib * GIB // layout.page_bytes)
+    for session in sessions:
+        session._chains.clear()
+    cpu = CpuTier(int(cpu_gib * GIB)) if cpu_gib else None
+    registry = CollectorRegistry()
+    manager = PrefixCacheManager(layout, pages, policy=scheme.policy, cpu_tier=cpu, metrics=CacheMetrics(registry))
+    rng = random.Random(seed)
+    waiting = list(sessions)
+    active: list[tuple[Session, int, int]] = []  # (session, next turn, context length)
+    prompt_tokens = reused = turns = peak_checkpoint_pages = 0
+    start = time.perf_counter()
+    while waiting or active:
+        while waiting and len(active) < concurrent:
+            session = waiting.pop(0)
+            active.append((session, 0, session.first_prompt))
+        i = rng.randrange(len(active))
+        session, turn, context = active[i]
+        decoded, tool = session.turns[turn] if turn < len(session.turns) else (0, 0)
+        hit = run_turn(manager, session, f"{session.sid}:{turn}", context, max(decoded, 1))
+        prompt_tokens += context
+        reused += hit
+        turns += 1
+        peak_checkpoint_pages = max(peak_checkpoint_pages, manager.checkpoints.num_pages)
+        if turn + 1 >= len(session.turns):
+            active.pop(i)
+        else:
+            active[i] = (session, turn + 1, context + max(decoded, 1) + tool)
+    return {
+        "scheme": scheme.name, "pool_gib": pool_gib, "cpu_gib": cpu_gib, "hash_block": layout.hash_block_tokens,
+        "tokens_per_block": layout.tokens_per_block, "page_mib": layout.page_bytes / 2**20, "pages": pages,
+        "turns": turns, "prompt_tokens": prompt_tokens, "reused_tokens": reused,
+        "prefill_tokens_computed": prompt_tokens - reused, "reuse_fraction": reused / prompt_tokens,
+        "peak_checkpoint_gib": peak_checkpoint_pages * layout.page_bytes / GIB,
+        "evictions": manager.pool.evictions, "replay_s": time.perf_counter() - start,
+        **{f"cpu_{d}_gib": (registry.get_sample_value("k3_prefix_cache_cpu_tier_bytes_total", {"direction": d})
+                            or 0.0) / GIB for d in ("offload", "prefetch")},
+    }
+
+
+def time_decode_steps(running: int = 256, steps: int = 2000, context: int = 20_000) -> dict:
+    """Scheduler-side cache work of decode steps with `running` requests (metadata only)."""
+    layout = FINE.layout()
+    hb = layout.hash_block_tokens
+    blocks_each = (context + 37 * running + steps) // layout.tokens_per_block + 2
+    manager = PrefixCacheManager(layout, running * (blocks_each + 2 * layout.num_kda_groups) + 64)
+    # Contexts are staggered so that requests cross hash boundaries (and snapshot) on different steps.
+    sessions = [Session(sid, context + 37 * sid, []) for sid in range(running)]
+    rids = [f"r{s.sid}" for s in sessions]
+    for session, rid in zip(sessions, rids, strict=True):
+        manager.add_request(rid, chain=session.chain(hb, session.first_prompt), num_tokens=session.first_prompt)
+        _forward(manager, rid, session.first_prompt)
+    samples = []
+    for _ in range(steps):
+        begin = time.perf_counter()
+        for session, rid in zip(sessions, rids, strict=True):
+            req = manager.requests[rid]
+            grown = req.num_tokens + 1
+            manager.append_hashes(rid, 1, session.chain(hb, grown)[req.num_tokens // hb :] if grown % hb == 0 else ())
+            manager.reserve(rid, 1)
+            manager.forward_done(rid)
+        manager.commit_step()
+        samples.append(time.perf_counter() - begin)
+    samples.sort()
+    return {"running": running, "steps": steps, "mean_ms": 1e3 * sum(samples) / steps,
+            "p50_ms": 1e3 * samples[steps // 2], "p99_ms": 1e3 * samples[int(steps * 0.99)], "budget_ms": 1.0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sessions", type=int, default=200)
+    parser.add_argument("--concurrent", type=int, default=16)
+    parser.add_argument("--gib", type=float, nargs="+", default=[16.0, 32.0], help="GPU pool sizes")
+    parser.add_argument("--cpu-gib", type=float, default=256.0, help="CPU tier for the last pair of rows")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    sessions = make_trace(args.sessions, args.seed)
+    configs = [(gib, 0.0) for gib in args.gib] + [(args.gib[0], args.cpu_gib)]
+    rows = []
+    for gib, cpu_gib in configs:
+        for scheme in (FINE, GRID):
+            rows.append(replay(scheme, gib, sessions, args.concurrent, args.seed, cpu_gib))
+    print("| GPU pool GiB | CPU tier GiB | scheme | hash/block tokens | reused tokens | prefill computed | reuse "
+          "| ratio vs grid | peak ckpt GiB | evictions | CPU offload/prefetch GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for fine, grid in zip(rows[::2], rows[1::2], strict=True):
+        for row in (fine, grid):
+            ratio = row["reused_tokens"] / max(grid["reused_tokens"], 1)
+            row["ratio_vs_grid"] = ratio
+            print(f"| {row['pool_gib']:.0f} | {row['cpu_gib']:.0f} | {row['scheme']} "
+                  f"| {row['hash_block']}/{row['tokens_per_block']} | {row['reused_tokens']:,} "
+                  f"| {row['prefill_tokens_computed']:,} | {row['reuse_fraction']:.1%} | {ratio:.2f}x "
+                  f"| {row['peak_checkpoint_gib']:.1f} | {row['evictions']:,} "
+                  f"| {row['cpu_offload_gib']:.0f}/{row['cpu_prefetch_gib']:.0f} |")
+    timing = time_decode_steps()
+    print(f"\nscheduler-side cache ops per decode step, {timing['running']} running requests: "
+          f"mean {timing['mean_ms']:.3f} ms, p50 {timing['p50_ms']:.3f} ms, p99 {timing['p99_ms']:.3f} ms "
+          f"(budget {timing['budget_ms']} ms: {timing['budget_ms'] / timing['mean_ms']:.1f}x headroom)")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"trace": vars(args), "replays": rows, "decode_step_timing": timing}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
