@@ -52,7 +52,10 @@ cd "$BUILD_DIR"
 if ! ls criu_*.orig.tar.* >/dev/null 2>&1; then
   # A temporary deb-src entry for trixie, copied from the machine's own Debian entry with the suite changed.
   debian_uri=$(awk '/^URIs:/ && /debian\/?$/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
-  debian_uri=${debian_uri:-http://deb.debian.org/debian}
+  if [ -z "$debian_uri" ]; then
+    log "no Debian entry in /etc/apt/sources.list.d/debian.sources to copy a deb-src line from"
+    exit 1
+  fi
   cat > "$TEMP_SOURCES" <<SRC
 Types: deb-src
 URIs: $debian_uri

@@ -31,8 +31,8 @@ RUN apt-get update \
  && groupadd --system --gid 10001 k3 \
  && useradd --system --uid 10001 --gid k3 --create-home --home-dir /home/k3 --shell /usr/sbin/nologin k3
 COPY docker/constraints.txt /tmp/constraints.txt
-RUN pip install --no-cache-dir --constraint /tmp/constraints.txt --index-url "${TORCH_INDEX_URL}" \
-      --extra-index-url https://pypi.org/simple torch==2.13.0+cpu
+RUN pip install --no-cache-dir --constraint /tmp/constraints.txt --extra-index-url "${TORCH_INDEX_URL}" \
+      torch==2.13.0+cpu
 COPY --from=build /wheels /tmp/wheels
 RUN pip install --no-cache-dir --constraint /tmp/constraints.txt /tmp/wheels/*.whl \
  && rm -rf /tmp/wheels /tmp/constraints.txt \
