@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from services.cli import fleet
@@ -61,7 +62,7 @@ def main(argv: list[str]) -> int:
 
         clusters = args.clusters.split(",")
         fault = KubeFault(args.kind, client.ApiClient(), args.namespace, args.cluster, args.duration_s)
-        gateway, router = args.gateway, args.router
+        gateway, router, gateway_metrics = args.gateway, args.router, ""
     else:
         state = fleet.FleetState.load()
         if state is None:
@@ -71,18 +72,23 @@ def main(argv: list[str]) -> int:
         rt = next((m for m in state.members if m.service == "router" and fleet.alive(m.pid)), None)
         if gw is None or rt is None:
             raise SystemExit("k3 drill: the local fleet needs a live gateway and router")
-        gateway, router = gw.extra["http_address"], rt.address
+        gateway, router, gateway_metrics = gw.extra["http_address"], rt.address, gw.metrics_address
         fault = LocalFault(args.kind, state, args.cluster or clusters[-1], args.duration_s)
-    return asyncio.run(run(args, fault, gateway, router, clusters))
+    return asyncio.run(run(args, fault, gateway, router, clusters, gateway_metrics))
 
 
-async def run(args: argparse.Namespace, fault, gateway: str, router: str, clusters: list[str]) -> int:
+async def run(args: argparse.Namespace, fault, gateway: str, router: str, clusters: list[str],
+              gateway_metrics: str = "") -> int:
     spec = LoadSpec(args.sessions, args.turns, args.concurrency, args.max_tokens, seed=args.seed)
     load = LoadGenerator(gateway, spec, api_key=args.api_key)
-    observer = FleetObserver(router)
+    observer = FleetObserver(router, args.api_key)
+    # Where the router pins each session now: the fault should move exactly the target's sessions, each to
+    # its pre-assigned backup.
+    placements = await observer.placements(load.session_ids())
+    failovers_before = scrape_failovers(gateway_metrics)
     stop = asyncio.Event()
-    load_task = asyncio.create_task(load.run())
     t0 = time.monotonic()
+    load_task = asyncio.create_task(load.run(t0))
     watch_task = asyncio.create_task(observer.watch(t0, stop))
     progress_task = asyncio.create_task(progress(load, spec, stop))
 
@@ -97,14 +103,35 @@ async def run(args: argparse.Namespace, fault, gateway: str, router: str, cluste
     await asyncio.gather(watch_task, progress_task)
 
     detect_at = observer.first_unhealthy(fault.target_cluster, fault_at) if args.kind == "kill-cluster" else None
-    summary = report.summarize(records, fault_at, fault.target_cluster, clusters, detect_at, args.sessions)
+    summary = report.summarize(records, fault_at, fault.target_cluster, clusters, detect_at, args.sessions,
+                               placements)
+    failovers_after = scrape_failovers(gateway_metrics)
+    if failovers_before is not None and failovers_after is not None:
+        summary["gateway_failovers"] = {k: v - failovers_before.get(k, 0) for k, v in failovers_after.items()}
     slo_results = [slo.check(summary) for slo in args.slos]
     meta = {"fault": args.kind, "cluster": fault.target_cluster, "injected": injected, "fault_at_s": fault_at,
-            "sessions": args.sessions, "turns": args.turns, "concurrency": args.concurrency, "clusters": clusters}
+            "sessions": args.sessions, "turns": args.turns, "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens, "clusters": clusters, "duration_s": time.monotonic() - t0}
     page = report.write(Path(args.report_dir), meta, summary, slo_results, records)
     print_summary(summary, slo_results)
     print(f"report: {page} and {page.with_suffix('.json')}")
     return 0 if all(s["passed"] for s in slo_results) else 1
+
+
+def scrape_failovers(metrics_address: str) -> dict[str, float] | None:
+    """The gateway's k3_gateway_failovers_total by stage, or None when its metrics are not reachable."""
+    if not metrics_address:
+        return None
+    try:
+        text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=2).read().decode()
+    except OSError:
+        return None
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("k3_gateway_failovers_total{"):
+            stage = line.split('stage="')[1].split('"')[0]
+            found[stage] = float(line.split()[-1])
+    return found
 
 
 async def progress(load: LoadGenerator, spec: LoadSpec, stop: asyncio.Event) -> None:

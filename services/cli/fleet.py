@@ -18,16 +18,22 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
+
+from k3.v1 import router_pb2, router_pb2_grpc
+from services.runtime.client import sync_channel
 from services.runtime.local_etcd import EtcdServer
 
 CONTROL_PLANE = ("admission", "router", "gateway")
 PER_CLUSTER = ("kvtransfer", "decode", "prefill")
 OPTIONAL = ("sandbox", "trainer")
-# Extra flags per service in the embedded default (the nano model on CPU).
+# Extra flags per service in the embedded default (the nano model on CPU). A cluster is disaggregated
+# (prefill -> kvtransfer -> decode), so the router counts it healthy only while all three are alive.
 DEFAULT_ARGS: dict[str, list[str]] = {
     "prefill": ["--model", "nano"],
     "decode": ["--model", "nano"],
-    "gateway": ["--http-port", "0"],
+    "router": ["--required-instances", "decode:1,prefill:1,kvtransfer:1"],
+    "gateway": ["--http-port", "0", "--model", "nano"],
 }
 
 
@@ -58,6 +64,11 @@ class FleetState:
     members: list[Member]
     clusters: list[str]
     lease_ttl_s: float = 3.0
+    # Flags added per service on top of DEFAULT_ARGS (kept so `k3 scale` starts members alike).
+    extra_args: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+    def args_for(self, service: str) -> list[str]:
+        return self.extra_args.get(service, [])
 
     def save(self) -> None:
         home().mkdir(parents=True, exist_ok=True)
@@ -119,18 +130,22 @@ def start_member(name: str, service: str, cluster: str, etcd_endpoint: str, extr
 def wait_ready(name: str, proc: subprocess.Popen, timeout: float) -> dict:
     ready = home() / "run" / f"{name}.json"
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         if ready.exists():
             return json.loads(ready.read_text())
         if proc.poll() is not None:
             log = (home() / "logs" / f"{name}.log").read_text()[-2000:]
             raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log}")
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.05)
     raise RuntimeError(f"{name} was not ready within {timeout:.0f}s")
 
 
 def up(clusters: int = 1, etcd_endpoint: str = "", with_services: tuple[str, ...] = (), ttl_s: float = 3.0,
-       timeout: float = 120.0) -> FleetState:
+       timeout: float = 180.0, extra_args: dict[str, list[str]] | None = None) -> FleetState:
+    """Start etcd (unless given) and every member at once, then wait until each is serving and the router
+    counts every cluster healthy. `extra_args` adds flags per service (after the defaults, so they win)."""
     existing = FleetState.load()
     if existing and any(alive(m.pid) for m in existing.members):
         raise RuntimeError(f"a local fleet is already running (state in {home()}); run `k3 down` first")
@@ -141,26 +156,69 @@ def up(clusters: int = 1, etcd_endpoint: str = "", with_services: tuple[str, ...
         etcd = EtcdServer(home() / "etcd", detach=True)
         etcd.start()
         etcd_endpoint, etcd_pid, etcd_data = etcd.endpoint, etcd.proc.pid, str(etcd.data_dir)
-    state = FleetState(etcd_endpoint, etcd_pid, etcd_data, [], [f"c{i}" for i in range(clusters)], ttl_s)
+    state = FleetState(etcd_endpoint, etcd_pid, etcd_data, [], [f"c{i}" for i in range(clusters)], ttl_s,
+                       extra_args or {})
+    # Everything starts in parallel (model loads overlap); the peers find each other through etcd.
+    launched = [(service, cluster, member_name(service, cluster, 0))
+                for service, cluster in plan(clusters, with_services)]
+    procs = {}
     try:
-        for service, cluster in plan(clusters, with_services):
-            add_member(state, service, cluster, timeout)
+        for service, cluster, name in launched:
+            procs[name] = start_member(name, service, cluster, etcd_endpoint, state.args_for(service), ttl_s)
+            state.members.append(Member(service, cluster, name, procs[name].pid))
+        state.save()
+        deadline = time.monotonic() + timeout
+        for member in state.members:
+            fill_member(member, wait_ready(member.name, procs[member.name], deadline - time.monotonic()))
+        state.save()
+        wait_fleet_healthy(state, deadline - time.monotonic())
     except BaseException:
         state.save()
         down()
         raise
-    state.save()
     return state
 
 
-def add_member(state: FleetState, service: str, cluster: str, timeout: float = 120.0) -> Member:
+def fill_member(member: Member, info: dict) -> None:
+    member.address, member.metrics_address = info["address"], info.get("metrics_address", "")
+    member.extra = {k: v for k, v in info.items()
+                    if k not in ("address", "metrics_address", "pid", "service", "instance")}
+
+
+def router_view(state: FleetState, timeout: float = 1.0) -> dict[str, bool] | None:
+    """Cluster -> healthy as the first live router sees it; None when no router answers."""
+    for router in (m for m in state.members if m.service == "router" and m.address and alive(m.pid)):
+        with sync_channel(router.address) as channel:
+            try:
+                reply = router_pb2_grpc.RouterServiceStub(channel).GetFleet(router_pb2.GetFleetRequest(),
+                                                                            timeout=timeout)
+            except grpc.RpcError:
+                continue
+        return {c.cluster.name: c.healthy and not c.held_down for c in reply.clusters}
+    return None
+
+
+def wait_fleet_healthy(state: FleetState, timeout: float) -> None:
+    """Until the router routes to every cluster (all members registered, leases live, table built)."""
+    if not any(m.service == "router" for m in state.members):
+        return
+    deadline = time.monotonic() + timeout
+    view = None
+    while time.monotonic() < deadline:
+        view = router_view(state)
+        if view is not None and all(view.get(c) for c in state.clusters):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"the router did not count every cluster healthy within {timeout:.0f}s (sees {view})")
+
+
+def add_member(state: FleetState, service: str, cluster: str, timeout: float = 180.0) -> Member:
     taken = {m.name for m in state.members}
     index = next(i for i in range(len(taken) + 1) if member_name(service, cluster, i) not in taken)
     name = member_name(service, cluster, index)
-    proc = start_member(name, service, cluster, state.etcd_endpoint, [], state.lease_ttl_s)
-    info = wait_ready(name, proc, timeout)
-    extra = {k: v for k, v in info.items() if k not in ("address", "metrics_address", "pid", "service", "instance")}
-    member = Member(service, cluster, name, proc.pid, info["address"], info.get("metrics_address", ""), extra)
+    proc = start_member(name, service, cluster, state.etcd_endpoint, state.args_for(service), state.lease_ttl_s)
+    member = Member(service, cluster, name, proc.pid)
+    fill_member(member, wait_ready(name, proc, timeout))
     state.members.append(member)
     state.save()
     return member

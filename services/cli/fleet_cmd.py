@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
+import urllib.error
 import urllib.request
 
 from services.cli import fleet
 from services.cli.health_cmd import check
 
-KEY_METRICS = ("k3_rpc_in_flight", "k3_decode_running", "k3_decode_pool_usage", "k3_registry_connected")
+# Summed over label sets; the `status` table shows those a member exports.
+KEY_METRICS = ("k3_registry_connected", "k3_rpc_in_flight", "k3_gateway_in_flight", "k3_gateway_requests_total",
+               "k3_gateway_failovers_total", "k3_router_healthy_clusters", "k3_admission_in_use",
+               "k3_decode_running", "k3_decode_waiting", "k3_decode_pool_usage", "k3_decode_tokens_per_second",
+               "k3_prefill_waiting", "k3_kvtransfer_handles_held")
 
 
 def up(argv: list[str]) -> int:
@@ -20,33 +27,55 @@ def up(argv: list[str]) -> int:
                         choices=fleet.OPTIONAL, help="also start an optional service")
     parser.add_argument("--lease-ttl-s", type=float, default=3.0)
     parser.add_argument("--no-smoke", action="store_true", help="skip the end-to-end request after start")
+    parser.add_argument("--service-args", action="append", default=[], metavar='SERVICE="--flag value ..."',
+                        help="extra flags for every instance of a service, e.g. decode=\"--max-running 32\"")
+    parser.add_argument("--timeout-s", type=float, default=180.0, help="how long to wait for the fleet")
     args = parser.parse_args(argv)
     if args.clusters < 1:
         parser.error("--clusters must be >= 1")
-    state = fleet.up(args.clusters, args.etcd, tuple(args.with_services), args.lease_ttl_s)
+    extra: dict[str, list[str]] = {}
+    for item in args.service_args:
+        service, sep, flags = item.partition("=")
+        if not sep or service not in fleet.CONTROL_PLANE + fleet.PER_CLUSTER + fleet.OPTIONAL:
+            parser.error(f"--service-args {item!r}: write SERVICE=\"--flag value\" with a known service")
+        extra.setdefault(service, []).extend(shlex.split(flags))
+    try:
+        state = fleet.up(args.clusters, args.etcd, tuple(args.with_services), args.lease_ttl_s, args.timeout_s,
+                         extra)
+    except RuntimeError as exc:
+        print(f"k3 up failed: {exc}", file=sys.stderr)
+        return 1
     print(f"etcd      {state.etcd_endpoint}")
     print_table(state)
-    if not args.no_smoke:
-        smoke(state)
+    ok = args.no_smoke or smoke(state)
     print(f"\nstate in {fleet.home()}; `k3 status` to inspect, `k3 down` to stop")
-    return 0
+    return 0 if ok else 1
 
 
-def smoke(state: fleet.FleetState) -> None:
+def smoke(state: fleet.FleetState) -> bool:
     """One request end to end through the front door, so `k3 up` proves the fleet works."""
     gateway = next((m for m in state.members if m.service == "gateway"), None)
     if gateway is None or "http_address" not in gateway.extra:
-        print("\nsmoke: no gateway yet; every service answered its health check")
-        return
+        print("\nsmoke: no gateway in this fleet; every service answered its health check")
+        return True
     body = json.dumps({"model": "nano", "messages": [{"role": "user", "content": "Hello, K3!"}],
                        "max_tokens": 16, "temperature": 0, "stream": False}).encode()
     request = urllib.request.Request(f"http://{gateway.extra['http_address']}/v1/chat/completions", body,
                                      {"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as reply:
-        answer = json.loads(reply.read())
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            answer = json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        print(f"\nsmoke: POST /v1/chat/completions FAILED: HTTP {exc.code} {exc.read().decode()[:500]}")
+        return False
+    except OSError as exc:
+        print(f"\nsmoke: POST /v1/chat/completions FAILED: {exc}")
+        return False
     choice = answer["choices"][0]
     print(f"\nsmoke: POST /v1/chat/completions -> {choice['finish_reason']}, "
-          f"{answer['usage']['completion_tokens']} tokens: {choice['message']['content']!r}")
+          f"{answer['usage']['completion_tokens']} tokens from cluster {answer['system_fingerprint'][3:]}: "
+          f"{choice['message']['content']!r}")
+    return True
 
 
 def status(argv: list[str]) -> int:

@@ -31,6 +31,7 @@ from k3.v1 import (
     router_pb2_grpc,
 )
 from k3core.cache.hashing import chain_hashes
+from services.gateway import metrics
 from services.gateway.peers import Peers
 from services.runtime import errors
 
@@ -74,6 +75,24 @@ class Pipeline:
         self.resume_mid_stream = resume_mid_stream
 
     async def run(self, job: Job) -> AsyncIterator[Event]:
+        """`_serve` with the gateway's metrics: outcome, time to first token, requests in flight."""
+        started, first, outcome = time.perf_counter(), True, "cancelled"
+        metrics.IN_FLIGHT.inc()
+        try:
+            async for event in self._serve(job):
+                if first and event.token_ids:
+                    metrics.TTFT.observe(time.perf_counter() - started)
+                    first = False
+                yield event
+            outcome = "ok"
+        except errors.ServiceError as exc:
+            outcome = exc.code.name.lower()
+            raise
+        finally:
+            metrics.IN_FLIGHT.dec()
+            metrics.REQUESTS.labels(outcome).inc()
+
+    async def _serve(self, job: Job) -> AsyncIterator[Event]:
         excluded: list[str] = []
         sent: list[int] = []
         failover = False
@@ -93,6 +112,7 @@ class Pipeline:
                 return
             except AttemptFailed as exc:
                 last_error = exc
+                metrics.FAILOVERS.labels("mid_stream" if sent else "before_first_token").inc()
                 log.warning("attempt failed; trying the backup", extra={"cluster": cluster, "error": str(exc),
                                                                          "tokens_sent": len(sent)})
                 if sent and not self.resume_mid_stream:
@@ -177,8 +197,8 @@ class Pipeline:
         decode = decode_pb2_grpc.DecodeServiceStub(self.peers.channel(route.decode.address))
         stream = decode.DecodeFromHandle(decode_pb2.DecodeFromHandleRequest(
             request_id=job.request_id, session=job.session, prompt=common_pb2.TokenIds(ids=job.prompt),
-            sampling=job.sampling, handle=result.handle, first_token=result.first_token, model=job.model),
-            timeout=self.timeout_s)
+            sampling=job.sampling, handle=result.handle, first_token=result.first_token, model=job.model,
+            transfer_address=route.transfer.address), timeout=self.timeout_s)
         async for reply in stream:
             yield Event(list(reply.chunk.token_ids), reply.chunk.finish_reason,
                         cached_tokens=result.cached_tokens)

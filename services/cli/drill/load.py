@@ -27,6 +27,11 @@ class RequestRecord:
     # Clusters named by the stream's system_fingerprint (more than one after a mid-stream failover).
     clusters: list[str] = dataclasses.field(default_factory=list)
     tokens: int = 0
+    # From the stream's usage chunk: the prompt the serving cluster prefilled, and how much came from cache.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    # 0 for the first try; a client retry (after a retriable 429/503) is a new record with attempt + 1.
+    attempt: int = 0
 
     @property
     def ok(self) -> bool:
@@ -57,8 +62,15 @@ class LoadGenerator:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    async def run(self) -> list[RequestRecord]:
-        self.t0 = time.monotonic()
+    def session_id(self, index: int) -> str:
+        return f"drill-{self.spec.seed}-{index}"
+
+    def session_ids(self) -> list[str]:
+        return [self.session_id(i) for i in range(self.spec.sessions)]
+
+    async def run(self, t0: float | None = None) -> list[RequestRecord]:
+        """Run every session to its end; record times relative to `t0` (time.monotonic(), default now)."""
+        self.t0 = time.monotonic() if t0 is None else t0
         gate = asyncio.Semaphore(self.spec.concurrency)
         timeout = aiohttp.ClientTimeout(total=300)
         async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -67,7 +79,7 @@ class LoadGenerator:
 
     async def _session(self, http: aiohttp.ClientSession, gate: asyncio.Semaphore, index: int) -> None:
         rng = random.Random(self.spec.seed * 1_000_003 + index)
-        session = f"drill-{self.spec.seed}-{index}"
+        session = self.session_id(index)
         messages = [{"role": "system", "content": f"You are session {index}."}]
         await asyncio.sleep(rng.random() * self.spec.think_time_s * 5)
         for turn in range(self.spec.turns):
@@ -83,10 +95,10 @@ class LoadGenerator:
     async def _request(self, http: aiohttp.ClientSession, session: str, turn: int,
                        messages: list[dict]) -> RequestRecord:
         body = {"model": self.model, "messages": messages, "max_tokens": self.spec.max_tokens, "temperature": 0,
-                "stream": True}
+                "stream": True, "stream_options": {"include_usage": True}}
         headers = {**self.headers, "x-session-id": session}
         for attempt in range(self.spec.client_retries + 1):
-            record = RequestRecord(session, turn, self.now())
+            record = RequestRecord(session, turn, self.now(), attempt=attempt)
             self.records.append(record)
             try:
                 await self._stream(http, body, headers, record)
@@ -113,6 +125,12 @@ class LoadGenerator:
                 if "error" in chunk:
                     record.error = chunk["error"]["message"][:200]
                     return
+                if chunk.get("usage"):
+                    record.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    record.cached_tokens = details.get("cached_tokens", 0)
+                if not chunk.get("choices"):
+                    continue
                 if record.ttft is None:
                     record.ttft = self.now() - record.start
                 cluster = chunk.get("system_fingerprint", "").removeprefix("k3:")

@@ -1,4 +1,5 @@
-"""How fast the control plane notices a fault: poll the router's view of the fleet."""
+"""What the control plane says during a drill: the router's view of cluster health (polled, to time the
+detection of a fault) and each session's pre-assigned (primary, backup) before the fault."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import grpc
 
-from k3.v1 import router_pb2, router_pb2_grpc
+from k3.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.runtime.client import aio_channel
 
 
@@ -37,3 +38,17 @@ class FleetObserver:
             if t >= after and not view.get(cluster, False):
                 return t
         return None
+
+    async def placements(self, sessions: list[str], parallel: int = 32) -> dict[str, tuple[str, str]]:
+        """session -> (primary, backup) as the router assigns them now (ask before injecting the fault)."""
+        gate = asyncio.Semaphore(parallel)
+        async with aio_channel(self.router_address, self.token) as channel:
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+
+            async def one(session: str) -> tuple[str, tuple[str, str]]:
+                async with gate:
+                    reply = await stub.Route(router_pb2.RouteRequest(
+                        session=common_pb2.SessionRef(session_id=session)), timeout=10)
+                return session, (reply.primary.name, reply.backup.name)
+
+            return dict(await asyncio.gather(*(one(s) for s in sessions)))

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from services.cli.drill.load import RequestRecord
 
-SUMMARY_METRICS = {"requests", "errors", "lost_sessions", "ttft_p50_ms", "ttft_p99_ms", "ttft_p99_before_ms",
-                   "ttft_p99_after_ms", "detect_s", "moved_sessions", "reprefill_ratio", "reprefill_max_share"}
+SUMMARY_METRICS = {"requests", "errors", "errors_before_first_token", "errors_mid_stream", "client_retries",
+                   "lost_sessions", "ttft_p50_ms", "ttft_p99_ms", "ttft_p99_before_ms", "ttft_p99_after_ms",
+                   "detect_s", "moved_sessions", "moved_off_backup", "reprefill_ratio", "reprefill_max_share"}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -26,9 +27,29 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(1000 * value, 1)
 
 
+def moved_sessions(records: list[RequestRecord], fault_at: float, fault_cluster: str,
+                   primaries: dict[str, str]) -> dict[str, RequestRecord]:
+    """Sessions whose primary is the faulty cluster and that were served elsewhere after the fault, each
+    with the request that landed on the new cluster (it re-prefilled the session's history there)."""
+    moved: dict[str, RequestRecord] = {}
+    for r in sorted(records, key=lambda r: r.end or 0.0):
+        if (r.ok and r.end is not None and r.end >= fault_at and r.session not in moved
+                and primaries.get(r.session) == fault_cluster and any(c != fault_cluster for c in r.clusters)):
+            moved[r.session] = r
+    return moved
+
+
+def landing(record: RequestRecord, fault_cluster: str) -> str:
+    return next(c for c in record.clusters if c != fault_cluster)
+
+
 def summarize(records: list[RequestRecord], fault_at: float, fault_cluster: str, clusters: list[str],
-              detect_at: float | None, sessions: int) -> dict:
-    # A request that failed but was retried by the client and then succeeded is not an error.
+              detect_at: float | None, sessions: int,
+              placements: dict[str, tuple[str, str]] | None = None) -> dict:
+    """The drill's numbers. `placements` (session -> (primary, backup), asked of the router before the
+    fault) says which sessions the fault should move and where; without it a session's primary is where
+    it was first served."""
+    # A request that failed, was retried by the client and then succeeded is not an error (but a retry).
     final = {}
     for r in records:
         final[(r.session, r.turn)] = r
@@ -37,33 +58,37 @@ def summarize(records: list[RequestRecord], fault_at: float, fault_cluster: str,
     before = [r.ttft for r in final.values() if r.ok and r.ttft is not None and r.start < fault_at]
     after = [r.ttft for r in final.values() if r.ok and r.ttft is not None and r.start >= fault_at]
 
-    # Sessions the faulty cluster served before the fault, and where their next turn went.
-    home = {}
+    placements = placements or {}
+    primaries = {s: p for s, (p, _) in placements.items()}
     for r in sorted(records, key=lambda r: r.start):
-        if r.ok and r.clusters and r.start < fault_at:
-            home[r.session] = r.clusters[0]
-    moved: Counter[str] = Counter()
-    for r in sorted(records, key=lambda r: r.start):
-        if r.ok and r.clusters and r.start >= fault_at and home.get(r.session) == fault_cluster:
-            target = r.clusters[-1]
-            if target != fault_cluster:
-                moved[target] += 1
-                home[r.session] = target
+        if r.ok and r.clusters:
+            primaries.setdefault(r.session, r.clusters[0])
+    moved = moved_sessions(records, fault_at, fault_cluster, primaries)
     survivors = [c for c in clusters if c != fault_cluster]
-    total_moved = sum(moved.values())
-    max_share = max(moved.values()) / total_moved if total_moved else None
+    per_cluster = Counter(landing(r, fault_cluster) for r in moved.values())
+    tokens = Counter()
+    for r in moved.values():
+        tokens[landing(r, fault_cluster)] += r.prompt_tokens
+    off_backup = sum(1 for s, r in moved.items() if s in placements and landing(r, fault_cluster) != placements[s][1])
+    total_moved = len(moved)
+    max_share = max(per_cluster.values()) / total_moved if total_moved else None
     ideal = 1 / len(survivors) if survivors else None
     return {
         "requests": len(final),
         "errors": len(errors),
-        "lost_sessions": sessions - len({r.session for r in final.values() if r.ok}),
+        "errors_before_first_token": sum(1 for r in errors if r.ttft is None),
+        "errors_mid_stream": sum(1 for r in errors if r.ttft is not None),
+        "client_retries": sum(1 for r in records if r.attempt > 0),
+        "lost_sessions": len({r.session for r in errors}) + sessions - len({r.session for r in final.values()}),
         "ttft_p50_ms": _ms(percentile(ttft, 0.5)),
         "ttft_p99_ms": _ms(percentile(ttft, 0.99)),
         "ttft_p99_before_ms": _ms(percentile(before, 0.99)),
         "ttft_p99_after_ms": _ms(percentile(after, 0.99)),
         "detect_s": None if detect_at is None else round(detect_at - fault_at, 3),
         "moved_sessions": total_moved,
-        "reprefill_per_cluster": {c: moved.get(c, 0) for c in survivors},
+        "moved_off_backup": off_backup,
+        "reprefill_per_cluster": {c: per_cluster.get(c, 0) for c in survivors},
+        "reprefill_tokens_per_cluster": {c: tokens.get(c, 0) for c in survivors},
         "reprefill_max_share": None if max_share is None else round(max_share, 4),
         "reprefill_ideal_share": None if ideal is None else round(ideal, 4),
         "reprefill_ratio": None if max_share is None or not ideal else round(max_share / ideal, 3),
