@@ -292,7 +292,12 @@ class SandboxManager:
             raise QuotaExceeded(f"tenant {tenant!r} would reserve {used + memory_bytes} bytes of memory; the "
                                 f"quota is {self.config.max_memory_per_tenant_bytes}", retry_after_ms=5000)
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        for be in self.backends.values():
+            reaped = await be.reap_orphans()
+            if reaped:
+                log.warning("destroyed sandboxes left by a previous run", extra={"backend": be.name,
+                                                                                  "sandboxes": reaped})
         self._housekeeper = asyncio.get_running_loop().create_task(self._housekeep_forever())
 
     async def _housekeep_forever(self) -> None:

@@ -30,7 +30,7 @@ def main(argv: list[str]) -> None:
     async def start() -> None:
         nonlocal runner
         manager.images.ensure_base()
-        manager.start()
+        await manager.start()
         app.meta["backends"] = sorted(backends)
         if config.rest_port >= 0:
             runner = web.AppRunner(rest_app(manager))

@@ -124,3 +124,20 @@ def test_firecracker_diff_layering_keeps_parent_pages_and_overwrites_dirty_ones(
     for index, data in dirty.items():
         expected[index * page:index * page + len(data)] = data
     assert (tmp_path / "merged").read_bytes() == bytes(expected)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("namespace", marks=requires_namespace),
+                                     pytest.param("criu", marks=requires_criu)])
+async def test_a_restarted_manager_reaps_sandboxes_left_by_a_crashed_one(manager, tmp_path, backend):
+    sb = await manager.create("base", "t", LimitRequest(), backend=backend)
+    await collect(manager.exec(sb.sandbox_id, ExecSpec(["sleep", "600"], background=True)))
+    assert leaked_mounts(tmp_path)
+    # The first manager "crashed": a new one on the same root finds its sandbox and tears it down.
+    fresh = {"namespace": NamespaceBackend, "criu": CriuBackend}[backend](tmp_path / "backends" / backend)
+    successor = SandboxManager(manager.config, {backend: fresh})
+    await successor.start()
+    await successor.close()
+    assert leaked_mounts(tmp_path) == []
+    group = {"namespace": "k3sandbox-ns", "criu": "k3sandbox-criu"}[backend]
+    for controller in ("unified", "memory", "pids"):
+        assert not Path(f"/sys/fs/cgroup/{controller}/{group}/{sb.sandbox_id}").exists()

@@ -134,6 +134,10 @@ class SandboxBackend(abc.ABC):
     def memory_bytes(self, sb: SandboxHandle) -> int:
         ...
 
+    async def reap_orphans(self) -> list[str]:
+        """Destroys sandboxes a previous manager process left behind (mounts, cgroups, processes)."""
+        return []
+
     async def read_file(self, sb: SandboxHandle, path: str) -> bytes:
         """Reads inside the sandbox as its user, so symlinks planted by the tenant cannot reach the host."""
         result = await collect(self.exec(sb, ExecSpec(argv=["cat", "--", path], timeout_s=30)))

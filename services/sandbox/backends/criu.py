@@ -223,6 +223,16 @@ class CriuBackend(SandboxBackend):
             remove_tree(CGROUP_ROOT / controller / CGROUP_GROUP / sb.sandbox_id)
         shutil.rmtree(sb.dir, ignore_errors=True)
 
+    async def reap_orphans(self) -> list[str]:
+        reaped = []
+        for d in sorted(self.root_dir.glob("sbx-*")):
+            sb = SandboxHandle(d.name, None, None, {}, d, paused=True)  # type: ignore[arg-type] - teardown only
+            sb.state.update(disk=OverlayDisk(d, Path("/nonexistent"), 0),
+                            freezer=CGROUP_ROOT / "freezer" / CGROUP_GROUP / d.name)
+            await self.destroy(sb)
+            reaped.append(d.name)
+        return reaped
+
     def memory_bytes(self, sb: SandboxHandle) -> int:
         if sb.hibernated:
             return sb.state["disk"].used_bytes()  # only its files, held in the sandbox's tmpfs

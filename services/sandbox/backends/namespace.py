@@ -25,7 +25,7 @@ from services.sandbox.backends.base import (
     SandboxHandle,
     SnapshotRef,
 )
-from services.sandbox.backends.cgroups import SandboxCgroups
+from services.sandbox.backends.cgroups import SandboxCgroups, remove_tree
 from services.sandbox.backends.cgroups import probe as probe_cgroups
 from services.sandbox.backends.launch import (
     background_argv,
@@ -103,8 +103,16 @@ class NamespaceBackend(SandboxBackend):
         async def terminate() -> None:
             await cgroups.terminate(child, TERM_GRACE_S)
 
-        return stream_command(join_cgroups_argv(cgroups.procs_files(child), argv), spec.stdin,
-                              spec.timeout_s, terminate)
+        async def run() -> AsyncIterator[ExecChunk]:
+            try:
+                async for chunk in stream_command(join_cgroups_argv(cgroups.procs_files(child), argv), spec.stdin,
+                                                  spec.timeout_s, terminate):
+                    yield chunk
+            finally:
+                if not spec.background:
+                    remove_tree(cgroups.v2 / child)  # kept only while something still runs in it
+
+        return run()
 
     async def pause(self, sb: SandboxHandle) -> None:
         await sb.state["cgroups"].set_frozen(True)
@@ -144,6 +152,15 @@ class NamespaceBackend(SandboxBackend):
 
     def memory_bytes(self, sb: SandboxHandle) -> int:
         return sb.state["cgroups"].memory_bytes()
+
+    async def reap_orphans(self) -> list[str]:
+        reaped = []
+        for d in sorted(self.root_dir.glob("sbx-*")):
+            sb = SandboxHandle(d.name, None, None, {}, d)  # type: ignore[arg-type] - only teardown state is used
+            sb.state.update(disk=OverlayDisk(d, Path("/nonexistent"), 0), cgroups=SandboxCgroups(CGROUP_GROUP, d.name))
+            await self.destroy(sb)
+            reaped.append(d.name)
+        return reaped
 
 
 async def _find_anchor(bwrap_pid: int) -> int:
