@@ -77,7 +77,13 @@ class CpuTier:
         return self.used_bytes + num_bytes <= self.capacity_bytes
 
     def put_block(self, block: HostBlock) -> bool:
-        if any(h in self._endpoints for h, _ in block.endpoints) or not self._make_room(block.num_bytes):
+        """Insert a block; host copies of a shorter fill of the same block give way to it (if unpinned)."""
+        older = {id(e): e for h, _ in block.endpoints if (e := self._endpoints.get(h, (None,))[0]) is not None}
+        if any(e.pins or e.filled >= block.filled for e in older.values()):
+            return False
+        for entry in older.values():
+            self.remove(entry)
+        if not self._make_room(block.num_bytes):
             return False
         for chain_hash, covered in block.endpoints:
             self._endpoints[chain_hash] = (block, covered)

@@ -42,6 +42,10 @@ def format_table(rows: list[PoolLayout]) -> str:
 def main(argv: list[str] | None = None) -> None:
     names = tuple(argv if argv is not None else sys.argv[1:]) or DEFAULT_PRESETS
     print(f"state fp32, conv and MLA latent bf16, hash block 512\n{format_table(layout_rows(names))}")
+    for name in names:
+        heads = preset(name).kda_num_heads
+        if heads % 8:
+            print(f"({name} at TP 8: not a valid layout, {heads} KDA heads cannot be split 8 ways)")
 
 
 if __name__ == "__main__":
