@@ -70,11 +70,7 @@ class K3Config:
 
     # --- derived shape facts -------------------------------------------------------------------
     def layer_kind(self, layer: int) -> str:
-        return "kda" if layer in self._kda_set else "mla"
-
-    @property
-    def _kda_set(self) -> frozenset[int]:
-        return frozenset(self.kda_layers)
+        return "kda" if layer in self.kda_layers else "mla"
 
     def kda_index(self, layer: int) -> int:
         """Position of a KDA layer among KDA layers (the cache's KDA layer index)."""

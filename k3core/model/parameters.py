@@ -7,6 +7,8 @@ real module tree.
 
 from __future__ import annotations
 
+import math
+
 from k3core.config import K3Config
 
 Shapes = dict[str, tuple[int, ...]]
@@ -105,10 +107,4 @@ def parameter_shapes(c: K3Config) -> Shapes:
 
 
 def parameter_count(c: K3Config) -> int:
-    total = 0
-    for shape in parameter_shapes(c).values():
-        n = 1
-        for s in shape:
-            n *= s
-        total += n
-    return total
+    return sum(math.prod(shape) for shape in parameter_shapes(c).values())
