@@ -20,7 +20,7 @@ from safetensors import safe_open
 from k3core.quant import mxfp4
 from k3core.weights import hf_layout
 from k3core.weights.errors import CheckpointError, CheckpointMismatchError
-from k3core.weights.quant_config import PACKED_SUFFIX, SCALE_SUFFIX, MxQuantConfig
+from k3core.weights.quant_config import PACKED_SUFFIX, SCALE_SUFFIX, MxQuantConfig, logical_weight_name
 from k3core.weights.sharding import ShardPlanError, ShardSpec
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # the Hugging Face default
@@ -170,12 +170,17 @@ def load_checkpoint(
     return LoadedCheckpoint(_finish(stored, dequantize, dtype), config, quant)
 
 
-def _stored_shapes(directory: Path, weight_map: Mapping[str, str]) -> dict[str, tuple[int, ...]]:
+def _names_by_file(weight_map: Mapping[str, str]) -> dict[str, list[str]]:
+    """Each shard file once, with the tensors to take from it (a file is opened once, not per tensor)."""
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, file in weight_map.items():
         by_file[file].append(name)
+    return by_file
+
+
+def _stored_shapes(directory: Path, weight_map: Mapping[str, str]) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
-    for file, names in by_file.items():
+    for file, names in _names_by_file(weight_map).items():
         with safe_open(directory / file, framework="pt") as f:
             for name in names:
                 shapes[name] = tuple(f.get_slice(name).get_shape())
@@ -192,13 +197,6 @@ def _quantization(config: Mapping[str, Any], shapes: Mapping[str, Any], director
     return MxQuantConfig.from_hf_dict(raw)
 
 
-def _spec_for(name: str, plan: Mapping[str, ShardSpec]) -> ShardSpec:
-    for suffix in (PACKED_SUFFIX, SCALE_SUFFIX):
-        if name.endswith(suffix):
-            return plan[name[: -len(suffix)] + ".weight"]
-    return plan[name]
-
-
 def _read(
     directory: Path,
     weight_map: Mapping[str, str],
@@ -206,17 +204,14 @@ def _read(
     plan: Mapping[str, ShardSpec] | None,
     rank: int,
 ) -> dict[str, torch.Tensor]:
-    by_file: dict[str, list[str]] = defaultdict(list)
-    for name, file in weight_map.items():
-        by_file[file].append(name)
     out: dict[str, torch.Tensor] = {}
-    for file, names in by_file.items():
+    for file, names in _names_by_file(weight_map).items():
         with safe_open(directory / file, framework="pt") as f:
             for name in names:
                 if plan is None:
                     out[name] = f.get_tensor(name)
                     continue
-                spec = _spec_for(name, plan)
+                spec = plan[logical_weight_name(name)]
                 if not spec.on_rank(rank):
                     continue
                 if spec.dim is not None and shapes[name][spec.dim] % spec.parts:

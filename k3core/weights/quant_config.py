@@ -35,6 +35,14 @@ K3_IGNORE = (
 )
 
 
+def logical_weight_name(name: str) -> str:
+    """The ``X.weight`` an MXFP4 part (``X.weight_packed`` or ``X.weight_scale``) encodes; other names as is."""
+    for suffix in (PACKED_SUFFIX, SCALE_SUFFIX):
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + ".weight"
+    return name
+
+
 def _matches(module: str, patterns: tuple[str, ...]) -> bool:
     """compressed-tensors matching: ``re:`` regex, else an exact module name; the class target
     ``Linear`` is every weight matrix (the ignore list then carves out the high-precision parts)."""

@@ -11,7 +11,7 @@ import torch
 
 from k3core.weights import shard_rules as rules
 from k3core.weights.errors import CheckpointError
-from k3core.weights.quant_config import PACKED_SUFFIX, SCALE_SUFFIX
+from k3core.weights.quant_config import logical_weight_name
 
 REPLICATE, SPLIT, EXPERT = "replicate", "split", "expert"
 
@@ -38,20 +38,6 @@ class ShardSpec:
         step = shape[self.dim] // self.parts
         return tuple(slice(rank * step, (rank + 1) * step) if d == self.dim else slice(None) for d in range(len(shape)))
 
-    def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
-        if self.kind != SPLIT:
-            return tuple(shape)
-        assert self.dim is not None
-        return tuple(s // self.parts if d == self.dim else s for d, s in enumerate(shape))
-
-
-def _rule_name(name: str) -> str:
-    """MXFP4 tensors follow the rule of the weight they encode."""
-    for suffix in (PACKED_SUFFIX, SCALE_SUFFIX):
-        if name.endswith(suffix):
-            return name[: -len(suffix)] + ".weight"
-    return name
-
 
 def model_tensor_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     """Checkpoint name -> shape of every tensor of the model ``config`` describes (no instantiation,
@@ -69,7 +55,8 @@ def shard_plan(
     if tp_size < 1:
         raise ShardPlanError(f"tp_size must be >= 1, got {tp_size}")
     shapes = dict(shapes) if shapes is not None else model_tensor_shapes(config)
-    kinds = {name: rules.rule_for(_rule_name(name)) for name in shapes}
+    # MXFP4 parts follow the rule of the weight they encode.
+    kinds = {name: rules.rule_for(logical_weight_name(name)) for name in shapes}
     experts_per_layer: dict[str, set[int]] = defaultdict(set)
     for name, kind in kinds.items():
         if kind == rules.EXPERT:
