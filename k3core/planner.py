@@ -17,19 +17,10 @@ from dataclasses import asdict, dataclass
 from k3core.config import ConfigError, K3Config
 from k3core.model.parameters import parameter_shapes
 from k3core.presets import PRESET_NAMES, preset
+from k3core.weights import shard_rules
 
 MIB, GIB = 2**20, 2**30
 DTYPE_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.0, "mxfp4": 0.53125}  # mxfp4: 4 bits + e8m0/32
-_REPLICATED_SUFFIXES = ("norm.weight", "layernorm.weight", ".query", "gate.weight", "e_score_correction_bias")
-# Matches k3core/weights/shard_rules.py: low-rank down projections and the latent-MoE projections stay whole.
-_REPLICATED_PROJECTIONS = (
-    "kv_a_proj_with_mqa",
-    "q_a_proj",
-    "f_a_proj",
-    "g_a_proj",
-    "routed_expert_down_proj",
-    "routed_expert_up_proj",
-)
 
 
 @dataclass(frozen=True)
@@ -82,15 +73,17 @@ def weight_bytes_per_rank(
     dense_dtype: str = "bf16",
     expert_dtype: str = "mxfp4",
 ) -> int:
-    """Routed experts in `expert_dtype` split over `ep` ranks; norms, router, low-rank down projections and
-    latent-MoE projections replicated; every other tensor split over `tp` ranks, in `dense_dtype`."""
+    """Routed experts in `expert_dtype` split over `ep` ranks; what the workers' sharding rules replicate
+    (norms, router, low-rank down projections, latent-MoE projections) whole; the rest split over `tp`
+    ranks, in `dense_dtype`."""
     ep = ep or tp
     total = 0.0
     for name, shape in parameter_shapes(config).items():
         count = math.prod(shape)
-        if ".experts." in name:
+        kind = shard_rules.rule_for(name)
+        if kind == shard_rules.EXPERT:
             total += count * DTYPE_BYTES[expert_dtype] / ep  # expert e lives on one of the ep ranks
-        elif name.endswith(_REPLICATED_SUFFIXES) or any(p in name for p in _REPLICATED_PROJECTIONS):
+        elif kind == shard_rules.REPLICATE:
             total += count * DTYPE_BYTES[dense_dtype]
         else:
             total += count * DTYPE_BYTES[dense_dtype] / tp
