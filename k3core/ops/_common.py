@@ -1,4 +1,4 @@
-"""Small helpers shared by the functional ops: accumulation dtype and varlen bookkeeping."""
+"""Small helpers shared by the functional ops: accumulation dtype, varlen bookkeeping, carried states."""
 
 from __future__ import annotations
 
@@ -36,3 +36,12 @@ def sequence_bounds(cu_seqlens: torch.Tensor | None, batch: int, length: int) ->
 def check_initial_state(initial_state: torch.Tensor | None, num_sequences: int, name: str) -> None:
     if initial_state is not None and initial_state.shape[0] != num_sequences:
         raise ValueError(f"{name} has {initial_state.shape[0]} rows but there are {num_sequences} sequences")
+
+
+def start_state(
+    initial_state: torch.Tensor | None, n: int, shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor
+) -> torch.Tensor:
+    """Sequence n's carried state in `dtype`; zeros of `shape` (on `like`'s device) when none is given."""
+    if initial_state is not None:
+        return initial_state[n].to(dtype)
+    return like.new_zeros(shape, dtype=dtype)

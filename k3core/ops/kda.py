@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3core.ops._common import acc_dtype, check_initial_state, sequence_bounds
+from k3core.ops._common import acc_dtype, check_initial_state, sequence_bounds, start_state
 from k3core.ops.kda_chunk import kda_chunk
 from k3core.ops.short_conv import causal_short_conv, short_conv_step
 
@@ -123,10 +123,7 @@ def kda_recurrent(
     o = torch.empty_like(v)
     finals = []
     for n, (row, start, end) in enumerate(seqs):
-        if initial_state is not None:
-            state = initial_state[n].to(dtype)
-        else:
-            state = q.new_zeros(heads, key_dim, v.shape[-1], dtype=dtype)
+        state = start_state(initial_state, n, (heads, key_dim, v.shape[-1]), dtype, q)
         for t in range(start, end):
             o_t, state = kda_step(
                 q[row, t : t + 1],

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3core.ops._common import acc_dtype, check_initial_state, sequence_bounds
+from k3core.ops._common import acc_dtype, check_initial_state, sequence_bounds, start_state
 
 
 def _pad_to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -80,10 +80,7 @@ def kda_chunk(
     o = torch.empty_like(v)
     finals = []
     for n, (row, start, end) in enumerate(seqs):
-        if initial_state is not None:
-            state = initial_state[n].to(dtype)
-        else:
-            state = q.new_zeros(heads, key_dim, v.shape[-1], dtype=dtype)
+        state = start_state(initial_state, n, (heads, key_dim, v.shape[-1]), dtype, q)
         if end > start:
             parts = (x[row, start:end].to(dtype) for x in (q, k, v, g, beta))
             o_seq, state = _chunk_sequence(*parts, state, scale, chunk_size)

@@ -34,6 +34,16 @@ def split_kv_b(
     return per_head[:, :nope_dim], per_head[:, nope_dim:]
 
 
+def _latent_operands(
+    q_nope: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor, v_head_dim: int
+) -> tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(accumulation dtype, W_uk, W_uv, c_kv, k_pe), the tensors in that dtype."""
+    dtype = acc_dtype(q_nope, latent)
+    rank = kv_b_weight.shape[1]
+    w_uk, w_uv = (w.to(dtype) for w in split_kv_b(kv_b_weight, q_nope.shape[1], v_head_dim))
+    return dtype, w_uk, w_uv, latent[:, :rank].to(dtype), latent[:, rank:].to(dtype)
+
+
 def _softmax_attend(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -50,10 +60,7 @@ def mla_attention_naive(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q_nope [T, H, Dn], q_pe [T, H, P], latent [S, R+P], mask [T, S] -> o [T, H, Dv] (q's dtype)."""
-    dtype = acc_dtype(q_nope, latent)
-    heads, rank = q_nope.shape[1], kv_b_weight.shape[1]
-    w_uk, w_uv = (w.to(dtype) for w in split_kv_b(kv_b_weight, heads, v_head_dim))
-    c_kv, k_pe = latent[:, :rank].to(dtype), latent[:, rank:].to(dtype)
+    dtype, w_uk, w_uv, c_kv, k_pe = _latent_operands(q_nope, latent, kv_b_weight, v_head_dim)
     k_nope = torch.einsum("sr,hdr->shd", c_kv, w_uk)
     values = torch.einsum("sr,hdr->shd", c_kv, w_uv)
     scores = torch.einsum("thd,shd->hts", q_nope.to(dtype), k_nope)
@@ -72,10 +79,7 @@ def mla_attention_absorbed(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `mla_attention_naive`, attending in the latent space (the decode path)."""
-    dtype = acc_dtype(q_nope, latent)
-    heads, rank = q_nope.shape[1], kv_b_weight.shape[1]
-    w_uk, w_uv = (w.to(dtype) for w in split_kv_b(kv_b_weight, heads, v_head_dim))
-    c_kv, k_pe = latent[:, :rank].to(dtype), latent[:, rank:].to(dtype)
+    dtype, w_uk, w_uv, c_kv, k_pe = _latent_operands(q_nope, latent, kv_b_weight, v_head_dim)
     q_latent = torch.einsum("thd,hdr->thr", q_nope.to(dtype), w_uk)
     scores = torch.einsum("thr,sr->hts", q_latent, c_kv) + torch.einsum("thp,sp->hts", q_pe.to(dtype), k_pe)
     probs = _softmax_attend(scores * scale, mask)

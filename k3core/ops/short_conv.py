@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3core.ops._common import acc_dtype, check_initial_state, sequence_bounds
+from k3core.ops._common import acc_dtype, check_initial_state, sequence_bounds, start_state
 
 _ACTIVATIONS = (None, "silu", "swish")
 
@@ -46,10 +46,7 @@ def causal_short_conv(
     y = torch.empty_like(x)
     finals = []
     for n, (row, start, end) in enumerate(seqs):
-        if initial_state is not None:
-            history = initial_state[n].to(dtype)
-        else:
-            history = x.new_zeros(channels, width - 1, dtype=dtype)
+        history = start_state(initial_state, n, (channels, width - 1), dtype, x)
         seq = x[row, start:end].to(dtype).transpose(0, 1)  # [C, t]
         padded = torch.cat([history, seq], dim=1)  # [C, W-1+t]
         out = F.conv1d(padded.unsqueeze(0), w, b, groups=channels)[0]  # [C, t]
