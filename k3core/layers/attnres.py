@@ -43,10 +43,11 @@ class AttnResStream:
             self._inter = attnres_inter(queries, torch.stack(self.blocks), norms, self.eps)
 
     def input_for(self, site: AttnResSite) -> torch.Tensor:
-        dtype = self.blocks[0].dtype
-        if not self.two_phase or self._inter is None:
+        if not self.two_phase:
             sources = self.blocks + ([self.partial] if self.partial is not None else [])
             return attnres_direct(site.query, torch.stack(sources), site.norm.weight, self.eps)
+        assert self._inter is not None, "begin_block() comes before the block's sites"
+        dtype = self.blocks[0].dtype
         row = self._inter.row(self._sites.index(site))
         return attnres_merge(row, site.query, self.partial, site.norm.weight, self.eps).to(dtype)
 
