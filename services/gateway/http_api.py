@@ -99,7 +99,8 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
                 started = True
                 if chat:
                     await _sse(response, {**base, "object": "chat.completion.chunk", "choices": [
-                        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+                        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                        "system_fingerprint": f"k3:{delta.cluster}"})
             completion_tokens += len(delta.token_ids)
             cached = max(cached, delta.cached_tokens)
             choice = ({"index": 0, "delta": _chat_delta(delta), "finish_reason": delta.finish_reason} if chat else

@@ -1,0 +1,133 @@
+"""`k3 up / status / down` for real: a one-cluster fleet of real processes on loopback (etcd, admission,
+router, gateway, kvtransfer, prefill, decode), driven through the CLI as a subprocess; requests through
+the front door checked against the offline model; the official `openai` client streams from it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import grpc
+import openai
+import pytest
+
+from k3.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, router_pb2, router_pb2_grpc
+from k3core.tokenizer import ByteTokenizer
+from services.cli import fleet
+from services.engine.params import GenerationOptions
+from tests.fleet.k3cli import k3, logs, running_fleet, state
+from tests.workers.oracle import build_reference, offline_generate
+
+SERVICES = {"admission", "router", "gateway", "kvtransfer", "decode", "prefill"}
+
+
+@pytest.fixture(scope="module")
+def local_fleet(tmp_path_factory):
+    home = tmp_path_factory.mktemp("k3home")
+    with running_fleet(home, "--clusters", "1", "--lease-ttl-s", "2") as started:
+        yield home, started, state(home)
+
+
+def member(fleet_state: fleet.FleetState, service: str) -> fleet.Member:
+    return next(m for m in fleet_state.members if m.service == service)
+
+
+def test_up_starts_every_service_and_the_smoke_request_succeeds(local_fleet):
+    home, started, fleet_state = local_fleet
+    assert {m.service for m in fleet_state.members} == SERVICES
+    assert all(fleet.alive(m.pid) for m in fleet_state.members) and fleet.alive(fleet_state.etcd_pid)
+    # Every member is listed SERVING, and the smoke chat completion went through cluster c0.
+    for m in fleet_state.members:
+        assert re.search(rf"^{m.service}\s+{m.cluster}\s+{m.pid}\s+{re.escape(m.address)}\s+SERVING", started.stdout,
+                         re.M), started.stdout
+    assert re.search(r"smoke: POST /v1/chat/completions -> (length|stop), \d+ tokens from cluster c0",
+                     started.stdout), started.stdout + logs(home)
+    # The router sees the cluster through etcd membership: healthy, with one instance of each worker.
+    with grpc.insecure_channel(member(fleet_state, "router").address) as channel:
+        view = router_pb2_grpc.RouterServiceStub(channel).GetFleet(router_pb2.GetFleetRequest(), timeout=5)
+    (cluster,) = view.clusters
+    assert cluster.cluster.name == "c0" and cluster.healthy
+    assert sorted(i.service for i in cluster.instances) == ["decode", "kvtransfer", "prefill"]
+
+
+def test_status_shows_health_and_key_metrics(local_fleet):
+    home, _, fleet_state = local_fleet
+    shown = k3(home, "status", timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    lines = {line.split()[0]: line for line in shown.stdout.splitlines()[1:] if line.split()}
+    assert "(up)" in shown.stdout.splitlines()[0]
+    for m in fleet_state.members:
+        assert "SERVING" in lines[m.service] and "registry_connected=1" in lines[m.service], shown.stdout
+    assert "decode_running=" in lines["decode"] and "decode_pool_usage=" in lines["decode"]
+    assert "router_healthy_clusters=1" in lines["router"]
+    # The smoke request (at least) went through the gateway.
+    assert float(re.search(r"gateway_requests_total=(\S+)", lines["gateway"]).group(1)) >= 1
+
+
+def test_tokens_through_the_fleet_equal_the_offline_model(local_fleet):
+    """gateway (gRPC) -> router -> admission -> prefill -> kvtransfer -> decode, greedy, against k3core's model
+    run offline on a contiguous cache (the workers' seeded weights, no pool, no transfer)."""
+    _, _, fleet_state = local_fleet
+    prompt = "The fleet answers: "
+    sampling = common_pb2.SamplingParams(temperature=0, top_p=1.0, max_tokens=8)
+
+    async def complete() -> list[int]:
+        async with grpc.aio.insecure_channel(member(fleet_state, "gateway").address) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            tokens, clusters = [], set()
+            async for reply in stub.Complete(gateway_pb2.CompleteRequest(
+                    model="nano", prompt=prompt, sampling=sampling,
+                    session=common_pb2.SessionRef(session_id="oracle")), timeout=120):
+                tokens.extend(reply.chunk.token_ids)
+                clusters.add(reply.cluster)
+            assert clusters == {"c0"}
+            return tokens
+
+    got = asyncio.run(complete())
+    reference = build_reference("nano")
+    options = GenerationOptions.from_proto(sampling, vocab_size=reference.config.vocab_size, max_tokens_limit=100)
+    assert got == offline_generate(reference, ByteTokenizer().encode(prompt), options)
+
+
+def test_openai_client_streams_a_chat_completion(local_fleet):
+    _, _, fleet_state = local_fleet
+    client = openai.OpenAI(base_url=f"http://{member(fleet_state, 'gateway').extra['http_address']}/v1",
+                           api_key="local-fleet-has-no-auth", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list()] == ["nano"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Stream to me."}]
+    stream = client.chat.completions.create(model="nano", messages=messages, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishes) == 1 and finishes[0] in ("length", "stop")
+    usage = chunks[-1].usage
+    assert usage is not None and not chunks[-1].choices and 1 <= usage.completion_tokens <= 6
+    assert usage.prompt_tokens > 0 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert {c.system_fingerprint for c in chunks if c.choices} == {"k3:c0"}
+    # Greedy decoding: the stream and a whole (non-streamed) completion of the same conversation agree.
+    whole = client.chat.completions.create(model="nano", messages=messages, max_tokens=6, temperature=0)
+    assert whole.choices[0].message.content == content
+    assert whole.usage.completion_tokens == usage.completion_tokens
+    # Bad input: OpenAI-format errors that the official client maps to its exception types.
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=messages, max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="nano", messages=messages, max_tokens=-1)
+    assert bad.value.body["param"] == "max_tokens"
+
+
+def test_down_drains_every_process(local_fleet):
+    home, _, fleet_state = local_fleet
+    stopped = k3(home, "down", timeout=60)
+    assert stopped.returncode == 0 and f"stopped {len(fleet_state.members)} processes" in stopped.stdout
+    assert not any(fleet.alive(m.pid) for m in fleet_state.members) and not fleet.alive(fleet_state.etcd_pid)
+    assert not (home / "fleet.json").exists()
+    for m in fleet_state.members:
+        # Each member drained (SIGTERM: NOT_SERVING, lease revoked, in-flight calls finished), none was killed.
+        events = [json.loads(line)["msg"] for line in (home / "logs" / f"{m.name}.log").read_text().splitlines()
+                  if line.startswith("{")]
+        assert "draining" in events and events[-1] == "stopped", (m.name, events[-3:])
+    assert k3(home, "status", timeout=30).returncode == 1
