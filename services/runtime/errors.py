@@ -59,10 +59,6 @@ class FailedPrecondition(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
-class PermissionDenied(ServiceError):
-    code = grpc.StatusCode.PERMISSION_DENIED
-
-
 class Unauthenticated(ServiceError):
     code = grpc.StatusCode.UNAUTHENTICATED
 

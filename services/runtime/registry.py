@@ -14,7 +14,6 @@ import dataclasses
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 import pyetcd
@@ -67,14 +66,10 @@ class Registration:
         self.ttl = max(1, int(round(ttl_s)))
         self.on_state = on_state or (lambda up: None)
         self._stop = threading.Event()
-        self._registered = threading.Event()
         self._lease = None
         self._client = None
         self._thread = threading.Thread(target=self._run, name=f"etcd-register-{record.service}", daemon=True)
         self._thread.start()
-
-    def wait_registered(self, timeout: float) -> bool:
-        return self._registered.wait(timeout)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -83,12 +78,10 @@ class Registration:
                 self._lease = self._client.lease(self.ttl)
                 self._client.put(self.record.key(self.prefix), self.record.to_json(), lease=self._lease)
                 log.info("registered in etcd", extra={"key": self.record.key(self.prefix), "ttl_s": self.ttl})
-                self._registered.set()
                 self.on_state(True)
                 self._keepalive()
             except Exception as exc:  # noqa: BLE001 - etcd down: keep serving, retry
                 log.error("etcd registration lost; serving on, retrying", extra={"error": str(exc)})
-            self._registered.clear()
             self.on_state(False)
             self._stop.wait(min(1.0, self.ttl / 3))
 
@@ -182,12 +175,3 @@ class Watcher:
             except Exception:  # noqa: BLE001
                 pass
         self._thread.join(timeout=2)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
