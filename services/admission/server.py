@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
-
 from k3.v1 import admission_pb2_grpc
 from services.admission.classifier import RequestClassifier
 from services.admission.config import AdmissionConfig
@@ -13,7 +11,7 @@ from services.admission.controller import AdmissionController
 from services.admission.key_watch import KeyWatcher
 from services.admission.service import AdmissionServicer
 from services.runtime import ServiceApp
-from services.runtime.client import aio_channel
+from services.runtime.client import ChannelPool
 from services.runtime.registry import InstanceRecord, Watcher
 
 SWEEP_S = 5.0
@@ -27,48 +25,34 @@ def main(argv: list[str]) -> None:
                                      app.instance)
     endpoints = config.etcd_endpoint_list()
     members = Watcher(endpoints, config.etcd_prefix) if endpoints else None
-    channels: dict[str, grpc.aio.Channel] = {}
+    channels = ChannelPool(config.auth_token)
 
     def replicas() -> list[InstanceRecord]:
         if members is None:
             return []
         return [r for r in members.snapshot().values() if r.service == "admission"]
 
-    def channel_for(address: str) -> grpc.aio.Channel:
-        if address not in channels:
-            channels[address] = aio_channel(address, config.auth_token)
-        return channels[address]
-
-    servicer = AdmissionServicer(controller, classifier, config.queue_timeout_ms, replicas, channel_for)
+    servicer = AdmissionServicer(controller, classifier, config.queue_timeout_ms, replicas, channels)
     app.add_service(admission_pb2_grpc.add_AdmissionServiceServicer_to_server, servicer,
                     "k3.v1.AdmissionService")
     budgets: KeyWatcher | None = None
-    sweeper: asyncio.Task | None = None
 
     async def start() -> None:
-        nonlocal budgets, sweeper
+        nonlocal budgets
         loop = asyncio.get_running_loop()
         if endpoints:
             budgets = KeyWatcher(endpoints, config.etcd_prefix + config.budgets_key,
                                  lambda raw: loop.call_soon_threadsafe(controller.apply_budget_document, raw))
             await asyncio.to_thread(budgets.wait_synced, 10.0)
             await asyncio.to_thread(members.wait_synced, 10.0)
-        sweeper = loop.create_task(sweep_forever())
-
-    async def sweep_forever() -> None:
-        while True:
-            await asyncio.sleep(SWEEP_S)
-            controller.sweep_expired_tickets()
 
     async def stop() -> None:
-        if sweeper is not None:
-            sweeper.cancel()
         for watcher in (budgets, members):
             if watcher is not None:
                 await asyncio.to_thread(watcher.close)
-        for channel in channels.values():
-            await channel.close()
+        await channels.close()
 
     app.on_start(start)
+    app.every(SWEEP_S, controller.sweep_expired_tickets)
     app.on_stop(stop)
     app.run()

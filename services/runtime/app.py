@@ -64,6 +64,27 @@ class ServiceApp:
         """Run after in-flight calls drained (e.g. flush state, stop background tasks)."""
         self._on_stop.append(hook)
 
+    def every(self, interval_s: float, tick: Callable[[], None]) -> None:
+        """Call `tick` on the event loop every `interval_s` while serving: from after the on_start hooks added
+        before this call until the drain (it stops before the on_stop hooks added after it)."""
+        task: asyncio.Task | None = None
+
+        async def repeat() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                tick()
+
+        async def start() -> None:
+            nonlocal task
+            task = asyncio.get_running_loop().create_task(repeat())
+
+        async def stop() -> None:
+            if task is not None:
+                task.cancel()
+
+        self.on_start(start)
+        self.on_stop(stop)
+
     def run(self) -> None:
         setup_logging(self.name, self.instance, self.config.log_level)
         asyncio.run(self.serve())
