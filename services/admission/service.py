@@ -17,7 +17,7 @@ import grpc
 from k3.v1 import admission_pb2, admission_pb2_grpc, common_pb2
 from services.admission.classifier import RequestClassifier
 from services.admission.controller import AdmissionController
-from services.router.placement import mix64, session_hash
+from services.router.placement import rendezvous_rank
 from services.runtime import errors
 from services.runtime.registry import InstanceRecord
 
@@ -38,8 +38,8 @@ def class_value(name: str) -> int:
 
 
 def owner_of(cluster: str, replicas: list[InstanceRecord]) -> InstanceRecord | None:
-    key = session_hash(cluster)
-    return min(replicas, key=lambda r: (-mix64(key ^ session_hash(r.instance)), r.instance), default=None)
+    ranked = rendezvous_rank(cluster, replicas)
+    return ranked[0] if ranked else None
 
 
 class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):

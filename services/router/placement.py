@@ -12,12 +12,15 @@ numpy. 2**20 slots keep the slot granularity far below the session-count noise (
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from services.runtime.registry import InstanceRecord
 
 MASK64 = (1 << 64) - 1
 DEFAULT_SLOT_BITS = 20
@@ -35,6 +38,19 @@ class Placement:
 def session_hash(session_id: str) -> int:
     """A 64-bit hash stable across processes and machines (Python's hash() is salted per process)."""
     return int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=8).digest(), "little")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _instance_hash(instance: str) -> int:
+    # Instance names are few and long-lived; ranking them is on every routing decision.
+    return session_hash(instance)
+
+
+def rendezvous_rank(key: str, instances: Sequence[InstanceRecord]) -> list[InstanceRecord]:
+    """Instances ranked for `key` (a session, or a cluster for admission ownership) by unweighted HRW,
+    best first; ties broken by instance name."""
+    seed = session_hash(key)
+    return sorted(instances, key=lambda r: (-mix64(seed ^ _instance_hash(r.instance)), r.instance))
 
 
 def cluster_seed(cluster: str) -> int:

@@ -18,8 +18,8 @@ from k3.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.decision import decide
 from services.router.membership import ClusterView, FleetTracker, parse_requirements
-from services.router.placement import PlacementTable
-from services.router.workers import DecodeChooser, rendezvous_rank
+from services.router.placement import PlacementTable, rendezvous_rank
+from services.router.workers import DecodeChooser
 from services.runtime import errors
 from services.runtime.registry import InstanceRecord
 

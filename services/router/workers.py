@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from k3.v1 import decode_pb2, decode_pb2_grpc
-from services.router.placement import mix64, session_hash
+from services.router.placement import rendezvous_rank
 from services.runtime.registry import InstanceRecord
 
 log = logging.getLogger("k3.router.workers")
@@ -27,11 +27,6 @@ log = logging.getLogger("k3.router.workers")
 class DecodeChoice:
     instance: InstanceRecord
     hit_tokens: int
-
-
-def rendezvous_rank(session_id: str, instances: Sequence[InstanceRecord]) -> list[InstanceRecord]:
-    key = session_hash(session_id)
-    return sorted(instances, key=lambda r: (-mix64(key ^ session_hash(r.instance)), r.instance))
 
 
 class DecodeChooser:
