@@ -110,7 +110,8 @@ class CriuBackend(SandboxBackend):
         argv += ["--cwd", spec.cwd or SANDBOX_HOME, "--no-new-privs", "--pid-file", str(pid_file)]
         for k, v in command_env(sb.env, spec.env).items():
             argv += ["--env", f"{k}={v}"]
-        inner = background_argv(spec.argv, pid_file.stem) if spec.background else spec.argv
+        # Through `env`, a missing program exits 127 as in a shell (runc itself would fail with 255).
+        inner = background_argv(spec.argv, pid_file.stem) if spec.background else ["env", "--", *spec.argv]
         argv += [sb.sandbox_id, *inner]
 
         async def terminate() -> None:
