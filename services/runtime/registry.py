@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import pyetcd
 
+from services.runtime.etcd_follow import EtcdFollower, connect
+
 log = logging.getLogger("k3.registry")
 
 
@@ -40,21 +42,6 @@ class InstanceRecord:
     @classmethod
     def from_json(cls, text: bytes | str) -> InstanceRecord:
         return cls(**json.loads(text))
-
-
-def connect(endpoints: list[str], timeout: float = 2.0) -> pyetcd.client:
-    """A client for the first endpoint that answers."""
-    last: Exception | None = None
-    for endpoint in endpoints:
-        host, _, port = endpoint.rpartition(":")
-        client = pyetcd.client(host=host, port=int(port), timeout=timeout)
-        try:
-            client.status()
-            return client
-        except Exception as exc:  # noqa: BLE001 - try the next endpoint
-            last = exc
-            client.close()
-    raise ConnectionError(f"no etcd endpoint answered ({', '.join(endpoints)}): {last}")
 
 
 class Registration:
@@ -82,6 +69,9 @@ class Registration:
                 self._keepalive()
             except Exception as exc:  # noqa: BLE001 - etcd down: keep serving, retry
                 log.error("etcd registration lost; serving on, retrying", extra={"error": str(exc)})
+                if self._client is not None:  # each retry connects afresh; do not leak the dead client
+                    self._client.close()
+                    self._client = None
             self.on_state(False)
             self._stop.wait(min(1.0, self.ttl / 3))
 
@@ -104,29 +94,21 @@ class Registration:
             self._client.close()
 
 
-class Watcher:
+class Watcher(EtcdFollower):
     """Mirrors every record under `<prefix>/instances/` into memory and calls `on_change(snapshot)`."""
 
     def __init__(self, endpoints: list[str], prefix: str,
                  on_change: Callable[[dict[str, InstanceRecord]], None] | None = None):
-        self.endpoints = endpoints
+        super().__init__(endpoints, "etcd-watch")
         self.watch_prefix = f"{prefix}/instances/"
         self.on_change = on_change or (lambda snapshot: None)
-        self.connected = False
         self._snapshot: dict[str, InstanceRecord] = {}
         self._lock = threading.Lock()
-        self._synced = threading.Event()
-        self._stop = threading.Event()
-        self._cancel: Callable[[], None] | None = None
-        self._thread = threading.Thread(target=self._run, name="etcd-watch", daemon=True)
-        self._thread.start()
+        self._start()
 
     def snapshot(self) -> dict[str, InstanceRecord]:
         with self._lock:
             return dict(self._snapshot)
-
-    def wait_synced(self, timeout: float) -> bool:
-        return self._synced.wait(timeout)
 
     def _publish(self, snapshot: dict[str, InstanceRecord]) -> None:
         with self._lock:
@@ -136,42 +118,20 @@ class Watcher:
         except Exception:  # noqa: BLE001 - a bad callback must not kill the watch
             log.exception("membership callback failed")
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                client = connect(self.endpoints)
-                snapshot, revision = self._list(client)
-                self._publish(snapshot)
-                self.connected = True
-                self._synced.set()
-                events, self._cancel = client.watch_prefix(self.watch_prefix, start_revision=revision + 1)
-                for event in events:
-                    if self._stop.is_set():
-                        break
-                    snapshot = self.snapshot()
-                    key = event.key.decode()
-                    if isinstance(event, pyetcd.events.DeleteEvent):
-                        snapshot.pop(key, None)
-                    else:
-                        snapshot[key] = InstanceRecord.from_json(event.value)
-                    self._publish(snapshot)
-            except Exception as exc:  # noqa: BLE001 - etcd down: keep the last membership
-                if not self._stop.is_set():
-                    log.error("etcd watch lost; serving last known membership",
-                              extra={"error": str(exc), "instances": len(self.snapshot())})
-            self.connected = False
-            self._stop.wait(0.5)
-
-    def _list(self, client: pyetcd.client) -> tuple[dict[str, InstanceRecord], int]:
+    def _follow(self, client: pyetcd.client) -> None:
         response = client.get_prefix_response(self.watch_prefix)
-        snapshot = {kv.key.decode(): InstanceRecord.from_json(kv.value) for kv in response.kvs}
-        return snapshot, response.header.revision
+        self._publish({kv.key.decode(): InstanceRecord.from_json(kv.value) for kv in response.kvs})
+        self._mark_synced()
+        for event in self._watch(client.watch_prefix, self.watch_prefix,
+                                 start_revision=response.header.revision + 1):
+            snapshot = self.snapshot()
+            key = event.key.decode()
+            if isinstance(event, pyetcd.events.DeleteEvent):
+                snapshot.pop(key, None)
+            else:
+                snapshot[key] = InstanceRecord.from_json(event.value)
+            self._publish(snapshot)
 
-    def close(self) -> None:
-        self._stop.set()
-        if self._cancel is not None:
-            try:
-                self._cancel()
-            except Exception:  # noqa: BLE001
-                pass
-        self._thread.join(timeout=2)
+    def _lost(self, exc: Exception) -> None:
+        log.error("etcd watch lost; serving last known membership",
+                  extra={"error": str(exc), "instances": len(self.snapshot())})
