@@ -14,10 +14,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from k3.v1 import sandbox_pb2 as pb
-from tests.sandbox.conftest import requires_namespace
+from tests.sandbox.conftest import requires_criu, requires_namespace
 
 pytestmark = requires_namespace
 MIB = 1 << 20
+GROUP = {"namespace": "k3sandbox-ns", "criu": "k3sandbox-criu"}
+both_backends = pytest.mark.parametrize("backend", ["namespace", pytest.param("criu", marks=requires_criu)])
 
 
 @pytest.fixture(scope="module")
@@ -33,36 +35,39 @@ def _bystander_ok(client, sid: str, expected_before: int) -> None:
     assert client.bump(sid) == expected_before + 1
 
 
-def _cgroup_value(sid: str, controller: str, name: str) -> int:
-    return int(Path(f"/sys/fs/cgroup/{controller}/k3sandbox-ns/{sid}/{name}").read_text())
+def _cgroup_value(backend: str, sid: str, controller: str, name: str) -> int:
+    return int(Path(f"/sys/fs/cgroup/{controller}/{GROUP[backend]}/{sid}/{name}").read_text())
 
 
-def test_fork_bomb_is_capped_by_pids_limit(client, bystander):
-    sid = client.create(limits={"pids": 32}).sandbox_id
+@both_backends
+def test_fork_bomb_is_capped_by_pids_limit(client, bystander, backend):
+    sid = client.create(backend=backend, limits={"pids": 32}).sandbox_id
     code, _, _ = client.run(sid, ["bash", "-c", ":(){ :|:& };:; sleep 60"], timeout_s=2)
     assert code == 124  # ran into its wall clock
-    assert _cgroup_value(sid, "pids", "pids.max") == 32
-    assert _cgroup_value(sid, "pids", "pids.current") <= 32
-    assert int(Path(f"/sys/fs/cgroup/pids/k3sandbox-ns/{sid}/pids.events").read_text().split()[1]) > 0
+    assert _cgroup_value(backend, sid, "pids", "pids.max") == 32
+    assert _cgroup_value(backend, sid, "pids", "pids.current") <= 32
+    assert int(Path(f"/sys/fs/cgroup/pids/{GROUP[backend]}/{sid}/pids.events").read_text().split()[1]) > 0
     assert client.sh(sid, "echo alive")[1] == "alive\n"  # the timeout killed the whole bomb, not just sh
     client.destroy(sid)
     _bystander_ok(client, bystander, client.bump(bystander))
 
 
-def test_memory_hog_is_oom_killed_inside_its_cgroup(client, bystander):
+@both_backends
+def test_memory_hog_is_oom_killed_inside_its_cgroup(client, bystander, backend):
     before = client.bump(bystander)
-    sid = client.create(limits={"memory_bytes": 64 * MIB}).sandbox_id
+    sid = client.create(backend=backend, limits={"memory_bytes": 64 * MIB}).sandbox_id
     code, _, _ = client.run(sid, ["python3", "-c", "x = bytearray(400 << 20); x[::4096] = b'1' * len(x[::4096])"])
     assert code in (137, 1), f"memory hog was not stopped (exit {code})"
-    assert _cgroup_value(sid, "memory", "memory.max_usage_in_bytes") <= 64 * MIB
+    assert _cgroup_value(backend, sid, "memory", "memory.max_usage_in_bytes") <= 64 * MIB
     assert client.sh(sid, "echo still-serving")[1] == "still-serving\n"
     client.destroy(sid)
     _bystander_ok(client, bystander, before)
 
 
-def test_disk_filler_hits_its_disk_limit_not_the_hosts(client, bystander):
+@both_backends
+def test_disk_filler_hits_its_disk_limit_not_the_hosts(client, bystander, backend):
     host_free = shutil.disk_usage("/").free
-    sid = client.create(limits={"disk_bytes": 16 * MIB}).sandbox_id
+    sid = client.create(backend=backend, limits={"disk_bytes": 16 * MIB}).sandbox_id
     code, _, err = client.sh(sid, "dd if=/dev/zero of=/home/user/fill bs=1M count=200")
     assert code != 0 and "No space left" in err
     size = int(client.sh(sid, "stat -c %s /home/user/fill")[1])
@@ -72,13 +77,14 @@ def test_disk_filler_hits_its_disk_limit_not_the_hosts(client, bystander):
     _bystander_ok(client, bystander, client.bump(bystander))
 
 
-def test_network_is_unreachable_by_default(client):
+@both_backends
+def test_network_is_unreachable_by_default(client, backend):
     # A listener on the host's loopback: a sandbox sharing the host network could connect to it.
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
     port = listener.getsockname()[1]
-    sid = client.create().sandbox_id
+    sid = client.create(backend=backend).sandbox_id
     probe = ("import socket\nfor host in ('127.0.0.1', '1.1.1.1', '10.0.0.1'):\n    s = socket.socket()\n"
              f"    s.settimeout(2)\n    try:\n        s.connect((host, {port}))\n        print(host, 'reached')\n"
              "    except OSError as e:\n        print(host, 'blocked', e.errno)\n")
@@ -129,8 +135,9 @@ def test_sandboxes_cannot_see_or_signal_each_other(client, bystander):
     client.destroy(attacker)
 
 
-def test_process_ignoring_sigterm_is_killed_at_its_wall_clock(client):
-    sid = client.create(limits={"wall_clock_s": 30}).sandbox_id
+@both_backends
+def test_process_ignoring_sigterm_is_killed_at_its_wall_clock(client, backend):
+    sid = client.create(backend=backend, limits={"wall_clock_s": 30}).sandbox_id
     stubborn = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                 "print('ready', flush=True)\ntime.sleep(600)\n")
     code, out, _ = client.run(sid, ["python3", "-c", stubborn], timeout_s=1)
@@ -140,7 +147,7 @@ def test_process_ignoring_sigterm_is_killed_at_its_wall_clock(client):
     # The same stubborn process in the background does not stop the sandbox from being destroyed.
     client.run(sid, ["python3", "-c", stubborn], background=True)
     client.destroy(sid)
-    assert not Path(f"/sys/fs/cgroup/unified/k3sandbox-ns/{sid}").exists()
+    assert not Path(f"/sys/fs/cgroup/pids/{GROUP[backend]}/{sid}").exists()
 
 
 def test_manager_keeps_serving_after_the_attacks(client, sandbox_service, bystander):

@@ -39,6 +39,7 @@ from services.sandbox.errors import BackendFailure
 from services.sandbox.images import Image
 
 CGROUP_GROUP = "k3sandbox-criu"
+EXEC_TAG = "K3_EXEC_ID"
 TERM_GRACE_S = 1.0
 
 
@@ -105,26 +106,50 @@ class CriuBackend(SandboxBackend):
         return sb
 
     def exec(self, sb: SandboxHandle, spec: ExecSpec) -> AsyncIterator[ExecChunk]:
-        pid_file = sb.dir / f"exec-{os.urandom(6).hex()}.pid"
+        exec_id = os.urandom(8).hex()
         argv = ["runc", "--root", str(self.state_dir), "exec", "--user", f"{SANDBOX_UID}:{SANDBOX_UID}"]
-        argv += ["--cwd", spec.cwd or SANDBOX_HOME, "--no-new-privs", "--pid-file", str(pid_file)]
-        for k, v in command_env(sb.env, spec.env).items():
+        argv += ["--cwd", spec.cwd or SANDBOX_HOME, "--no-new-privs"]
+        for k, v in {**command_env(sb.env, spec.env), EXEC_TAG: exec_id}.items():
             argv += ["--env", f"{k}={v}"]
         # Through `env`, a missing program exits 127 as in a shell (runc itself would fail with 255).
-        inner = background_argv(spec.argv, pid_file.stem) if spec.background else ["env", "--", *spec.argv]
+        inner = background_argv(spec.argv, exec_id) if spec.background else ["env", "--", *spec.argv]
         argv += [sb.sandbox_id, *inner]
 
         async def terminate() -> None:
-            await _terminate_tree(pid_file, TERM_GRACE_S)
+            await self._terminate_exec(sb, exec_id, TERM_GRACE_S)
 
-        async def run() -> AsyncIterator[ExecChunk]:
+        return stream_command(argv, spec.stdin, spec.timeout_s, terminate)
+
+    async def _terminate_exec(self, sb: SandboxHandle, exec_id: str, grace_s: float) -> None:
+        """SIGTERM every task of one command, then SIGKILL them with the container frozen: runc gives a
+        command no cgroup of its own, so its tasks are found by the tag in their environment (inherited by
+        every descendant, re-parented or not), and freezing first stops a fork bomb from outrunning the kill."""
+        tag = f"{EXEC_TAG}={exec_id}".encode()
+        _signal_all(self._tagged(sb, tag), signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._tagged(sb, tag) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        if not self._tagged(sb, tag):
+            return
+        async with frozen(self, sb):
+            _signal_all(self._tagged(sb, tag), signal.SIGKILL)
+
+    @staticmethod
+    def _tagged(sb: SandboxHandle, tag: bytes) -> list[int]:
+        procs = CGROUP_ROOT / "pids" / CGROUP_GROUP / sb.sandbox_id / "cgroup.procs"
+        found = []
+        try:
+            pids = procs.read_text().split()
+        except FileNotFoundError:
+            return []
+        for pid in pids:
             try:
-                async for chunk in stream_command(argv, spec.stdin, spec.timeout_s, terminate):
-                    yield chunk
-            finally:
-                pid_file.unlink(missing_ok=True)
-
-        return run()
+                if tag in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    found.append(int(pid))
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+        return found
 
     async def _set_frozen(self, sb: SandboxHandle, frozen_: bool) -> None:
         # Writing the v1 freezer directly (as `runc pause` does) avoids a runc process per call: ~0.2 ms.
@@ -252,31 +277,7 @@ def _tail(path: Path, lines: int = 6) -> str:
     return " / ".join(errors[-lines:])
 
 
-async def _terminate_tree(pid_file: Path, grace_s: float) -> None:
-    """SIGTERM the command, then SIGKILL it and every descendant once `grace_s` has passed."""
-    try:
-        pid = int(pid_file.read_text())
-    except (FileNotFoundError, ValueError):
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + grace_s
-    while Path(f"/proc/{pid}").exists() and loop.time() < deadline:
-        await asyncio.sleep(0.01)
-    for victim in [pid, *_descendants(pid)]:
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(victim, signal.SIGKILL)
-
-
-def _descendants(pid: int) -> list[int]:
-    found, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        try:
-            kids = [int(k) for k in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        found += kids
-        frontier += kids
-    return found
+            os.kill(pid, sig)
