@@ -96,7 +96,7 @@ def sandbox_service(tmp_path_factory):
         pytest.skip(f"sandbox service: {NS_UNAVAILABLE}")
     work = tmp_path_factory.mktemp("sandbox-service")
     root = work / "root"
-    proc = ServiceProcess(["serve", "sandbox", "--port", "0", "--metrics-port", "-1", "--rest-port", "0",
+    proc = ServiceProcess(["serve", "sandbox", "--port", "0", "--metrics-port", "0", "--rest-port", "0",
                            "--root-dir", str(root), "--max-sandboxes-per-tenant", "40",
                            "--housekeeping-interval-s", "0.2"], work)
     proc.start()

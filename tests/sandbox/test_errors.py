@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import httpx
 import pytest
 
 from k3.v1 import sandbox_pb2 as pb
@@ -97,3 +98,14 @@ def test_list_backends_reports_capabilities_and_reasons(client):
     assert not backends["namespace"].memory_snapshot and not backends["namespace"].live_fork
     assert backends["criu"].memory_snapshot and backends["criu"].live_fork
     assert not backends["firecracker"].available and backends["firecracker"].reason
+
+
+def test_operations_show_up_in_prometheus_metrics(client, sandbox_service):
+    sid = client.create().sandbox_id
+    client.stub.PauseSandbox(pb.PauseSandboxRequest(sandbox_id=sid))
+    text = httpx.get(f"http://{sandbox_service[0].info['metrics_address']}/metrics").text
+    assert 'k3_sandbox_sandboxes{backend="namespace",state="paused"}' in text
+    count = [ln for ln in text.splitlines()
+             if ln.startswith('k3_sandbox_operation_seconds_count{backend="namespace",op="pause"}')]
+    assert count and float(count[0].split()[-1]) >= 1
+    client.destroy(sid)
