@@ -29,7 +29,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.buffer: list[Sample] = []
         self.step = 0
         self.version = 0
-        self.lock = asyncio.Lock()
+        self.lock = asyncio.Lock()  # the model: steps and weight snapshots
+        self.publish_lock = asyncio.Lock()  # one publish at a time, so a version is written once
 
     def _sample(self, i: int, t: trainer_pb2.Trajectory) -> Sample:
         where = f"trajectories[{i}]"
@@ -64,13 +65,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.SubmitTrajectoriesResponse(accepted=len(samples), step=self.step)
 
     async def PublishWeights(self, request, context):
-        if request.version <= self.version:
-            raise errors.FailedPrecondition(f"version {request.version} is not newer than {self.version}")
-        location = Path(request.location) if request.location else self.publish_dir / f"v{request.version}"
+        async with self.publish_lock:
+            return await self._publish(request.version, request.location)
+
+    async def _publish(self, version: int, location_text: str) -> trainer_pb2.PublishWeightsResponse:
+        if version <= self.version:
+            raise errors.FailedPrecondition(f"version {version} is not newer than {self.version}")
+        location = Path(location_text) if location_text else self.publish_dir / f"v{version}"
         async with self.lock:
             state = {k: v.detach().clone() for k, v in self.learner.model.state_dict().items()}
         await asyncio.to_thread(save_checkpoint, location, state, self.learner.model.config)
-        self.version = request.version
+        self.version = version
         WEIGHT_VERSION.set(self.version)
         notified = 0
         if self.publisher is not None:
