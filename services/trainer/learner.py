@@ -36,6 +36,13 @@ class StepStats:
     max_log_ratio: float
 
 
+def _padded(rows: list) -> torch.Tensor:
+    """Rows of different lengths (float tensors keep their graph) -> [B, longest] float32, zero padded."""
+    tensors = [torch.as_tensor(r, dtype=torch.float32) for r in rows]
+    width = max(len(t) for t in tensors)
+    return torch.stack([torch.nn.functional.pad(t, (0, width - len(t))) for t in tensors])
+
+
 class Learner:
     def __init__(self, model: K3Model, lr: float = 2e-3, adam_lr: float = 3e-4, tau: float = 0.1,
                  max_log_ratio: float = 2.0):
@@ -81,16 +88,9 @@ class Learner:
         for g in groups:
             idx = torch.tensor([i for i, s in enumerate(samples) if s.group == g])
             advantages[idx] = group_advantages(rewards[idx][None])[0]
-        logps = self.token_logprobs(samples)
-        width = max(len(x) for x in logps)
-
-        def pad(rows: list) -> torch.Tensor:
-            return torch.stack([torch.nn.functional.pad(torch.as_tensor(r, dtype=torch.float32),
-                                                        (0, width - len(r))) for r in rows])
-
-        logp = torch.stack([torch.nn.functional.pad(x, (0, width - len(x))) for x in logps])
-        behaviour = pad([s.behaviour_logprobs[1:] for s in samples])
-        mask = pad([s.loss_mask[1:] for s in samples])
+        logp = _padded(self.token_logprobs(samples))
+        behaviour = _padded([s.behaviour_logprobs[1:] for s in samples])
+        mask = _padded([s.loss_mask[1:] for s in samples])
         loss = per_token_policy_loss(logp, behaviour, advantages, mask, self.tau, self.max_log_ratio)
         self.muon.zero_grad()
         self.adam.zero_grad()
