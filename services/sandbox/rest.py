@@ -3,12 +3,14 @@
 E2B's control-plane routes (`/sandboxes`, `/sandboxes/{id}`, `/pause`, `/resume`, `/timeout`) keep E2B's
 field names (sandboxID, templateID, timeout, envVars) so existing clients can point here; AgentENV-style
 extensions add `/fork` and `/snapshots`, and `/commands` and `/files` stand in for E2B's in-sandbox envd
-daemon. The tenant comes from the `X-Tenant` header. Errors are JSON `{"code", "message"}`.
+daemon. The tenant comes from the `X-Tenant` header, or else from E2B's `X-API-Key` (as a hash, so the key
+itself never shows up in listings or logs). Errors are JSON `{"code", "message"}`.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -62,6 +64,13 @@ async def _body(request: web.Request) -> dict:
     return body
 
 
+def _tenant(request: web.Request) -> str:
+    if "X-Tenant" in request.headers:
+        return request.headers["X-Tenant"]
+    key = request.headers.get("X-API-Key", "")
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
+
+
 def _int(body: dict, key: str, default: int = 0) -> int:
     value = body.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -79,7 +88,7 @@ def rest_app(manager: SandboxManager) -> web.Application:
             sb, _ = await manager.restore(str(body["snapshotID"]))
         else:
             sb = await manager.create(
-                image=str(body.get("templateID", "base")), tenant=request.headers.get("X-Tenant", ""),
+                image=str(body.get("templateID", "base")), tenant=_tenant(request),
                 backend=str(body.get("backend", "")),
                 limits=LimitRequest(memory_bytes=_int(body, "memoryMB") << 20,
                                     cpu_millis=_int(body, "cpuCount") * 1000,
@@ -91,7 +100,7 @@ def rest_app(manager: SandboxManager) -> web.Application:
 
     @routes.get("/sandboxes")
     async def list_(request: web.Request) -> web.Response:
-        return web.json_response([sandbox_json(s) for s in manager.list(request.headers.get("X-Tenant", ""))])
+        return web.json_response([sandbox_json(s) for s in manager.list(_tenant(request))])
 
     @routes.get("/sandboxes/{id}")
     async def get(request: web.Request) -> web.Response:
@@ -135,7 +144,7 @@ def rest_app(manager: SandboxManager) -> web.Application:
 
     @routes.get("/snapshots")
     async def list_snapshots(request: web.Request) -> web.Response:
-        tenant = request.headers.get("X-Tenant", "")
+        tenant = _tenant(request)
         return web.json_response([
             {"snapshotID": sid, "sandboxID": s.source, "memory": s.ref.memory, "backend": s.ref.backend}
             for sid, s in manager.snapshots.items() if not tenant or s.tenant == tenant])

@@ -46,6 +46,14 @@ def test_e2b_lifecycle_fork_and_snapshots(http):
     assert http.get("/sandboxes").json() == []
 
 
+def test_e2b_api_key_is_a_tenant_without_being_shown(rest_address):
+    with httpx.Client(base_url=f"http://{rest_address}", headers={"X-API-Key": "e2b_secret"}, timeout=60) as c:
+        sbx = c.post("/sandboxes", json={}).json()
+        assert sbx["clientID"].startswith("key-") and "secret" not in sbx["clientID"]
+        assert [s["sandboxID"] for s in c.get("/sandboxes").json()] == [sbx["sandboxID"]]
+        assert c.delete(f"/sandboxes/{sbx['sandboxID']}").status_code == 204
+
+
 def test_rest_errors_are_json_with_http_status(http):
     r = http.get("/sandboxes/sbx-missing")
     assert r.status_code == 404 and "sbx-missing" in r.json()["message"]
