@@ -2,7 +2,8 @@
 
 Pure and clock-free (callers pass `now` in seconds), so the gRPC service and the discrete-event benchmark
 run the same code. A class admits only while its own budget has room; when it has none, requests wait in
-that class's FIFO queue until their deadline, so a burst of one class queues behind itself only.
+that class's FIFO queue until admitted or cancelled (its caller's deadline passed), so a burst of one class
+queues behind itself only.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ class Waiter:
     key: int
     cost: int
     arrived_at: float
-    deadline: float
     prefill_cost: int = 0
 
 
@@ -76,20 +76,20 @@ class AdmissionScheduler:
 
     def offer(self, request_class: str, cost: int, now: float, deadline: float,
               prefill_cost: int = 0) -> Ticket | Waiter | Rejection:
-        """Admit now, queue until `deadline`, or reject with a retry hint."""
+        """Admit now, queue (a caller with `deadline` already past is not queued), or reject with a retry hint."""
         account = self.ledger.account(request_class)
         queue = self.queues[request_class]
         if cost > account.budget:
             self.stats[request_class].rejected += 1
             return Rejection(f"cost {cost} exceeds the whole {request_class} budget {account.budget}", 0, False)
         if not queue and self.ledger.fits(request_class, cost):
-            return self._admit(request_class, Waiter(0, cost, now, deadline, prefill_cost), now)
+            return self._admit(request_class, Waiter(0, cost, now, prefill_cost), now)
         if deadline <= now or len(queue) >= self.max_queue:
             self.stats[request_class].rejected += 1
             why = "queue full" if len(queue) >= self.max_queue else "over budget"
             return Rejection(f"{request_class} class {why} ({account.in_use}/{account.budget} in use, "
                              f"{len(queue)} queued)", self.retry_after_ms(request_class, cost, now))
-        waiter = Waiter(next(self._keys), cost, now, deadline, prefill_cost)
+        waiter = Waiter(next(self._keys), cost, now, prefill_cost)
         queue.append(waiter)
         return waiter
 
@@ -122,17 +122,6 @@ class AdmissionScheduler:
                 self.stats[request_class].rejected += 1
                 return True
         return False
-
-    def expire(self, now: float) -> list[tuple[str, Waiter, Rejection]]:
-        """Drop waiters whose deadline passed, each with the rejection to answer it with."""
-        expired = []
-        for cls, queue in self.queues.items():
-            for waiter in [w for w in queue if w.deadline <= now]:
-                queue.remove(waiter)
-                self.stats[cls].rejected += 1
-                expired.append((cls, waiter, Rejection(f"{cls} class: queue deadline passed",
-                                                       self.retry_after_ms(cls, waiter.cost, now))))
-        return expired
 
     def set_budgets(self, budgets: Mapping[str, int], now: float) -> list[tuple[Waiter, Ticket]]:
         self.ledger.set_budgets(budgets)

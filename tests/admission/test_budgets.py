@@ -33,6 +33,7 @@ def test_budget_invariants(budgets, ops):
     returned: dict[str, int] = {}  # ticket id -> cost given back so far
     admitted_order: dict[str, list[int]] = {c: [] for c in REQUEST_CLASSES}
     queued_order: dict[str, list[int]] = {c: [] for c in REQUEST_CLASSES}
+    deadlines: dict[int, tuple[str, float]] = {}  # queued waiter key -> (class, deadline)
     for op in ops:
         before = accounts(s)
         touched: set[str] = set()
@@ -45,6 +46,7 @@ def test_budget_invariants(budgets, ops):
                 assert out.cost == cost and out.prefill_cost == min(prefill, cost)
             elif isinstance(out, Waiter):
                 queued_order[cls].append(out.key)
+                deadlines[out.key] = (cls, now + wait)
             else:
                 assert isinstance(out, Rejection) and out.retry_after_ms >= 0
         elif op[0] == "release" and held:
@@ -75,9 +77,14 @@ def test_budget_invariants(budgets, ops):
                 admitted_order[cls].append(waiter.key)
                 held.append(t)
         elif op[0] == "tick":
+            # What the controller does when a waiter's queue timeout fires: take it out of its queue.
             now += op[1]
-            for cls, _, _ in s.expire(now):
-                touched.add(cls)
+            admitted_keys = {k for keys in admitted_order.values() for k in keys}
+            for key, (cls, deadline) in list(deadlines.items()):
+                if deadline <= now:
+                    del deadlines[key]
+                    touched.add(cls)
+                    assert s.cancel(cls, key) == (key not in admitted_keys)
         after = accounts(s)
         for cls in REQUEST_CLASSES:
             budget, in_use, _ = after[cls]
@@ -128,14 +135,14 @@ def test_request_larger_than_its_class_budget_is_not_retriable():
     assert isinstance(out, Rejection) and not out.retriable and "exceeds" in out.reason
 
 
-def test_deadline_expiry_and_queue_limit():
+def test_queue_limit_and_cancel():
     s = AdmissionScheduler({"SHORT": 10}, max_queue=1)
     s.offer("SHORT", 10, 0.0, 0.0)
     queued = s.offer("SHORT", 1, 0.0, 2.0)
     assert isinstance(queued, Waiter)
     full = s.offer("SHORT", 1, 0.0, 2.0)
     assert isinstance(full, Rejection) and "queue full" in full.reason
-    assert s.expire(1.9) == []
-    [(cls, waiter, rejection)] = s.expire(2.0)
-    assert (cls, waiter.key) == ("SHORT", queued.key) and "deadline" in rejection.reason
-    assert s.stats["SHORT"].rejected == 2
+    # The caller gave up: its waiter leaves the queue, counted as a rejection, and only once.
+    assert s.cancel("SHORT", queued.key) and not s.cancel("SHORT", queued.key)
+    assert len(s.queues["SHORT"]) == 0 and s.stats["SHORT"].rejected == 2
+    assert isinstance(s.offer("SHORT", 1, 0.0, 2.0), Waiter)  # room in the queue again
