@@ -23,8 +23,6 @@ class AdmissionConfig(ServiceConfig):
     budgets: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_BUDGETS))
     # Under etcd_prefix; JSON {"default": {class: budget}, "<cluster>": {class: budget}}.
     budgets_key: str = "/admission/budgets"
-    # Replicas split each cluster's budgets evenly (the count comes from etcd membership).
-    split_among_replicas: bool = True
     # How long Admit waits in its class queue when the request names no timeout.
     queue_timeout_ms: int = 2_000
     max_queue: int = 1_024

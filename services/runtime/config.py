@@ -47,7 +47,7 @@ class ServiceConfig:
     drain_grace_s: float = 10.0
     max_message_bytes: int = 64 * 1024 * 1024
     log_level: str = "INFO"
-    # A JSON file written once the server is serving: {"address", "metrics_address", "pid"}.
+    # A JSON file written once the server is serving: address, metrics_address, pid, service, instance + meta.
     ready_file: str = ""
 
     SHARED_ENV = ("etcd_endpoints", "etcd_prefix", "auth_token", "cluster", "region", "log_level")
