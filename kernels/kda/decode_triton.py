@@ -98,7 +98,7 @@ if triton is not None:
         L, R, n_commit, state_slot_stride, conv_slot_stride,
         scale, lower_bound, l2_eps, norm_eps,
         H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, BV: tl.constexpr,
-        BOUNDED: tl.constexpr, HAS_REPLAY: tl.constexpr, SNAPSHOT: tl.constexpr,
+        BOUNDED: tl.constexpr, HAS_REPLAY: tl.constexpr, SNAPSHOT: tl.constexpr, REGISTER_WINDOW: tl.constexpr,
     ):
         """Grid (B, H, D // BV): program (b, h, j) owns value columns j*BV.. of head h's state.
 
@@ -133,10 +133,15 @@ if triton is not None:
         q3, q2, q1 = _history(q, rq, hist, r, b, h, L, R, offs, H, D, W)
         k3, k2, k1 = _history(k, rk, hk, r, b, h, L, R, offs, H, D, W)
         v3, v2, v1 = _history(v, rv, hv, r, b, h, L, R, offs_v, H, D, W)
-        qw0, qw1, qw2, qw3 = _taps(taps, offs, W)
-        kw0, kw1, kw2, kw3 = _taps(taps + H * D * W, offs, W)
-        vw0, vw1, vw2, vw3 = _taps(taps + 2 * H * D * W, offs_v, W)
         for t in range(0, r + L):
+            # Taps are re-read each token (L1 hits) rather than held live across the loop.
+            qw0, qw1, qw2, qw3 = _taps(taps, offs, W)
+            kw0, kw1, kw2, kw3 = _taps(taps + H * D * W, offs, W)
+            vw0, vw1, vw2, vw3 = _taps(taps + 2 * H * D * W, offs_v, W)
+            if not REGISTER_WINDOW:  # one token: re-reading the history costs nothing, and frees registers
+                q3, q2, q1 = _history(q, rq, hist, r, b, h, L, R, offs, H, D, W)
+                k3, k2, k1 = _history(k, rk, hk, r, b, h, L, R, offs, H, D, W)
+                v3, v2, v1 = _history(v, rv, hv, r, b, h, L, R, offs_v, H, D, W)
             xq = _raw_input(q, rq, hist, t, r, b, h, L, R, offs, H, D, W)
             xk = _raw_input(k, rk, hk, t, r, b, h, L, R, offs, H, D, W)
             xv = _raw_input(v, rv, hv, t, r, b, h, L, R, offs_v, H, D, W)
@@ -266,6 +271,7 @@ def fused_kda_recurrent(
         D**-0.5 if scale is None else scale, -5.0 if lower_bound is None else lower_bound, l2_eps, norm_eps,
         H=H, D=D, W=W, BWM=next_pow2(W - 1), BV=block_v,
         BOUNDED=lower_bound is not None, HAS_REPLAY=replay is not None, SNAPSHOT=snapshots is not None,
+        REGISTER_WINDOW=replay is not None or L > 1,
         num_warps=num_warps,
     )
     return out

@@ -4,8 +4,8 @@ At decode batch sizes a grouped GEMM degenerates into streaming weight matrices,
 output neuron, not by tile: program (token-expert pair, row block) walks its expert's packed rows once,
 turns e2m1 codes into floats with a few integer operations (code -> fp16 bit pattern, times 2^14: exact
 for all eight magnitudes, subnormal 0.5 included), applies the e8m0 scale per 32 elements and reduces.
-Kernel 1: gate and up rows -> SiTU-GLU -> h [T*k, F]. Kernel 2: down rows, weighted sum over the k
-experts of a token -> u [T, l]. Weights use k3core.quant.mxfp4's layout: packed uint8 [E, rows, cols/2]
+Kernel 1: gate and up rows -> SiTU-GLU -> h [T*k, F]. Kernel 2: down rows times the router weight
+-> [T*k, l], summed over the k experts of a token -> u [T, l]. Weights use k3core.quant.mxfp4's layout: packed uint8 [E, rows, cols/2]
 (element 2i in the low nibble), scales uint8 [E, rows, cols/32].
 """
 
@@ -57,20 +57,18 @@ if triton is not None:
         tl.store(h + pair * F + rows, act, mask=ok)
 
     @triton.jit
-    def _down_kernel(h, ids, weights, wd, sd, out, K, F: tl.constexpr, L, BR: tl.constexpr, BC: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+    def _down_kernel(h, ids, weights, wd, sd, partial, K, F: tl.constexpr, L, BR: tl.constexpr,
+                     BC: tl.constexpr):
+        """One (token, expert) pair per program row: p * W_down[e][rows] . h[pair] -> partial[pair, rows]."""
+        pair = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BR + tl.arange(0, BR)
         ok = rows < L
+        e = tl.load(ids + pair).to(tl.int64)
         acc = tl.zeros([BR], dtype=tl.float32)
-        for j in range(0, K):
-            e = tl.load(ids + t * K + j).to(tl.int64)
-            p = tl.load(weights + t * K + j).to(tl.float32)
-            hj = h + (t * K + j) * F
-            part = tl.zeros([BR], dtype=tl.float32)
-            for c0 in range(0, F, BC):
-                part += _mxfp4_row_dot(wd + e * L * (F // 2), sd + e * L * (F // 32), rows, ok, hj, c0, F, BR, BC)
-            acc += p * part
-        tl.store(out + t * L + rows, acc.to(out.dtype.element_ty), mask=ok)
+        for c0 in range(0, F, BC):
+            acc += _mxfp4_row_dot(wd + e * L * (F // 2), sd + e * L * (F // 32), rows, ok, h + pair * F, c0, F, BR,
+                                  BC)
+        tl.store(partial + pair * L + rows, tl.load(weights + pair).to(tl.float32) * acc, mask=ok)
 
 
 def latent_moe_decode(
@@ -105,9 +103,11 @@ def latent_moe_decode(
         x, ids, gate_up_packed, gate_up_scales, h, K, F, beta1, beta2, L=L, BR=block_rows, BC=bc,
         num_warps=num_warps,
     )
-    out = torch.empty_like(x)
-    _down_kernel[(T, triton.cdiv(L, block_rows))](
-        h, ids, expert_weights.contiguous(), down_packed, down_scales, out, K, F=F, L=L, BR=block_rows,
+    # Down rows per (token, expert) pair as well, so that even one token keeps every SM streaming; the
+    # k partial rows of a token are then summed (a [T, k, l] float32 reduction, tiny next to the weights).
+    partial = torch.empty(T * K, L, dtype=torch.float32, device=x.device)
+    _down_kernel[(T * K, triton.cdiv(L, block_rows))](
+        h, ids, expert_weights.contiguous(), down_packed, down_scales, partial, K, F=F, L=L, BR=block_rows,
         BC=bc, num_warps=num_warps,
     )
-    return out
+    return partial.view(T, K, L).sum(1).to(x.dtype)

@@ -30,7 +30,7 @@ def attnres_rows(tokens: tuple[int, ...] = (64, 8192)) -> list[Row]:
         err = {"h_max_abs": max_err(ours[0], ref[0]), "normed_max_abs": max_err(ours[1], ref[1])}
         moved = M * D * (4 + 2 + 2 + 2) + M * 8  # acc f32 + partial in; h + normed out; max, denom
         shape = f"M={M},D={D}"
-        for nw in (4, 8, 16):
+        for nw in (4, 8):
             ms, how = time_ms(partial(merge_norm_triton.attnres_merge_norm, *args, num_warps=nw))
             rows.append(Row("attnres_merge_norm", shape, f"ours(w={nw})", ms, moved, note=how, extra=err))
         ms, how = time_ms(partial(attnres_naive.attnres_merge_norm, *args))

@@ -54,7 +54,7 @@ def _fla_decode(params, x, pool, conv_dense, slots):
     return rms_norm_gated(o.reshape(B * H, D), gate.reshape(B * H, D), norm_w, None, activation="sigmoid")
 
 
-DECODE_VARIANTS = ((128, 4), (64, 4), (128, 8), (64, 2))  # (block_v, num_warps)
+DECODE_VARIANTS = ((128, 4), (64, 4))  # (block_v, num_warps); 8 warps spill (measured 38 % of copy)
 
 
 def decode_rows(batches: tuple[int, ...] = (1, 64, 256),
@@ -101,7 +101,7 @@ def _fla_spec_step(x, params, pool, indices, accepted):
 
 
 def verify_rows(batch: int = 64, drafts: tuple[int, ...] = (1, 2, 4, 8),
-                variants: tuple[tuple[int, int], ...] = ((128, 4), (64, 4), (128, 8))) -> list[Row]:
+                variants: tuple[tuple[int, int], ...] = ((128, 4),)) -> list[Row]:
     """Verify n drafts: replay (ours) vs one state snapshot per draft (ours with snapshots, and fla's)."""
     rows: list[Row] = []
     params = _params("cuda")

@@ -34,8 +34,7 @@ def mla_bytes(batch: int, ctx: int) -> float:
 
 
 # (block_n, num_warps, num_stages, num_splits or 0 for the default, tokens_major)
-VARIANTS = ((32, 4, 3, 0, False), (32, 4, 3, 32, False), (32, 4, 4, 16, False), (32, 8, 3, 16, False),
-            (32, 8, 4, 32, False), (64, 8, 3, 16, False), (32, 2, 3, 16, False), (64, 4, 2, 16, False))
+VARIANTS = ((32, 4, 3, 0, False), (32, 4, 3, 32, False))
 
 
 def _tuning(v: tuple) -> dict:

@@ -37,10 +37,9 @@ def test_moe_reference_matches_float64_math():
         torch.testing.assert_close(out[t].double(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("block_cols", [32, 64])
-def test_triton_moe_decode_matches_reference(interpreted, block_cols):
+def test_triton_moe_decode_matches_reference(interpreted):
     case = _moe_case(1)
-    out = latent_moe_decode_triton.latent_moe_decode(*case, block_cols=block_cols, block_rows=8)
+    out = latent_moe_decode_triton.latent_moe_decode(*case, block_cols=32, block_rows=8)  # 2 column blocks
     torch.testing.assert_close(out, moe_naive.latent_moe_decode(*case), rtol=1e-5, atol=1e-5)
 
 
