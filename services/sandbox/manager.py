@@ -9,29 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import shutil
 import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.sandbox import metrics
 from services.sandbox.backends.base import (
     ExecChunk,
     ExecSpec,
-    Limits,
     SandboxBackend,
     SandboxHandle,
-    SnapshotRef,
 )
 from services.sandbox.config import SandboxConfig
 from services.sandbox.errors import InvalidRequest, NotFound, QuotaExceeded, WrongState
 from services.sandbox.images import ImageStore
 from services.sandbox.limits import LimitRequest, resolve_limits
+from services.sandbox.snapshots import Snapshot, SnapshotStore
 
 log = logging.getLogger("k3.sandbox")
 _TOMBSTONES = 10_000
@@ -62,26 +59,17 @@ class Sandbox:
         self.last_active = time.monotonic()
 
 
-@dataclass
-class Snapshot:
-    ref: SnapshotRef
-    tenant: str
-    source: str
-    created: float
-
-
 class SandboxManager:
     def __init__(self, config: SandboxConfig, backends: dict[str, SandboxBackend]) -> None:
         self.config = config
         self.backends = backends
         root = Path(config.root_dir)
         self.images = ImageStore(root / "images")
-        self.snapshot_dir = root / "snapshots"
+        self.snapshot_store = SnapshotStore(root / "snapshots")
+        self.snapshots = self.snapshot_store.snapshots
         self.sandboxes: dict[str, Sandbox] = {}
-        self.snapshots: dict[str, Snapshot] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()  # destroyed id -> why, for clear errors
         self._housekeeper: asyncio.Task | None = None
-        self._load_snapshots()
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     async def create(self, image: str, tenant: str, limits: LimitRequest, backend: str = "",
@@ -206,16 +194,14 @@ class SandboxManager:
         async with sb.lock:
             self._check_checkpointable(sb)
             snap_id = _new_id("snap")
-            dest = self.snapshot_dir / snap_id
             try:
                 with metrics.timed("snapshot", sb.backend.name) as t:
-                    ref = await sb.backend.snapshot(sb.handle, snap_id, dest)
+                    ref = await sb.backend.snapshot(sb.handle, snap_id, self.snapshot_store.path_for(snap_id))
             except BaseException:
-                shutil.rmtree(dest, ignore_errors=True)
+                self.snapshot_store.discard(snap_id)
                 raise
-        snap = Snapshot(ref, sb.tenant, sandbox_id, time.time())
-        self.snapshots[snap_id] = snap
-        (dest / "snapshot.json").write_text(json.dumps(_snapshot_record(snap)))
+        snap = Snapshot(ref, sb.tenant, sandbox_id)
+        self.snapshot_store.add(snap)
         sb.snapshots.append(snap_id)
         if periodic:
             sb.periodic.append(snap_id)
@@ -229,24 +215,14 @@ class SandboxManager:
             raise WrongState(f"sandbox {sb.sandbox_id} has {sb.running_execs} command(s) running; "
                              "snapshot or fork once they finish (background commands are fine)")
 
-    def get_snapshot(self, snapshot_id: str) -> Snapshot:
-        if not snapshot_id:
-            raise InvalidRequest("snapshot_id", "must not be empty")
-        snap = self.snapshots.get(snapshot_id)
-        if snap is None:
-            raise NotFound(f"snapshot {snapshot_id} not found (deleted or never taken)")
-        return snap
-
     def delete_snapshot(self, snapshot_id: str) -> None:
-        snap = self.get_snapshot(snapshot_id)
-        del self.snapshots[snapshot_id]
+        snap = self.snapshot_store.delete(snapshot_id)
         source = self.sandboxes.get(snap.source)
         if source is not None and snapshot_id in source.snapshots:
             source.snapshots.remove(snapshot_id)
-        shutil.rmtree(snap.ref.dir, ignore_errors=True)
 
     async def restore(self, snapshot_id: str) -> tuple[Sandbox, float]:
-        snap = self.get_snapshot(snapshot_id)
+        snap = self.snapshot_store.get(snapshot_id)
         be = self._backend(snap.ref.backend)
         self._check_quota(snap.tenant, snap.ref.limits.memory_bytes, 1)
         sid = _new_id("sbx")
@@ -333,20 +309,6 @@ class SandboxManager:
         for sid in list(self.sandboxes):
             with contextlib.suppress(NotFound):
                 await self.destroy(sid, reason="manager shut down")
-
-    def _load_snapshots(self) -> None:
-        for meta in self.snapshot_dir.glob("*/snapshot.json"):
-            rec = json.loads(meta.read_text())
-            ref = SnapshotRef(rec["snapshot_id"], rec["backend"], meta.parent, rec["image"],
-                              Limits(**rec["limits"]), rec["env"], rec["memory"])
-            self.snapshots[ref.snapshot_id] = Snapshot(ref, rec["tenant"], rec["source"], rec["created"])
-
-
-def _snapshot_record(snap: Snapshot) -> dict:
-    ref = snap.ref
-    return {"snapshot_id": ref.snapshot_id, "backend": ref.backend, "image": ref.image,
-            "limits": asdict(ref.limits), "env": ref.env, "memory": ref.memory, "tenant": snap.tenant,
-            "source": snap.source, "created": snap.created}
 
 
 def _tenant(tenant: str) -> str:
