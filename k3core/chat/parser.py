@@ -13,7 +13,7 @@ from typing import Any
 
 from k3core.chat.tool_args import compact_json, decode_arg, validate_arguments
 from k3core.chat.xtml import parse_header
-from k3core.tokenizer.protocol import CLOSE, END_OF_MSG, EOS, OPEN, SEP, Tokenizer
+from k3core.tokenizer.protocol import CLOSE, END_OF_MSG, EOS, OPEN, SEP, Tokenizer, UnknownTokenError
 from k3core.tokenizer.streaming import StreamDecoder
 
 # Which element may appear inside which; text is allowed only in the leaf elements.
@@ -98,6 +98,15 @@ class XtmlStreamParser:
         if self.done:
             self.errors.append(f"token {token_id} after the end of the message")
             return []
+        try:
+            return self._feed(token_id)
+        except UnknownTokenError as exc:
+            # A model's embedding may be padded past the tokenizer's vocabulary; such an id is dropped (every
+            # path looks its bytes up before changing any state).
+            self.errors.append(str(exc))
+            return []
+
+    def _feed(self, token_id: int) -> list[Event]:
         if self._tag_bytes is not None:
             return self._feed_tag(token_id)
         if token_id == self._open or token_id == self._close:

@@ -135,6 +135,20 @@ def test_malformed_output_is_recorded_not_raised():
     assert any("[close]think does not match" in e for e in q.errors)
 
 
+def test_ids_outside_the_vocabulary_are_recorded_not_raised():
+    # A padded embedding lets a model sample ids the tokenizer does not have, in text and inside a tag.
+    parser = XtmlStreamParser(TOK, thinking=False)
+    ids = TOK.encode("ok", allow_special=True) + [TOK.vocab_size + 5]
+    ids += TOK.encode("[close]resp", allow_special=True) + [TOK.vocab_size] + TOK.encode("onse[sep]!", allow_special=True)
+    parser.feed_all(ids)
+    assert parser.message()["content"] == "ok"
+    assert [e for e in parser.errors if "outside vocabulary" in e] == [
+        f"token id {TOK.vocab_size + 5} outside vocabulary of {TOK.vocab_size}",
+        f"token id {TOK.vocab_size} outside vocabulary of {TOK.vocab_size}",
+    ]
+    assert not any("does not match" in e for e in parser.errors)  # the tag survived the bad id
+
+
 def test_streaming_holds_split_characters_and_stops_at_end_of_msg():
     parser = XtmlStreamParser(TOK, thinking=True)
     pieces = [parser.feed(b) for b in "日".encode()]
