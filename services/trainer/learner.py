@@ -6,10 +6,12 @@ gradients)."""
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 
 import torch
 
 from k3core.cache.contiguous import ContiguousBatchCache
+from k3core.config import K3Config
 from k3core.layers.moe import MoEGate
 from k3core.model.k3model import K3Model
 from k3core.ops.qb import qb_update_histogram
@@ -36,6 +38,15 @@ class StepStats:
     max_log_ratio: float
 
 
+def _heads_of(config: K3Config, name: str) -> int:
+    """The heads a matrix's rows split into for Per-Head Muon; 0 orthogonalises it whole. A KDA layer's
+    q/k/v have the KDA head count, an MLA layer's q_proj (no q LoRA) the MLA one; they need not agree."""
+    if not name.endswith(HEADED):
+        return 0
+    layer = int(name.split(".")[2])  # model.layers.<N>.self_attn.<proj>.weight
+    return config.kda_num_heads if config.layer_kind(layer) == "kda" else config.num_attention_heads
+
+
 def _padded(rows: list) -> torch.Tensor:
     """Rows of different lengths (float tensors keep their graph) -> [B, longest] float32, zero padded."""
     tensors = [torch.as_tensor(r, dtype=torch.float32) for r in rows]
@@ -47,16 +58,16 @@ class Learner:
     def __init__(self, model: K3Model, lr: float = 2e-3, adam_lr: float = 3e-4, tau: float = 0.1,
                  max_log_ratio: float = 2.0):
         self.model, self.tau, self.max_log_ratio = model, tau, max_log_ratio
-        matrices, headed, vectors = [], [], []
-        heads = model.config.kda_num_heads
+        by_heads: dict[int, list[torch.nn.Parameter]] = defaultdict(list)
+        vectors = []
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 continue
             if p.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name:
-                (headed if name.endswith(HEADED) and p.shape[0] % heads == 0 else matrices).append(p)
+                by_heads[_heads_of(model.config, name)].append(p)
             else:
                 vectors.append(p)
-        self.muon = PerHeadMuon([{"params": matrices, "heads": 0}, {"params": headed, "heads": heads}], lr=lr)
+        self.muon = PerHeadMuon([{"params": ps, "heads": h} for h, ps in sorted(by_heads.items())], lr=lr)
         self.adam = torch.optim.AdamW(vectors, lr=adam_lr, weight_decay=0.0)
         self.gates = [m for m in model.modules() if isinstance(m, MoEGate)]
         self._scores: dict[int, list[torch.Tensor]] = {}

@@ -36,3 +36,14 @@ def test_step_raises_logprob_of_rewarded_sample_and_updates_router_bias():
     assert seq_logp(good) > before_good + 0.1
     assert seq_logp(bad) < before_bad
     assert learner.gates and any(not torch.equal(b, g.e_score_correction_bias) for b, g in zip(biases, learner.gates, strict=True))
+
+
+def test_per_head_muon_uses_each_layers_own_head_count():
+    # KDA and MLA head counts differ here; MLA's q_proj rows are 2 heads x (nope + rope), not 4 blocks.
+    model = K3Model(preset("nano-kl").replace(num_attention_heads=2))
+    learner = Learner(model)
+    heads_of = {id(p): g["heads"] for g in learner.muon.param_groups for p in g["params"]}
+    layers = model.model.layers
+    assert [heads_of[id(layers[i].self_attn.q_proj.weight)] for i in (0, 3)] == [4, 2]  # KDA, MLA
+    assert heads_of[id(layers[0].self_attn.k_proj.weight)] == 4
+    assert heads_of[id(layers[3].self_attn.kv_b_proj.weight)] == 0
