@@ -29,12 +29,13 @@ class EtcdServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         peer = f"http://127.0.0.1:{self.peer_port}"
         client = f"http://127.0.0.1:{self.client_port}"
-        self.proc = subprocess.Popen(
-            [self.binary, "--name", "k3test", "--data-dir", str(self.data_dir),
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"k3test={peer}", "--log-level", "error"],
-            stdout=subprocess.DEVNULL, stderr=open(self.data_dir / "etcd.log", "ab"), start_new_session=self.detach)
+        with open(self.data_dir / "etcd.log", "ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [self.binary, "--name", "k3test", "--data-dir", str(self.data_dir),
+                 "--listen-client-urls", client, "--advertise-client-urls", client,
+                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                 "--initial-cluster", f"k3test={peer}", "--log-level", "error"],
+                stdout=subprocess.DEVNULL, stderr=log, start_new_session=self.detach)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
