@@ -198,7 +198,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sessions", type=int, default=200)
     parser.add_argument("--concurrent", type=int, default=16)
-    parser.add_argument("--gib", type=float, nargs="+", default=[16.0, 32.0], help="GPU pool sizes")
+    parser.add_argument("--gib", type=float, nargs="+", default=[16.0], help="GPU pool sizes")
     parser.add_argument("--cpu-gib", type=float, default=256.0, help="CPU tier for the last pair of rows")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

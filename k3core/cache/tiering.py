@@ -9,7 +9,7 @@ of a prefix leave (and come back) together. Blocks still referenced by a running
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from k3core.cache.checkpoints import Checkpoint
 from k3core.cache.cpu_tier import HostBlock, HostCheckpoint
@@ -27,12 +27,17 @@ class Tiering:
     def __init__(self, manager: PrefixCacheManager) -> None:
         self.m = manager
         self.lay = manager.layout
+        self._children: dict[tuple[str, ...], Any] = {}
 
     def _count(self, name: str, amount: float = 1, **labels: str) -> None:
         metrics = self.m.metrics
         if metrics is not None:
-            metric = getattr(metrics, name)
-            (metric.labels(**labels) if labels else metric).inc(amount)
+            key = (name, *labels.values())
+            child = self._children.get(key)
+            if child is None:  # resolving labels costs more than the increment: keep the child
+                metric = getattr(metrics, name)
+                child = self._children[key] = metric.labels(**labels) if labels else metric
+            child.inc(amount)
 
     # ---- integrity ------------------------------------------------------------------------------------
     def verify(self, hit: Hit) -> bool:

@@ -10,6 +10,8 @@ oracle (the same recurrence run from scratch on the token prefix) certifies the 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from k3core.cache.layout import CacheShape, PoolLayout, plan_layout
@@ -61,16 +63,23 @@ def forward(cache, new_tokens: list[list[int]]) -> list[float]:
     return outputs
 
 
+@lru_cache(maxsize=65536)
+def _state_after(tokens: tuple[int, ...]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(conv per KDA layer, recurrent per KDA layer) after `tokens`, built on the memoised shorter prefix."""
+    h, d, w = SHAPE.kda_heads, SHAPE.kda_head_dim, SHAPE.conv_kernel
+    if not tokens:
+        convs = tuple(torch.zeros(3, h, d, w - 1, dtype=torch.bfloat16) for _ in range(SHAPE.num_kda_layers))
+        return convs, tuple(torch.zeros(h, d, d) for _ in range(SHAPE.num_kda_layers))
+    convs, recs = (tuple(t.clone() for t in part) for part in _state_after(tokens[:-1]))
+    for layer in range(SHAPE.num_kda_layers):
+        _step(recs[layer], convs[layer], tokens[-1], layer)
+    return convs, recs
+
+
 def reference(tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """(conv per KDA layer, recurrent per KDA layer, latents [len, dim] per MLA layer) after `tokens`."""
-    h, d, w = SHAPE.kda_heads, SHAPE.kda_head_dim, SHAPE.conv_kernel
-    convs = [torch.zeros(3, h, d, w - 1, dtype=torch.bfloat16) for _ in range(SHAPE.num_kda_layers)]
-    recs = [torch.zeros(h, d, d) for _ in range(SHAPE.num_kda_layers)]
-    rows: list[list[torch.Tensor]] = [[] for _ in range(SHAPE.num_mla_layers)]
-    for token in tokens:
-        for layer in range(SHAPE.num_kda_layers):
-            _step(recs[layer], convs[layer], token, layer)
-        for m in range(SHAPE.num_mla_layers):
-            rows[m].append(latent_of(recs[0], m))
+    convs, recs = _state_after(tuple(tokens))
+    rows = [[latent_of(_state_after(tuple(tokens[: i + 1]))[1][0], m) for i in range(len(tokens))]
+            for m in range(SHAPE.num_mla_layers)]
     empty = torch.zeros(0, SHAPE.mla_latent_dim, dtype=torch.bfloat16)
-    return convs, recs, [torch.stack(r) if r else empty for r in rows]
+    return list(convs), list(recs), [torch.stack(r) if r else empty for r in rows]

@@ -162,5 +162,6 @@ def test_cache_state_machine() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(7200)
 def test_cache_state_machine_long() -> None:
     _run(examples=250, steps=50)  # >= 10^4 rule interleavings
