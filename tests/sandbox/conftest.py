@@ -74,7 +74,7 @@ class Client:
         self.stub.WriteFile(pb.WriteFileRequest(sandbox_id=sandbox_id, path="/home/user/counter.py",
                                                 data=COUNTER_PY))
         self.run(sandbox_id, ["python3", "/home/user/counter.py"], background=True)
-        code, _, err = self.sh(sandbox_id, "for i in $(seq 100); do [ -S /tmp/counter.sock ] && exit 0; "
+        code, _, err = self.sh(sandbox_id, "for i in $(seq 200); do [ -S /tmp/counter.sock ] && exit 0; "
                                            "sleep 0.05; done; exit 1")
         assert code == 0, f"counter did not start: {err}"
 
