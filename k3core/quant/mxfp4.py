@@ -32,10 +32,9 @@ def _check_blocks(k: int, group: int) -> None:
         raise ValueError(f"last dim {k} is not a multiple of the MXFP4 block size {group}")
 
 
-def shared_exponents(w: torch.Tensor, group: int = BLOCK) -> torch.Tensor:
-    """Unbiased shared exponent per block (int32 ``[..., K // group]``), clamped to the e8m0 range."""
-    _check_blocks(w.shape[-1], group)
-    amax = w.float().unflatten(-1, (-1, group)).abs().amax(dim=-1)
+def _shared_exponents(blocks: torch.Tensor) -> torch.Tensor:
+    """Unbiased shared exponent per block of float32 ``[..., K // 32, 32]`` (int32), clamped to e8m0's range."""
+    amax = blocks.abs().amax(dim=-1)
     # frexp gives amax = m * 2**e with m in [0.5, 1): floor(log2(amax)) == e - 1 exactly, no log rounding.
     _, e = torch.frexp(amax)
     exp = (e - 1 - E2M1_EMAX).to(torch.int32)
@@ -61,7 +60,7 @@ def quantize(w: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.T
     """Quantise ``w`` (any float dtype, last dim a multiple of 32) to ``(packed uint8, scales uint8)``."""
     _check_blocks(w.shape[-1], group)
     x = w.float().unflatten(-1, (-1, group))
-    exp = shared_exponents(w, group)
+    exp = _shared_exponents(x)
     # Scaling by a power of two is exact (ldexp), so the only rounding is the e2m1 one.
     y = torch.ldexp(x, (-exp).unsqueeze(-1).to(x.dtype))
     # A NaN element gets code 0; its block's scale becomes NaN below, so it decodes to NaN anyway.
