@@ -30,7 +30,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "attnres": ("kernels.perf.attnres_cases", "attnres_rows"),
     "moe": ("kernels.perf.moe_cases", "moe_rows"),
 }
-PEER_PREFIXES = ("fla", "torch")
+PEER_PREFIXES = ("fla", "torch", "baseline")
 
 
 def _is_peer(row: Row) -> bool:
