@@ -54,9 +54,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def apply_membership(self, records: Iterable[InstanceRecord]) -> None:
         """Fold in a membership snapshot (on the event loop); rebuilds the table when the fleet changed."""
         self._records = list(records)
-        if self.fleet.update(self._records, self.clock()):
+        now = self.clock()
+        if self.fleet.update(self._records, now):
             self.revision += 1
-        HEALTHY_CLUSTERS.set(len(self.fleet.routable(self.clock(), self.config.failback_hold_s)))
+        HEALTHY_CLUSTERS.set(len(self.fleet.routable(now, self.config.failback_hold_s)))
         wanted = self.weights()
         if wanted and (self.table is None or self.table.weights != wanted) and (
                 self._rebuild is None or self._rebuild.done()):

@@ -9,7 +9,7 @@ from k3.v1 import common_pb2, router_pb2
 from services.router.config import RouterConfig
 from services.router.service import RouterServicer
 from services.runtime import errors
-from services.runtime.client import aio_channel
+from services.runtime.client import ChannelPool
 from services.runtime.ports import free_port
 from services.runtime.registry import InstanceRecord
 
@@ -34,7 +34,8 @@ def request(session: str) -> router_pb2.RouteRequest:
 async def test_failback_waits_for_the_hold_and_weights_are_reported():
     clock = Clock()
     config = RouterConfig(failback_hold_s=5, slot_bits=10, cluster_weights={"a": 3.0}, probe_timeout_ms=200)
-    router = RouterServicer(config, aio_channel, clock)
+    channels = ChannelPool()
+    router = RouterServicer(config, channels, clock)
     with pytest.raises(errors.Unavailable, match="no cluster"):
         await router.Route(request("s"), None)
     records = [decode(c) for c in "abc"]
@@ -65,3 +66,4 @@ async def test_failback_waits_for_the_hold_and_weights_are_reported():
     router.apply_membership([])
     with pytest.raises(errors.Unavailable, match="no healthy cluster"):
         await router.Route(request(session), None)
+    await channels.close()
