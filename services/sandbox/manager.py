@@ -309,6 +309,8 @@ class SandboxManager:
         for sid in list(self.sandboxes):
             with contextlib.suppress(NotFound):
                 await self.destroy(sid, reason="manager shut down")
+        for be in self.backends.values():
+            be.release_host_state()
 
 
 def _tenant(tenant: str) -> str:

@@ -108,6 +108,7 @@ def sandbox_service(tmp_path_factory):
     assert proc.wait(60) == 0, proc.log()[-3000:]
     assert leaked_mounts(root) == []
     assert leaked_cgroups(client.created) == []
+    assert list(Path("/sys/fs/cgroup").glob("*/k3sandbox-*")) == []  # the backends' parent cgroups too
     stray = subprocess.run(["pgrep", "-f", str(root)], capture_output=True, text=True).stdout.split()
     assert stray == [], f"processes left behind: {stray}"
 

@@ -134,6 +134,10 @@ class SandboxBackend(abc.ABC):
     def memory_bytes(self, sb: SandboxHandle) -> int:
         ...
 
+    def release_host_state(self) -> None:
+        """Removes what the backend set up on the host for all its sandboxes (called once all are gone)."""
+        return None
+
     async def reap_orphans(self) -> list[str]:
         """Destroys sandboxes a previous manager process left behind (mounts, cgroups, processes)."""
         return []

@@ -50,6 +50,17 @@ def remove_tree(path: Path) -> None:
         pass  # a task is still exiting; the caller killed it, the next cleanup pass gets the directory
 
 
+def remove_group(group: str) -> None:
+    """Removes a backend's parent cgroup in every hierarchy, if no sandbox (of any manager) is left in it."""
+    for hierarchy in CGROUP_ROOT.iterdir():
+        path = hierarchy / group
+        if path.is_dir() and not any(p.is_dir() for p in path.iterdir()):
+            try:
+                path.rmdir()
+            except OSError:
+                pass  # another manager's sandbox arrived meanwhile
+
+
 class SandboxCgroups:
     def __init__(self, group: str, sandbox_id: str) -> None:
         self.rel = f"{group}/{sandbox_id}"

@@ -29,7 +29,7 @@ from services.sandbox.backends.base import (
     SandboxHandle,
     SnapshotRef,
 )
-from services.sandbox.backends.cgroups import CGROUP_ROOT, remove_tree
+from services.sandbox.backends.cgroups import CGROUP_ROOT, remove_group, remove_tree
 from services.sandbox.backends.cgroups import probe as probe_cgroups
 from services.sandbox.backends.launch import background_argv, command_env, frozen, require_tools, start_all
 from services.sandbox.backends.overlay import OverlayDisk
@@ -248,6 +248,9 @@ class CriuBackend(SandboxBackend):
         for controller in ("memory", "cpu", "pids", "freezer", "unified"):
             remove_tree(CGROUP_ROOT / controller / CGROUP_GROUP / sb.sandbox_id)
         shutil.rmtree(sb.dir, ignore_errors=True)
+
+    def release_host_state(self) -> None:
+        remove_group(CGROUP_GROUP)
 
     async def reap_orphans(self) -> list[str]:
         reaped = []

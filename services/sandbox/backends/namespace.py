@@ -25,7 +25,7 @@ from services.sandbox.backends.base import (
     SandboxHandle,
     SnapshotRef,
 )
-from services.sandbox.backends.cgroups import SandboxCgroups, remove_tree
+from services.sandbox.backends.cgroups import SandboxCgroups, remove_group, remove_tree
 from services.sandbox.backends.cgroups import probe as probe_cgroups
 from services.sandbox.backends.launch import (
     background_argv,
@@ -152,6 +152,9 @@ class NamespaceBackend(SandboxBackend):
 
     def memory_bytes(self, sb: SandboxHandle) -> int:
         return sb.state["cgroups"].memory_bytes()
+
+    def release_host_state(self) -> None:
+        remove_group(CGROUP_GROUP)
 
     async def reap_orphans(self) -> list[str]:
         reaped = []
