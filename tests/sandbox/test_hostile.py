@@ -42,7 +42,7 @@ def _cgroup_value(backend: str, sid: str, controller: str, name: str) -> int:
 @both_backends
 def test_fork_bomb_is_capped_by_pids_limit(client, bystander, backend):
     sid = client.create(backend=backend, limits={"pids": 32}).sandbox_id
-    code, _, _ = client.run(sid, ["bash", "-c", ":(){ :|:& };:; sleep 60"], timeout_s=4)
+    code, _, _ = client.run(sid, ["bash", "-c", ":(){ :|:& };:; sleep 60"], timeout_s=3)
     assert code == 124  # ran into its wall clock
     assert _cgroup_value(backend, sid, "pids", "pids.max") == 32
     assert _cgroup_value(backend, sid, "pids", "pids.current") <= 32
@@ -140,7 +140,7 @@ def test_process_ignoring_sigterm_is_killed_at_its_wall_clock(client, backend):
     sid = client.create(backend=backend, limits={"wall_clock_s": 30}).sandbox_id
     stubborn = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                 "print('ready', flush=True)\ntime.sleep(600)\n")
-    code, out, _ = client.run(sid, ["python3", "-c", stubborn], timeout_s=4)  # time enough to print "ready"
+    code, out, _ = client.run(sid, ["python3", "-c", stubborn], timeout_s=3)  # time enough to print "ready"
     assert (code, out) == (124, "ready\n")
     live = [ln for ln in client.sh(sid, "ps ax -o stat=,args=")[1].splitlines() if not ln.startswith("Z")]
     assert not any("python3" in ln for ln in live), live
