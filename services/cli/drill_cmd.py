@@ -32,6 +32,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--fault-after-s", type=float, default=3.0, help="inject this long after load starts")
+    parser.add_argument("--fault-after-requests", type=int, default=0,
+                        help="...and once the target cluster served this many requests (its sessions then have "
+                             "history to re-prefill elsewhere)")
     parser.add_argument("--duration-s", type=float, default=5.0, help="how long a partition/throttle lasts")
     parser.add_argument("--slo", action="append", default=[], help="e.g. errors<=0, detect_s<=4")
     parser.add_argument("--report-dir", default="drill-report")
@@ -93,6 +96,8 @@ async def run(args: argparse.Namespace, fault, gateway: str, router: str, cluste
     progress_task = asyncio.create_task(progress(load, spec, stop))
 
     await asyncio.sleep(args.fault_after_s)
+    while served_by(load, fault.target_cluster) < args.fault_after_requests and not load_task.done():
+        await asyncio.sleep(0.05)
     injected = await fault.inject()
     fault_at = time.monotonic() - t0
     print(f"\n>>> t={fault_at:.2f}s {injected}", file=sys.stderr)
@@ -102,7 +107,9 @@ async def run(args: argparse.Namespace, fault, gateway: str, router: str, cluste
     stop.set()
     await asyncio.gather(watch_task, progress_task)
 
-    detect_at = observer.first_unhealthy(fault.target_cluster, fault_at) if args.kind == "kill-cluster" else None
+    # A lost worker takes its cluster out only when it was the last of its kind (the router's requirement).
+    detect_at = (observer.first_unhealthy(fault.target_cluster, fault_at)
+                 if args.kind in ("kill-cluster", "kill-worker") else None)
     summary = report.summarize(records, fault_at, fault.target_cluster, clusters, detect_at, args.sessions,
                                placements)
     failovers_after = scrape_failovers(gateway_metrics)
@@ -112,10 +119,14 @@ async def run(args: argparse.Namespace, fault, gateway: str, router: str, cluste
     meta = {"fault": args.kind, "cluster": fault.target_cluster, "injected": injected, "fault_at_s": fault_at,
             "sessions": args.sessions, "turns": args.turns, "concurrency": args.concurrency,
             "max_tokens": args.max_tokens, "clusters": clusters, "duration_s": time.monotonic() - t0}
-    page = report.write(Path(args.report_dir), meta, summary, slo_results, records)
+    page = report.write(Path(args.report_dir), meta, summary, slo_results, records, placements)
     print_summary(summary, slo_results)
     print(f"report: {page} and {page.with_suffix('.json')}")
     return 0 if all(s["passed"] for s in slo_results) else 1
+
+
+def served_by(load: LoadGenerator, cluster: str) -> int:
+    return sum(1 for r in load.records if r.end is not None and r.ok and cluster in r.clusters)
 
 
 def scrape_failovers(metrics_address: str) -> dict[str, float] | None:
@@ -162,6 +173,6 @@ async def progress(load: LoadGenerator, spec: LoadSpec, stop: asyncio.Event) -> 
 
 def print_summary(summary: dict, slo_results: list[dict]) -> None:
     for key, value in summary.items():
-        print(f"  {key:<24}{value}")
+        print(f"  {key:<30}{value}")
     for s in slo_results:
-        print(f"  SLO {s['slo']:<28}{'PASS' if s['passed'] else 'FAIL'} (value {s['value']})")
+        print(f"  SLO {s['slo']:<26}{'PASS' if s['passed'] else 'FAIL'} (value {s['value']})")

@@ -20,6 +20,9 @@ class GatewayConfig(ServiceConfig):
     admission_address: str = ""
     # Clusters to try for one request before giving up (primary, then its backup, ...).
     max_attempts: int = 3
+    # How long a request waits for a router that knows a healthy cluster (e.g. while membership reconverges
+    # after an etcd outage) before it fails with 503; about two lease TTLs.
+    route_wait_s: float = 6.0
     request_timeout_s: float = 600.0
     # Mid-stream failure: continue on the backup by re-prefilling prompt + tokens sent so far.
     resume_mid_stream: bool = True
@@ -30,6 +33,8 @@ class GatewayConfig(ServiceConfig):
             problems.append(f"http_port: must be in [0, 65535], got {self.http_port}")
         if self.max_prompt_tokens < 1:
             problems.append("max_prompt_tokens: must be >= 1")
+        if self.route_wait_s < 0:
+            problems.append(f"route_wait_s: must be >= 0, got {self.route_wait_s}")
         if self.max_attempts < 1:
             problems.append("max_attempts: must be >= 1")
         return problems

@@ -11,6 +11,7 @@ with a retriable error.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -41,6 +42,7 @@ log = logging.getLogger("k3.gateway")
 FAILOVER_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
                   grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED}
 HASH_BLOCK_TOKENS = 512
+ROUTE_RETRY_S = 0.2
 
 
 @dataclasses.dataclass
@@ -68,8 +70,10 @@ class AttemptFailed(Exception):
 
 
 class Pipeline:
-    def __init__(self, peers: Peers, max_attempts: int, timeout_s: float, resume_mid_stream: bool):
+    def __init__(self, peers: Peers, max_attempts: int, timeout_s: float, resume_mid_stream: bool,
+                 route_wait_s: float = 0.0):
         self.peers = peers
+        self.route_wait_s = route_wait_s
         self.max_attempts = max_attempts
         self.timeout_s = timeout_s
         self.resume_mid_stream = resume_mid_stream
@@ -133,6 +137,18 @@ class Pipeline:
                                    request_id=f"{job.request_id}-r{len(sent)}")
 
     async def _route(self, job: Job, excluded: list[str]) -> router_pb2.RouteResponse:
+        """Ask a router; while none is registered or it has no healthy cluster (membership reconverging after
+        an etcd outage, the lease-TTL gap before a backup is known), wait up to `route_wait_s`."""
+        deadline = time.monotonic() + self.route_wait_s
+        while True:
+            try:
+                return await self._route_once(job, excluded)
+            except errors.Unavailable:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(ROUTE_RETRY_S)
+
+    async def _route_once(self, job: Job, excluded: list[str]) -> router_pb2.RouteResponse:
         address = self.peers.pick("router")
         if address is None:
             raise errors.Unavailable("no session router is registered", retry_after_ms=500)
@@ -142,6 +158,8 @@ class Pipeline:
         try:
             return await stub.Route(request, timeout=5)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise errors.InvalidArgument("", f"router: {exc.details()}") from exc
             raise errors.Unavailable(f"router: {exc.details()}", retry_after_ms=500) from exc
 
     async def _admit(self, job: Job, cluster: str, failover: bool) -> str:

@@ -26,7 +26,7 @@ def post(address: str, path: str, body: bytes | dict, headers: dict | None = Non
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     proc = ServiceProcess(["serve", "gateway", "--port", "0", "--http-port", "0", "--metrics-port", "-1",
-                           "--max-prompt-tokens", "64", "--max-output-tokens", "100"],
+                           "--max-prompt-tokens", "64", "--max-output-tokens", "100", "--route-wait-s", "0.5"],
                           tmp_path_factory.mktemp("gateway"))
     proc.start()
     yield proc

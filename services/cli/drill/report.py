@@ -96,9 +96,11 @@ def summarize(records: list[RequestRecord], fault_at: float, fault_cluster: str,
     }
 
 
-def write(report_dir: Path, meta: dict, summary: dict, slo_results: list[dict], records: list[RequestRecord]) -> Path:
+def write(report_dir: Path, meta: dict, summary: dict, slo_results: list[dict], records: list[RequestRecord],
+          placements: dict[str, tuple[str, str]] | None = None) -> Path:
     report_dir.mkdir(parents=True, exist_ok=True)
     data = {"meta": meta, "summary": summary, "slos": slo_results,
+            "placements": {s: {"primary": p, "backup": b} for s, (p, b) in (placements or {}).items()},
             "requests": [dataclasses.asdict(r) for r in records]}
     (report_dir / "report.json").write_text(json.dumps(data, indent=1))
     page = report_dir / "report.html"
