@@ -10,11 +10,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from importlib import import_module
+from importlib.util import find_spec
 from typing import Any
 
 import torch
 
-from kernels._triton import HAS_TRITON
+# Looked up, not imported: importing triton here would fix its interpreter mode for the whole process
+# before a test session had the chance to set TRITON_INTERPRET (see tests/kernels/conftest.py).
+HAS_TRITON = find_spec("triton") is not None
 
 FORCE_REFERENCE_ENV = "K3_KERNELS_REFERENCE"
 

@@ -232,7 +232,7 @@ def fused_kda_recurrent(
     B, L, H, D = q.shape
     for name, t in (("k", k), ("v", v), ("z", z), ("gate", gate)):
         require(t.shape == q.shape, f"{name} must be {tuple(q.shape)} like q, got {tuple(t.shape)}")
-        require(t.is_contiguous(), f"{name} must be contiguous")
+    q, k, v, z, beta, gate = (t.contiguous() for t in (q, k, v, z, beta, gate))  # no-ops when they are
     require(beta.shape == (B, L, H), f"beta must be [{B}, {L}, {H}], got {tuple(beta.shape)}")
     require(D == next_pow2(D), f"head dim must be a power of two, got {D}")
     W = _check_pool(state_pool, conv_pool, slots, H, D)
