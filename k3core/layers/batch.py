@@ -1,8 +1,12 @@
-"""Where each sequence's new tokens sit in a packed forward (prefill chunks and decode steps alike)."""
+"""Where each sequence's new tokens sit in a packed forward (prefill chunks and decode steps alike).
+
+A layout is immutable and every layer of a forward asks it the same questions, so the answers are cached.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -24,21 +28,21 @@ class BatchLayout:
     def num_sequences(self) -> int:
         return len(self.new_token_counts)
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
         return sum(self.new_token_counts)
 
-    @property
+    @cached_property
     def is_decode(self) -> bool:
         """One new token per sequence: the single-step paths apply."""
         return all(n == 1 for n in self.new_token_counts)
 
-    @property
+    @cached_property
     def token_ranges(self) -> list[tuple[int, int]]:
         bounds = self.cu_seqlens_list
         return list(zip(bounds[:-1], bounds[1:], strict=True))
 
-    @property
+    @cached_property
     def cu_seqlens_list(self) -> list[int]:
         out = [0]
         for n in self.new_token_counts:

@@ -41,6 +41,7 @@ class KimiDeltaAttention(nn.Module):
         self.kernel = config.short_conv_kernel_size
         self.lower_bound = config.gate_lower_bound
         self.eps = config.rms_norm_eps
+        self.scale = 1.0 / math.sqrt(self.head_dim)
         dim, proj = config.hidden_size, config.kda_projection_size
         self.q_proj = nn.Linear(dim, proj, bias=False)
         self.k_proj = nn.Linear(dim, proj, bias=False)
@@ -97,13 +98,12 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = l2norm(self._heads(q)), l2norm(self._heads(k)), self._heads(v)
         g = self._decay(x)
         beta = torch.sigmoid(self.b_proj(x).to(torch.promote_types(x.dtype, torch.float32)))
-        scale = 1.0 / math.sqrt(self.head_dim)
         if layout.is_decode:
-            o, new_state = kda_step(q, k, v, g, beta, recurrent, scale)
+            o, new_state = kda_step(q, k, v, g, beta, recurrent, self.scale)
         else:
             parts = (t.unsqueeze(0) for t in (q, k, v, g, beta))
             o, new_state = kda_chunk(
-                *parts, scale=scale, initial_state=recurrent, cu_seqlens=layout.cu_seqlens(x.device)
+                *parts, scale=self.scale, initial_state=recurrent, cu_seqlens=layout.cu_seqlens(x.device)
             )
             o = o[0]
         cache.kda_write(self.kda_index, new_conv.to(conv_state.dtype), new_state.to(recurrent.dtype))

@@ -54,8 +54,10 @@ class GatedMLA(nn.Module):
         outs = []
         for seq, (start, end) in enumerate(layout.token_ranges):
             latent = cache.mla_read(self.mla_index, seq).to(x.dtype)
-            attend = mla_attention_absorbed if end - start == 1 else mla_attention_naive
-            mask = causal_mask(end - start, latent.shape[0], x.device)
+            # One query (decode) is the last position and sees every key: absorbed form, no mask to build.
+            single = end - start == 1
+            attend = mla_attention_absorbed if single else mla_attention_naive
+            mask = None if single else causal_mask(end - start, latent.shape[0], x.device)
             q_seq = q[start:end]
             outs.append(
                 attend(q_seq[..., : self.nope], q_seq[..., self.nope :], latent, self.kv_b_proj.weight,
