@@ -73,13 +73,17 @@ def test_kill_cluster_deletes_exactly_that_clusters_pods():
     assert len(deletes) == 2 and all("gracePeriodSeconds=0" in c[1] for c in deletes)
 
 
-def test_partition_etcd_creates_then_removes_a_deny_policy():
+def test_partition_etcd_gives_the_cluster_an_egress_allow_list_without_etcd_then_removes_it():
     objects: dict = {"networkpolicies": []}
     with FakeKubeApi(objects) as fake:
         fault = KubeFault("partition-etcd", api_client(fake.url), "k3", "east", 0.0)
         asyncio.run(fault.inject())
-        policy = objects["networkpolicies"][0]
-        assert policy["spec"]["ingress"] == [] and policy["spec"]["podSelector"]["matchLabels"] == {
-            "app.kubernetes.io/component": "etcd"}
+        spec = objects["networkpolicies"][0]["spec"]
+        assert spec["podSelector"] == {"matchLabels": {"k3.io/cluster": "east"}}
+        assert spec["policyTypes"] == ["Egress"]
+        peers, dns = spec["egress"]
+        assert peers["to"][0]["podSelector"]["matchExpressions"] == [
+            {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["etcd"]}]
+        assert {p["port"] for p in dns["ports"]} == {53}
         asyncio.run(fault.heal())
     assert objects["networkpolicies"] == []

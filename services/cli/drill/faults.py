@@ -126,14 +126,27 @@ class KubeFault:
                 self.core.delete_namespaced_pod(pod.metadata.name, self.namespace, grace_period_seconds=0)
             return f"deleted {len(pods)} pods (grace 0): " + ", ".join(p.metadata.name for p in pods)
         if self.kind == "partition-etcd":
+            # NetworkPolicies only ever add permissions, and the chart already lets every k3 pod reach etcd,
+            # so a deny on etcd's side changes nothing. Instead the target cluster's pods get an egress
+            # allow-list without etcd (in-namespace k3 pods and DNS only); the chart sets no egress policy,
+            # so this one decides. An external etcd is cut off the same way.
             body = {
                 "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
                 "metadata": {"name": self.policy_name, "labels": {"k3.io/drill": "partition-etcd"}},
-                "spec": {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "etcd"}},
-                         "policyTypes": ["Ingress"], "ingress": []},
+                "spec": {
+                    "podSelector": {"matchLabels": {"k3.io/cluster": self.target_cluster}},
+                    "policyTypes": ["Egress"],
+                    "egress": [
+                        {"to": [{"podSelector": {"matchExpressions": [
+                            {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["etcd"]}]}}]},
+                        {"to": [{"namespaceSelector": {}}],
+                         "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
+                    ],
+                },
             }
             self.net.create_namespaced_network_policy(self.namespace, body)
-            return f"NetworkPolicy {self.policy_name} denies all ingress to etcd for {self.duration_s:.0f}s"
+            return (f"NetworkPolicy {self.policy_name} cuts cluster {self.target_cluster} off etcd "
+                    f"for {self.duration_s:.0f}s")
         raise RuntimeError("slow-transfer is a local-fleet drill; on Kubernetes use your CNI's traffic shaping")
 
     async def heal(self) -> None:
