@@ -77,15 +77,12 @@ class CpuTier:
         return self.used_bytes + num_bytes <= self.capacity_bytes
 
     def put_block(self, block: HostBlock) -> bool:
-        """Insert a block; host copies of a shorter fill of the same block give way to it (if unpinned)."""
-        older = {id(e): e for h, _ in block.endpoints if (e := self._endpoints.get(h, (None,))[0]) is not None}
-        if any(e.pins or e.filled >= block.filled for e in older.values()):
+        """Insert a block under the endpoints the tier does not hold yet (a prefix it holds already, e.g. a
+        shared system prompt inside this block, stays with its first copy). False if nothing is new."""
+        new = [(h, covered) for h, covered in block.endpoints if h not in self._endpoints]
+        if not new or not self._make_room(block.num_bytes):
             return False
-        for entry in older.values():
-            self.remove(entry)
-        if not self._make_room(block.num_bytes):
-            return False
-        for chain_hash, covered in block.endpoints:
+        for chain_hash, covered in new:
             self._endpoints[chain_hash] = (block, covered)
         self._insert(block)
         return True

@@ -205,3 +205,22 @@ def test_type_confusion_reads_garbage_and_debug_mode_catches_it() -> None:
         manager.store.kda_views(mla_page, 0)
     with pytest.raises(PageKindError, match="holds KDA, accessed as MLA"):
         manager.store.mla_rows(kda_page, 0)
+
+
+def test_cpu_tier_keeps_blocks_that_share_a_prefix_with_an_earlier_copy() -> None:
+    """Two conversations share a system prompt that ends inside block 0. After the first one went to the CPU
+    tier, the second recomputes block 0 (registering the shared endpoints again on the GPU); its own
+    write-back must still land, under the endpoints the tier lacks, so that it can be restored."""
+    manager, _ = make(cpu=64)
+    system = TOKENS[:6]
+    first, second = system + [1] * 20, system + [2] * 20
+    run(manager, "a", first)
+    manager.evict_idle(manager.pool.num_pages)
+    run(manager, "b", second)
+    manager.evict_idle(manager.pool.num_pages)
+    oracle = PrefixOracle(LAYOUT)
+    follow_up = second + [3] * 5
+    oracle.learn(follow_up)
+    assert manager.add_request("c", follow_up) == 24  # b's turn-end checkpoint, with b's own block 0
+    manager.pre_forward()
+    oracle.check_private(manager, "c", follow_up)
