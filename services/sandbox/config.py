@@ -32,6 +32,9 @@ class SandboxConfig(ServiceConfig):
     max_sandboxes_per_tenant: int = 200
     max_memory_per_tenant_bytes: int = 64 * GIB
     max_fork_count: int = 32
+    # `limits.network=true` shares the host's network namespace (host loopback services included), so it is
+    # refused unless an operator opts in; production would give each sandbox a veth behind NAT instead.
+    allow_host_network: bool = False
     keep_periodic_snapshots: int = 3
     # Idle auto-pause also releases memory (checkpoint to disk) on backends that can; resume then restores.
     hibernate_when_idle: bool = True

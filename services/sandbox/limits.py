@@ -31,4 +31,7 @@ def resolve_limits(req: LimitRequest, config: SandboxConfig) -> Limits:
         if not floor <= value <= ceiling:
             raise InvalidRequest(f"limits.{name}", f"must be in [{floor}, {ceiling}], got {asked}")
         values[name] = value
+    if req.network and not config.allow_host_network:
+        raise InvalidRequest("limits.network", "network access is disabled on this manager (it would share the "
+                             "host's network; an operator can set allow_host_network)")
     return Limits(network=req.network, **values)

@@ -62,6 +62,8 @@ def test_invalid_arguments_name_their_field(client):
     _fails(create, pb.CreateSandboxRequest(limits=pb.ResourceLimits(pids=2)), grpc.StatusCode.INVALID_ARGUMENT,
            "limits.pids")
     _fails(create, pb.CreateSandboxRequest(backend="vmware"), grpc.StatusCode.INVALID_ARGUMENT, "backend")
+    _fails(create, pb.CreateSandboxRequest(limits=pb.ResourceLimits(network=True)),
+           grpc.StatusCode.INVALID_ARGUMENT, "limits.network", "allow_host_network")
     _fails(create, pb.CreateSandboxRequest(image="no-such-image"), grpc.StatusCode.NOT_FOUND, "no-such-image")
     _fails(create, pb.CreateSandboxRequest(image="../etc"), grpc.StatusCode.INVALID_ARGUMENT, "image")
     sid = client.create().sandbox_id

@@ -54,11 +54,11 @@ def remove_group(group: str) -> None:
     """Removes a backend's parent cgroup in every hierarchy, if no sandbox (of any manager) is left in it."""
     for hierarchy in CGROUP_ROOT.iterdir():
         path = hierarchy / group
-        if path.is_dir() and not any(p.is_dir() for p in path.iterdir()):
-            try:
+        try:
+            if not any(p.is_dir() for p in path.iterdir()):
                 path.rmdir()
-            except OSError:
-                pass  # another manager's sandbox arrived meanwhile
+        except OSError:
+            pass  # absent, or another manager's sandbox is (or just arrived) there
 
 
 class SandboxCgroups:
