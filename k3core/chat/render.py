@@ -130,12 +130,12 @@ def _render_assistant(
     if calls:
         w.open("tools")
         for index, call in enumerate(calls):
-            _render_call(w, call, index, f"{where}.tool_calls[{index}]")
+            _render_call(w, call, index)
         w.close("tools")
     w.end_message()
 
 
-def _render_call(w: XtmlWriter, call: dict[str, Any], index: int, where: str) -> None:
+def _render_call(w: XtmlWriter, call: dict[str, Any], index: int) -> None:
     fn = call["function"]
     w.open("call", {"tool": fn["name"], "index": str(index)})
     raw = fn.get("arguments", "{}")

@@ -16,7 +16,7 @@ def init_weights(model: K3Model, seed: int = 0) -> K3Model:
     bounded = model.config.gate_lower_bound is not None
     for name, param in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        if name.endswith("norm.weight"):  # RMSNorm weights, layernorm ones included
             values = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
         elif leaf == "A_log":  # K3 initialises A at 0 (§2.1.1); Kimi Linear draws log U(1, 16)
             values = (
