@@ -104,10 +104,10 @@ def test_sigterm_during_stream_completes_then_exits_zero(spawn):
         stream = stub.Complete(gateway_pb2.CompleteRequest(sampling=common_pb2.SamplingParams(max_tokens=20)))
         first = next(stream)
         svc.signal(signal.SIGTERM)
-        time.sleep(0.2)
         # Health says NOT_SERVING and new calls are refused while the old one finishes.
-        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        health = health_pb2_grpc.HealthStub(channel)
+        assert wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                          == health_pb2.HealthCheckResponse.NOT_SERVING, 5)
         with pytest.raises(grpc.RpcError) as refused:
             stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=2)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
