@@ -72,7 +72,10 @@ class ServiceApp:
         async def repeat() -> None:
             while True:
                 await asyncio.sleep(interval_s)
-                tick()
+                try:
+                    tick()
+                except Exception:  # noqa: BLE001 - one failed tick must not end all later ones
+                    log.exception("periodic task failed", extra={"task": getattr(tick, "__qualname__", repr(tick))})
 
         async def start() -> None:
             nonlocal task
