@@ -2,37 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 
 from k3.v1 import trainer_pb2_grpc
 from k3core.model.init import init_weights
 from k3core.model.k3model import K3Model
 from k3core.presets import preset
-from services.runtime import ServiceApp, ServiceConfig
+from services.runtime import ServiceApp
 from services.runtime.registry import connect
+from services.trainer.config import TrainerConfig
 from services.trainer.learner import Learner
 from services.trainer.service import TrainerServicer
 
 
-@dataclasses.dataclass
-class TrainerConfig(ServiceConfig):
-    model: str = "nano"
-    seed: int = 0
-    batch_size: int = 8
-    lr: float = 2e-3
-    tau: float = 0.1
-    publish_dir: str = "/var/lib/k3/weights"
-
-    def validate(self) -> list[str]:
-        problems = super().validate()
-        if self.batch_size < 1:
-            problems.append("batch_size: must be >= 1")
-        if self.lr <= 0:
-            problems.append("lr: must be > 0")
-        return problems
-
-
-def etcd_publisher(config: TrainerConfig):
+def etcd_publisher(config: TrainerConfig) -> Callable[[str, str], int] | None:
     """Announce a published version under <prefix>/<key>; workers watch it. Returns workers registered."""
     endpoints = config.etcd_endpoint_list()
     if not endpoints:
