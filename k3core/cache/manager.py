@@ -155,7 +155,14 @@ class PrefixCacheManager:
                 req.blocks.append(src)
                 continue
             tokens = min(lay.tokens_per_block, boundary - k * lay.tokens_per_block)
-            req.blocks.append(self.tiering.copy_block(k, src, next(fresh), tokens))
+            block = self.tiering.copy_block(k, src, next(fresh), tokens)
+            req.blocks.append(block)
+            if tokens < lay.tokens_per_block:  # the private copy also holds the hit's endpoints: standby
+                first = k * lay.hash_blocks_per_block
+                for j in range(first, first + tokens // lay.hash_block_tokens):
+                    self.index.register(req.chain[j], block, j - first + 1)
+                for page in block.pages:
+                    self.pool.adopt(page, block)
         if hit.checkpoint is None:
             self._zero_pages += req.state_pages
         else:
@@ -239,7 +246,8 @@ class PrefixCacheManager:
             block = req.blocks[j // per_block]
             covered = j % per_block + 1
             block.filled = covered
-            if self.index.register(req.chain[j], block, covered) and len(block.endpoints) == 1:
+            self.index.register(req.chain[j], block, covered)
+            if self.pool.owner[block.pages[0]] is None:
                 for page in block.pages:
                     self.pool.adopt(page, block)
         if req.num_computed % hb == 0:

@@ -19,14 +19,16 @@ class Block:
     index: int  # position in the token sequence: tokens [index*T, (index+1)*T)
     pages: list[int]
     on_evict: Callable[[Block], None]
-    # (chain hash, hash blocks covered) registered for this block, in order; a prefix already registered
-    # by another block (this one is its copy-on-write copy) is not repeated here
+    # (chain hash, hash blocks covered) this block answers lookups for
     endpoints: list[tuple[int, int]] = field(default_factory=list)
+    # chain hashes this block also holds but another block answers for (it is a copy-on-write copy, or
+    # recomputed a prefix someone else registered first); it takes over if that block is evicted
+    standby: list[int] = field(default_factory=list)
     filled: int = 0  # hash blocks of this block whose bytes are valid (the first `filled`)
 
     @property
-    def registered(self) -> bool:
-        return bool(self.endpoints)
+    def last_endpoint(self) -> int:
+        return max(self.endpoints, key=lambda e: e[1])[0]
 
     def evict(self) -> None:
         self.on_evict(self)
@@ -43,6 +45,7 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._by_hash: dict[int, Endpoint] = {}
         self._pending: list[Endpoint] = []
+        self._standby: dict[int, list[Endpoint]] = {}
 
     def __len__(self) -> int:
         return len(self._by_hash)
@@ -55,16 +58,17 @@ class PrefixIndex:
     def contains(self, chain_hash: int) -> bool:
         return chain_hash in self._by_hash
 
-    def register(self, chain_hash: int, block: Block, hash_blocks: int) -> bool:
-        """Register an endpoint (pending until commit). A hash already held by another block is kept there:
-        the first copy of a prefix stays the canonical one. Returns whether the endpoint was added."""
-        if chain_hash in self._by_hash:
-            return False
+    def register(self, chain_hash: int, block: Block, hash_blocks: int) -> None:
+        """Register an endpoint (pending until commit). If another block holds the hash already, this one
+        is kept on standby for it: the first copy answers lookups until it is evicted."""
         endpoint = Endpoint(block, hash_blocks, ready=False)
-        self._by_hash[chain_hash] = endpoint
         self._pending.append(endpoint)
-        block.endpoints.append((chain_hash, hash_blocks))
-        return True
+        if chain_hash in self._by_hash:
+            self._standby.setdefault(chain_hash, []).append(endpoint)
+            block.standby.append(chain_hash)
+        else:
+            self._by_hash[chain_hash] = endpoint
+            block.endpoints.append((chain_hash, hash_blocks))
 
     def commit(self) -> None:
         for endpoint in self._pending:
@@ -72,11 +76,30 @@ class PrefixIndex:
         self._pending.clear()
 
     def unregister(self, block: Block) -> None:
+        """Remove a block (evicted); a standby copy takes over each hash it answered for."""
+        for chain_hash in block.standby:
+            waiting = [e for e in self._standby.get(chain_hash, []) if e.block is not block]
+            self._set_standby(chain_hash, waiting)
         for chain_hash, _ in block.endpoints:
             endpoint = self._by_hash.get(chain_hash)
-            if endpoint is not None and endpoint.block is block:
-                del self._by_hash[chain_hash]
+            if endpoint is None or endpoint.block is not block:
+                continue
+            del self._by_hash[chain_hash]
+            waiting = self._standby.get(chain_hash, [])
+            if waiting:
+                heir = waiting.pop(0)
+                self._by_hash[chain_hash] = heir
+                heir.block.standby.remove(chain_hash)
+                heir.block.endpoints.append((chain_hash, heir.hash_blocks))
+                self._set_standby(chain_hash, waiting)
         block.endpoints.clear()
+        block.standby.clear()
+
+    def _set_standby(self, chain_hash: int, waiting: list[Endpoint]) -> None:
+        if waiting:
+            self._standby[chain_hash] = waiting
+        else:
+            self._standby.pop(chain_hash, None)
 
     def items(self) -> list[tuple[int, Endpoint]]:
         return list(self._by_hash.items())

@@ -82,9 +82,8 @@ class Tiering:
         if isinstance(src, HostBlock) and tokens == self.lay.tokens_per_block:
             for chain_hash, covered in src.endpoints:
                 self.m.index.register(chain_hash, block, covered)
-            if block.endpoints:
-                for page in pages:
-                    self.m.pool.adopt(page, block)
+            for page in pages:
+                self.m.pool.adopt(page, block)
         return block
 
     def restore(self, src: CheckpointSource, state_pages: list[int]) -> None:
@@ -107,7 +106,7 @@ class Tiering:
         # Skip what an earlier prefetch of this step already staged (pending, so lookups do not see it).
         host_blocks = [(k, s) for k, s in enumerate(hit.blocks)
                        if isinstance(s, HostBlock) and (k + 1) * lay.tokens_per_block <= hit.num_tokens
-                       and not m.index.contains(s.endpoints[-1][0])]
+                       and not m.index.contains(max(s.endpoints, key=lambda e: e[1])[0])]
         host_checkpoint = hit.checkpoint if isinstance(hit.checkpoint, HostCheckpoint) else None
         if host_checkpoint is not None and host_checkpoint.key in m.checkpoints.by_key:
             host_checkpoint = None
@@ -135,7 +134,7 @@ class Tiering:
     def evict_block(self, block: Block) -> None:
         m = self.m
         self._count("evictions", kind="mla")
-        if m.cpu is not None and block.endpoints and not m.cpu.has_block(block.endpoints[-1][0]):
+        if m.cpu is not None and block.endpoints and not m.cpu.has_block(block.last_endpoint):
             self._write_back_block(block)
         m.index.unregister(block)
         for page in block.pages:
@@ -168,7 +167,7 @@ class Tiering:
         assert self.m.cpu is not None
         nbytes = self.lay.mla_prefix_bytes(block.filled * self.lay.hash_block_tokens)
         data, prints, _ = self._host_bytes(block.pages, nbytes, None)
-        host = HostBlock(block.endpoints[-1][0], nbytes * len(block.pages), data, prints, index=block.index,
+        host = HostBlock(block.last_endpoint, nbytes * len(block.pages), data, prints, index=block.index,
                          endpoints=list(block.endpoints), filled=block.filled)
         if self.m.cpu.put_block(host):
             self._count("cpu_tier_bytes", host.num_bytes, direction="offload")
@@ -195,5 +194,5 @@ class Tiering:
             block = endpoint.block
             idle = all(m.pool.refcount[p] == 0 for p in block.pages)
             assert m.cpu is not None
-            if idle and block.endpoints and not m.cpu.has_block(block.endpoints[-1][0]):
+            if idle and block.endpoints and not m.cpu.has_block(block.last_endpoint):
                 self._write_back_block(block)

@@ -224,3 +224,17 @@ def test_cpu_tier_keeps_blocks_that_share_a_prefix_with_an_earlier_copy() -> Non
     assert manager.add_request("c", follow_up) == 24  # b's turn-end checkpoint, with b's own block 0
     manager.pre_forward()
     oracle.check_private(manager, "c", follow_up)
+
+
+def test_a_copy_on_write_copy_takes_over_the_endpoints_of_its_evicted_source() -> None:
+    manager, _ = make(keep_prompt_end=True)
+    run(manager, "a", TOKENS[:9])  # block 0 holds 9 tokens; the prompt-end checkpoint sits at 8
+    tokens = TOKENS[:8] + [5] * 10
+    assert manager.add_request("b", tokens) == 8  # private copy of a's partial block 0
+    manager.commit_step()
+    manager.evict_idle(manager.pool.num_pages)  # a's block (and checkpoint) go; b's copy is in use
+    probe = TOKENS[:8] + [6] * 6
+    assert manager.lookup(chain_hashes(probe, 4), len(probe)).mla_tokens == 8  # answered by b's copy
+    oracle = PrefixOracle(LAYOUT)
+    oracle.learn(tokens)
+    assert oracle.check(manager) >= 2
