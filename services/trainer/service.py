@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import Counter, Gauge
@@ -22,10 +23,12 @@ WEIGHT_VERSION = Gauge("k3_trainer_weight_version", "Last published weight versi
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
-    def __init__(self, learner: Learner, batch_size: int, model_name: str, publish_dir: str, publisher=None):
+    def __init__(self, learner: Learner, batch_size: int, model_name: str, publish_dir: str,
+                 publisher: Callable[[str, str], int] | None = None):
         self.learner, self.batch_size, self.model_name = learner, batch_size, model_name
         self.publish_dir = Path(publish_dir)
-        self.publisher = publisher  # callable(key, value) writing to etcd, or None
+        # Writes (key, value) under the etcd prefix and answers how many workers watch it; None: no etcd.
+        self.publisher = publisher
         self.buffer: list[Sample] = []
         self.step = 0
         self.version = 0
