@@ -66,7 +66,9 @@ class KimiDeltaAttention(nn.Module):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(*x.shape[:-1], self.heads, self.head_dim)
 
-    def _conv(self, inputs, conv_state, layout: BatchLayout):
+    def _conv(
+        self, inputs: list[torch.Tensor], conv_state: torch.Tensor, layout: BatchLayout
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """ShortConv + SiLU of q, k, v; conv_state [B, 3, H, D, W-1] -> outputs and the new state."""
         batch = layout.num_sequences
         outs, states = [], []
