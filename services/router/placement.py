@@ -17,10 +17,12 @@ import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.runtime.registry import InstanceRecord
+if TYPE_CHECKING:  # placement is pure hashing; it needs the record type for annotations only
+    from services.runtime.registry import InstanceRecord
 
 MASK64 = (1 << 64) - 1
 DEFAULT_SLOT_BITS = 20
