@@ -71,7 +71,8 @@ async def test_unreleased_tickets_expire_after_the_ttl_and_admit_waiters():
 
 async def test_budget_documents_apply_per_cluster_and_bad_ones_are_ignored():
     c = controller(Clock())
-    c.scheduler("c0"), c.scheduler("c1")
+    for cluster in ("c0", "c1"):
+        c.scheduler(cluster)  # both clusters have live schedulers when the document arrives
     c.apply_budget_document(b'{"default": {"SHORT": 7}, "c1": {"SHORT": 9, "LONG": 3}}')
     assert c.budgets_for("c0") == {"SHORT": 7, "LONG": 1000}
     assert c.scheduler("c1").ledger.accounts["LONG"].budget == 3

@@ -9,7 +9,7 @@ from services.runtime.registry import InstanceRecord
 
 
 def rec(service: str, cluster: str, instance: str) -> InstanceRecord:
-    return InstanceRecord(service, cluster, instance, f"127.0.0.1:{abs(hash(instance)) % 60000 + 1}")
+    return InstanceRecord(service, cluster, instance, f"{instance}.local:50051")
 
 
 def test_health_needs_every_required_service_at_quorum():
