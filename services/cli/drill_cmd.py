@@ -112,6 +112,8 @@ async def run(args: argparse.Namespace, fault, gateway: str, router: str, cluste
                  if args.kind in ("kill-cluster", "kill-worker") else None)
     summary = report.summarize(records, fault_at, fault.target_cluster, clusters, detect_at, args.sessions,
                                placements)
+    summary["router_unhealthy_s"] = observer.unhealthy_seconds(fault_at)
+    summary["healthy_clusters_min"] = observer.min_healthy(fault_at)
     failovers_after = scrape_failovers(gateway_metrics)
     if failovers_before is not None and failovers_after is not None:
         summary["gateway_failovers"] = {k: v - failovers_before.get(k, 0) for k, v in failovers_after.items()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import grpc
 import openai
@@ -119,6 +120,29 @@ def test_openai_client_streams_a_chat_completion(local_fleet):
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="nano", messages=messages, max_tokens=-1)
     assert bad.value.body["param"] == "max_tokens"
+
+
+def decode_instances(fleet_state: fleet.FleetState) -> list[str]:
+    with grpc.insecure_channel(member(fleet_state, "router").address) as channel:
+        view = router_pb2_grpc.RouterServiceStub(channel).GetFleet(router_pb2.GetFleetRequest(), timeout=5)
+    return sorted(i.instance for c in view.clusters for i in c.instances if i.service == "decode")
+
+
+def test_scale_decode_out_and_back_in(local_fleet):
+    home, _, fleet_state = local_fleet
+    out = k3(home, "scale", "decode=2", "--cluster", "c0", timeout=120)
+    assert out.returncode == 0 and "started decode-c0-1" in out.stdout, out.stdout + out.stderr
+    deadline = time.monotonic() + 10
+    while decode_instances(fleet_state) != ["decode-c0-0", "decode-c0-1"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert decode_instances(fleet_state) == ["decode-c0-0", "decode-c0-1"]
+    added = next(m for m in state(home).members if m.name == "decode-c0-1")
+    back = k3(home, "scale", "decode=1", "--cluster", "c0", timeout=60)
+    assert back.returncode == 0 and "drained decode-c0-1" in back.stdout
+    # Drained, not killed: its lease was revoked on the way out, so the router forgets it at once.
+    assert not fleet.alive(added.pid) and decode_instances(fleet_state) == ["decode-c0-0"]
+    assert [m.name for m in state(home).members if m.service == "decode"] == ["decode-c0-0"]
+    assert k3(home, "scale", "decode=x", timeout=30).returncode == 2
 
 
 def test_down_drains_every_process(local_fleet):

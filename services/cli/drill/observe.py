@@ -39,6 +39,20 @@ class FleetObserver:
                 return t
         return None
 
+    def unhealthy_seconds(self, after: float) -> dict[str, float]:
+        """Per cluster, how long the router counted it unhealthy after `after` (sampled every interval)."""
+        spans: dict[str, float] = {}
+        samples = [(t, view) for t, view in self.history if t >= after]
+        for (t, view), (t_next, _) in zip(samples, samples[1:], strict=False):
+            for cluster, healthy in view.items():
+                spans[cluster] = spans.get(cluster, 0.0) + (0.0 if healthy else t_next - t)
+        return {c: round(v, 2) for c, v in sorted(spans.items())}
+
+    def min_healthy(self, after: float) -> int | None:
+        """The fewest clusters the router counted healthy at once after `after`."""
+        counts = [sum(view.values()) for t, view in self.history if t >= after]
+        return min(counts) if counts else None
+
     async def placements(self, sessions: list[str], parallel: int = 32) -> dict[str, tuple[str, str]]:
         """session -> (primary, backup) as the router assigns them now (ask before injecting the fault)."""
         gate = asyncio.Semaphore(parallel)

@@ -13,7 +13,8 @@ from services.cli.drill.load import RequestRecord
 
 SUMMARY_METRICS = {"requests", "errors", "errors_before_first_token", "errors_mid_stream", "client_retries",
                    "lost_sessions", "ttft_p50_ms", "ttft_p99_ms", "ttft_p99_before_ms", "ttft_p99_after_ms",
-                   "detect_s", "moved_sessions", "moved_off_backup", "reprefill_ratio", "reprefill_max_share"}
+                   "detect_s", "moved_sessions", "moved_off_backup", "reprefill_ratio", "reprefill_max_share",
+                   "healthy_clusters_min"}
 
 
 def percentile(values: list[float], q: float) -> float | None:
