@@ -57,13 +57,12 @@ def summarise(rows: list[Row], copy_bps: float) -> list[dict]:
     return out
 
 
-def print_table(rows: list[Row], copy_bps: float, file=sys.stdout) -> None:
-    print(f"{'kernel':<18} {'shape':<34} {'impl':<40} {'ms':>9} {'GB/s':>7} {'%copy':>6}  note", file=file)
+def print_table(rows: list[Row], copy_bps: float) -> None:
+    print(f"{'kernel':<18} {'shape':<34} {'impl':<40} {'ms':>9} {'GB/s':>7} {'%copy':>6}  note")
     for r in rows:
-        bw = r.bytes / (r.ms * 1e-3) if r.bytes and r.ms == r.ms else float("nan")
-        frac = 100 * bw / copy_bps if bw == bw else float("nan")
-        print(f"{r.kernel:<18} {r.shape:<34} {r.impl:<40} {r.ms:>9.4f} {bw / 1e9:>7.0f} {frac:>6.1f}  {r.note}",
-              file=file)
+        bw = r.bytes / (r.ms * 1e-3) if r.bytes and not math.isnan(r.ms) else float("nan")
+        frac = 100 * bw / copy_bps
+        print(f"{r.kernel:<18} {r.shape:<34} {r.impl:<40} {r.ms:>9.4f} {bw / 1e9:>7.0f} {frac:>6.1f}  {r.note}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,6 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
     tl = None
 
-HAS_TRITON = triton is not None
-
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())

@@ -22,7 +22,6 @@ class Row:
     impl: str
     ms: float
     bytes: float = 0.0
-    flops: float = 0.0
     note: str = ""
     extra: dict = field(default_factory=dict)
 
