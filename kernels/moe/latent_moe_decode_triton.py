@@ -5,8 +5,8 @@ output neuron, not by tile: program (token-expert pair, row block) walks its exp
 turns e2m1 codes into floats with a few integer operations (code -> fp16 bit pattern, times 2^14: exact
 for all eight magnitudes, subnormal 0.5 included), applies the e8m0 scale per 32 elements and reduces.
 Kernel 1: gate and up rows -> SiTU-GLU -> h [T*k, F]. Kernel 2: down rows times the router weight
--> [T*k, l], summed over the k experts of a token -> u [T, l]. Weights use k3core.quant.mxfp4's layout: packed uint8 [E, rows, cols/2]
-(element 2i in the low nibble), scales uint8 [E, rows, cols/32].
+-> [T*k, l], summed over the k experts of a token -> u [T, l]. Weights use k3core.quant.mxfp4's layout:
+packed uint8 [E, rows, cols/2] (element 2i in the low nibble), scales uint8 [E, rows, cols/32].
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from kernels._triton import next_pow2, require, tl, triton
 
 if triton is not None:
+    from kernels.moe.situ_glu_triton import situ_glu_values
 
     @triton.jit
     def _mxfp4_row_dot(packed, scales, rows, row_ok, x, c0, COLS: tl.constexpr, BR: tl.constexpr,
@@ -51,10 +52,7 @@ if triton is not None:
         for c0 in range(0, L, BC):
             g += _mxfp4_row_dot(wg, sg, rows, ok, xt, c0, L, BR, BC)
             u += _mxfp4_row_dot(wg, sg, rows + F, ok, xt, c0, L, BR, BC)
-        # SiTU-GLU (eq.12): beta1 tanh(g/beta1) sigmoid(g) * beta2 tanh(u/beta2); tanh via sigmoid.
-        act = beta1 * (2 * tl.sigmoid(2 * g / beta1) - 1) * tl.sigmoid(g)
-        act = act * beta2 * (2 * tl.sigmoid(2 * u / beta2) - 1)
-        tl.store(h + pair * F + rows, act, mask=ok)
+        tl.store(h + pair * F + rows, situ_glu_values(g, u, beta1, beta2), mask=ok)
 
     @triton.jit
     def _down_kernel(h, ids, weights, wd, sd, partial, K, F: tl.constexpr, L, BR: tl.constexpr,

@@ -30,7 +30,10 @@ def latent_moe_decode(
     return out.to(x.dtype)
 
 
-def situ_glu_fused(gate_up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
-    """Reference of kernels.moe.situ_glu_triton.situ_glu_fused: [..., 2F] (gate | up) -> [..., F]."""
+def situ_glu_fused(gate_up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0, block: int = 1024,
+                   num_warps: int = 4) -> torch.Tensor:
+    """Reference of kernels.moe.situ_glu_triton.situ_glu_fused: [..., 2F] (gate | up) -> [..., F] (tuning
+    ignored)."""
+    del block, num_warps
     F = gate_up.shape[-1] // 2
     return situ_glu(gate_up[..., :F], gate_up[..., F:], beta1, beta2)

@@ -13,14 +13,19 @@ from kernels._triton import require, tl, triton
 if triton is not None:
 
     @triton.jit
+    def situ_glu_values(g, u, beta1, beta2):
+        """SiTU-GLU of float32 gate and up values; shared with the latent-MoE decode kernel."""
+        gate = beta1 * (2 * tl.sigmoid(2 * g / beta1) - 1) * tl.sigmoid(g)
+        return gate * (beta2 * (2 * tl.sigmoid(2 * u / beta2) - 1))
+
+    @triton.jit
     def _situ_glu_kernel(gate_up, out, F, beta1, beta2, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < F
         g = tl.load(gate_up + row * 2 * F + cols, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(gate_up + row * 2 * F + F + cols, mask=ok, other=0.0).to(tl.float32)
-        y = beta1 * (2 * tl.sigmoid(2 * g / beta1) - 1) * tl.sigmoid(g) * (beta2 * (2 * tl.sigmoid(2 * u / beta2) - 1))
-        tl.store(out + row * F + cols, y.to(out.dtype.element_ty), mask=ok)
+        tl.store(out + row * F + cols, situ_glu_values(g, u, beta1, beta2).to(out.dtype.element_ty), mask=ok)
 
 
 def situ_glu_fused(gate_up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0, block: int = 1024,
