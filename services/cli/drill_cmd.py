@@ -1,6 +1,7 @@
 """`k3 drill KIND`: generate multi-turn load, inject a real fault, watch, report, check SLOs.
 
-    k3 drill kill-cluster --cluster c1 --sessions 300 --slo errors<=0 --slo detect_s<=4 --slo reprefill_ratio<=1.2
+    k3 drill kill-cluster --cluster c1 --sessions 300 \
+        --slo 'errors<=0' --slo 'detect_s<=4' --slo 'reprefill_ratio<=1.2'
 
 Against the local fleet by default; `--kube` targets a Kubernetes fleet (pods deleted through the API;
 give `--gateway` and `--router` addresses reachable from here, e.g. port-forwards). Exits 1 when an SLO fails.
