@@ -299,7 +299,7 @@ class SandboxManager:
                 if sb.snapshot_interval_s and now >= sb.next_snapshot and not sb.running_execs:
                     sb.next_snapshot = now + sb.snapshot_interval_s
                     await self.snapshot(sb.sandbox_id, periodic=True)
-        metrics.observe_population(self.sandboxes.values())
+        metrics.observe_population(self.sandboxes.values(), self.backends)
 
     async def close(self) -> None:
         if self._housekeeper is not None:

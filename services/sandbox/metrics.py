@@ -6,8 +6,12 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import Gauge, Histogram
+
+if TYPE_CHECKING:  # the manager imports this module
+    from services.sandbox.manager import Sandbox
 
 OP_SECONDS = Histogram(
     "k3_sandbox_operation_seconds", "Latency of sandbox operations", ["op", "backend"],
@@ -32,14 +36,15 @@ def timed(op: str, backend: str) -> Iterator[Timer]:
     OP_SECONDS.labels(op, backend).observe(elapsed)
 
 
-def observe_population(sandboxes: Iterable) -> None:
+def observe_population(sandboxes: Iterable[Sandbox], backends: Iterable[str]) -> None:
+    """Sets the gauges of every backend, so one whose last sandbox just went reads 0, not its old count."""
     counts: dict[tuple[str, str], int] = {}
     memory: dict[tuple[str, str], int] = {}
     for sb in sandboxes:
         key = (sb.backend.name, "paused" if sb.paused else "running")
         counts[key] = counts.get(key, 0) + 1
         memory[key] = memory.get(key, 0) + sb.backend.memory_bytes(sb.handle)
-    for backend in {b for b, _ in counts} | {"namespace", "criu"}:
+    for backend in backends:
         for state in ("running", "paused"):
             SANDBOXES.labels(backend, state).set(counts.get((backend, state), 0))
             SANDBOX_MEMORY.labels(backend, state).set(memory.get((backend, state), 0))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import httpx
 import pytest
@@ -102,12 +104,22 @@ def test_list_backends_reports_capabilities_and_reasons(client):
     assert not backends["firecracker"].available and backends["firecracker"].reason
 
 
+def _metric(metrics_address: str, series: str) -> float | None:
+    text = httpx.get(f"http://{metrics_address}/metrics").text
+    values = [float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(series + " ")]
+    return values[0] if values else None
+
+
 def test_operations_show_up_in_prometheus_metrics(client, sandbox_service):
+    address = sandbox_service[0].info["metrics_address"]
     sid = client.create().sandbox_id
     client.stub.PauseSandbox(pb.PauseSandboxRequest(sandbox_id=sid))
-    text = httpx.get(f"http://{sandbox_service[0].info['metrics_address']}/metrics").text
-    assert 'k3_sandbox_sandboxes{backend="namespace",state="paused"}' in text
-    count = [ln for ln in text.splitlines()
-             if ln.startswith('k3_sandbox_operation_seconds_count{backend="namespace",op="pause"}')]
-    assert count and float(count[0].split()[-1]) >= 1
+    assert _metric(address, 'k3_sandbox_operation_seconds_count{backend="namespace",op="pause"}') >= 1
+    # The population gauges are refreshed by housekeeping (every 0.2 s in this service): wait for one pass.
+    paused = 'k3_sandbox_sandboxes{backend="namespace",state="paused"}'
+    deadline = time.monotonic() + 10
+    while not _metric(address, paused):
+        assert time.monotonic() < deadline, "the paused sandbox never showed up in k3_sandbox_sandboxes"
+        time.sleep(0.1)
+    assert _metric(address, 'k3_sandbox_memory_bytes{backend="namespace",state="paused"}') > 0
     client.destroy(sid)
