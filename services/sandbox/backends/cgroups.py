@@ -18,7 +18,12 @@ from services.sandbox.errors import BackendFailure
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 UNIFIED = CGROUP_ROOT / "unified"
 V1_CONTROLLERS = ("memory", "cpu", "pids")
-_CFS_PERIOD_US = 100_000
+CFS_PERIOD_US = 100_000
+
+
+def cfs_quota_us(cpu_millis: int) -> int:
+    """The CFS quota per CFS_PERIOD_US that grants `cpu_millis` thousandths of a core."""
+    return cpu_millis * CFS_PERIOD_US // 1000
 
 
 def probe() -> str | None:
@@ -74,8 +79,8 @@ class SandboxCgroups:
         _write(mem / "memory.limit_in_bytes", str(limits.memory_bytes))
         if (mem / "memory.memsw.limit_in_bytes").exists():
             _write(mem / "memory.memsw.limit_in_bytes", str(limits.memory_bytes))
-        _write(self.v1["cpu"] / "cpu.cfs_period_us", str(_CFS_PERIOD_US))
-        _write(self.v1["cpu"] / "cpu.cfs_quota_us", str(limits.cpu_millis * _CFS_PERIOD_US // 1000))
+        _write(self.v1["cpu"] / "cpu.cfs_period_us", str(CFS_PERIOD_US))
+        _write(self.v1["cpu"] / "cpu.cfs_quota_us", str(cfs_quota_us(limits.cpu_millis)))
         _write(self.v1["pids"] / "pids.max", str(limits.pids))
 
     def procs_files(self, v2_child: str | None = None) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.sandbox.backends.base import Limits
+from services.sandbox.backends.cgroups import CFS_PERIOD_US, cfs_quota_us
 from services.sandbox.backends.launch import BASE_ENV
 
 INIT_ARGV = ["/bin/sh", "-c", 'trap "exit 0" TERM; while :; do sleep 86400 & wait; done']
@@ -20,7 +21,6 @@ _ID_MAP = [{"containerID": 0, "hostID": 0, "size": 65536}]
 _MASKED = ["/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list", "/proc/timer_stats",
            "/proc/sched_debug"]
 _READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
-_CFS_PERIOD_US = 100_000
 # runc creates no device nodes under a bind-mounted /dev, so the usual ones are bound in from the host.
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 _DEV_LINKS = {"ptmx": "pts/ptmx", "fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
@@ -80,7 +80,7 @@ def runc_config(rootfs: Path, dev_dir: Path, hostname: str, cgroups_path: str, l
             "cgroupsPath": cgroups_path,
             "resources": {
                 "memory": {"limit": limits.memory_bytes, "swap": limits.memory_bytes},
-                "cpu": {"quota": limits.cpu_millis * _CFS_PERIOD_US // 1000, "period": _CFS_PERIOD_US},
+                "cpu": {"quota": cfs_quota_us(limits.cpu_millis), "period": CFS_PERIOD_US},
                 "pids": {"limit": limits.pids},
             },
             "maskedPaths": _MASKED,
