@@ -26,6 +26,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 
 from bench.sandbox_workload import BUMP, COUNTER_PY
+from services.sandbox.backends import criu, namespace
 from services.sandbox.backends.base import ExecSpec, collect
 from services.sandbox.backends.registry import available_backends
 from services.sandbox.config import SandboxConfig
@@ -38,6 +39,7 @@ AGENTENV_MS = {"pause": (100.0, "< 100"), "resume": (50.0, "< 50"), "snapshot": 
                "restore": (49.0, "49"), "hibernate": (100.0, "< 100 (pause)"), "wake": (50.0, "< 50 (resume)")}
 GOALS_MS = {"pause": 20.0, "resume": 20.0, "fork": 300.0, "restore": 300.0}
 OPS = ("create", "exec", "pause", "resume", "snapshot", "restore", "fork", "hibernate", "wake")
+CGROUP_GROUP = {"namespace": namespace.CGROUP_GROUP, "criu": criu.CGROUP_GROUP}
 
 
 def _mem_available() -> int:
@@ -48,7 +50,7 @@ def _mem_available() -> int:
 
 
 def _group(mgr: SandboxManager, sid: str) -> str:
-    return "k3sandbox-ns" if mgr.sandboxes[sid].backend.name == "namespace" else "k3sandbox-criu"
+    return CGROUP_GROUP[mgr.sandboxes[sid].backend.name]
 
 
 def _pss_and_private(mgr: SandboxManager, sid: str) -> tuple[int, int]:

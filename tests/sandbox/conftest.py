@@ -18,6 +18,7 @@ import pytest
 from bench.sandbox_workload import BUMP, COUNTER_PY
 from k3.v1 import sandbox_pb2 as pb
 from k3.v1 import sandbox_pb2_grpc
+from services.sandbox.backends import criu, namespace
 from services.sandbox.backends.registry import unavailable_reason
 from tests.support.processes import ServiceProcess
 
@@ -26,6 +27,9 @@ NS_UNAVAILABLE = NS_UNAVAILABLE or unavailable_reason("namespace")
 CRIU_UNAVAILABLE = NS_UNAVAILABLE or unavailable_reason("criu")
 requires_namespace = pytest.mark.skipif(bool(NS_UNAVAILABLE), reason=f"namespace backend: {NS_UNAVAILABLE}")
 requires_criu = pytest.mark.skipif(bool(CRIU_UNAVAILABLE), reason=f"CRIU backend: {CRIU_UNAVAILABLE}")
+# Each backend's parent cgroup (under every controller) holds one child cgroup per sandbox.
+CGROUP_GROUP = {"namespace": namespace.CGROUP_GROUP, "criu": criu.CGROUP_GROUP}
+
 
 def leaked_mounts(root: Path) -> list[str]:
     return [line for line in Path("/proc/self/mounts").read_text().splitlines() if str(root) in line]
@@ -33,7 +37,7 @@ def leaked_mounts(root: Path) -> list[str]:
 
 def leaked_cgroups(sandbox_ids: set[str]) -> list[str]:
     found = []
-    for group in ("k3sandbox-ns", "k3sandbox-criu"):
+    for group in CGROUP_GROUP.values():
         for controller in Path("/sys/fs/cgroup").iterdir():
             found += [str(p) for p in (controller / group).glob("*") if p.is_dir() and p.name in sandbox_ids]
     return found
@@ -108,7 +112,8 @@ def sandbox_service(tmp_path_factory):
     assert proc.wait(60) == 0, proc.log()[-3000:]
     assert leaked_mounts(root) == []
     assert leaked_cgroups(client.created) == []
-    assert list(Path("/sys/fs/cgroup").glob("*/k3sandbox-*")) == []  # the backends' parent cgroups too
+    parents = [p for group in CGROUP_GROUP.values() for p in Path("/sys/fs/cgroup").glob(f"*/{group}")]
+    assert parents == []  # the backends' parent cgroups are gone too
     stray = subprocess.run(["pgrep", "-f", str(root)], capture_output=True, text=True).stdout.split()
     assert stray == [], f"processes left behind: {stray}"
 

@@ -14,11 +14,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from k3.v1 import sandbox_pb2 as pb
-from tests.sandbox.conftest import requires_criu, requires_namespace
+from tests.sandbox.conftest import CGROUP_GROUP, requires_criu, requires_namespace
 
 pytestmark = requires_namespace
 MIB = 1 << 20
-GROUP = {"namespace": "k3sandbox-ns", "criu": "k3sandbox-criu"}
 both_backends = pytest.mark.parametrize("backend", ["namespace", pytest.param("criu", marks=requires_criu)])
 
 
@@ -35,8 +34,12 @@ def _bystander_ok(client, sid: str, expected_before: int) -> None:
     assert client.bump(sid) == expected_before + 1
 
 
+def _cgroup_file(backend: str, sid: str, controller: str, name: str) -> Path:
+    return Path(f"/sys/fs/cgroup/{controller}/{CGROUP_GROUP[backend]}/{sid}/{name}")
+
+
 def _cgroup_value(backend: str, sid: str, controller: str, name: str) -> int:
-    return int(Path(f"/sys/fs/cgroup/{controller}/{GROUP[backend]}/{sid}/{name}").read_text())
+    return int(_cgroup_file(backend, sid, controller, name).read_text())
 
 
 @both_backends
@@ -46,7 +49,7 @@ def test_fork_bomb_is_capped_by_pids_limit(client, bystander, backend):
     assert code == 124  # ran into its wall clock
     assert _cgroup_value(backend, sid, "pids", "pids.max") == 32
     assert _cgroup_value(backend, sid, "pids", "pids.current") <= 32
-    assert int(Path(f"/sys/fs/cgroup/pids/{GROUP[backend]}/{sid}/pids.events").read_text().split()[1]) > 0
+    assert int(_cgroup_file(backend, sid, "pids", "pids.events").read_text().split()[1]) > 0  # "max N"
     assert client.sh(sid, "echo alive")[1] == "alive\n"  # the timeout killed the whole bomb, not just sh
     client.destroy(sid)
     _bystander_ok(client, bystander, client.bump(bystander))
@@ -121,8 +124,7 @@ def test_sandboxes_cannot_see_or_signal_each_other(client, bystander):
     victim = client.create().sandbox_id
     client.run(victim, ["bash", "-c", f"exec -a sleeper-{marker} sleep 600"], background=True)
     assert marker in client.sh(victim, "sleep 0.2; ps ax -o args=")[1]
-    victim_pids = [int(p) for p in Path(f"/sys/fs/cgroup/pids/k3sandbox-ns/{victim}/cgroup.procs")
-                   .read_text().split()]
+    victim_pids = _cgroup_file("namespace", victim, "pids", "cgroup.procs").read_text().split()
     attacker = client.create().sandbox_id
     code, out, _ = client.sh(attacker, "ps ax -o pid=,args=")
     assert code == 0 and marker not in out
@@ -147,7 +149,7 @@ def test_process_ignoring_sigterm_is_killed_at_its_wall_clock(client, backend):
     # The same stubborn process in the background does not stop the sandbox from being destroyed.
     client.run(sid, ["python3", "-c", stubborn], background=True)
     client.destroy(sid)
-    assert not Path(f"/sys/fs/cgroup/pids/{GROUP[backend]}/{sid}").exists()
+    assert not Path(f"/sys/fs/cgroup/pids/{CGROUP_GROUP[backend]}/{sid}").exists()
 
 
 def test_manager_keeps_serving_after_the_attacks(client, sandbox_service, bystander):

@@ -17,7 +17,7 @@ from services.sandbox.config import SandboxConfig
 from services.sandbox.errors import InvalidRequest, NotFound
 from services.sandbox.limits import _FLOORS, LimitRequest, resolve_limits
 from services.sandbox.manager import SandboxManager
-from tests.sandbox.conftest import leaked_mounts, requires_criu, requires_namespace
+from tests.sandbox.conftest import CGROUP_GROUP, leaked_mounts, requires_criu, requires_namespace
 
 
 @pytest.fixture
@@ -138,6 +138,5 @@ async def test_a_restarted_manager_reaps_sandboxes_left_by_a_crashed_one(manager
     await successor.start()
     await successor.close()
     assert leaked_mounts(tmp_path) == []
-    group = {"namespace": "k3sandbox-ns", "criu": "k3sandbox-criu"}[backend]
     for controller in ("unified", "memory", "pids"):
-        assert not Path(f"/sys/fs/cgroup/{controller}/{group}/{sb.sandbox_id}").exists()
+        assert not Path(f"/sys/fs/cgroup/{controller}/{CGROUP_GROUP[backend]}/{sb.sandbox_id}").exists()

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from k3.v1 import sandbox_pb2 as pb
-from tests.sandbox.conftest import requires_criu, requires_namespace
+from tests.sandbox.conftest import CGROUP_GROUP, requires_criu, requires_namespace
 
 
 def _cpu_usage_us(backend_group: str, sandbox_id: str) -> int:
@@ -41,7 +41,7 @@ def test_namespace_files_survive_snapshot_restore_and_fork(client):
     sid = client.create().sandbox_id
     client.start_counter(sid)
     assert [client.bump(sid), client.bump(sid)] == [1, 2]
-    _pause_stops_cpu(client, sid, "k3sandbox-ns")
+    _pause_stops_cpu(client, sid, CGROUP_GROUP["namespace"])
     assert client.bump(sid) == 3  # memory state intact across pause/resume
 
     snap = client.stub.SnapshotSandbox(pb.SnapshotSandboxRequest(sandbox_id=sid))
@@ -71,7 +71,7 @@ def test_criu_memory_state_survives_snapshot_restore_and_fork(client):
     sid = client.create(backend="criu").sandbox_id
     client.start_counter(sid)
     assert [client.bump(sid), client.bump(sid)] == [1, 2]
-    _pause_stops_cpu(client, sid, "k3sandbox-criu")
+    _pause_stops_cpu(client, sid, CGROUP_GROUP["criu"])
     assert client.bump(sid) == 3
 
     snap = client.stub.SnapshotSandbox(pb.SnapshotSandboxRequest(sandbox_id=sid))
@@ -94,7 +94,7 @@ def test_criu_memory_state_survives_snapshot_restore_and_fork(client):
     client.stub.PauseSandbox(pb.PauseSandboxRequest(sandbox_id=b, release_memory=True))
     info = client.stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=b)).sandbox
     assert info.state == pb.SANDBOX_STATE_PAUSED and info.memory_released
-    assert not Path(f"/sys/fs/cgroup/pids/k3sandbox-criu/{b}").exists()  # no task of it is left
+    assert not Path(f"/sys/fs/cgroup/pids/{CGROUP_GROUP['criu']}/{b}").exists()  # no task of it is left
     assert info.memory_bytes < running_bytes
     assert client.bump(b) == 6  # exec resumes it: restored from disk, continuing from 5
     assert not client.stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=b)).sandbox.memory_released
