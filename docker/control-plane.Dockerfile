@@ -18,7 +18,9 @@ COPY bench ./bench
 RUN pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE}
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# The CPU-only torch wheel comes from PyTorch's own wheel index (its `whl/cpu` URL), not from the default
+# index: pass it with --build-arg TORCH_INDEX_URL=...; the build stops with that hint when it is missing.
+ARG TORCH_INDEX_URL
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -31,7 +33,8 @@ RUN apt-get update \
  && groupadd --system --gid 10001 k3 \
  && useradd --system --uid 10001 --gid k3 --create-home --home-dir /home/k3 --shell /usr/sbin/nologin k3
 COPY docker/constraints.txt /tmp/constraints.txt
-RUN pip install --no-cache-dir --constraint /tmp/constraints.txt --extra-index-url "${TORCH_INDEX_URL}" \
+RUN pip install --no-cache-dir --constraint /tmp/constraints.txt \
+      --extra-index-url "${TORCH_INDEX_URL:?pass --build-arg TORCH_INDEX_URL (the PyTorch CPU wheel index)}" \
       torch==2.13.0+cpu
 COPY --from=build /wheels /tmp/wheels
 RUN pip install --no-cache-dir --constraint /tmp/constraints.txt /tmp/wheels/*.whl \
