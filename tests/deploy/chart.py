@@ -14,6 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO / "helm" / "k3"
 CI_VALUES = sorted((CHART_DIR / "ci").glob("*-values.yaml"))
 RELEASE = "k3"
+# Every service the chart can deploy, written out here rather than read from values.yaml.
+SERVICES = ("gateway", "admission", "router", "prefill", "decode", "kvtransfer", "sandbox", "trainer")
 NAMESPACE = "serve"
 # Minimal values that install: the chart refuses to invent the fleet-wide auth token.
 MINIMAL = {"auth": {"token": "0123456789abcdef-test"}}

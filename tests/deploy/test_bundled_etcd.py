@@ -8,18 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
 
+from services.runtime.ports import free_port
 from tests.deploy.chart import MINIMAL, container, of_kind, render
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_rendered_etcd_command_runs_and_turns_ready(tmp_path):
@@ -27,7 +21,7 @@ def test_rendered_etcd_command_runs_and_turns_ready(tmp_path):
     assert etcd_binary, "etcd missing: apt-get install etcd-server (.ci/setup does)"
     statefulset = of_kind(render({**MINIMAL, "etcd": {"bundled": {"replicas": 1}}}), "StatefulSet")["etcd"]
     spec = container(statefulset)
-    ports = {p["name"]: (p["containerPort"], _free_port()) for p in spec["ports"]}
+    ports = {p["name"]: (p["containerPort"], free_port()) for p in spec["ports"]}
     command = []
     for arg in spec["command"][1:]:
         arg = arg.replace("$(POD_NAME).k3-etcd-headless.serve.svc", "127.0.0.1")

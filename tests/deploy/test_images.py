@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import re
-import socket
+import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
 
+from services.runtime.ports import free_port
 from tests.deploy.chart import REPO
 
 DOCKER = REPO / "docker"
@@ -97,11 +99,8 @@ def test_constraints_pin_every_runtime_dependency():
 
 
 def test_health_entrypoint_reports_a_dead_server():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     result = subprocess.run([sys.executable, "-m", "services.cli.main", "health", "--address",
-                             f"127.0.0.1:{port}", "--timeout", "0.5"], capture_output=True, text=True,
+                             f"127.0.0.1:{free_port()}", "--timeout", "0.5"], capture_output=True, text=True,
                             timeout=30, cwd=REPO)
     assert result.returncode == 1 and "UNREACHABLE" in result.stdout, result.stderr
 
@@ -125,9 +124,6 @@ def test_both_images_build_the_same_wheel_inputs():
 def test_build_stage_inputs_make_a_complete_wheel(tmp_path):
     """Runs the build stage's wheel step on exactly the files it copies: the wheel must carry the `k3` entry
     point, the generated stubs and every service."""
-    import shutil
-    import zipfile
-
     context = tmp_path / "src"
     context.mkdir()
     for source in _build_stage_copies(DOCKERFILES[0]):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import yaml
+
 from tests.deploy.chart import ci_values, container, env_map, of_kind, render_file
 
 CONTROL_PLANE = {"gateway", "admission", "router"}
@@ -48,8 +50,6 @@ def test_all_releases_share_one_external_etcd_and_one_token():
 
 
 def test_control_plane_gateway_finds_its_router_and_admission():
-    import yaml
-
     config_map = of_kind(_objects("multi-cluster-control-plane"), "ConfigMap")["config"]
     gateway = yaml.safe_load(config_map["data"]["config.yaml"])["gateway"]
     assert gateway["router_address"] == "k3-router.serve.svc:50051"

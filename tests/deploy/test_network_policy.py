@@ -6,10 +6,9 @@ import itertools
 
 import pytest
 
-from tests.deploy.chart import MINIMAL, ci_values, of_kind, render, render_file
+from tests.deploy.chart import MINIMAL, SERVICES, ci_values, of_kind, render, render_file
 from tests.deploy.netpol import Peer, allowed
 
-SERVICES = ["gateway", "admission", "router", "prefill", "decode", "kvtransfer", "sandbox", "trainer"]
 # The intended graph, written from the data flow (client -> gateway -> admission/router -> prefill/decode,
 # pages prefill -> kvtransfer -> decode, trainer beside it), independently of values.yaml.
 EDGES = {

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from services.cli.drill.faults import KubeFault
 from services.cli.scale_cmd import scale_kube
 from tests.deploy.chart import MINIMAL, ci_values, load_values, of_kind, render, render_file
 
@@ -71,8 +72,6 @@ def test_scale_reaches_the_bundled_etcd_statefulset():
 
 
 def test_drill_pod_selectors_match_the_chart_pods():
-    from services.cli.drill.faults import KubeFault
-
     objects = render_file(ci_values("single-cluster"))
     pod_labels = [o["spec"]["template"]["metadata"]["labels"] for o in objects
                   if o["kind"] in ("Deployment", "StatefulSet")]

@@ -14,7 +14,7 @@ import yaml
 
 from services.cli.main import SERVICES
 from services.runtime.config import ServiceConfig
-from tests.deploy.chart import CI_VALUES, container, of_kind, pod_env, render_file
+from tests.deploy.chart import CI_VALUES, ci_values, container, of_kind, pod_env, render_file
 
 POD_IP = "10.1.2.3"
 
@@ -52,6 +52,6 @@ def test_every_pod_config_loads_and_validates(values_file, tmp_path):
 
 
 def test_gateway_http_port_comes_from_the_chart():
-    objects = render_file(next(p for p in CI_VALUES if p.stem.startswith("single-cluster")))
+    objects = render_file(ci_values("single-cluster"))
     data = yaml.safe_load(of_kind(objects, "ConfigMap")["config"]["data"]["config.yaml"])
     assert data["gateway"]["http_port"] == 8080

@@ -7,6 +7,7 @@ import pytest
 from tests.deploy.chart import (
     CI_VALUES,
     MINIMAL,
+    SERVICES,
     ci_values,
     container,
     env_map,
@@ -16,7 +17,7 @@ from tests.deploy.chart import (
     render_file,
 )
 
-ALL = {"gateway", "admission", "router", "prefill", "decode", "kvtransfer", "sandbox", "trainer"}
+ALL = set(SERVICES)
 GPU = {"prefill", "decode", "trainer"}
 
 
