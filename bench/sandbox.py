@@ -133,8 +133,9 @@ async def bench_density(mgr: SandboxManager, backend: str, count: int) -> dict:
     await asyncio.sleep(1.0)
     be = mgr.backends[backend]
     running = statistics.mean(be.memory_bytes(mgr.sandboxes[s].handle) for s in ids)
-    pss = statistics.mean(_pss_and_private(mgr, s)[0] for s in ids)
-    private = statistics.mean(_pss_and_private(mgr, s)[1] for s in ids)
+    pss_private = [_pss_and_private(mgr, s) for s in ids]
+    pss = statistics.mean(p for p, _ in pss_private)
+    private = statistics.mean(q for _, q in pss_private)
     for s in ids:
         await mgr.pause(s)
     cpu_before = _cpu_seconds(mgr, ids)

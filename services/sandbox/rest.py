@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 import grpc
 from aiohttp import web
 
-from services.sandbox.backends.base import ExecSpec, collect
+from services.sandbox.backends.base import SANDBOX_HOME, ExecSpec, collect
 from services.sandbox.errors import InvalidRequest, SandboxError
 from services.sandbox.limits import LimitRequest
 from services.sandbox.manager import Sandbox, SandboxManager
@@ -167,9 +167,8 @@ def rest_app(manager: SandboxManager) -> web.Application:
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
             raise InvalidRequest("cmd", "must be a shell string or a non-empty list of strings")
         spec = ExecSpec(argv=argv, stdin=str(body.get("stdin", "")).encode(), timeout_s=_int(body, "timeout"),
-                        env=dict(body.get("envs") or {}), background=bool(body.get("background", False)))
-        if body.get("cwd"):
-            spec.cwd = str(body["cwd"])
+                        cwd=str(body.get("cwd") or SANDBOX_HOME), env=dict(body.get("envs") or {}),
+                        background=bool(body.get("background", False)))
         result = await collect(manager.exec(request.match_info["id"], spec))
         return web.json_response({"stdout": result.stdout.decode(errors="replace"),
                                   "stderr": result.stderr.decode(errors="replace"), "exitCode": result.exit_code})

@@ -10,7 +10,7 @@ import grpc
 from k3.v1 import sandbox_pb2 as pb
 from k3.v1 import sandbox_pb2_grpc
 from services.sandbox.backends import registry
-from services.sandbox.backends.base import ExecSpec
+from services.sandbox.backends.base import SANDBOX_HOME, ExecSpec
 from services.sandbox.limits import LimitRequest
 from services.sandbox.manager import Sandbox, SandboxManager
 
@@ -58,9 +58,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
     async def Exec(self, request: pb.ExecRequest, context: grpc.aio.ServicerContext
                    ) -> AsyncIterator[pb.ExecResponse]:
         spec = ExecSpec(argv=list(request.argv), stdin=request.stdin, timeout_s=float(request.timeout_s),
-                        env=dict(request.env), background=request.background)
-        if request.cwd:
-            spec.cwd = request.cwd
+                        cwd=request.cwd or SANDBOX_HOME, env=dict(request.env), background=request.background)
         async for chunk in self.manager.exec(request.sandbox_id, spec):
             yield pb.ExecResponse(stdout=chunk.stdout, stderr=chunk.stderr, exited=chunk.exit_code is not None,
                                   exit_code=chunk.exit_code or 0)

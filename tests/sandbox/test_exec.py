@@ -34,6 +34,7 @@ def test_stdin_env_cwd_and_binary_output(client, backend):
     code, out, _ = client.run(sid, ["sh", "-c", "echo $SANDBOX_WIDE $PER_CALL $(pwd) $(id -u)"],
                               env={"PER_CALL": "b"}, cwd="/tmp")
     assert (code, out) == (0, "a b /tmp 1000\n")
+    assert client.sh(sid, "pwd")[1] == "/home/user\n"  # a request without cwd starts in the user's home
     code, _, err = client.run(sid, ["no-such-program"])
     assert code == 127 and "no-such-program" in err
     client.destroy(sid)

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from services.sandbox.backends.base import (
-    SANDBOX_HOME,
     SANDBOX_UID,
     Capabilities,
     ExecChunk,
@@ -108,7 +107,7 @@ class CriuBackend(SandboxBackend):
     def exec(self, sb: SandboxHandle, spec: ExecSpec) -> AsyncIterator[ExecChunk]:
         exec_id = os.urandom(8).hex()
         argv = ["runc", "--root", str(self.state_dir), "exec", "--user", f"{SANDBOX_UID}:{SANDBOX_UID}"]
-        argv += ["--cwd", spec.cwd or SANDBOX_HOME, "--no-new-privs"]
+        argv += ["--cwd", spec.cwd, "--no-new-privs"]
         for k, v in {**command_env(sb.env, spec.env), EXEC_TAG: exec_id}.items():
             argv += ["--env", f"{k}={v}"]
         # Through `env`, a missing program exits 127 as in a shell (runc itself would fail with 255).

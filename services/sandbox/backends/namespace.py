@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from services.sandbox.backends.base import (
-    SANDBOX_HOME,
     SANDBOX_UID,
     Capabilities,
     ExecChunk,
@@ -98,7 +97,7 @@ class NamespaceBackend(SandboxBackend):
         argv = ["nsenter", "-t", str(sb.state["anchor_pid"]), "-m", "-u", "-i", "-n", "-p", "-r", "-w"]
         argv += ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups"]
         argv += ["--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
-        argv += ["env", "-i", "-C", spec.cwd or SANDBOX_HOME, *(f"{k}={v}" for k, v in env.items()), *inner]
+        argv += ["env", "-i", "-C", spec.cwd, *(f"{k}={v}" for k, v in env.items()), *inner]
 
         async def terminate() -> None:
             await cgroups.terminate(child, TERM_GRACE_S)
