@@ -51,6 +51,22 @@ def test_reference_step_matches_float64_math():
         torch.testing.assert_close(state_pool[s].double(), expected[b][1], rtol=1e-5, atol=1e-6)
 
 
+def test_reference_prefill_block_equals_token_by_token_decode():
+    """The chunked prefill reference (k3core's kda_chunk) continues a pooled state exactly as decode steps do."""
+    gen = torch.Generator().manual_seed(7)
+    params = CASE.params(gen)
+    state_pool, conv_pool = CASE.pools(gen)
+    x = CASE.tokens(gen, 2, 5)
+    slots = torch.tensor([3, 0])
+    y, state, conv = naive.kda_prefill_block(*x, *params, initial_state=state_pool[slots].clone(),
+                                             initial_conv=conv_pool[slots].clone())
+    steps = torch.stack([naive.kda_decode_step(*(t[:, i] for t in x), *params, state_pool, conv_pool, slots)
+                         for i in range(5)], dim=1)
+    torch.testing.assert_close(y, steps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, state_pool[slots], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(conv, conv_pool[slots], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(("lower_bound", "block_v"), [(-5.0, None), (None, None), (-5.0, 4)])
 def test_triton_decode_step_matches_reference(interpreted, lower_bound, block_v):
     gen = torch.Generator().manual_seed(2)
@@ -133,16 +149,15 @@ def test_triton_verify_matches_reference_and_snapshots(interpreted):
     torch.testing.assert_close(pools[1], ref_pools[1], rtol=0, atol=0)
 
 
+# Positions in (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool, slots).
 @pytest.mark.parametrize(
-    ("change", "field"),
-    [(lambda a: a.__setitem__(0, a[0][..., :8]), "k"), (lambda a: a.__setitem__(12, a[12].float()), "slots"),
-     (lambda a: a.__setitem__(10, a[10].double()), "state_pool"), (lambda a: a.__setitem__(7, a[7][:1]), "A_log")],
+    ("index", "spoil", "field"),
+    [(1, lambda t: t[..., :8], "k"), (12, lambda t: t.float(), "slots"),
+     (10, lambda t: t.double(), "state_pool"), (7, lambda t: t[:1], "A_log")],
 )
-def test_bad_input_names_the_field(interpreted, change, field):
+def test_bad_input_names_the_field(interpreted, index, spoil, field):
     gen = torch.Generator().manual_seed(6)
     args = [*CASE.tokens(gen, 2, 1), *CASE.params(gen), *CASE.pools(gen), torch.tensor([0, 1])]
-    args[1], args[0] = args[0], args[1]  # change(…, 0) edits k
-    change(args)
-    args[0], args[1] = args[1], args[0]
+    args[index] = spoil(args[index])
     with pytest.raises(ValueError, match=field):
         decode_triton.fused_kda_recurrent(*args)
