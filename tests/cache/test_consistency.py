@@ -238,3 +238,23 @@ def test_a_copy_on_write_copy_takes_over_the_endpoints_of_its_evicted_source() -
     oracle = PrefixOracle(LAYOUT)
     oracle.learn(tokens)
     assert oracle.check(manager) >= 2
+
+
+def test_prefetch_brings_a_written_back_prefix_back_before_reuse() -> None:
+    manager, registry = make(cpu=64)
+    run(manager, "a", TOKENS[:40])
+    manager.evict_idle(manager.pool.num_pages)
+    assert manager.lookup(chain_hashes(TOKENS[:45], 4), 45).num_tokens == 40  # from the CPU tier
+    assert manager.prefetch(chain_hashes(TOKENS[:45], 4), 45) == 40
+    assert manager.lookup(chain_hashes(TOKENS[:45], 4), 45).checkpoint is not None
+    assert manager.checkpoints.find(chain_hashes(TOKENS[:40], 4)[-1]) is None  # pending until commit
+    manager.commit_step()
+    hit = manager.lookup(chain_hashes(TOKENS[:45], 4), 45)
+    assert hit.checkpoint is manager.checkpoints.find(chain_hashes(TOKENS[:40], 4)[-1])  # GPU-resident now
+    oracle = PrefixOracle(LAYOUT)
+    oracle.learn(TOKENS[:45])
+    assert oracle.check(manager) > 0
+    assert manager.add_request("b", TOKENS[:45]) == 40
+    manager.pre_forward()
+    oracle.check_private(manager, "b", TOKENS[:45])
+    assert registry.get_sample_value("k3_prefix_cache_cpu_tier_bytes_total", {"direction": "prefetch"}) > 0

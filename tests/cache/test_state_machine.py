@@ -34,6 +34,8 @@ def _next_token(tokens: list[int], data: st.DataObject) -> int:
 
 
 class CacheMachine(RuleBasedStateMachine):
+    checks_run = 0  # invariant passes over all examples: one after every rule, plus one at the start
+
     def __init__(self) -> None:
         super().__init__()
         self.layout = tiny_layout(hash_block=4, tokens_per_block=12)
@@ -129,6 +131,7 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def entries_hold_their_prefix(self) -> None:
         self.entries_checked += self.oracle.check(self.manager)
+        CacheMachine.checks_run += 1
 
     @invariant()
     def refcounts_match_references(self) -> None:
@@ -149,19 +152,22 @@ class CacheMachine(RuleBasedStateMachine):
             assert owners == {id(checkpoint)} and len(checkpoint.pages) == self.layout.num_kda_groups
 
 
-def _run(examples: int, steps: int) -> None:
+def _run(examples: int, steps: int) -> int:
+    """Run the machine; returns how many rule steps were checked."""
     CacheMachine.TestCase.settings = settings(
         max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=True,
         suppress_health_check=list(HealthCheck))
     torch.manual_seed(0)
+    CacheMachine.checks_run = 0
     CacheMachine.TestCase().runTest()
+    return CacheMachine.checks_run - examples
 
 
 def test_cache_state_machine() -> None:
-    _run(examples=6, steps=25)
+    assert _run(examples=15, steps=30) >= 300
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
 def test_cache_state_machine_long() -> None:
-    _run(examples=250, steps=50)  # >= 10^4 rule interleavings
+    assert _run(examples=250, steps=50) >= 10_000  # random interleavings, each step checked

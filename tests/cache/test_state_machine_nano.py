@@ -123,6 +123,6 @@ def nano() -> K3Model:
 
 def test_nano_state_machine(nano: K3Model) -> None:
     NanoMachine.model = nano
-    NanoMachine.TestCase.settings = settings(max_examples=3, stateful_step_count=15, deadline=None,
+    NanoMachine.TestCase.settings = settings(max_examples=4, stateful_step_count=15, deadline=None,
                                              derandomize=True, suppress_health_check=list(HealthCheck))
     NanoMachine.TestCase().runTest()
