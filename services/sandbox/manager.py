@@ -12,9 +12,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.sandbox import metrics
@@ -28,35 +27,11 @@ from services.sandbox.config import SandboxConfig
 from services.sandbox.errors import InvalidRequest, NotFound, QuotaExceeded, WrongState
 from services.sandbox.images import ImageStore
 from services.sandbox.limits import LimitRequest, resolve_limits
+from services.sandbox.record import Sandbox
 from services.sandbox.snapshots import Snapshot, SnapshotStore
 
 log = logging.getLogger("k3.sandbox")
 _TOMBSTONES = 10_000
-
-
-@dataclass
-class Sandbox:
-    sandbox_id: str
-    tenant: str
-    backend: SandboxBackend
-    handle: SandboxHandle
-    idle_pause_s: float = 0
-    ttl_s: float = 0
-    snapshot_interval_s: float = 0
-    created: float = field(default_factory=time.time)
-    last_active: float = field(default_factory=time.monotonic)
-    next_snapshot: float = 0
-    snapshots: list[str] = field(default_factory=list)
-    periodic: deque[str] = field(default_factory=deque)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    running_execs: int = 0
-
-    @property
-    def paused(self) -> bool:
-        return self.handle.paused
-
-    def touch(self) -> None:
-        self.last_active = time.monotonic()
 
 
 class SandboxManager:

@@ -6,12 +6,10 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from prometheus_client import Gauge, Histogram
 
-if TYPE_CHECKING:  # the manager imports this module
-    from services.sandbox.manager import Sandbox
+from services.sandbox.record import Sandbox
 
 OP_SECONDS = Histogram(
     "k3_sandbox_operation_seconds", "Latency of sandbox operations", ["op", "backend"],

@@ -21,7 +21,8 @@ from aiohttp import web
 from services.sandbox.backends.base import SANDBOX_HOME, ExecSpec, collect
 from services.sandbox.errors import InvalidRequest, SandboxError
 from services.sandbox.limits import LimitRequest
-from services.sandbox.manager import Sandbox, SandboxManager
+from services.sandbox.manager import SandboxManager
+from services.sandbox.record import Sandbox
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,

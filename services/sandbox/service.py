@@ -12,7 +12,8 @@ from k3.v1 import sandbox_pb2_grpc
 from services.sandbox.backends import registry
 from services.sandbox.backends.base import SANDBOX_HOME, ExecSpec
 from services.sandbox.limits import LimitRequest
-from services.sandbox.manager import Sandbox, SandboxManager
+from services.sandbox.manager import SandboxManager
+from services.sandbox.record import Sandbox
 
 _STATE = {True: pb.SANDBOX_STATE_PAUSED, False: pb.SANDBOX_STATE_RUNNING}
 
