@@ -79,6 +79,13 @@ def _int(body: dict, key: str, default: int = 0) -> int:
     return value
 
 
+def _string_map(body: dict, key: str) -> dict[str, str]:
+    value = body.get(key) or {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise InvalidRequest(key, f"must be an object of string values, got {value!r}")
+    return value
+
+
 def rest_app(manager: SandboxManager) -> web.Application:
     routes = web.RouteTableDef()
 
@@ -96,7 +103,7 @@ def rest_app(manager: SandboxManager) -> web.Application:
                                     disk_bytes=_int(body, "diskSizeMB") << 20,
                                     network=bool(body.get("allowInternetAccess", False))),
                 idle_pause_s=_int(body, "autoPauseAfter"), ttl_s=_int(body, "timeout"),
-                snapshot_interval_s=_int(body, "snapshotInterval"), env=dict(body.get("envVars") or {}))
+                snapshot_interval_s=_int(body, "snapshotInterval"), env=_string_map(body, "envVars"))
         return web.json_response(sandbox_json(sb), status=201)
 
     @routes.get("/sandboxes")
@@ -121,10 +128,11 @@ def rest_app(manager: SandboxManager) -> web.Application:
     @routes.post("/sandboxes/{id}/resume")
     async def resume(request: web.Request) -> web.Response:
         sid = request.match_info["id"]
+        body = await _body(request)  # checked first: a bad body must not leave the sandbox resumed
+        ttl = _int(body, "timeout") if "timeout" in body else None
         await manager.resume(sid)
-        body = await _body(request)
-        if "timeout" in body:
-            manager.set_ttl(sid, _int(body, "timeout"))
+        if ttl is not None:
+            manager.set_ttl(sid, ttl)
         return web.json_response(sandbox_json(manager.get(sid)), status=201)
 
     @routes.post("/sandboxes/{id}/timeout")
@@ -168,7 +176,7 @@ def rest_app(manager: SandboxManager) -> web.Application:
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
             raise InvalidRequest("cmd", "must be a shell string or a non-empty list of strings")
         spec = ExecSpec(argv=argv, stdin=str(body.get("stdin", "")).encode(), timeout_s=_int(body, "timeout"),
-                        cwd=str(body.get("cwd") or SANDBOX_HOME), env=dict(body.get("envs") or {}),
+                        cwd=str(body.get("cwd") or SANDBOX_HOME), env=_string_map(body, "envs"),
                         background=bool(body.get("background", False)))
         result = await collect(manager.exec(request.match_info["id"], spec))
         return web.json_response({"stdout": result.stdout.decode(errors="replace"),

@@ -63,9 +63,18 @@ def test_rest_errors_are_json_with_http_status(http):
     assert r.status_code == 400 and "timeout" in r.json()["message"]
     r = http.post("/sandboxes", json={"memoryMB": 1 << 30})
     assert r.status_code == 400 and "limits.memory_bytes" in r.json()["message"]
+    r = http.post("/sandboxes", json={"envVars": ["A=1"]})
+    assert r.status_code == 400 and "envVars" in r.json()["message"]
     sid = http.post("/sandboxes", json={}).json()["sandboxID"]
     r = http.post(f"/sandboxes/{sid}/commands", json={"cmd": []})
     assert r.status_code == 400 and "cmd" in r.json()["message"]
+    r = http.post(f"/sandboxes/{sid}/commands", json={"cmd": "true", "envs": {"N": 1}})
+    assert r.status_code == 400 and "envs" in r.json()["message"]
+    # A bad body is refused before anything happens: the paused sandbox stays paused.
+    assert http.post(f"/sandboxes/{sid}/pause").status_code == 204
+    r = http.post(f"/sandboxes/{sid}/resume", json={"timeout": "soon"})
+    assert r.status_code == 400 and "timeout" in r.json()["message"]
+    assert http.get(f"/sandboxes/{sid}").json()["state"] == "paused"
     r = http.post("/snapshots/snap-missing/restore")
     assert r.status_code == 404
     http.delete(f"/sandboxes/{sid}")
