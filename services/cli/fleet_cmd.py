@@ -85,6 +85,9 @@ def status(argv: list[str]) -> int:
         print("no local fleet (run `k3 up`)")
         return 1
     print(f"etcd      {state.etcd_endpoint} ({'up' if fleet.alive(state.etcd_pid) else 'DOWN'})")
+    view = fleet.router_view(state)
+    print("clusters  " + ("no router answers" if view is None else
+                          ", ".join(f"{c} {'healthy' if view.get(c) else 'UNHEALTHY'}" for c in state.clusters)))
     print_table(state, with_metrics=True)
     return 0
 

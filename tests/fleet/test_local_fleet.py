@@ -58,8 +58,8 @@ def test_status_shows_health_and_key_metrics(local_fleet):
     home, _, fleet_state = local_fleet
     shown = k3(home, "status", timeout=60)
     assert shown.returncode == 0, shown.stderr
-    lines = {line.split()[0]: line for line in shown.stdout.splitlines()[1:] if line.split()}
-    assert "(up)" in shown.stdout.splitlines()[0]
+    lines = {line.split()[0]: line for line in shown.stdout.splitlines() if line.split()}
+    assert "(up)" in lines["etcd"] and lines["clusters"].split()[1:] == ["c0", "healthy"]
     for m in fleet_state.members:
         assert "SERVING" in lines[m.service] and "registry_connected=1" in lines[m.service], shown.stdout
     assert "decode_running=" in lines["decode"] and "decode_pool_usage=" in lines["decode"]
