@@ -10,6 +10,7 @@ itself never shows up in listings or logs). Errors are JSON `{"code", "message"}
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import json
 from collections.abc import Awaitable, Callable
@@ -192,7 +193,10 @@ def rest_app(manager: SandboxManager) -> web.Application:
         path = request.query.get("path", "")
         data = await request.read()
         if request.headers.get("Content-Transfer-Encoding") == "base64":
-            data = base64.b64decode(data)
+            try:
+                data = base64.b64decode(data)
+            except binascii.Error as e:
+                raise InvalidRequest("body", f"not valid base64: {e}") from e
         n = await manager.write_file(request.match_info["id"], path, data, 0o644)
         return web.json_response({"path": path, "size": n})
 

@@ -70,6 +70,13 @@ def test_rest_errors_are_json_with_http_status(http):
     assert r.status_code == 400 and "cmd" in r.json()["message"]
     r = http.post(f"/sandboxes/{sid}/commands", json={"cmd": "true", "envs": {"N": 1}})
     assert r.status_code == 400 and "envs" in r.json()["message"]
+    r = http.post(f"/sandboxes/{sid}/files", params={"path": "/tmp/f"}, content=b"not base64!",
+                  headers={"Content-Transfer-Encoding": "base64"})
+    assert r.status_code == 400 and "base64" in r.json()["message"]
+    r = http.post(f"/sandboxes/{sid}/files", params={"path": "/tmp/f"}, content=b"aGk=",
+                  headers={"Content-Transfer-Encoding": "base64"})
+    assert r.json() == {"path": "/tmp/f", "size": 2}
+    assert http.get(f"/sandboxes/{sid}/files", params={"path": "/tmp/f"}).content == b"hi"
     # A bad body is refused before anything happens: the paused sandbox stays paused.
     assert http.post(f"/sandboxes/{sid}/pause").status_code == 204
     r = http.post(f"/sandboxes/{sid}/resume", json={"timeout": "soon"})
