@@ -33,6 +33,8 @@ def test_one_deployment_service_and_policy_per_enabled_service(values_file):
     expected = _enabled(values_file.name.removesuffix("-values.yaml"))
     assert set(of_kind(objects, "Deployment")) == expected
     assert set(of_kind(objects, "Service")) - {"etcd"} == expected
+    policies_on = load_values(values_file).get("networkPolicy", {}).get("enabled", True)
+    assert set(of_kind(objects, "NetworkPolicy")) - {"etcd"} == (expected if policies_on else set())
 
 
 def test_disabled_services_leave_nothing_behind():
