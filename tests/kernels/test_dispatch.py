@@ -24,6 +24,7 @@ def test_cpu_tensors_take_the_reference():
 
 
 def test_cuda_tensors_take_triton_unless_the_env_forces_the_reference(monkeypatch):
+    monkeypatch.delenv(dispatch.FORCE_REFERENCE_ENV, raising=False)
     assert dispatch.use_triton(FakeCudaTensor())  # tests/kernels runs only where triton is installed
     monkeypatch.setenv(dispatch.FORCE_REFERENCE_ENV, "1")
     assert not dispatch.use_triton(FakeCudaTensor())
