@@ -25,6 +25,8 @@ class WorkerConfig(ServiceConfig):
     weights_seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
+    # Intra-op threads per rank (0: torch's default). One per rank keeps TP ranks from fighting over cores.
+    torch_threads: int = 1
     # Tensor-parallel ranks of this worker (one process each); rank 0 serves gRPC.
     tp_size: int = 1
     # torch.distributed rendezvous port on 127.0.0.1 (0: pick a free one).

@@ -13,7 +13,7 @@ from k3.v1 import common_pb2
 from k3core.cache.manager import PrefixCacheManager
 from services.engine import kv_pages
 from services.engine.model_runner import ModelRunner
-from services.engine.plan import StepPlan
+from services.engine.plan import ForwardItem, StepPlan
 from services.kvtransfer.grpc_transport import GrpcTransport
 from services.kvtransfer.relayout import rank_layout
 from services.kvtransfer.transport import Transport
@@ -69,13 +69,9 @@ class Executor:
                 manager.finish(item.rid, False)
             elif item.reserved:
                 manager.forward_done(item.rid)
-        logits = None
-        if plan.forward:
-            cache = manager.batch_view([f.rid for f in plan.forward])
-            all_logits = self.runner.forward([f.token_ids for f in plan.forward], cache)
-            logits = all_logits[[i for i, f in enumerate(plan.forward) if f.sample]]
-            for item in plan.forward:
-                manager.forward_done(item.rid)
+        logits = self._forward(plan.forward) if plan.forward else None
+        for item in plan.forward:
+            manager.forward_done(item.rid)
         export_errors: dict[str, str] = {}
         for item in plan.exports:
             try:
@@ -85,6 +81,20 @@ class Executor:
         failed_exports = self._agree([e.rid for e in plan.exports], export_errors)
         manager.commit_step()
         return StepResult(logits, _messages(failed_imports, import_errors), _messages(failed_exports, export_errors))
+
+    def _forward(self, items: list[ForwardItem]) -> torch.Tensor:
+        """Decode steps and prefill chunks run as two forwards: a batch of single tokens takes the model's
+        vectorised step path, which a single prefill chunk in the batch would switch off for everyone."""
+        groups = [[i for i, f in enumerate(items) if len(f.token_ids) == 1],
+                  [i for i, f in enumerate(items) if len(f.token_ids) > 1]]
+        rows: dict[int, torch.Tensor] = {}
+        for group in groups:
+            if group:
+                batch = [items[i] for i in group]
+                out = self.runner.forward([f.token_ids for f in batch], self.manager.batch_view([f.rid for f in batch]))
+                rows.update(zip(group, out, strict=True))
+        return torch.stack([rows[i] for i, f in enumerate(items) if f.sample]) if any(f.sample for f in items) \
+            else torch.empty(0)
 
     def _agree(self, rids: list[str], local_errors: dict[str, str]) -> set[str]:
         """The items that failed on any rank (every rank must drop the same requests)."""

@@ -13,6 +13,16 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 
 
 class EngineMetrics:
+    """One set per role and process (Prometheus names are process-global); `for_role` hands it out."""
+
+    _by_role: dict[str, EngineMetrics] = {}
+
+    @classmethod
+    def for_role(cls, role: str) -> EngineMetrics:
+        if role not in cls._by_role:
+            cls._by_role[role] = cls(role)
+        return cls._by_role[role]
+
     def __init__(self, role: str):
         p = f"k3_{role}"
         self.running = Gauge(f"{p}_running", "Requests in the running batch")

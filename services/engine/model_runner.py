@@ -17,6 +17,8 @@ from services.engine.tensor_parallel import shard_model
 
 def build_model(config: WorkerConfig, rank: int, group: dist.ProcessGroup | None = None) -> K3Model:
     """The full model (checkpoint or seeded random weights), cut to this rank's shard."""
+    if config.torch_threads > 0:
+        torch.set_num_threads(config.torch_threads)
     model_config = config.model_config()
     model = K3Model(model_config)
     if config.checkpoint:

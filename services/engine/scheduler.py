@@ -36,6 +36,7 @@ class Scheduler:
         self.preemptions = 0
         self.lookup_tokens = 0  # prompt tokens looked up in the prefix cache at first admission
         self.hit_tokens = 0
+        self._pool_full = False
         # Requests that must leave before the next step: rid -> keep the turn's checkpoint.
         self._leaving: dict[str, bool] = {}
         # Filled by `schedule`: requests that could not be admitted even into an empty pool.
@@ -71,19 +72,21 @@ class Scheduler:
             self.manager.call("finish", rid, keep)
         self._leaving.clear()
         budget = self.budget
+        self._pool_full = False
         # Decode steps first (one token each, latency-critical), then prefill chunks, oldest first.
         for req in sorted(self.running, key=lambda r: (self._remaining(r) > 1, r.arrival)):
             if req.phase is not Phase.RUNNING:
                 continue  # preempted earlier in this pass
             budget -= self._schedule_tokens(req, budget, plan)
-        while self.waiting and len(self.running) < self.max_running and budget > 0:
+        # Nothing joins in a step that had to preempt: the pool is the limit, not the queue.
+        while self.waiting and len(self.running) < self.max_running and budget > 0 and not self._pool_full:
             req = self.waiting[0]
             outcome = self._admit(req, plan)
             if outcome == "wait":
                 break
             self.waiting.popleft()
             if outcome == "admitted" and req.source is None:
-                budget -= self._schedule_tokens(req, budget, plan)
+                budget -= self._schedule_tokens(req, budget, plan, may_preempt=False)
         plan.manager_calls = self.manager.take_calls()
         return plan
 
@@ -103,8 +106,9 @@ class Scheduler:
             return boundary - start
         return end - start if end == cached.num_tokens else 0
 
-    def _schedule_tokens(self, req: EngineRequest, budget: int, plan: StepPlan) -> int:
-        """Reserve this step's tokens of a running request (preempting others if the pool is full)."""
+    def _schedule_tokens(self, req: EngineRequest, budget: int, plan: StepPlan, may_preempt: bool = True) -> int:
+        """Reserve this step's tokens of a running request, preempting newer ones if the pool is full. A
+        request admitted in this very step preempts nobody: it goes back to the queue instead."""
         count = self._chunk(req, budget)
         if count == 0:
             return 0
@@ -113,6 +117,9 @@ class Scheduler:
                 self.manager.call("reserve", req.rid, count)
                 break
             except OutOfPages:
+                if not may_preempt:
+                    self._requeue_new(req, plan)
+                    return 0
                 victim = self.running[-1]
                 self._preempt(victim, plan)
                 if victim is req:
@@ -129,6 +136,9 @@ class Scheduler:
     def _admit(self, req: EngineRequest, plan: StepPlan) -> str:
         """"admitted", "wait" (the pool is busy: stay queued), or "rejected" (cannot fit even alone)."""
         tokens = req.prompt if req.source is not None else req.tokens
+        manager = self.manager.manager
+        if self.running and manager.pool.num_available < manager.layout.num_kda_groups + manager.layout.num_mla_groups:
+            return "wait"  # cannot even hold its state and first block: do not churn the lookup
         try:
             hit = self.manager.call("add_request", req.rid, tokens)
         except OutOfPages:
@@ -149,15 +159,24 @@ class Scheduler:
                 try:
                     self.manager.call("reserve", req.rid, rest)
                 except OutOfPages:
-                    self.manager.call("finish", req.rid, False)
-                    self.running.remove(req)
-                    req.phase = Phase.WAITING
+                    self._requeue_new(req, plan)
+                    self.waiting.popleft()  # the caller sees "wait" and keeps it at the front
                     return "wait"
             plan.imports.append(ImportItem(req.rid, req.source.handle_id, req.source.transfer_address, hit,
                                            bool(rest)))
         return "admitted"
 
+    def _requeue_new(self, req: EngineRequest, plan: StepPlan) -> None:
+        """Undo an admission of this step (nothing computed yet) and stop admitting."""
+        self._pool_full = True
+        self.running.remove(req)
+        plan.imports[:] = [i for i in plan.imports if i.rid != req.rid]
+        self.manager.call("finish", req.rid, False)
+        req.phase = Phase.WAITING
+        self.waiting.appendleft(req)
+
     def _preempt(self, req: EngineRequest, plan: StepPlan) -> None:
+        self._pool_full = True
         self.running.remove(req)
         plan.forward[:] = [f for f in plan.forward if f.rid != req.rid]
         plan.exports[:] = [e for e in plan.exports if e.rid != req.rid]

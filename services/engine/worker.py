@@ -62,7 +62,7 @@ class Worker:
     def __init__(self, config: WorkerConfig, role: str):
         self.config = config
         self.role = role
-        self.metrics = EngineMetrics(role)
+        self.metrics = EngineMetrics.for_role(role)
         self.children: list[subprocess.Popen] = []
         self.engine: Engine | None = None
 

@@ -17,7 +17,7 @@ HASH_BLOCK = 16
 def worker_args(role: str, tp: int, transfer: str, *extra: str) -> list[str]:
     return ["serve", role, "--port", "0", "--metrics-port", "0", "--model", "nano",
             "--model-overrides", json.dumps(OVERRIDES), "--tp-size", str(tp),
-            "--hash-block-tokens", str(HASH_BLOCK), "--step-token-budget", "64", "--num-pages", "256",
+            "--hash-block-tokens", str(HASH_BLOCK), "--step-token-budget", "64", "--num-pages", "160",
             "--transfer-address", transfer, *extra]
 
 
@@ -32,6 +32,6 @@ def make(root: Path, name: str, args: list[str]) -> ServiceProcess:
 
 
 def children(pid: int) -> list[int]:
-    """Direct child processes (the worker's TP ranks > 0)."""
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
+    """Direct child processes (the worker's TP ranks > 0), whichever thread started them."""
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]

@@ -1,4 +1,4 @@
-"""Module-wide worker processes (started once, in parallel) for the worker tests."""
+"""Worker processes shared by the worker tests (started once, in parallel)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from tests.support.processes import ServiceProcess
 from tests.workers.cluster import make, start_all, worker_args
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def transfer(tmp_path_factory):
     proc = ServiceProcess(["serve", "kvtransfer", "--port", "0", "--metrics-port", "-1"],
                           tmp_path_factory.mktemp("kvtransfer"))
@@ -28,13 +28,13 @@ def _workers(tmp_path_factory, transfer, wanted):
             proc.kill()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def workers(tmp_path_factory, transfer):
     """prefill and decode at TP 1 and 2: {("prefill", 1): proc, ...} (7 processes)."""
     yield from _workers(tmp_path_factory, transfer, [("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def workers_tp4(tmp_path_factory, transfer):
     """prefill at TP 4 and decode at TP 2 (7 processes)."""
     yield from _workers(tmp_path_factory, transfer, [("prefill", 4), ("decode", 2)])

@@ -35,7 +35,7 @@ async def _check_matches_oracle(workers, reference, p, q):
         assert prefilled.handle.layout.tp_size == p and prefilled.prompt_tokens == len(prompt)
 
 
-@pytest.mark.parametrize(("p", "q"), [(1, 1), (2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize(("p", "q"), [(1, 1), (2, 1), (1, 2)])
 async def test_tokens_equal_offline_generation(workers, reference, p, q):
     await _check_matches_oracle(workers, reference, p, q)
 
