@@ -6,7 +6,7 @@ import itertools
 
 import grpc
 
-from services.runtime.client import aio_channel
+from services.runtime.client import ChannelPool
 from services.runtime.registry import Watcher
 
 
@@ -14,8 +14,7 @@ class Peers:
     def __init__(self, watcher: Watcher | None, static: dict[str, str], token: str = ""):
         self.watcher = watcher
         self.static = {k: v for k, v in static.items() if v}
-        self.token = token
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool(token)
         self._turn = itertools.count()
 
     def addresses(self, service: str) -> list[str]:
@@ -31,12 +30,9 @@ class Peers:
         return found[next(self._turn) % len(found)] if found else None
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = aio_channel(address, self.token)
-        return self._channels[address]
+        return self._channels(address)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()
         if self.watcher is not None:
             self.watcher.close()

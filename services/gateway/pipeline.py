@@ -105,10 +105,15 @@ class Pipeline:
             route = await self._route(job, excluded)
             cluster = route.target.name
             resumed = job if not sent else self._continuation(job, sent)
-            ticket = await self._admit(resumed, cluster, failover or route.failover)
+            ticket = await self._admit(resumed, cluster, failover or route.failover, route.expected_hit_tokens)
+            prefill_released = False
             try:
                 async for event in self._attempt(resumed, route):
                     event.cluster = cluster
+                    if event.token_ids and not prefill_released:
+                        # The prefill part of the cost is what delays others' first tokens: give it back now.
+                        await self._release(ticket, prefill_done=True)
+                        prefill_released = True
                     sent.extend(event.token_ids)
                     yield event
                     if event.finish_reason:
@@ -162,7 +167,8 @@ class Pipeline:
                 raise errors.InvalidArgument("", f"router: {exc.details()}") from exc
             raise errors.Unavailable(f"router: {exc.details()}", retry_after_ms=500) from exc
 
-    async def _admit(self, job: Job, cluster: str, failover: bool) -> str:
+    async def _admit(self, job: Job, cluster: str, failover: bool, cached_tokens: int) -> str:
+        """Admission charges the uncached part of the prompt: the router's expected prefix hit is free."""
         address = self.peers.pick("admission")
         if address is None:
             return ""  # No admission controller in this fleet: admit everything.
@@ -170,7 +176,8 @@ class Pipeline:
         try:
             reply = await stub.Admit(admission_pb2.AdmitRequest(
                 request_id=job.request_id, session=job.session, prompt_tokens=len(job.prompt),
-                max_output_tokens=job.sampling.max_tokens, cluster=cluster, failover=failover),
+                cached_tokens=min(cached_tokens, len(job.prompt)), max_output_tokens=job.sampling.max_tokens,
+                cluster=cluster, failover=failover),
                 timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -179,13 +186,14 @@ class Pipeline:
             raise errors.Unavailable(f"admission: {exc.details()}", retry_after_ms=500) from exc
         return reply.ticket
 
-    async def _release(self, ticket: str) -> None:
+    async def _release(self, ticket: str, prefill_done: bool = False) -> None:
         address = self.peers.pick("admission") if ticket else None
         if address is None:
             return
         stub = admission_pb2_grpc.AdmissionServiceStub(self.peers.channel(address))
         try:
-            await stub.ReleaseTicket(admission_pb2.ReleaseTicketRequest(ticket=ticket), timeout=5)
+            await stub.ReleaseTicket(admission_pb2.ReleaseTicketRequest(ticket=ticket, prefill_done=prefill_done),
+                                     timeout=5)
         except grpc.aio.AioRpcError as exc:
             log.warning("ticket release failed (it expires on its own)", extra={"error": exc.details()})
 

@@ -6,15 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 
+import aiohttp
 import grpc
 import openai
 import pytest
 
-from k3.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, router_pb2, router_pb2_grpc
+from k3.v1 import (
+    admission_pb2,
+    admission_pb2_grpc,
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
 from k3core.tokenizer import ByteTokenizer
+from services.admission.cost_model import CostModel
 from services.cli import fleet
 from tests.fleet.k3cli import k3, logs, running_fleet, state
 
@@ -120,6 +131,36 @@ def test_openai_client_streams_a_chat_completion(local_fleet):
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="nano", messages=messages, max_tokens=-1)
     assert bad.value.body["param"] == "max_tokens"
+
+
+def test_admission_gets_the_prefill_cost_back_at_the_first_token_and_the_rest_at_the_end(local_fleet):
+    """The gateway holds a ticket's decode part while streaming and nothing once the request is done."""
+    _, _, fleet_state = local_fleet
+    http = member(fleet_state, "gateway").extra["http_address"]
+    prompt, max_tokens = "count slowly: one two three", 256
+    # Costs are whole units (GPU-ms rounded up), so admitting and releasing balance exactly.
+    decode_cost = math.ceil(CostModel.k3_h200().decode(len(ByteTokenizer().encode(prompt)), max_tokens))
+
+    def in_use() -> float:
+        with grpc.insecure_channel(member(fleet_state, "admission").address) as channel:
+            reply = admission_pb2_grpc.AdmissionServiceStub(channel).GetBudgets(
+                admission_pb2.GetBudgetsRequest(cluster="c0"), timeout=5)
+        return sum(b.in_use for b in reply.budgets)
+
+    async def stream() -> tuple[float, float]:
+        body = {"model": "nano", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"http://{http}/v1/completions", json=body) as reply:
+                assert reply.status == 200
+                await reply.content.readline()  # the first token's chunk
+                during = await asyncio.to_thread(in_use)
+                async for _ in reply.content:
+                    pass
+        return during, await asyncio.to_thread(in_use)
+
+    during, after = asyncio.run(stream())
+    assert during == decode_cost
+    assert after == 0
 
 
 def decode_instances(fleet_state: fleet.FleetState) -> list[str]:
