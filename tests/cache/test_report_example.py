@@ -38,12 +38,15 @@ def test_k3_tp1_hits_inside_a_6144_token_block() -> None:
     assert manager.add_request("b", request) == 2560
     req = manager.requests["b"]
     assert req.num_computed == 2560 and len(req.blocks) == 1
-    # Block 0 is shared and partial: "b" gets a private copy-on-write copy of exactly 2560 tokens.
-    ops = manager.pre_forward()
-    assert ops == []  # metadata only: the copies are the worker's; check the plan instead
-    assert req.blocks[0].filled == 5 and req.blocks[0].pages != manager.index.find(hit_hash := req.chain[4]).block.pages
-    assert hit_hash == chain_hashes(cached, 512)[4]
-    manager.reserve("b", len(request) - 2560)  # prefill resumes at B: 1440 tokens, not 4000
-    manager.forward_done("b")
-    manager.commit_step()
-    assert req.num_computed == len(request)
+    # Block 0 is "a"'s partial page: "b" gets a private copy-on-write copy of exactly 5 hash blocks.
+    source = manager.index.find(req.chain[4]).block
+    assert req.blocks[0] is not source and req.blocks[0].filled == 5
+    assert manager.pre_forward() == []  # metadata only: no tensors to copy here
+    forwards = []
+    while req.num_computed < len(request):
+        n = manager.prefill_chunk("b", 8192)
+        forwards.append((req.num_computed, n))
+        manager.reserve("b", n)
+        manager.forward_done("b")
+        manager.commit_step()
+    assert forwards == [(2560, 1024), (3584, 416)]  # prefill resumes at B; the unaligned rest runs alone
