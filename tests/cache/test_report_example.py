@@ -26,11 +26,16 @@ def test_k3_tp1_hits_inside_a_6144_token_block() -> None:
     assert (layout.tokens_per_block, layout.hash_block_tokens) == (6144, 512)
     manager = PrefixCacheManager(layout, num_pages=64)  # metadata only: K3 pages are 162 MiB each
     rng = random.Random(0)
-    cached = [rng.randrange(1000) for _ in range(2600)]  # its prompt-end checkpoint sits at 2560
-    manager.add_request("a", cached)
-    _run(manager, "a", cached)
+    prompt = [rng.randrange(1000) for _ in range(2600)]  # its prompt-end checkpoint sits at 2560
+    manager.add_request("a", prompt)
+    _run(manager, "a", prompt)
+    cached = list(prompt)
+    for _ in range(700):  # "a" decodes to 3300 tokens; its latest checkpoint moves to 3072
+        cached.append(rng.randrange(1000))
+        manager.append_tokens("a", cached[-1:])
+        _run(manager, "a", cached)
     manager.finish("a")
-    assert sorted(c.num_tokens for c in manager.checkpoints.by_key.values()) == [2560]
+    assert sorted(c.num_tokens for c in manager.checkpoints.by_key.values()) == [2560, 3072]
 
     request = cached[:2800] + [rng.randrange(1000, 2000) for _ in range(1200)]
     hit = manager.lookup(chain_hashes(request, 512), len(request))
