@@ -29,11 +29,14 @@ PER_CLUSTER = ("kvtransfer", "decode", "prefill")
 OPTIONAL = ("sandbox", "trainer")
 # Extra flags per service in the embedded default (the nano model on CPU). A cluster is disaggregated
 # (prefill -> kvtransfer -> decode), so the router counts it healthy only while all three are alive.
+# The nano demo's prompts are far shorter than K3's 512-token hash blocks: 64-token blocks let multi-turn
+# sessions hit the prefix cache. Gateway, router and workers must agree on the block size.
+NANO_HASH_BLOCK = ["--hash-block-tokens", "64"]
 DEFAULT_ARGS: dict[str, list[str]] = {
-    "prefill": ["--model", "nano"],
-    "decode": ["--model", "nano"],
-    "router": ["--required-instances", "decode:1,prefill:1,kvtransfer:1"],
-    "gateway": ["--http-port", "0", "--model", "nano"],
+    "prefill": ["--model", "nano", *NANO_HASH_BLOCK],
+    "decode": ["--model", "nano", *NANO_HASH_BLOCK],
+    "router": ["--required-instances", "decode:1,prefill:1,kvtransfer:1", *NANO_HASH_BLOCK],
+    "gateway": ["--http-port", "0", "--model", "nano", *NANO_HASH_BLOCK],
 }
 
 

@@ -20,6 +20,8 @@ class GatewayConfig(ServiceConfig):
     admission_address: str = ""
     # Clusters to try for one request before giving up (primary, then its backup, ...).
     max_attempts: int = 3
+    # Fine hash-block size of the prefix cache; must equal the workers' so the router can probe prefixes.
+    hash_block_tokens: int = 512
     # How long a request waits for a router that knows a healthy cluster (e.g. while membership reconverges
     # after an etcd outage) before it fails with 503; about two lease TTLs.
     route_wait_s: float = 6.0
@@ -35,6 +37,8 @@ class GatewayConfig(ServiceConfig):
             problems.append("max_prompt_tokens: must be >= 1")
         if self.route_wait_s < 0:
             problems.append(f"route_wait_s: must be >= 0, got {self.route_wait_s}")
+        if self.hash_block_tokens < 1:
+            problems.append(f"hash_block_tokens: must be >= 1, got {self.hash_block_tokens}")
         if self.max_attempts < 1:
             problems.append("max_attempts: must be >= 1")
         return problems

@@ -41,7 +41,6 @@ log = logging.getLogger("k3.gateway")
 # Worker failures that mean "this cluster cannot serve it now": try the backup.
 FAILOVER_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
                   grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED}
-HASH_BLOCK_TOKENS = 512
 ROUTE_RETRY_S = 0.2
 
 
@@ -71,8 +70,9 @@ class AttemptFailed(Exception):
 
 class Pipeline:
     def __init__(self, peers: Peers, max_attempts: int, timeout_s: float, resume_mid_stream: bool,
-                 route_wait_s: float = 0.0):
+                 route_wait_s: float = 0.0, hash_block_tokens: int = 512):
         self.peers = peers
+        self.hash_block_tokens = hash_block_tokens
         self.route_wait_s = route_wait_s
         self.max_attempts = max_attempts
         self.timeout_s = timeout_s
@@ -159,7 +159,8 @@ class Pipeline:
             raise errors.Unavailable("no session router is registered", retry_after_ms=500)
         stub = router_pb2_grpc.RouterServiceStub(self.peers.channel(address))
         request = router_pb2.RouteRequest(session=job.session, exclude_clusters=excluded,
-                                          block_hashes=chain_hashes(job.prompt, HASH_BLOCK_TOKENS))
+                                          block_hashes=chain_hashes(job.prompt, self.hash_block_tokens),
+                                          hash_block_tokens=self.hash_block_tokens)
         try:
             return await stub.Route(request, timeout=5)
         except grpc.aio.AioRpcError as exc:

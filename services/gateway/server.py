@@ -22,7 +22,7 @@ def main(argv: list[str]) -> None:
     peers = Peers(Watcher(endpoints, config.etcd_prefix) if endpoints else None,
                   {"router": config.router_address, "admission": config.admission_address}, config.auth_token)
     pipeline = Pipeline(peers, config.max_attempts, config.request_timeout_s, config.resume_mid_stream,
-                        config.route_wait_s)
+                        config.route_wait_s, config.hash_block_tokens)
     frontend = Frontend(pipeline, config.model, config.max_prompt_tokens)
     app.add_service(gateway_pb2_grpc.add_GatewayServiceServicer_to_server,
                     GatewayServicer(frontend, config.max_output_tokens), "k3.v1.GatewayService")
