@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -26,17 +25,12 @@ from services.engine.model_runner import ModelRunner, build_model
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager, StepPlan
 from services.engine.scheduler import Scheduler
+from services.runtime.ports import free_port
 
 log = logging.getLogger("k3.worker")
 
 # Ranks wait on rank 0 between steps; an idle worker must not hit the collective timeout.
 IDLE_TIMEOUT = datetime.timedelta(days=30)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def init_distributed(config: WorkerConfig, rank: int, port: int) -> None:
