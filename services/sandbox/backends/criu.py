@@ -30,8 +30,9 @@ from services.sandbox.backends.base import (
 )
 from services.sandbox.backends.cgroups import CGROUP_ROOT, remove_group, remove_tree
 from services.sandbox.backends.cgroups import probe as probe_cgroups
+from services.sandbox.backends.criu_options import CriuOptions
 from services.sandbox.backends.launch import background_argv, command_env, frozen, require_tools, start_all
-from services.sandbox.backends.overlay import OverlayDisk
+from services.sandbox.backends.overlay import OverlayDisk, copy_tree
 from services.sandbox.backends.runc_config import prepare_dev_dir, runc_config
 from services.sandbox.backends.streaming import stream_command
 from services.sandbox.errors import BackendFailure
@@ -50,6 +51,8 @@ class CriuBackend(SandboxBackend):
         self.root_dir = Path(root_dir)
         self.state_dir = self.root_dir / ".runc"
         self._fork_seq = 0
+        self.criu_options = CriuOptions(self.root_dir)
+        self._env = self.criu_options.env(dict(os.environ))
 
     @classmethod
     def probe(cls) -> str | None:
@@ -69,7 +72,7 @@ class CriuBackend(SandboxBackend):
         # dump a task whose stdio is a host file), so detached commands report through --log only.
         detached = args[0] in ("run", "restore")
         proc = await asyncio.create_subprocess_exec(
-            *argv, *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            *argv, *args, env=self._env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL if detached else asyncio.subprocess.PIPE,
         )
         _, err = await proc.communicate()
@@ -90,7 +93,7 @@ class CriuBackend(SandboxBackend):
         dev = sb.dir / "dev"
         prepare_dev_dir(dev)
         config = runc_config(disk.merged, dev, sb.sandbox_id[:63], f"/{CGROUP_GROUP}/{sb.sandbox_id}", sb.limits,
-                             sb.image.host_usr)
+                             sb.image.host_usr, self.criu_options.annotations)
         (sb.dir / "config.json").write_text(json.dumps(config))
 
     async def create(self, sandbox_id: str, image: Image, limits: Limits, env: dict[str, str]) -> SandboxHandle:
@@ -185,7 +188,7 @@ class CriuBackend(SandboxBackend):
         sb.hibernated = True
 
     async def _wake(self, sb: SandboxHandle) -> None:
-        """Restores a hibernated container; it comes back frozen, as it was dumped."""
+        """Restores a hibernated container; it comes back running (CRIU leaves cgroup state alone)."""
         images = sb.dir / "hibernation"
         await self._runc("restore", "-d", "--image-path", str(images / "memory"), "--work-path",
                          str(images / "restore-work"), "--bundle", str(sb.dir), sb.sandbox_id,
@@ -195,8 +198,10 @@ class CriuBackend(SandboxBackend):
         sb.paused = (sb.state["freezer"] / "freezer.state").read_text().strip() != "THAWED"
 
     async def _checkpoint(self, sb: SandboxHandle, dest: Path) -> None:
-        if sb.hibernated:
-            await self._wake(sb)
+        if sb.hibernated:  # its images already are a checkpoint of the paused state: it stays hibernated
+            await sb.state["disk"].save_upper(dest / "upper")
+            await copy_tree(sb.dir / "hibernation" / "memory", dest / "memory")
+            return
         async with frozen(self, sb):
             await sb.state["disk"].save_upper(dest / "upper")
             await self._runc("checkpoint", "--leave-running", "--image-path", str(dest / "memory"),

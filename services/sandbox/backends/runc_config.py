@@ -38,7 +38,7 @@ def prepare_dev_dir(dev_dir: Path) -> None:
 
 
 def runc_config(rootfs: Path, dev_dir: Path, hostname: str, cgroups_path: str, limits: Limits,
-                host_usr: bool) -> dict:
+                host_usr: bool, annotations: dict[str, str]) -> dict:
     """`dev_dir` is an empty host directory bind-mounted as /dev: a bind mount is external to CRIU, so it is
     neither archived on checkpoint nor rebuilt on restore (a tmpfs /dev would be, at tar speed)."""
     mounts = [
@@ -72,6 +72,7 @@ def runc_config(rootfs: Path, dev_dir: Path, hostname: str, cgroups_path: str, l
         },
         "root": {"path": str(rootfs), "readonly": False},
         "hostname": hostname,
+        "annotations": annotations,
         "mounts": mounts,
         "linux": {
             "uidMappings": _ID_MAP,
