@@ -8,6 +8,8 @@ import math
 from services.router.membership import parse_requirements
 from services.runtime import ServiceConfig
 
+PLACEMENT_MODES = ("stateless", "bounded")
+
 
 @dataclasses.dataclass
 class RouterConfig(ServiceConfig):
@@ -27,6 +29,15 @@ class RouterConfig(ServiceConfig):
     probe_fanout: int = 4
     probe_timeout_ms: int = 150
     hash_block_tokens: int = 512
+    # "stateless": (primary, backup) is a pure function of (session, fleet); "bounded": the backup is chosen
+    # once per session under a per-(primary, backup) cap and stored in etcd (docs/control-plane.md: when).
+    placement_mode: str = "stateless"
+    # Bounded mode: each pair holds at most ceil((1 + eps) x its fair share) of its primary's sessions.
+    bounded_eps: float = 0.1
+    # Bounded mode: a session's stored assignment expires this long after its last route (up to one lease
+    # window later); a window's assignments share one etcd lease.
+    session_idle_ttl_s: float = 3600.0
+    assignment_lease_window_s: float = 60.0
 
     def validate(self) -> list[str]:
         problems = super().validate()
@@ -52,4 +63,13 @@ class RouterConfig(ServiceConfig):
             problems.append(f"probe_timeout_ms: must be >= 1, got {self.probe_timeout_ms}")
         if self.hash_block_tokens < 1:
             problems.append(f"hash_block_tokens: must be >= 1, got {self.hash_block_tokens}")
+        if self.placement_mode not in PLACEMENT_MODES:
+            problems.append(f"placement_mode: must be one of {list(PLACEMENT_MODES)}, got {self.placement_mode!r}")
+        if not 0 <= self.bounded_eps <= 10:
+            problems.append(f"bounded_eps: must be in [0, 10], got {self.bounded_eps}")
+        if self.session_idle_ttl_s < 1:
+            problems.append(f"session_idle_ttl_s: must be >= 1, got {self.session_idle_ttl_s}")
+        if not 0 < self.assignment_lease_window_s <= self.session_idle_ttl_s:
+            problems.append("assignment_lease_window_s: must be > 0 and <= session_idle_ttl_s, got "
+                            f"{self.assignment_lease_window_s}")
         return problems

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from k3.v1 import router_pb2_grpc
+from services.router.assignment_store import AssignmentStore
 from services.router.config import RouterConfig
 from services.router.service import RouterServicer
 from services.runtime import ServiceApp
@@ -18,7 +19,13 @@ def main(argv: list[str]) -> None:
     config = RouterConfig.load("router", argv)
     app = ServiceApp("router", config)
     channels = ChannelPool(config.auth_token)
-    servicer = RouterServicer(config, channels)
+    assignments: AssignmentStore | None = None
+    if config.placement_mode == "bounded":
+        if not config.etcd_endpoint_list():
+            raise SystemExit("router: placement_mode bounded stores assignments in etcd; set etcd_endpoints")
+        assignments = AssignmentStore(config.etcd_endpoint_list(), config.etcd_prefix, config.bounded_eps,
+                                      config.session_idle_ttl_s, config.assignment_lease_window_s)
+    servicer = RouterServicer(config, channels, assignments=assignments)
     app.add_service(router_pb2_grpc.add_RouterServiceServicer_to_server, servicer, "k3.v1.RouterService")
     watcher: Watcher | None = None
 
@@ -32,11 +39,15 @@ def main(argv: list[str]) -> None:
         watcher = Watcher(endpoints, config.etcd_prefix,
                           lambda snapshot: loop.call_soon_threadsafe(servicer.apply_membership, snapshot.values()))
         await asyncio.to_thread(watcher.wait_synced, 10.0)
+        if assignments is not None:
+            await asyncio.to_thread(assignments.wait_synced, 10.0)
         await servicer.wait_ready()
 
     async def stop() -> None:
         if watcher is not None:
             await asyncio.to_thread(watcher.close)
+        if assignments is not None:
+            await asyncio.to_thread(assignments.close)
         await channels.close()
 
     app.on_start(start)

@@ -1,7 +1,8 @@
 """k3.v1.RouterService: places sessions on clusters from etcd membership and picks workers inside them.
 
-Replicas agree without talking: each derives the fleet from the same etcd records and places sessions
-with the same pure function of (session, fleet, healthy set).
+Replicas agree without talking to each other. Stateless mode: each derives the fleet from the same etcd
+records and places sessions with the same pure function of (session, fleet, healthy set). Bounded mode: a
+session's (primary, backup) is created once in etcd by a transaction and mirrored by every replica.
 """
 
 from __future__ import annotations
@@ -9,14 +10,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from prometheus_client import Counter, Gauge
 
 from k3.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.router.assignment_store import AssignmentStore
 from services.router.config import RouterConfig
-from services.router.decision import decide
+from services.router.decision import RouteDecision, decide, decide_assigned
 from services.router.membership import ClusterView, FleetTracker, parse_requirements
 from services.router.placement import PlacementTable, rendezvous_rank
 from services.router.workers import DecodeChooser
@@ -38,8 +40,10 @@ def instance_id(record: InstanceRecord | None) -> common_pb2.InstanceId | None:
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, config: RouterConfig, channel_for: Callable[[str], grpc.aio.Channel],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, assignments: AssignmentStore | None = None):
         self.config = config
+        # Bounded mode's etcd-backed session table; None in stateless mode.
+        self.assignments = assignments
         self.clock = clock
         self.fleet = FleetTracker(parse_requirements(config.required_instances), config.forget_after_s)
         self.table: PlacementTable | None = None
@@ -90,7 +94,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise errors.Unavailable("no cluster has registered yet",
                                      retry_after_ms=int(1000 * self.config.lease_ttl_s))
         routable = self.fleet.routable(self.clock(), self.config.failback_hold_s)
-        decision = decide(self.table, session_id, routable, request.exclude_clusters)
+        decision = await self._decide(session_id, routable, request.exclude_clusters)
         if decision.target is None:
             ROUTES.labels("no_healthy_cluster").inc()
             raise errors.Unavailable(f"no healthy cluster (excluded: {list(request.exclude_clusters)})",
@@ -106,6 +110,25 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             decode=instance_id(choice.instance if choice else None),
             transfer=instance_id(self._pick(session_id, target, "kvtransfer")),
             expected_hit_tokens=choice.hit_tokens if choice else 0)
+
+    async def _decide(self, session_id: str, routable: set[str], exclude: Sequence[str]) -> RouteDecision:
+        table = self.table
+        if self.assignments is None:
+            return decide(table, session_id, routable, exclude)
+        assignment = self.assignments.get(session_id)
+        if assignment is not None:
+            self.assignments.touch(session_id)
+            return decide_assigned(table, session_id, assignment, routable, exclude)
+        try:
+            assignment = await asyncio.to_thread(self.assignments.assign, session_id, table.order(session_id),
+                                                 table.weights, routable)
+        except Exception as exc:  # noqa: BLE001 - etcd unreachable: route anyway, store on a later turn
+            # The stateless pair has the same primary, so only the backup may differ from a later assignment.
+            log.warning("session not assigned in etcd; routing it statelessly",
+                        extra={"session": session_id, "error": str(exc)})
+            ROUTES.labels("unassigned").inc()
+            return decide(table, session_id, routable, exclude)
+        return decide_assigned(table, session_id, assignment, routable, exclude)
 
     async def GetFleet(self, request: router_pb2.GetFleetRequest, context) -> router_pb2.GetFleetResponse:
         routable = self.fleet.routable(self.clock(), self.config.failback_hold_s)
