@@ -41,6 +41,7 @@ def _dispatcher(naive_module: str, triton_module: str, name: str) -> Callable[..
 
 fused_kda_recurrent = _dispatcher("kernels.kda.naive", "kernels.kda.decode_triton", "fused_kda_recurrent")
 kda_decode_step = _dispatcher("kernels.kda.naive", "kernels.kda.decode_triton", "kda_decode_step")
+kda_prefill_block = _dispatcher("kernels.kda.naive", "kernels.kda.prefill_triton", "kda_prefill_block")
 mla_decode_paged = _dispatcher("kernels.mla.naive", "kernels.mla.decode_triton", "mla_decode_paged")
 attnres_merge_norm = _dispatcher("kernels.attnres.naive", "kernels.attnres.merge_norm_triton", "attnres_merge_norm")
 situ_glu_fused = _dispatcher("kernels.moe.naive", "kernels.moe.situ_glu_triton", "situ_glu_fused")

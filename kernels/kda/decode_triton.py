@@ -212,6 +212,27 @@ def _check_pool(state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.
     return conv_pool.shape[-1] + 1
 
 
+def _check_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
+                  gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                  norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor,
+                  slots: torch.Tensor) -> int:
+    """Validate [B, L, H, D] token inputs and the pools; returns the conv width W."""
+    B, L, H, D = q.shape
+    for name, t in (("k", k), ("v", v), ("z", z), ("gate", gate)):
+        require(t.shape == q.shape, f"{name} must be {tuple(q.shape)} like q, got {tuple(t.shape)}")
+    require(beta.shape == (B, L, H), f"beta must be [{B}, {L}, {H}], got {tuple(beta.shape)}")
+    require(D == next_pow2(D), f"head dim must be a power of two, got {D}")
+    W = _check_pool(state_pool, conv_pool, slots, H, D)
+    require(W == 4, f"conv_pool must hold W-1 = 3 history columns (4-tap ShortConv), got {W - 1}")
+    require(slots.shape[0] == B, f"slots must have {B} entries, got {slots.shape[0]}")
+    require(conv_weight.shape == (3, H * D, W), f"conv_weight must be [3, {H * D}, {W}], got "
+            f"{tuple(conv_weight.shape)}")
+    require(A_log.shape == (H,), f"A_log must be [{H}], got {tuple(A_log.shape)}")
+    require(dt_bias.numel() == H * D, f"dt_bias must hold H*K={H * D} values, got {dt_bias.numel()}")
+    require(norm_weight.shape == (D,), f"norm_weight must be [{D}], got {tuple(norm_weight.shape)}")
+    return W
+
+
 def fused_kda_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
     gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -230,19 +251,9 @@ def fused_kda_recurrent(
     columns over D // block_v programs. Returns y [B, L, H, D] in q's dtype.
     """
     B, L, H, D = q.shape
-    for name, t in (("k", k), ("v", v), ("z", z), ("gate", gate)):
-        require(t.shape == q.shape, f"{name} must be {tuple(q.shape)} like q, got {tuple(t.shape)}")
+    W = _check_tokens(q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool,
+                      slots)
     q, k, v, z, beta, gate = (t.contiguous() for t in (q, k, v, z, beta, gate))  # no-ops when they are
-    require(beta.shape == (B, L, H), f"beta must be [{B}, {L}, {H}], got {tuple(beta.shape)}")
-    require(D == next_pow2(D), f"head dim must be a power of two, got {D}")
-    W = _check_pool(state_pool, conv_pool, slots, H, D)
-    require(W == 4, f"conv_pool must hold W-1 = 3 history columns (4-tap ShortConv), got {W - 1}")
-    require(slots.shape[0] == B, f"slots must have {B} entries, got {slots.shape[0]}")
-    require(conv_weight.shape == (3, H * D, W), f"conv_weight must be [3, {H * D}, {W}], got "
-            f"{tuple(conv_weight.shape)}")
-    require(A_log.shape == (H,), f"A_log must be [{H}], got {tuple(A_log.shape)}")
-    require(dt_bias.numel() == H * D, f"dt_bias must hold H*K={H * D} values, got {dt_bias.numel()}")
-    require(norm_weight.shape == (D,), f"norm_weight must be [{D}], got {tuple(norm_weight.shape)}")
     n_commit = L if n_commit is None else n_commit
     require(0 <= n_commit <= L, f"n_commit must be in [0, {L}], got {n_commit}")
     if replay is None:
@@ -277,17 +288,29 @@ def fused_kda_recurrent(
     return out
 
 
+# Decode-step tuning (bench/kernels.py sweeps these): value-column tile streamed per program, warps, stages.
+DECODE_TILE_V, DECODE_WARPS, DECODE_STAGES = 32, 4, 2
+
+
 def kda_decode_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
     gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
-    norm_eps: float = 1e-6, num_warps: int = 4, block_v: int | None = None,
+    norm_eps: float = 1e-6, num_warps: int = DECODE_WARPS, block_v: int | None = None,
 ) -> torch.Tensor:
-    """One decode token per sequence: [B, H, D] inputs (beta [B, H]) -> y [B, H, D]; pool updated in place."""
-    y = fused_kda_recurrent(
-        q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), z.unsqueeze(1), beta.unsqueeze(1), gate.unsqueeze(1),
-        conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool, slots, lower_bound=lower_bound,
-        scale=scale, l2_eps=l2_eps, norm_eps=norm_eps, num_warps=num_warps, block_v=block_v,
-    )
-    return y.squeeze(1)
+    """One decode token per sequence: [B, H, D] inputs (beta [B, H]) -> y [B, H, D]; pool updated in place.
+
+    Runs decode_step_triton's kernel: one program per (sequence, head) streaming its state in block_v-column
+    tiles (default DECODE_TILE_V)."""
+    from kernels.kda.decode_step_triton import kda_decode_tiled  # it imports this module's helpers
+
+    tokens = [t.unsqueeze(1) for t in (q, k, v, z, beta, gate)]
+    _check_tokens(*tokens, conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool, slots)
+    D = q.shape[-1]
+    tile_v = min(block_v or DECODE_TILE_V, D)
+    require(D % tile_v == 0 and tile_v == next_pow2(tile_v), f"block_v must divide {D}, got {block_v}")
+    q, k, v, z, beta, gate = (t.contiguous() for t in (q, k, v, z, beta, gate))
+    return kda_decode_tiled(q, k, v, z, beta, gate, conv_weight.contiguous(), A_log, dt_bias.contiguous(),
+                            norm_weight, state_pool, conv_pool, slots, lower_bound, scale, l2_eps, norm_eps,
+                            tile_v, num_warps, DECODE_STAGES)

@@ -1,0 +1,105 @@
+"""KDA decode step (one token per sequence) streaming the state in value-column tiles.
+
+The delta rule acts on every value column of the state S [K, V] independently (u_j = beta (v_j - S_j^T k)),
+so one program per (sequence, head) can walk its state in [K, BV] tiles: load, decay, update, store and
+read out each tile in turn, with the next tile's load in flight (tl.range stages). Only the output
+RMSNorm needs the whole row: the tiles' outputs stay on chip ([V / BV, BV]) and are normalised at the end.
+Compared with holding the whole [K, V] fp32 state per program (decode_triton.py: 255 registers, K-vectors
+replicated over the lanes of the state's layout), a tile needs a fraction of the registers, so more
+programs share an SM and more bytes are in flight. q/k conv + L2Norm are computed once per program.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import next_pow2, tl, triton
+from kernels.kda.decode_triton import (
+    _conv_silu,
+    _history,
+    _raw_input,
+    _taps,
+    _write_conv_window,
+)
+
+if triton is not None:
+
+    @triton.jit
+    def _kda_decode_tiled_kernel(
+        q, k, v, z, beta, gate, conv_w, A_log, dt_bias, norm_w, state, conv_state, slots, out,
+        state_slot_stride, conv_slot_stride, scale, lower_bound, l2_eps, norm_eps,
+        H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, BV: tl.constexpr,
+        BOUNDED: tl.constexpr, STAGES: tl.constexpr,
+    ):
+        """Grid (B, H); inputs [B, H, D] (viewed as L = 1 token), beta [B, H]."""
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        NT: tl.constexpr = D // BV
+        offs = tl.arange(0, D)
+        slot = tl.load(slots + b).to(tl.int64)
+        r = b * 0  # no replay: a tensor zero keeps _raw_input's masks tensors under the interpreter
+        stream = H * D * (W - 1)
+        hist = conv_state + slot * conv_slot_stride + h * D * (W - 1)
+        taps = conv_w + h * D * W
+        q3, q2, q1 = _history(q, q, hist, r, b, h, 1, 0, offs, H, D, W)
+        qw0, qw1, qw2, qw3 = _taps(taps, offs, W)
+        qt = _conv_silu(q3, q2, q1, _raw_input(q, q, hist, 0, r, b, h, 1, 0, offs, H, D, W), qw0, qw1, qw2, qw3)
+        k3, k2, k1 = _history(k, k, hist + stream, r, b, h, 1, 0, offs, H, D, W)
+        kw0, kw1, kw2, kw3 = _taps(taps + H * D * W, offs, W)
+        kt = _conv_silu(k3, k2, k1, _raw_input(k, k, hist + stream, 0, r, b, h, 1, 0, offs, H, D, W),
+                        kw0, kw1, kw2, kw3)
+        qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + l2_eps)
+        kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + l2_eps)
+        zt = tl.load(z + (b * H + h) * D + offs).to(tl.float32) + tl.load(dt_bias + h * D + offs).to(tl.float32)
+        a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
+        if BOUNDED:
+            gt = lower_bound * tl.sigmoid(a_scale * zt)
+        else:  # Kimi Linear: -exp(A) softplus(z), torch's threshold of 20 kept
+            gt = -a_scale * tl.where(zt > 20.0, zt, tl.log(1.0 + tl.exp(zt)))
+        decay = tl.exp(gt)
+        bt = tl.sigmoid(tl.load(beta + b * H + h).to(tl.float32))
+        qs = qt * scale
+        s_base = state + slot * state_slot_stride + h * D * D
+        hv = hist + 2 * stream
+        tiles = tl.arange(0, NT)
+        o_all = tl.zeros([NT, BV], dtype=tl.float32)
+        for j in tl.range(0, NT, num_stages=STAGES):
+            offs_v = j * BV + tl.arange(0, BV)
+            s_ptrs = s_base + offs[:, None] * D + offs_v[None, :]
+            S = tl.load(s_ptrs) * decay[:, None]
+            v3, v2, v1 = _history(v, v, hv, r, b, h, 1, 0, offs_v, H, D, W)
+            vw0, vw1, vw2, vw3 = _taps(taps + 2 * H * D * W, offs_v, W)
+            vt = _conv_silu(v3, v2, v1, _raw_input(v, v, hv, 0, r, b, h, 1, 0, offs_v, H, D, W), vw0, vw1, vw2, vw3)
+            u = bt * (vt - tl.sum(S * kt[:, None], 0))
+            S = S + kt[:, None] * u[None, :]
+            tl.store(s_ptrs, S)
+            o_all = tl.where(tiles[:, None] == j, tl.sum(S * qs[:, None], 0)[None, :], o_all)
+            _write_conv_window(v, v, hv, 1, r, b, h, 1, 0, offs_v, H, D, W, BWM, BV, D)
+        cols = tiles[:, None] * BV + tl.arange(0, BV)[None, :]
+        g = tl.load(gate + (b * H + h) * D + cols).to(tl.float32)
+        y = o_all * tl.rsqrt(tl.sum(tl.sum(o_all * o_all, 1), 0) / D + norm_eps)
+        y = y * tl.load(norm_w + cols).to(tl.float32) * tl.sigmoid(g)
+        tl.store(out + (b * H + h) * D + cols, y.to(out.dtype.element_ty))
+        _write_conv_window(q, q, hist, 1, r, b, h, 1, 0, offs, H, D, W, BWM, D, D)
+        _write_conv_window(k, k, hist + stream, 1, r, b, h, 1, 0, offs, H, D, W, BWM, D, D)
+
+
+def kda_decode_tiled(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
+    gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
+    lower_bound: float | None, scale: float | None, l2_eps: float, norm_eps: float, tile_v: int,
+    num_warps: int, stages: int,
+) -> torch.Tensor:
+    """Launch on inputs already checked by decode_triton (contiguous [B, H, D], beta [B, H])."""
+    B, H, D = q.shape
+    W = conv_pool.shape[-1] + 1
+    out = torch.empty_like(q)
+    _kda_decode_tiled_kernel[(B, H)](
+        q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool, slots, out,
+        state_pool.stride(0), conv_pool.stride(0), D**-0.5 if scale is None else scale,
+        -5.0 if lower_bound is None else lower_bound, l2_eps, norm_eps,
+        H=H, D=D, W=W, BWM=next_pow2(W - 1), BV=tile_v, BOUNDED=lower_bound is not None, STAGES=stages,
+        num_warps=num_warps,
+    )
+    return out

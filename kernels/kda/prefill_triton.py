@@ -1,0 +1,229 @@
+"""KDA prefill block in Triton: projections -> gated, normalised output, chunkwise (C = 64), varlen.
+
+Three passes (the conv/norm/gate prologue and the output norm epilogue never take a pass of their own):
+1. `prefill_chunk_triton`: per (chunk, head), conv + Swish + L2Norm + gate + the chunk's UT transform ->
+   w, u, qg, kg, Aqk, exp(G_C).
+2. the recurrence: per (sequence, head, value block) the state S [K, BV] stays on chip across the chunks:
+   v_new = u - w S,  S <- exp(G_C) * S + kg^T v_new; it stores the state entering each chunk (bf16) and
+   v_new, or, with the whole value width in one program (`fuse_output`), computes the output itself.
+3. the output: o = qg S_in + Aqk v_new per (chunk, head), then RMSNorm x w x sigmoid(gate) -> y.
+The final conv windows are written by the recurrence (value block 0), also for empty sequences.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels._triton import next_pow2, require, tl, triton
+from kernels.kda import naive
+from kernels.kda.prefill_chunk_triton import CHUNK, SUB, _kda_chunk_prologue_kernel
+
+if triton is not None:
+
+    @triton.jit
+    def _gated_rms_store(o, gate, out, tok, mask, norm_w, norm_eps, D: tl.constexpr):
+        """y = RMSNorm(o) * w * sigmoid(gate) per row of o [C, D]."""
+        weight = tl.load(norm_w + tl.arange(0, D)).to(tl.float32)
+        g = tl.load(gate + tok, mask=mask, other=0.0).to(tl.float32)
+        y = o * tl.rsqrt(tl.sum(o * o, axis=1) / D + norm_eps)[:, None] * weight[None, :] * tl.sigmoid(g)
+        tl.store(out + tok, y.to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _final_conv_windows(x, init_conv, final_conv, stream, n, h, bos, eos, HAS_CONV: tl.constexpr,
+                            H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr):
+        """The last W-1 raw inputs of sequence n, head h, one stream, as its [D, W-1] conv window."""
+        offs = tl.arange(0, D)[:, None]
+        col = tl.arange(0, BWM)[None, :]
+        p = eos - (W - 1) + col
+        win = tl.load(x + (p * H + h) * D + offs, mask=(p >= bos) & (col < W - 1), other=0.0).to(tl.float32)
+        base = ((n * 3 + stream) * H + h) * D * (W - 1) + offs * (W - 1)
+        if HAS_CONV:
+            carried = (p < bos) & (col < W - 1)
+            win += tl.load(init_conv + base + p - bos + (W - 1), mask=carried, other=0.0).to(tl.float32)
+        tl.store(final_conv + base + col, win.to(final_conv.dtype.element_ty), mask=col < W - 1)
+
+    @triton.jit
+    def _kda_chunk_recurrence_kernel(
+        w, u, qg, kg, aqk, gc, gate, norm_w, h_out, vnew_out, y_out,
+        init_state, final_state, q, k, v, init_conv, final_conv, cu_seqlens, chunk_offsets, norm_eps,
+        H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, C: tl.constexpr,
+        BV: tl.constexpr, HAS_STATE: tl.constexpr, HAS_CONV: tl.constexpr, FUSE_OUTPUT: tl.constexpr,
+        STAGES: tl.constexpr,
+    ):
+        """Grid (sequences, H, D // BV)."""
+        n = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        iv = tl.program_id(2)
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+        first = tl.load(chunk_offsets + n).to(tl.int64)
+        n_chunks = tl.load(chunk_offsets + n + 1).to(tl.int64) - first
+        offs = tl.arange(0, D)
+        offs_v = iv * BV + tl.arange(0, BV)
+        rows = tl.arange(0, C)
+        s_offs = ((n * H + h) * D + offs[:, None]) * D + offs_v[None, :]
+        if HAS_STATE:
+            S = tl.load(init_state + s_offs).to(tl.float32)
+        else:
+            S = tl.zeros([D, BV], dtype=tl.float32)
+        for c in tl.range(0, n_chunks, num_stages=STAGES):
+            t = bos + c * C + rows
+            valid = (t < eos)[:, None]
+            tok = (t[:, None] * H + h) * D
+            w_c = tl.load(w + tok + offs[None, :], mask=valid, other=0.0)
+            u_c = tl.load(u + tok + offs_v[None, :], mask=valid, other=0.0).to(tl.float32)
+            kg_c = tl.load(kg + tok + offs[None, :], mask=valid, other=0.0)
+            decay = tl.load(gc + ((first + c) * H + h) * D + offs)
+            S_in = S.to(w_c.dtype)
+            v_new = u_c - tl.dot(w_c, S_in)
+            if FUSE_OUTPUT:
+                qg_c = tl.load(qg + tok + offs[None, :], mask=valid, other=0.0)
+                a_c = tl.load(aqk + (t[:, None] * H + h) * C + rows[None, :], mask=valid, other=0.0)
+                o = tl.dot(qg_c, S_in) + tl.dot(a_c, v_new.to(a_c.dtype))
+                _gated_rms_store(o, gate, y_out, tok + offs[None, :], valid, norm_w, norm_eps, D)
+            else:
+                tl.store(h_out + (((first + c) * H + h) * D + offs[:, None]) * D + offs_v[None, :], S_in)
+                tl.store(vnew_out + tok + offs_v[None, :], v_new.to(vnew_out.dtype.element_ty), mask=valid)
+            S = S * decay[:, None] + tl.dot(tl.trans(kg_c), v_new.to(kg_c.dtype))
+        tl.store(final_state + s_offs, S)
+        if iv == 0:
+            _final_conv_windows(q, init_conv, final_conv, 0, n, h, bos, eos, HAS_CONV, H, D, W, BWM)
+            _final_conv_windows(k, init_conv, final_conv, 1, n, h, bos, eos, HAS_CONV, H, D, W, BWM)
+            _final_conv_windows(v, init_conv, final_conv, 2, n, h, bos, eos, HAS_CONV, H, D, W, BWM)
+
+    @triton.jit
+    def _kda_chunk_output_kernel(
+        qg, aqk, h_in, v_new, gate, norm_w, y_out, cu_seqlens, chunk_seq, chunk_start, norm_eps,
+        H: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
+    ):
+        """Grid (chunks, H): y = gated RMSNorm(qg S_in + Aqk v_new)."""
+        ci = tl.program_id(0)
+        h = tl.program_id(1)
+        eos = tl.load(cu_seqlens + tl.load(chunk_seq + ci) + 1).to(tl.int64)
+        rows = tl.arange(0, C)
+        offs = tl.arange(0, D)
+        t = tl.load(chunk_start + ci).to(tl.int64) + rows
+        valid = (t < eos)[:, None]
+        tok = (t[:, None] * H + h) * D + offs[None, :]
+        qg_c = tl.load(qg + tok, mask=valid, other=0.0)
+        a_c = tl.load(aqk + (t[:, None] * H + h) * C + rows[None, :], mask=valid, other=0.0)
+        s_in = tl.load(h_in + ((ci * H + h) * D + offs[:, None]) * D + offs[None, :])
+        o = tl.dot(qg_c, s_in) + tl.dot(a_c, tl.load(v_new + tok, mask=valid, other=0.0))
+        _gated_rms_store(o, gate, y_out, tok, valid, norm_w, norm_eps, D)
+
+
+@functools.lru_cache(maxsize=64)
+def chunk_plan(bounds: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(cu_seqlens, chunk_seq [NC], chunk_start [NC], chunk_offsets [N+1]) int32 on `device` for sequence
+    bounds [N+1]. Cached, so that repeated shapes (and CUDA-graph capture) need no host round trip."""
+    counts = [-(-(b - a) // CHUNK) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    seq = [n for n, c in enumerate(counts) for _ in range(c)]
+    start = [bounds[n] + i * CHUNK for n, c in enumerate(counts) for i in range(c)]
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    return tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (bounds, seq, start, offsets))
+
+
+def _sequence_bounds(cu_seqlens: torch.Tensor | None, batch: int, length: int) -> tuple[int, ...]:
+    if cu_seqlens is None:
+        return tuple(range(0, batch * length + 1, length)) if length else (0,) * (batch + 1)
+    require(batch == 1, f"cu_seqlens needs batch size 1 (packed sequences), got {batch}")
+    require(cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 2, "cu_seqlens must be a 1-D tensor [N+1]")
+    bounds = tuple(int(x) for x in cu_seqlens.tolist())  # a host copy: pass cu_seqlens on the CPU to avoid a sync
+    rising = all(b >= a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    require(bounds[0] == 0 and bounds[-1] == length and rising,
+            f"cu_seqlens must rise from 0 to T={length}, got {bounds}")
+    return bounds
+
+
+def _check(q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight) -> None:
+    B, T, H, D = q.shape
+    for name, t in (("k", k), ("v", v), ("z", z), ("gate", gate)):
+        require(t.shape == q.shape, f"{name} must be {tuple(q.shape)} like q, got {tuple(t.shape)}")
+    require(beta.shape == (B, T, H), f"beta must be [{B}, {T}, {H}], got {tuple(beta.shape)}")
+    require(D == next_pow2(D) and D >= 16, f"head dim must be a power of two >= 16, got {D}")
+    require(conv_weight.dim() == 3 and conv_weight.shape[:2] == (3, H * D),
+            f"conv_weight must be [3, {H * D}, W], got {tuple(conv_weight.shape)}")
+    require(A_log.shape == (H,), f"A_log must be [{H}], got {tuple(A_log.shape)}")
+    require(dt_bias.numel() == H * D, f"dt_bias must hold H*K={H * D} values, got {dt_bias.numel()}")
+    require(norm_weight.shape == (D,), f"norm_weight must be [{D}], got {tuple(norm_weight.shape)}")
+
+
+def kda_prefill_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
+    gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor, initial_state: torch.Tensor | None = None,
+    initial_conv: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+    lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
+    norm_eps: float = 1e-6, block_v: int | None = None, fuse_output: bool | None = None,
+    num_warps: int = 4, recurrence_warps: int = 4, stages: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
+
+    The softplus gate (lower_bound=None) is unbounded, so the sub-block decay split is not safe for it:
+    that case runs the reference. fuse_output (default: when sequences x heads fill the card) computes the
+    output inside the recurrence with one program per (sequence, head); otherwise block_v (default 64)
+    value columns per recurrence program and a separate output pass. cu_seqlens may live on the CPU (no
+    device sync then)."""
+    args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
+    if lower_bound is None:
+        return naive.kda_prefill_block(*args, initial_state, initial_conv, cu_seqlens, lower_bound, scale,
+                                       l2_eps, norm_eps)
+    require(lower_bound * SUB > -87.0, f"lower_bound {lower_bound} is too low for the {SUB}-token decay split")
+    _check(*args)
+    B, T, H, D = q.shape
+    W = conv_weight.shape[-1]
+    bounds = _sequence_bounds(cu_seqlens, B, T)
+    N = len(bounds) - 1
+    if initial_state is not None:
+        require(initial_state.shape == (N, H, D, D), f"initial_state must be [{N}, {H}, {D}, {D}], got "
+                f"{tuple(initial_state.shape)}")
+    if initial_conv is not None:
+        require(initial_conv.shape == (N, 3, H, D, W - 1), f"initial_conv must be [{N}, 3, {H}, {D}, {W - 1}], "
+                f"got {tuple(initial_conv.shape)}")
+    dev = q.device
+    cu, chunk_seq, chunk_start, chunk_offsets = chunk_plan(bounds, dev)
+    n_chunks = chunk_seq.numel()
+    q, k, v, z, beta, gate = (t.contiguous() for t in (q, k, v, z, beta, gate))
+    work = [torch.empty_like(q) for _ in range(4)]  # w, u, qg, kg
+    aqk = torch.empty(B, T, H, CHUNK, device=dev, dtype=q.dtype)
+    gc = torch.empty(max(n_chunks, 1), H, D, device=dev, dtype=torch.float32)
+    scale = D**-0.5 if scale is None else scale
+    conv = initial_conv.contiguous() if initial_conv is not None else q
+    if n_chunks:
+        _kda_chunk_prologue_kernel[(n_chunks, H)](
+            q, k, v, z, beta, conv_weight.contiguous(), A_log, dt_bias.contiguous(), conv, cu, chunk_seq,
+            chunk_start, *work, aqk, gc, scale, lower_bound, l2_eps,
+            H=H, D=D, W=W, C=CHUNK, BC=SUB, HAS_CONV=initial_conv is not None, num_warps=num_warps,
+        )
+    fuse = N * H >= 2 * _sm_count(dev) if fuse_output is None else fuse_output
+    block_v = D if fuse else (block_v or min(64, D))
+    require(D % block_v == 0 and block_v >= 16, f"block_v must divide {D} and be >= 16, got {block_v}")
+    require(not fuse or block_v == D, "fuse_output needs the whole value width in one program (block_v = D)")
+    y = torch.empty_like(q)
+    final_state = torch.empty(N, H, D, D, device=dev, dtype=torch.float32)
+    final_conv = torch.empty(N, 3, H, D, W - 1, device=dev, dtype=q.dtype)
+    h_states = y if fuse else torch.empty(max(n_chunks, 1), H, D, D, device=dev, dtype=q.dtype)
+    v_new = y if fuse else torch.empty_like(q)
+    _kda_chunk_recurrence_kernel[(N, H, D // block_v)](
+        *work, aqk, gc, gate, norm_weight, h_states, v_new, y,
+        initial_state.contiguous() if initial_state is not None else gc, final_state, q, k, v, conv, final_conv,
+        cu, chunk_offsets, norm_eps,
+        H=H, D=D, W=W, BWM=next_pow2(W - 1), C=CHUNK, BV=block_v, HAS_STATE=initial_state is not None,
+        HAS_CONV=initial_conv is not None, FUSE_OUTPUT=fuse, STAGES=stages, num_warps=recurrence_warps,
+    )
+    if not fuse and n_chunks:
+        _kda_chunk_output_kernel[(n_chunks, H)](
+            work[2], aqk, h_states, v_new, gate, norm_weight, y, cu, chunk_seq, chunk_start, norm_eps,
+            H=H, D=D, C=CHUNK, num_warps=num_warps,
+        )
+    return y, final_state, final_conv
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,115 @@
+"""KDA prefill block: reference vs float64 token-by-token math, Triton (interpreted) vs reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import dispatch
+from kernels.kda import naive, prefill_triton
+from tests.kernels.kda_inputs import KdaCase
+from tests.kernels.test_kda_decode import _float64_step
+
+CASE = KdaCase(heads=2, dim=16)
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _close(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
+    y, state, conv = got
+    torch.testing.assert_close(y, want[0], **TOL)
+    torch.testing.assert_close(state, want[1], **TOL)
+    torch.testing.assert_close(conv, want[2], rtol=0, atol=0)  # raw inputs moved, never computed
+
+
+def test_reference_prefill_matches_float64_token_by_token():
+    """Packed varlen sequences with carried states, each continued token by token in float64 (eq.1-6)."""
+    gen = torch.Generator().manual_seed(11)
+    params = CASE.params(gen)
+    states, convs = CASE.pools(gen)
+    x = CASE.tokens(gen, 1, 9)
+    cu = torch.tensor([0, 2, 9])
+    y, final_state, final_conv = naive.kda_prefill_block(*x, *params, initial_state=states[:2], initial_conv=convs[:2],
+                                                         cu_seqlens=cu)
+    for n, (start, end) in enumerate([(0, 2), (2, 9)]):
+        conv, state = convs[n].double(), states[n].double()
+        for t in range(start, end):
+            inputs = [a[0, t] for a in x]
+            y_t, state = _float64_step(inputs, conv, state, params, -5.0)
+            raw = torch.stack(inputs[:3]).double()  # [3, H, D]
+            conv = torch.cat([conv[..., 1:], raw[..., None]], dim=-1)
+            torch.testing.assert_close(y[0, t].double(), y_t, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(final_state[n].double(), state, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(final_conv[n].double(), conv, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("fuse_output", "block_v"), [(False, 16), (True, None)])
+def test_triton_prefill_matches_reference(interpreted, fuse_output, block_v):
+    """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states."""
+    gen = torch.Generator().manual_seed(12)
+    params = CASE.params(gen)
+    states, convs = CASE.pools(gen)
+    x = CASE.tokens(gen, 2, 70)
+    kwargs = {"initial_state": states[:2], "initial_conv": convs[:2]}
+    got = prefill_triton.kda_prefill_block(*x, *params, **kwargs, fuse_output=fuse_output, block_v=block_v)
+    _close(got, naive.kda_prefill_block(*x, *params, **kwargs))
+
+
+def test_triton_prefill_varlen_with_an_empty_sequence(interpreted):
+    """Packed sequences shorter than the conv window, spanning chunks, and empty (state passes through)."""
+    gen = torch.Generator().manual_seed(13)
+    params = CASE.params(gen)
+    states, convs = CASE.pools(gen)
+    x = CASE.tokens(gen, 1, 135)
+    y, state, conv = prefill_triton.kda_prefill_block(*x, *params, initial_state=states[:4], initial_conv=convs[:4],
+                                                      cu_seqlens=torch.tensor([0, 2, 2, 70, 135]))
+    keep = [0, 2, 3]  # the reference's conv cannot take an empty sequence: compare the others without it
+    want = naive.kda_prefill_block(*x, *params, initial_state=states[keep], initial_conv=convs[keep],
+                                   cu_seqlens=torch.tensor([0, 2, 70, 135]))
+    _close((y, state[keep], conv[keep]), want)
+    assert torch.equal(state[1], states[1]) and torch.equal(conv[1], convs[1])
+
+
+def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted):
+    """g = -5 on every channel: decay ratios span e^(+-80) inside a 16-token sub-block and must not
+    overflow; no initial state or conv (zeros)."""
+    gen = torch.Generator().manual_seed(14)
+    conv_w, _, dt_bias, norm_w = CASE.params(gen)
+    A_log = torch.full((CASE.heads,), 3.0)
+    q, k, v, z, beta, gate = CASE.tokens(gen, 1, 64)
+    z = z.abs() + 10.0  # sigmoid(e^3 * (z + b)) == 1 in float32
+    got = prefill_triton.kda_prefill_block(q, k, v, z, beta, gate, conv_w, A_log, dt_bias.abs() + 1, norm_w)
+    want = naive.kda_prefill_block(q, k, v, z, beta, gate, conv_w, A_log, dt_bias.abs() + 1, norm_w)
+    assert torch.isfinite(got[0]).all()
+    _close(got, want)
+
+
+def test_softplus_gate_runs_the_reference_and_dispatch_routes_cpu_to_it():
+    gen = torch.Generator().manual_seed(15)
+    params, x = CASE.params(gen), CASE.tokens(gen, 1, 5)
+    want = naive.kda_prefill_block(*x, *params, lower_bound=None)
+    for got in (prefill_triton.kda_prefill_block(*x, *params, lower_bound=None),
+                dispatch.kda_prefill_block(*x, *params, lower_bound=None)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("index", "spoil", "field"),
+    [(1, lambda t: t[..., :8], "k"), (4, lambda t: t[..., :1], "beta"), (7, lambda t: t[:1], "A_log"),
+     (6, lambda t: t[:2], "conv_weight")],
+)
+def test_bad_input_names_the_field(index, spoil, field):
+    gen = torch.Generator().manual_seed(16)
+    args = [*CASE.tokens(gen, 1, 4), *CASE.params(gen)]
+    args[index] = spoil(args[index])
+    with pytest.raises(ValueError, match=field):
+        prefill_triton.kda_prefill_block(*args)
+
+
+def test_bad_cu_seqlens_and_state_shapes_are_named():
+    gen = torch.Generator().manual_seed(17)
+    args = [*CASE.tokens(gen, 1, 6), *CASE.params(gen)]
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        prefill_triton.kda_prefill_block(*args, cu_seqlens=torch.tensor([0, 4, 3, 6]))
+    with pytest.raises(ValueError, match="initial_state"):
+        prefill_triton.kda_prefill_block(*args, initial_state=torch.zeros(2, CASE.heads, 16, 16),
+                                         cu_seqlens=torch.tensor([0, 6]))
