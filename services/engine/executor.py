@@ -45,6 +45,7 @@ class Executor:
         # Transfers run on this thread's own event loop (the executor thread is not the server's loop).
         self._loop = asyncio.new_event_loop()
         self._transports: dict[str, Transport] = {}
+        self.fastpath = runner.decode_fastpath(manager, tp_size)
 
     def replay(self, plan: StepPlan) -> None:
         """Ranks > 0: apply rank 0's cache-manager calls of this step."""
@@ -91,7 +92,11 @@ class Executor:
         for group in groups:
             if group:
                 batch = [items[i] for i in group]
-                out = self.runner.forward([f.token_ids for f in batch], self.manager.batch_view([f.rid for f in batch]))
+                cached = [self.manager.requests[f.rid] for f in batch]
+                if group is groups[0] and self.fastpath is not None and self.fastpath.supports(cached):
+                    out = self.fastpath.forward(cached, [f.token_ids[0] for f in batch])
+                else:
+                    out = self.runner.forward([f.token_ids for f in batch], self.manager.batch_view([f.rid for f in batch]))
                 rows.update(zip(group, out, strict=True))
         return torch.stack([rows[i] for i, f in enumerate(items) if f.sample]) if any(f.sample for f in items) \
             else torch.empty(0)

@@ -8,10 +8,12 @@ import torch
 import torch.distributed as dist
 
 from k3core.cache.interface import BatchCache
+from k3core.cache.manager import PrefixCacheManager
 from k3core.model import K3Model
 from k3core.model.init import init_weights
 from k3core.weights.checkpoint import load_checkpoint
 from services.engine.config import WorkerConfig
+from services.engine.decode_fastpath import DecodeFastPath, fastpath_wanted
 from services.engine.tensor_parallel import shard_model
 
 
@@ -32,9 +34,17 @@ def build_model(config: WorkerConfig, rank: int, group: dist.ProcessGroup | None
 
 
 class ModelRunner:
-    def __init__(self, model: K3Model, device: str):
+    def __init__(self, model: K3Model, device: str, max_model_len: int = 32768, max_batch: int = 256):
         self.model = model
         self.device = torch.device(device)
+        self.max_model_len = max_model_len
+        self.max_batch = max_batch
+
+    def decode_fastpath(self, manager: PrefixCacheManager, tp_size: int) -> DecodeFastPath | None:
+        """The decode fast path over `manager`'s pool where it applies (CUDA, TP 1; see fastpath_wanted)."""
+        if not fastpath_wanted(self.device, tp_size) or manager.store is None:
+            return None
+        return DecodeFastPath(self.model, manager, max_model_len=self.max_model_len, max_batch=self.max_batch)
 
     @torch.no_grad()
     def forward(self, token_ids: Sequence[Sequence[int]], cache: BatchCache) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""One CUDA graph of the decode forward per batch-size bucket (the batch is padded up to its bucket).
+
+As vLLM does: a graph is captured the first time its bucket is needed (largest buckets first share one
+memory pool), its inputs are one static int64 buffer refreshed by a single host-to-device copy from a
+pinned staging buffer, and its output is a static logits tensor valid until the next replay. Capture
+warms up on a side stream first (Triton compiles there) with every row pointing at the scratch pages, so
+neither the warm-up nor the capture touches a request's state.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.engine.decode_inputs import DecodeInputBuilder, DecodeInputs
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    device_inputs: torch.Tensor
+    host_inputs: torch.Tensor  # pinned
+    copied: torch.cuda.Event
+    logits: torch.Tensor
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Callable[[DecodeInputs], torch.Tensor], builder: DecodeInputBuilder,
+                 device: torch.device, max_batch: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+        self.forward = forward
+        self.builder = builder
+        self.device = device
+        self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
+        self.pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[int, _Captured] = {}
+
+    def bucket(self, batch: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, batch)]
+
+    def capture_all(self, up_to: int | None = None) -> None:
+        """Capture every bucket (largest first, so smaller graphs reuse its pool memory)."""
+        for size in sorted((b for b in self.buckets if up_to is None or b <= self.bucket(up_to)), reverse=True):
+            self._get(size)
+
+    def run(self, fill: Callable[[np.ndarray, int], None], batch: int) -> torch.Tensor:
+        """Replay the bucket of `batch` rows after `fill(host image, size)`; logits [batch, V] (a view)."""
+        captured = self._get(self.bucket(batch))
+        captured.copied.synchronize()  # the previous copy out of this staging buffer has landed
+        fill(captured.host_inputs.numpy(), captured.logits.shape[0])
+        captured.device_inputs.copy_(captured.host_inputs, non_blocking=True)
+        captured.copied.record()
+        captured.graph.replay()
+        return captured.logits[:batch]
+
+    def _get(self, size: int) -> _Captured:
+        if size in self._graphs:
+            return self._graphs[size]
+        numel = self.builder.numel(size)
+        host = torch.empty(numel, dtype=torch.int64).pin_memory()
+        self.builder.build([], [], size, out=host.numpy())  # every row on the scratch pages
+        device_inputs = host.to(self.device)
+        inputs = self.builder.view(device_inputs, size)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.forward(inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.forward(inputs)
+        captured = _Captured(graph, device_inputs, host, torch.cuda.Event(), logits)
+        captured.copied.record()
+        self._graphs[size] = captured
+        return captured

@@ -1,0 +1,66 @@
+"""The decode fast path of one rank: decode-only batches run `FastDecoder` on the pool, in a CUDA graph per
+batch-size bucket on CUDA, eagerly elsewhere (the CPU form runs the kernels' references through
+`kernels.dispatch`: the CI oracle that the fast path computes what the reference layers compute).
+
+It owns two scratch pages of the pool (taken once, never released) for the padding rows of a bucket.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from k3core.cache.manager import PrefixCacheManager
+from k3core.cache.pool import PageKind
+from k3core.cache.request import CachedRequest
+from k3core.model import K3Model
+from services.engine.cuda_graphs import DecodeGraphs
+from services.engine.decode_inputs import DecodeInputBuilder
+from services.engine.fast_decoder import FastDecoder
+from services.engine.pool_views import PoolViews
+
+ENV = "K3_DECODE_FASTPATH"  # "0": never; "1": also on CPU (eager); unset: on CUDA
+GRAPHS_ENV = "K3_DECODE_CUDA_GRAPHS"  # "0": eager fast path on CUDA too
+
+
+def fastpath_wanted(device: torch.device, tp_size: int) -> bool:
+    """On CUDA at TP 1 by default (the fast path has no tensor-parallel collectives); K3_DECODE_FASTPATH
+    overrides (1: also on CPU, 0: never)."""
+    setting = os.environ.get(ENV, "")
+    if setting == "0" or tp_size != 1:
+        return False
+    return setting == "1" or device.type == "cuda"
+
+
+class DecodeFastPath:
+    def __init__(self, model: K3Model, manager: PrefixCacheManager, *, max_model_len: int = 32768,
+                 max_batch: int = 256, graphs: bool | None = None, head_streams: int = 4) -> None:
+        if manager.store is None:
+            raise ValueError("the decode fast path needs a manager with a page store")
+        layout = manager.layout
+        self.device = manager.store.data.device
+        self.decoder = FastDecoder(model, PoolViews(manager.store.data, layout), head_streams)
+        scratch_kda = manager.pool.allocate(PageKind.KDA, 0)[0]
+        scratch_mla = manager.pool.allocate(PageKind.MLA, 0)[0]
+        self.builder = DecodeInputBuilder(layout, math.ceil(max_model_len / layout.tokens_per_block),
+                                          scratch_kda, scratch_mla)
+        use_graphs = self.device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0" \
+            if graphs is None else graphs
+        self.graphs = DecodeGraphs(self.decoder.forward, self.builder, self.device, max_batch) if use_graphs \
+            else None
+        self.max_batch = max_batch
+
+    def supports(self, requests: list[CachedRequest]) -> bool:
+        return 0 < len(requests) <= self.max_batch and all(self.builder.fits(r) for r in requests)
+
+    def forward(self, requests: list[CachedRequest], tokens: list[int]) -> torch.Tensor:
+        """Logits [B, V] float32 of one new token per request (tokens[i] at position num_computed)."""
+        batch = len(requests)
+        if self.graphs is not None:
+            def fill(host, size: int) -> None:
+                self.builder.build(requests, tokens, size, out=host)
+            return self.graphs.run(fill, batch).float()
+        host = torch.from_numpy(self.builder.build(requests, tokens, batch))
+        return self.decoder.forward(self.builder.view(host.to(self.device), batch)).float()

@@ -1,0 +1,131 @@
+"""Decode (one new token per sequence) of the two attention kinds through `kernels.dispatch`, on the pool.
+
+KDA: the fused recurrent kernel updates the state and conv window in place in the request's KDA state page
+(one launch per head on the head's `[pages, 1, D, D]` view, see `pool_views`); heads run on side streams on
+CUDA so that the launches overlap. MLA: the new latent row is written straight into its page slot, then the
+weight-absorbed query attends over the pool's latent pages through the page table (split-KV kernel).
+No host sync and no per-sequence Python: every shape depends on the batch size only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3core.layers.kda import KimiDeltaAttention
+from k3core.layers.mla import GatedMLA
+from k3core.ops.mla import sigmoid_output_gate, split_kv_b
+from kernels import dispatch
+from services.engine.pool_views import PoolViews
+
+L2_EPS = 1e-6  # k3core.ops.kda.l2norm's default, what the reference layer uses
+
+
+def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
+    """One weight for several projections of the same input (one GEMM instead of several). The modules'
+    weights become views of it, so nothing is duplicated and the reference path sees the same numbers."""
+    fused = torch.cat([lin.weight.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = fused[start : start + rows]
+        start += rows
+    return fused
+
+
+class HeadStreams:
+    """Side streams the per-head launches of one layer are spread over (CUDA only; a no-op elsewhere)."""
+
+    def __init__(self, device: torch.device, count: int) -> None:
+        self.streams = [torch.cuda.Stream(device) for _ in range(count)] if device.type == "cuda" else []
+
+    def run(self, jobs: list) -> list[torch.Tensor]:
+        if not self.streams:
+            return [job() for job in jobs]
+        main = torch.cuda.current_stream()
+        for stream in self.streams:
+            stream.wait_stream(main)
+        outs = []
+        for i, job in enumerate(jobs):
+            with torch.cuda.stream(self.streams[i % len(self.streams)]):
+                outs.append(job())
+        for stream in self.streams:
+            main.wait_stream(stream)
+        return outs
+
+
+class KdaDecode:
+    def __init__(self, attn: KimiDeltaAttention, views: PoolViews, streams: HeadStreams) -> None:
+        self.attn = attn
+        self.streams = streams
+        heads, dim = attn.heads, attn.head_dim
+        gate = [attn.g_proj] if attn.full_rank_gate else [attn.g_a_proj]
+        inputs = [attn.q_proj, attn.k_proj, attn.v_proj, *gate, attn.f_a_proj, attn.b_proj]
+        self.weight = fuse_linears(inputs)
+        self.splits = [lin.weight.shape[0] for lin in inputs]
+        conv = torch.stack([c.weight[:, 0, :] for c in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d)])
+        # Per-head parameters, each laid out as the kernel wants them for H = 1.
+        self.conv_w = [conv[:, h * dim : (h + 1) * dim].contiguous() for h in range(heads)]
+        a_log = attn.A_log.detach().reshape(heads)
+        self.a_log = [a_log[h : h + 1].contiguous() for h in range(heads)]
+        self.dt_bias = [attn.dt_bias.detach()[h * dim : (h + 1) * dim].contiguous() for h in range(heads)]
+        layer = attn.kda_index
+        self.state = [views.kda_state(layer, h) for h in range(heads)]
+        self.conv = [views.kda_conv(layer, h) for h in range(heads)]
+
+    def __call__(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """x [B, hidden] (normed) -> [B, hidden]; slots [B]: each sequence's KDA state page of this group."""
+        attn, batch = self.attn, x.shape[0]
+        heads, dim = attn.heads, attn.head_dim
+        q, k, v, g, f_a, beta = F.linear(x, self.weight).split(self.splits, dim=-1)
+        z = attn.f_b_proj(f_a)
+        if not attn.full_rank_gate:
+            g = attn.g_b_proj(g)
+        # Head-major [5, H, B, D] so that each head's inputs are contiguous [B, 1, D] slices.
+        per_head = torch.stack([t.reshape(batch, heads, dim).transpose(0, 1) for t in (q, k, v, z, g)])
+        beta = beta.t().contiguous()
+
+        def head(h: int):
+            qh, kh, vh, zh, gh = (per_head[i, h].unsqueeze(1) for i in range(5))
+            return lambda: dispatch.kda_decode_step(
+                qh, kh, vh, zh, beta[h].unsqueeze(1), gh, self.conv_w[h], self.a_log[h], self.dt_bias[h],
+                attn.o_norm.weight, self.state[h], self.conv[h], slots, lower_bound=attn.lower_bound,
+                scale=attn.scale, l2_eps=L2_EPS, norm_eps=attn.eps)
+
+        y = torch.cat(self.streams.run([head(h) for h in range(heads)]), dim=1)  # [B, H, D]
+        return attn.o_proj(y.reshape(batch, heads * dim))
+
+
+class MlaDecode:
+    def __init__(self, attn: GatedMLA, views: PoolViews) -> None:
+        self.attn = attn
+        inputs = [attn.q_a_proj if attn.q_lora else attn.q_proj, attn.kv_a_proj_with_mqa]
+        inputs += [attn.g_proj] if attn.output_gate else []
+        self.weight = fuse_linears(inputs)
+        self.splits = [lin.weight.shape[0] for lin in inputs]
+        w_uk, w_uv = split_kv_b(attn.kv_b_proj.weight.detach(), attn.heads, attn.v_dim)
+        self.w_uk = w_uk.contiguous()  # [H, Dn, R]
+        self.w_uv_t = w_uv.transpose(1, 2).contiguous()  # [H, R, Dv]
+        self.cache = views.mla_cache(attn.mla_index)
+        self.rows = views.mla_rows()
+
+    def __call__(self, x: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
+                 write_rows: torch.Tensor) -> torch.Tensor:
+        """x [B, hidden] (normed); page_table [B, max_pages]; lengths [B] (tokens incl. the new one);
+        write_rows [B]: where each new latent row goes in `views.mla_rows()`."""
+        attn, batch = self.attn, x.shape[0]
+        parts = F.linear(x, self.weight).split(self.splits, dim=-1)
+        q = attn.q_b_proj(attn.q_a_layernorm(parts[0])) if attn.q_lora else parts[0]
+        q = q.reshape(batch, attn.heads, attn.nope + attn.rope)
+        kv = parts[1]
+        latent = torch.cat([attn.kv_a_layernorm(kv[:, : attn.rank]), kv[:, attn.rank :]], dim=-1)
+        self.rows.index_copy_(0, write_rows, latent.to(self.rows.dtype))
+        q_latent = torch.bmm(q[..., : attn.nope].transpose(0, 1), self.w_uk.to(q.dtype))  # [H, B, R]
+        absorbed = torch.cat([q_latent.transpose(0, 1), q[..., attn.nope :]], dim=-1).to(self.cache.dtype)
+        o_latent = dispatch.mla_decode_paged(absorbed, self.cache, page_table, lengths, attn.scale,
+                                             latent_dim=attn.rank)
+        o = torch.bmm(o_latent.transpose(0, 1).to(x.dtype), self.w_uv_t.to(x.dtype)).transpose(0, 1)
+        if attn.output_gate:
+            o = sigmoid_output_gate(o, parts[2].reshape(o.shape))
+        return attn.o_proj(o.reshape(batch, -1))

@@ -1,0 +1,93 @@
+"""The whole decode forward of a K3Model on the paged pool, every layer through its fast form.
+
+Same wiring as `K3Model.forward` (embedding, Block AttnRes or a plain residual, final norm, LM head), but:
+attention through `fast_attention`, feed-forward through `fast_ffn`, and each AttnRes site's phase 2 fused
+with the sublayer's input RMSNorm (`dispatch.attnres_merge_norm`). Inputs are a `DecodeInputs` whose
+shapes depend on the batch size only, so one forward can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from functools import partial as partial_fn
+
+import torch
+
+from k3core.layers.kda import KimiDeltaAttention
+from k3core.model import K3Model
+from k3core.ops.attnres import attnres_direct, attnres_inter
+from kernels import dispatch
+from services.engine.decode_inputs import DecodeInputs
+from services.engine.fast_attention import HeadStreams, KdaDecode, MlaDecode
+from services.engine.fast_ffn import MlpDecode, MoeDecode, grouped_mm_available
+from services.engine.pool_views import PoolViews
+
+
+class FastDecoder:
+    def __init__(self, model: K3Model, views: PoolViews, head_streams: int = 4) -> None:
+        self.model = model
+        self.config = config = model.config
+        layout = views.layout
+        weight = model.model.embed_tokens.weight
+        streams = HeadStreams(weight.device, head_streams)
+        grouped = grouped_mm_available(weight.device, weight.dtype)
+        self.attention: list = []
+        self.ffn: list = []
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if isinstance(attn, KimiDeltaAttention):
+                op = KdaDecode(attn, views, streams)
+                group = layout.kda_slot(attn.kda_index)[0]
+                self.attention.append(lambda x, inp, op=op, g=group: op(x, inp.kda_slots[g]))
+            else:
+                op = MlaDecode(attn, views)
+                group, slot = layout.mla_slot(attn.mla_index)
+                self.attention.append(lambda x, inp, op=op, g=group, s=slot:
+                                      op(x, inp.page_table[g], inp.lengths, inp.row_base[g] + s))
+            self.ffn.append(MoeDecode(layer.block_sparse_moe, config, grouped) if layer.is_moe
+                            else MlpDecode(layer.mlp, config))
+        if config.uses_attn_res:
+            size, layers = config.attn_res_block_size, model.model.layers
+            sites = [[site for lay in layers[i : i + size] for site in (lay.attn_res["attn"], lay.attn_res["mlp"])]
+                     for i in range(0, len(layers), size)]
+            self.block_queries = [torch.stack([s.query.detach() for s in block]) for block in sites]
+            self.block_key_norms = [torch.stack([s.norm.weight.detach() for s in block]) for block in sites]
+
+    @torch.no_grad()
+    def forward(self, inp: DecodeInputs) -> torch.Tensor:
+        """Logits [B, V] (model dtype) of the one new token of every row."""
+        backbone = self.model.model
+        h = backbone.embed_tokens(inp.tokens)
+        h = self._attn_res(h, inp) if self.config.uses_attn_res else self._residual(h, inp)
+        return self.model.lm_head(backbone.norm(h))
+
+    def _residual(self, h: torch.Tensor, inp: DecodeInputs) -> torch.Tensor:
+        for i, layer in enumerate(self.model.model.layers):
+            h = h + self.attention[i](layer.input_layernorm(h), inp)
+            h = h + self.ffn[i](layer.post_attention_layernorm(h))
+        return h
+
+    def _attn_res(self, h: torch.Tensor, inp: DecodeInputs) -> torch.Tensor:
+        config, layers = self.config, self.model.model.layers
+        size, eps = config.attn_res_block_size, config.rms_norm_eps
+        blocks, partial = [h], None
+        for i, layer in enumerate(layers):
+            if i % size == 0:
+                inter = attnres_inter(self.block_queries[i // size], torch.stack(blocks),
+                                      self.block_key_norms[i // size], eps)
+                inter.acc = inter.acc.contiguous()  # the merge kernel reads each site's rows densely
+            sublayers = ((layer.attn_res["attn"], layer.input_layernorm, partial_fn(self.attention[i], inp=inp)),
+                         (layer.attn_res["mlp"], layer.post_attention_layernorm, self.ffn[i]))
+            for j, (site, norm, run) in enumerate(sublayers):
+                row = inter.row(2 * (i % size) + j)
+                _, normed = dispatch.attnres_merge_norm(
+                    row.max, row.denom, row.acc, site.query, partial, norm.weight,
+                    key_norm_weight=site.norm.weight, key_eps=eps, out_eps=norm.eps, out_dtype=h.dtype)
+                out = run(normed)
+                partial = out if partial is None else partial + out
+            if (i + 1) % size == 0:
+                blocks.append(partial)
+                partial = None
+        if partial is not None:
+            blocks.append(partial)
+        final = self.model.model.attn_res_final
+        return attnres_direct(final.query, torch.stack(blocks), final.norm.weight, eps)
