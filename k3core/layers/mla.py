@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from k3core.cache.interface import BatchCache
 from k3core.config import K3Config
@@ -47,6 +49,17 @@ class GatedMLA(nn.Module):
         kv = self.kv_a_proj_with_mqa(x)
         return torch.cat([self.kv_a_layernorm(kv[:, : self.rank]), kv[:, self.rank :]], dim=-1)
 
+    def _prefill_fused(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        """Expanded-key attention of T queries (the last T of S positions) in one fused SDPA call: the
+        GPU prefill path, which never materialises the [H, T, S] scores (long prompts)."""
+        kv = F.linear(latent[:, : self.rank], self.kv_b_proj.weight).view(latent.shape[0], self.heads, -1)
+        k_pe = latent[:, None, self.rank :].expand(-1, self.heads, -1)
+        keys = torch.cat([kv[..., : self.nope], k_pe], dim=-1).transpose(0, 1)
+        values = kv[..., self.nope :].transpose(0, 1)
+        mask = causal_lower_right(q.shape[0], latent.shape[0])
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale)
+        return o.transpose(0, 1)
+
     def forward(self, x: torch.Tensor, layout: BatchLayout, cache: BatchCache) -> torch.Tensor:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.reshape(x.shape[0], self.heads, self.nope + self.rope)
@@ -56,6 +69,9 @@ class GatedMLA(nn.Module):
             latent = cache.mla_read(self.mla_index, seq).to(x.dtype)
             # One query (decode) is the last position and sees every key: absorbed form, no mask to build.
             single = end - start == 1
+            if not single and x.is_cuda:
+                outs.append(self._prefill_fused(q[start:end], latent))
+                continue
             attend = mla_attention_absorbed if single else mla_attention_naive
             mask = None if single else causal_mask(end - start, latent.shape[0], x.device)
             q_seq = q[start:end]

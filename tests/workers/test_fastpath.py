@@ -184,3 +184,17 @@ def test_triton_kernels_on_the_pool_views_under_the_interpreter():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("ok")
+
+
+def test_fused_prefill_attention_equals_the_naive_form(nano):
+    """The GPU prefill form of Gated MLA (one SDPA call, lower-right causal) against the naive einsums."""
+    from k3core.ops.mla import causal_mask, mla_attention_naive
+
+    attn = next(layer.self_attn for layer in nano.model.layers if not hasattr(layer.self_attn, "kda_index"))
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(7, attn.heads, attn.nope + attn.rope, generator=gen)
+    latent = torch.randn(19, attn.rank + attn.rope, generator=gen)
+    want = mla_attention_naive(q[..., : attn.nope], q[..., attn.nope :], latent, attn.kv_b_proj.weight,
+                               attn.v_dim, attn.scale, causal_mask(7, 19))
+    with torch.no_grad():
+        torch.testing.assert_close(attn._prefill_fused(q, latent), want, rtol=1e-5, atol=1e-5)
