@@ -6,7 +6,7 @@ from functools import partial
 
 import torch
 
-from kernels.kda import decode_triton, naive
+from kernels.kda import decode_step_triton, decode_triton, naive
 from kernels.perf.harness import Row, max_err, time_ms
 
 H, D, W = 32, 128, 4
@@ -54,11 +54,30 @@ def _fla_decode(params, x, pool, conv_dense, slots):
     return rms_norm_gated(o.reshape(B * H, D), gate.reshape(B * H, D), norm_w, None, activation="sigmoid")
 
 
-DECODE_VARIANTS = ((128, 4), (64, 4))  # (block_v, num_warps); 8 warps spill (measured 38 % of copy)
+# (tile_v, num_warps, stages) of the value-tile streaming kernel (decode_step_triton.py).
+DECODE_VARIANTS = ((32, 4, 2), (32, 4, 3), (32, 2, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (16, 2, 2), (16, 4, 3),
+                   (32, 8, 3), (128, 4, 1))
+
+
+def _full_state_step(x, params, pool, conv, slots):
+    """v1: the whole [K, V] state per program (the recurrent kernel that verify still uses)."""
+    y = decode_triton.fused_kda_recurrent(*(t.unsqueeze(1) for t in x), *params, pool, conv, slots)
+    return y.squeeze(1)
+
+
+def _step_errors(step, x, params, pool, conv, slots, check_n: int) -> dict:
+    """Max abs errors of one `step(pool, conv)` from copies of the pools against the reference step."""
+    ref_pools = (pool.clone(), conv.clone())
+    y_ref = naive.kda_decode_step(*(t[:check_n] for t in x), *params, *ref_pools, slots[:check_n])
+    p, c = pool.clone(), conv.clone()
+    y = step(p, c)
+    sel = slots[:check_n].long()
+    return {"y_max_abs": max_err(y[:check_n], y_ref), "state_max_abs": max_err(p[sel], ref_pools[0][sel]),
+            "conv_max_abs": max_err(c[sel], ref_pools[1][sel])}
 
 
 def decode_rows(batches: tuple[int, ...] = (1, 64, 256),
-                variants: tuple[tuple[int, int], ...] = DECODE_VARIANTS) -> list[Row]:
+                variants: tuple[tuple[int, int, int], ...] = DECODE_VARIANTS) -> list[Row]:
     rows: list[Row] = []
     params = _params("cuda")
     for B in batches:
@@ -66,17 +85,22 @@ def decode_rows(batches: tuple[int, ...] = (1, 64, 256),
         slots = torch.randperm(2 * B, device="cuda")[:B].int()
         pool, conv = _pools(2 * B, "cuda")
         check_n = min(B, 16)  # the reference loops over sequences in Python; 16 of them suffice
-        ref_pools = (pool.clone(), conv.clone())
-        y = decode_triton.kda_decode_step(*x, *params, pool, conv, slots)
-        y_ref = naive.kda_decode_step(*(t[:check_n] for t in x), *params, *ref_pools, slots[:check_n])
-        sel = slots[:check_n].long()
-        err = {"y_max_abs": max_err(y[:check_n], y_ref), "state_max_abs": max_err(pool[sel], ref_pools[0][sel]),
-               "conv_max_abs": max_err(conv[sel], ref_pools[1][sel])}
         shape = f"B={B},H={H},K=V={D}"
-        for bv, nw in variants:
-            ms, how = time_ms(partial(decode_triton.kda_decode_step, *x, *params, pool, conv, slots, num_warps=nw,
-                                      block_v=bv))
-            rows.append(Row("kda_decode_step", shape, f"ours(block_v={bv},num_warps={nw})", ms, decode_bytes(B),
+        full = partial(_full_state_step, x, params)
+        err = _step_errors(partial(full, slots=slots), x, params, pool, conv, slots, check_n)
+        ms, how = time_ms(partial(full, pool, conv, slots))
+        rows.append(Row("kda_decode_step", shape, "ours v1 (full state per program, w=4)", ms, decode_bytes(B),
+                        note=how, extra=err))
+        for tv, nw, st in variants:
+            tuning = (-5.0, None, 1e-6, 1e-6, tv, nw, st)
+            tiled = partial(decode_step_triton.kda_decode_tiled, *x, *params)
+            try:
+                err = _step_errors(lambda p, c, f=tiled, s=slots, t=tuning: f(p, c, s, *t), x, params, pool, conv,
+                                   slots, check_n)
+                ms, how = time_ms(partial(tiled, pool, conv, slots, *tuning))
+            except Exception as e:  # noqa: BLE001 - a variant that does not build must not hide the others
+                ms, how, err = float("nan"), repr(e)[:200], {}
+            rows.append(Row("kda_decode_step", shape, f"ours(tile_v={tv},w={nw},stages={st})", ms, decode_bytes(B),
                             note=how, extra=err))
         try:
             conv_dense = [torch.randn(B, H * D, W, device="cuda", dtype=BF16) for _ in range(3)]

@@ -1,0 +1,159 @@
+"""KDA prefill block on the H200: ours vs the same block composed from fla-core 0.6.0 ops (GPU only).
+
+The peer: 3x fla `causal_conv1d` (SiLU), `chunk_kda` (safe_gate, lower_bound=-5, gate, L2Norm and
+sigmoid(beta) in kernel, final state out) and `rms_norm_gated` (sigmoid). Both start from no carried state
+and return the final state. Accuracy: relative error of y and of the final state against a float64
+evaluation of the block (k3core ops in float64) on the first <= 2048 tokens of each sequence (at most two
+sequences), for ours and for the peer.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from k3core.ops.kda import causal_short_conv, kda_chunk, kda_gate_bounded, l2norm
+from k3core.ops.norm import gated_rms_norm
+from kernels.kda import prefill_triton
+from kernels.perf.harness import Row, rel_err, time_ms
+
+D, W = 128, 4
+BF16 = torch.bfloat16
+# (label, batch, length, heads, packed lengths or None)
+SHAPES = (
+    ("B=1,T=32K,H=16", 1, 32768, 16, None),
+    ("B=1,T=128K,H=16", 1, 131072, 16, None),
+    ("B=8,T=4K,H=32", 8, 4096, 32, None),
+    ("varlen 8 seqs (12K,8K,4K,3000,2341,1000,77,2700),H=32", 1, 0, 32,
+     (12288, 8192, 4096, 3000, 2341, 1000, 77, 2700)),
+)
+# Tuning variants timed for every shape: (label, keyword arguments of prefill_triton.kda_prefill_block).
+VARIANTS = (
+    ("default", {}),
+    ("split bv=64", {"fuse_output": False, "block_v": 64}),
+    ("split bv=32", {"fuse_output": False, "block_v": 32}),
+    ("split bv=64 w8", {"fuse_output": False, "block_v": 64, "num_warps": 8}),
+    ("fused w4", {"fuse_output": True, "recurrence_warps": 4}),
+    ("fused w8", {"fuse_output": True, "recurrence_warps": 8}),
+)
+
+
+def _params(heads: int, dev: str):
+    conv_w = (torch.randn(3, heads * D, W, device=dev) * 0.5).to(BF16)
+    return conv_w, torch.randn(heads, device=dev) * 0.3, torch.randn(heads * D, device=dev), \
+        torch.rand(D, device=dev) + 0.5
+
+
+def _inputs(batch: int, length: int, heads: int, dev: str):
+    q, k, v, z, gate = (torch.randn(batch, length, heads, D, device=dev, dtype=BF16) for _ in range(5))
+    return q, k, v, z, torch.randn(batch, length, heads, device=dev, dtype=BF16), gate
+
+
+def fla_block(x, params, cu: torch.Tensor | None, cu_cpu: torch.Tensor | None):
+    """The block composed from fla-core 0.6.0 ops."""
+    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.modules.fused_norm_gate import rms_norm_gated
+    from fla.ops.kda import chunk_kda
+
+    q, k, v, z, beta, gate = x
+    B, T, H, _ = q.shape
+    conv_w, A_log, dt_bias, norm_w = params
+    seq = {"cu_seqlens": cu, "cu_seqlens_cpu": cu_cpu}
+    qkv = [causal_conv1d(t.reshape(B, T, H * D), weight=conv_w[c], activation="silu", output_final_state=True,
+                         **seq)[0].reshape(B, T, H, D) for c, t in enumerate((q, k, v))]
+    o, state = chunk_kda(*qkv, g=z, beta=beta, A_log=A_log, dt_bias=dt_bias, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         safe_gate=True, lower_bound=-5.0, **seq)
+    y = rms_norm_gated(o.reshape(-1, D), gate.reshape(-1, D), norm_w, None, activation="sigmoid")
+    return y.reshape(B, T, H, D), state
+
+
+def float64_block(x, params, cu: torch.Tensor | None):
+    """The block in float64 from k3core ops (the oracle)."""
+    q, k, v, z, beta, gate = (t.double() for t in x)
+    B, T, H, _ = q.shape
+    conv_w, A_log, dt_bias, norm_w = (p.double() for p in params)
+    qkv = [causal_short_conv(t.reshape(B, T, H * D), conv_w[c], cu_seqlens=cu)[0].reshape(B, T, H, D)
+           for c, t in enumerate((q, k, v))]
+    g = kda_gate_bounded(z, A_log, -5.0, dt_bias)
+    o, state = kda_chunk(l2norm(qkv[0]), l2norm(qkv[1]), qkv[2], g, torch.sigmoid(beta), cu_seqlens=cu)
+    return gated_rms_norm(o, gate, norm_w), state
+
+
+def _accuracy_case(batch: int, length: int, heads: int, lengths, dev: str):
+    """A smaller problem of the same kind for the float64 check: inputs, cu_seqlens (device, cpu)."""
+    if lengths is None:
+        return _inputs(min(batch, 2), min(length, 2048), heads, dev), None, None
+    short = [min(n, 1024) for n in lengths[:3]]
+    cu_cpu = torch.tensor([0, *torch.tensor(short).cumsum(0).tolist()], dtype=torch.int64)
+    return _inputs(1, sum(short), heads, dev), cu_cpu.to(dev), cu_cpu
+
+
+def _errors(params, heads, batch, length, lengths, dev) -> dict:
+    x, cu, cu_cpu = _accuracy_case(batch, length, heads, lengths, dev)
+    y64, s64 = float64_block(x, params, cu)
+    y, s, _ = prefill_triton.kda_prefill_block(*x, *params, cu_seqlens=cu_cpu)
+    out = {"y_rel_err": rel_err(y, y64), "state_rel_err": rel_err(s, s64)}
+    try:
+        y_fla, s_fla = fla_block(x, params, cu, cu_cpu)
+        out.update(fla_y_rel_err=rel_err(y_fla, y64), fla_state_rel_err=rel_err(s_fla, s64))
+    except Exception as e:  # noqa: BLE001
+        out["fla_error"] = repr(e)[:200]
+    return out
+
+
+def kernel_ms(fn) -> dict[str, float]:
+    """Milliseconds per GPU kernel of one call (torch profiler), to see where the block's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return {e.key[:70]: round(getattr(e, "device_time_total", 0.0) / 1e3, 4) for e in prof.key_averages()
+                if getattr(e, "device_time_total", 0.0) > 0}
+    except Exception as e:  # noqa: BLE001 - profiling is optional
+        return {"profiler_error": repr(e)[:200]}
+
+
+def block_bytes(tokens: int, heads: int) -> float:
+    """Bytes that must move: q, k, v, z, gate in and y out (bf16), beta; the final state (fp32)."""
+    return tokens * heads * (6 * D + 1) * 2
+
+
+def prefill_rows(shapes=SHAPES, variants=VARIANTS) -> list[Row]:
+    rows: list[Row] = []
+    with torch.inference_mode():
+        for label, batch, length, heads, lengths in shapes:
+            params = _params(heads, "cuda")
+            cu = cu_cpu = None
+            if lengths is not None:
+                cu_cpu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+                cu, length = cu_cpu.cuda(), sum(lengths)
+            x = _inputs(batch, length, heads, "cuda")
+            try:
+                err = _errors(params, heads, batch, length, lengths, "cuda")
+            except Exception as e:  # noqa: BLE001 - still time what runs
+                err = {"error": repr(e)[:300]}
+            nbytes = block_bytes(batch * length, heads)
+            for name, tuning in variants:
+                try:
+                    ms, how = time_ms(partial(prefill_triton.kda_prefill_block, *x, *params, cu_seqlens=cu_cpu,
+                                              **tuning), inner=5, reps=10)
+                    extra = dict(err, kernels_ms=kernel_ms(partial(prefill_triton.kda_prefill_block, *x, *params,
+                                                                   cu_seqlens=cu_cpu, **tuning)))
+                    rows.append(Row("kda_prefill_block", label, f"ours({name})", ms, nbytes, note=how, extra=extra))
+                except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
+                    rows.append(Row("kda_prefill_block", label, f"ours({name})", float("nan"), note=repr(e)[:300]))
+            try:
+                ms, how = time_ms(partial(fla_block, x, params, cu, cu_cpu), inner=5, reps=10)
+                rows.append(Row("kda_prefill_block", label, "fla-core composition", ms, nbytes, note=how,
+                                extra={"kernels_ms": kernel_ms(partial(fla_block, x, params, cu, cu_cpu))}))
+            except Exception as e:  # noqa: BLE001
+                rows.append(Row("kda_prefill_block", label, "fla-core composition", float("nan"), note=repr(e)[:300]))
+            del x
+            torch.cuda.empty_cache()
+    return rows
