@@ -35,9 +35,10 @@ class RouterConfig(ServiceConfig):
     # Bounded mode: each pair holds at most ceil((1 + eps) x its fair share) of its primary's sessions.
     bounded_eps: float = 0.1
     # Bounded mode: a session's stored assignment expires this long after its last route (up to one lease
-    # window later); a window's assignments share one etcd lease.
+    # window later). A window's assignments share one etcd lease, and an active session is re-leased at most
+    # once per window: a longer window means fewer etcd writes and a looser expiry.
     session_idle_ttl_s: float = 3600.0
-    assignment_lease_window_s: float = 60.0
+    assignment_lease_window_s: float = 300.0
 
     def validate(self) -> list[str]:
         problems = super().validate()

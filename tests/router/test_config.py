@@ -12,9 +12,19 @@ from services.runtime import ConfigError
 def test_router_config_names_every_bad_field():
     with pytest.raises(ConfigError) as err:
         RouterConfig.load("router", ["--slot-bits", "99", "--required-instances", "gateway:1",
-                                     "--cluster-weights", '{"a": -1}', "--probe-fanout", "0"], env={})
-    for field in ("slot_bits", "required_instances", "cluster_weights", "probe_fanout"):
+                                     "--cluster-weights", '{"a": -1}', "--probe-fanout", "0",
+                                     "--placement-mode", "sticky", "--bounded-eps", "-0.1",
+                                     "--session-idle-ttl-s", "60", "--assignment-lease-window-s", "61"], env={})
+    for field in ("slot_bits", "required_instances", "cluster_weights", "probe_fanout", "placement_mode",
+                  "bounded_eps", "assignment_lease_window_s"):
         assert field in str(err.value)
+
+
+def test_router_defaults_to_the_stateless_mode():
+    config = RouterConfig.load("router", [], env={})
+    assert (config.placement_mode, config.bounded_eps) == ("stateless", 0.1) and not config.validate()
+    config = RouterConfig.load("router", ["--placement-mode", "bounded"], env={"K3_ROUTER_BOUNDED_EPS": "0.05"})
+    assert (config.placement_mode, config.bounded_eps) == ("bounded", 0.05)
 
 
 def test_router_config_from_env_and_flags():
