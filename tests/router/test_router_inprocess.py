@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from k3.v1 import common_pb2, router_pb2
+from services.router.assignment_store import AssignmentStore
 from services.router.config import RouterConfig
 from services.router.service import RouterServicer
 from services.runtime import errors
@@ -67,3 +68,55 @@ async def test_failback_waits_for_the_hold_and_weights_are_reported():
     with pytest.raises(errors.Unavailable, match="no healthy cluster"):
         await router.Route(request(session), None)
     await channels.close()
+
+
+def healthy_fleet(clusters: str) -> list[InstanceRecord]:
+    return [decode(c) for c in clusters]
+
+
+async def test_bounded_mode_keeps_stored_pairs_when_the_fleet_grows(etcd_server):
+    store = AssignmentStore([etcd_server], f"/k3test-grow-{free_port()}", 0.1, 600, 60)
+    config = RouterConfig(slot_bits=10, placement_mode="bounded", probe_timeout_ms=200)
+    channels = ChannelPool()
+    router = RouterServicer(config, channels, Clock(), assignments=store)
+    try:
+        assert store.wait_synced(10)
+        router.apply_membership(healthy_fleet("abcd"))
+        await router.wait_ready()
+        sessions = [f"grow-{i}" for i in range(60)]
+        before = {s: await router.Route(request(s), None) for s in sessions}
+        assert all((store.get(s).primary, store.get(s).backup) == (r.primary.name, r.backup.name)
+                   for s, r in before.items())
+        router.apply_membership(healthy_fleet("abcde"))
+        await router.wait_ready()
+        assert router.table.clusters == ["a", "b", "c", "d", "e"]
+        for s in sessions:  # stored sessions keep their pair and their target: nothing moves
+            after = await router.Route(request(s), None)
+            assert (after.primary, after.backup, after.target) == (before[s].primary, before[s].backup,
+                                                                   before[s].target)
+        # New sessions follow the grown table's primary; some now land on the new cluster.
+        fresh = [await router.Route(request(f"new-{i}"), None) for i in range(60)]
+        assert [r.primary.name for r in fresh] == [router.table.place(f"new-{i}").primary for i in range(60)]
+        assert any(r.primary.name == "e" for r in fresh)
+    finally:
+        store.close()
+        await channels.close()
+
+
+async def test_bounded_mode_routes_statelessly_while_etcd_is_unreachable():
+    # An etcd endpoint nobody listens on: the store never syncs and every assignment fails.
+    store = AssignmentStore([f"127.0.0.1:{free_port()}"], "/k3test-down", 0.1, 600, 60)
+    channels = ChannelPool()
+    router = RouterServicer(RouterConfig(slot_bits=10, placement_mode="bounded", probe_timeout_ms=200), channels,
+                            Clock(), assignments=store)
+    try:
+        router.apply_membership(healthy_fleet("abc"))
+        await router.wait_ready()
+        answer = await router.Route(request("s1"), None)
+        expected = router.table.place("s1")
+        assert (answer.primary.name, answer.backup.name, answer.target.name) == (
+            expected.primary, expected.backup, expected.primary)
+        assert store.get("s1") is None
+    finally:
+        store.close()
+        await channels.close()
