@@ -12,6 +12,10 @@ from pathlib import Path
 from k3.v1 import sandbox_pb2 as pb
 from tests.sandbox.conftest import CGROUP_GROUP, requires_criu, requires_namespace
 
+# A TCP round trip over 127.0.0.1: fails with "Network is unreachable" where loopback is down.
+LOOPBACK_TCP = ["python3", "-c", "import socket; s = socket.create_server(('127.0.0.1', 0)); "
+                "c = socket.create_connection(s.getsockname(), timeout=5); print('ok')"]
+
 
 def _cpu_usage_us(backend_group: str, sandbox_id: str) -> int:
     stat = Path(f"/sys/fs/cgroup/unified/{backend_group}/{sandbox_id}/cpu.stat").read_text()
@@ -88,6 +92,8 @@ def test_criu_memory_state_survives_snapshot_restore_and_fork(client):
     # The parent was at 4: every copy (and the parent, which kept running) continues from 4 independently.
     assert [client.bump(a), client.bump(a), client.bump(b), client.bump(sid)] == [5, 6, 5, 5]
     assert [client.read(x, "/home/user/count.txt") for x in (a, b, sid, restored)] == ["6", "5", "5", "4"]
+    for copy in (restored, a):  # the network namespace comes back as it was: loopback up
+        assert client.run(copy, LOOPBACK_TCP)[1].strip() == "ok"
 
     # Hibernation: the processes leave the host entirely, and come back with their memory on first use.
     running_bytes = client.stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=b)).sandbox.memory_bytes
@@ -96,7 +102,14 @@ def test_criu_memory_state_survives_snapshot_restore_and_fork(client):
     assert info.state == pb.SANDBOX_STATE_PAUSED and info.memory_released
     assert not Path(f"/sys/fs/cgroup/pids/{CGROUP_GROUP['criu']}/{b}").exists()  # no task of it is left
     assert info.memory_bytes < running_bytes
+    # A snapshot of a hibernated sandbox is taken from its images: it stays hibernated, and the snapshot
+    # restores to the same state.
+    hib_snap = client.stub.SnapshotSandbox(pb.SnapshotSandboxRequest(sandbox_id=b)).snapshot_id
+    assert client.stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=b)).sandbox.memory_released
+    from_hib = client.track([client.stub.RestoreSandbox(pb.RestoreSandboxRequest(snapshot_id=hib_snap))
+                             .sandbox])[0].sandbox_id
+    assert client.bump(from_hib) == 6
     assert client.bump(b) == 6  # exec resumes it: restored from disk, continuing from 5
     assert not client.stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=b)).sandbox.memory_released
-    for copy in (sid, restored, a, b):
+    for copy in (sid, restored, a, b, from_hib):
         client.destroy(copy)

@@ -1,9 +1,9 @@
 """runc + CRIU backend: containers whose whole process tree can be checkpointed, restored and forked live.
 
-A snapshot freezes the container, copies the overlay upper layer, then runs `runc checkpoint
---leave-running` (CRIU keeps an already-frozen cgroup frozen), so files and memory are from the same
-instant. Restore and fork start new containers from those images over copies of the upper layer. The host
-kernel lacks soft-dirty tracking, so CRIU pre-dumps (incremental memory snapshots) are unavailable here.
+A snapshot freezes the container and, within that one freeze, copies the overlay upper layer while CRIU
+dumps the process tree leaving it running (criu_dump), so files and memory are from the same instant.
+Restore and fork start new containers from those images over copies of the upper layer (`runc restore`).
+The host kernel lacks soft-dirty tracking, so CRIU pre-dumps (incremental snapshots) are unavailable here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 
 from services.sandbox.backends.base import (
@@ -30,8 +31,9 @@ from services.sandbox.backends.base import (
 )
 from services.sandbox.backends.cgroups import CGROUP_ROOT, remove_group, remove_tree
 from services.sandbox.backends.cgroups import probe as probe_cgroups
+from services.sandbox.backends.criu_dump import dump_leave_running, log_errors
 from services.sandbox.backends.criu_options import CriuOptions
-from services.sandbox.backends.launch import background_argv, command_env, frozen, require_tools, start_all
+from services.sandbox.backends.launch import background_argv, command_env, frozen, gather_all, require_tools
 from services.sandbox.backends.overlay import OverlayDisk, copy_tree
 from services.sandbox.backends.runc_config import prepare_dev_dir, runc_config
 from services.sandbox.backends.streaming import stream_command
@@ -41,6 +43,8 @@ from services.sandbox.images import Image
 CGROUP_GROUP = "k3sandbox-criu"
 EXEC_TAG = "K3_EXEC_ID"
 TERM_GRACE_S = 1.0
+# Fork dumps live only for the call: on a tmpfs they skip the disk filesystem's block allocation.
+SCRATCH_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 class CriuBackend(SandboxBackend):
@@ -50,7 +54,6 @@ class CriuBackend(SandboxBackend):
     def __init__(self, root_dir: Path) -> None:
         self.root_dir = Path(root_dir)
         self.state_dir = self.root_dir / ".runc"
-        self._fork_seq = 0
         self.criu_options = CriuOptions(self.root_dir)
         self._env = self.criu_options.env(dict(os.environ))
 
@@ -88,20 +91,27 @@ class CriuBackend(SandboxBackend):
         sb.state.update(disk=disk, freezer=CGROUP_ROOT / "freezer" / CGROUP_GROUP / sandbox_id)
         return sb
 
-    def _write_bundle(self, sb: SandboxHandle) -> None:
+    def _write_bundle(self, sb: SandboxHandle, restoring: bool = False) -> None:
         disk: OverlayDisk = sb.state["disk"]
         dev = sb.dir / "dev"
         prepare_dev_dir(dev)
         config = runc_config(disk.merged, dev, sb.sandbox_id[:63], f"/{CGROUP_GROUP}/{sb.sandbox_id}", sb.limits,
-                             sb.image.host_usr, self.criu_options.annotations)
+                             sb.image.host_usr, self.criu_options.annotations, restoring)
         (sb.dir / "config.json").write_text(json.dumps(config))
+
+    async def _start(self, sb: SandboxHandle, *runc_args: str) -> None:
+        """`runc run` or `runc restore` of the bundle, detached; records the init's host pid for dumps."""
+        pid_file = sb.dir / "init.pid"
+        await self._runc(*runc_args, "-d", "--pid-file", str(pid_file), "--bundle", str(sb.dir), sb.sandbox_id,
+                         log=sb.dir / "runc.log")
+        sb.state["pid"] = int(pid_file.read_text())
 
     async def create(self, sandbox_id: str, image: Image, limits: Limits, env: dict[str, str]) -> SandboxHandle:
         sb = self._prepare(sandbox_id, image, limits, env)
         try:
             await sb.state["disk"].mount()
             self._write_bundle(sb)
-            await self._runc("run", "-d", "--bundle", str(sb.dir), sandbox_id, log=sb.dir / "runc.log")
+            await self._start(sb, "run")
         except BaseException:
             await self.destroy(sb)
             raise
@@ -190,53 +200,62 @@ class CriuBackend(SandboxBackend):
     async def _wake(self, sb: SandboxHandle) -> None:
         """Restores a hibernated container; it comes back running (CRIU leaves cgroup state alone)."""
         images = sb.dir / "hibernation"
-        await self._runc("restore", "-d", "--image-path", str(images / "memory"), "--work-path",
-                         str(images / "restore-work"), "--bundle", str(sb.dir), sb.sandbox_id,
-                         log=sb.dir / "runc.log")
+        await self._restore_into(sb, images / "memory", images / "restore-work")
         shutil.rmtree(images, ignore_errors=True)
         sb.hibernated = False
-        sb.paused = (sb.state["freezer"] / "freezer.state").read_text().strip() != "THAWED"
+        sb.paused = False
 
-    async def _checkpoint(self, sb: SandboxHandle, dest: Path) -> None:
-        if sb.hibernated:  # its images already are a checkpoint of the paused state: it stays hibernated
-            await sb.state["disk"].save_upper(dest / "upper")
-            await copy_tree(sb.dir / "hibernation" / "memory", dest / "memory")
-            return
+    async def _checkpoint(self, sb: SandboxHandle, images: Path, *copies: Coroutine) -> Path:
+        """Dumps the live memory state into `images` while `copies` (of its files) run, all inside one freeze,
+        so files and memory are from the same instant; returns where the memory images are. A hibernated
+        sandbox's images already are such a checkpoint: they are used as they are, and it stays hibernated."""
+        if sb.hibernated:
+            await gather_all(*copies)
+            return sb.dir / "hibernation" / "memory"
         async with frozen(self, sb):
-            await sb.state["disk"].save_upper(dest / "upper")
-            await self._runc("checkpoint", "--leave-running", "--image-path", str(dest / "memory"),
-                             "--work-path", str(dest / "work"), sb.sandbox_id)
-        # runc creates the image directory as 0600; CRIU's restorer opens images from inside the container's
-        # user namespace, where root has no DAC override on a directory it cannot search.
-        os.chmod(dest / "memory", 0o700)
+            dump = dump_leave_running(sb.state["pid"], sb.dir, sb.state["freezer"], images, images.parent / "work")
+            await gather_all(dump, *copies)
+        return images
 
     async def snapshot(self, sb: SandboxHandle, snapshot_id: str, dest: Path) -> SnapshotRef:
-        await self._checkpoint(sb, dest)
+        memory = await self._checkpoint(sb, dest / "memory", sb.state["disk"].save_upper(dest / "upper"))
+        if memory != dest / "memory":
+            await copy_tree(memory, dest / "memory")
         return SnapshotRef(snapshot_id, self.name, dest, sb.image.name, sb.limits, sb.env, memory=True)
+
+    async def _restore_into(self, sb: SandboxHandle, images: Path, work: Path) -> None:
+        self._write_bundle(sb, restoring=True)
+        try:
+            await self._start(sb, "restore", "--image-path", str(images), "--work-path", str(work))
+        except BackendFailure as e:
+            raise BackendFailure(f"{e} | criu: {log_errors(work / 'restore.log')}") from e
 
     async def restore(self, ref: SnapshotRef, sandbox_id: str, image: Image) -> SandboxHandle:
         sb = self._prepare(sandbox_id, image, ref.limits, ref.env)
         try:
             await sb.state["disk"].mount(seed_upper=ref.dir / "upper")
-            self._write_bundle(sb)
-            await self._runc("restore", "-d", "--image-path", str(ref.dir / "memory"), "--work-path",
-                             str(sb.dir / "restore-work"), "--bundle", str(sb.dir), sandbox_id,
-                             log=sb.dir / "runc.log")
-        except BackendFailure as e:
-            criu_log = _tail(sb.dir / "restore-work" / "restore.log")
-            await self.destroy(sb)
-            raise BackendFailure(f"{e} | criu: {criu_log}") from e
+            await self._restore_into(sb, ref.dir / "memory", sb.dir / "restore-work")
         except BaseException:
             await self.destroy(sb)
             raise
         return sb
 
     async def fork(self, sb: SandboxHandle, sandbox_ids: list[str]) -> list[SandboxHandle]:
-        self._fork_seq += 1
-        staging = sb.dir / f"fork-{self._fork_seq}"
+        """One dump, restored `len(sandbox_ids)` times concurrently. The dump goes to a tmpfs (it lives only
+        for this call), and each copy's disk is seeded straight from the frozen parent's upper layer while
+        CRIU dumps, instead of through a staged copy."""
+        copies = [self._prepare(i, sb.image, sb.limits, sb.env) for i in sandbox_ids]
+        staging = Path(tempfile.mkdtemp(prefix=f"k3-fork-{sb.sandbox_id}-", dir=SCRATCH_DIR))
         try:
-            ref = await self.snapshot(sb, staging.name, staging)
-            return await start_all(self, [self.restore(ref, i, sb.image) for i in sandbox_ids])
+            upper = sb.state["disk"].upper
+            memory = await self._checkpoint(sb, staging / "memory",
+                                            *(c.state["disk"].mount(seed_upper=upper) for c in copies))
+            await gather_all(*(self._restore_into(c, memory, c.dir / "restore-work") for c in copies))
+            return copies
+        except BaseException:
+            for c in copies:
+                await self.destroy(c)
+            raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -274,14 +293,6 @@ class CriuBackend(SandboxBackend):
             return int(usage.read_text())
         except FileNotFoundError:
             return 0
-
-
-def _tail(path: Path, lines: int = 6) -> str:
-    try:
-        errors = [ln for ln in path.read_text(errors="replace").splitlines() if "Error" in ln]
-    except FileNotFoundError:
-        return "(no log)"
-    return " / ".join(errors[-lines:])
 
 
 def _signal_all(pids: list[int], sig: int) -> None:

@@ -55,6 +55,16 @@ class frozen:
             await self.backend.resume(self.sb)
 
 
+async def gather_all(*aws: Coroutine) -> list:
+    """Runs all concurrently and waits for every one even when one fails (so nothing is still running behind
+    the error), then raises the first failure."""
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
 async def start_all(backend: SandboxBackend, starts: list[Coroutine]) -> list[SandboxHandle]:
     """Starts copies concurrently; if any fails, the ones that started are destroyed so nothing leaks."""
     results = await asyncio.gather(*starts, return_exceptions=True)

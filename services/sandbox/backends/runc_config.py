@@ -27,6 +27,14 @@ _DEV_LINKS = {"ptmx": "pts/ptmx", "fd": "/proc/self/fd", "stdin": "/proc/self/fd
               "stderr": "/proc/self/fd/2"}
 
 
+# runc has CRIU restore the network namespace empty (it never dumps network devices), so loopback comes back
+# down. runc runs createRuntime hooks once CRIU has made the namespaces and before any task is restored (the
+# state on stdin carries the new init's host pid): loopback is up before the tenant's code runs again. The
+# tenant holds no CAP_NET_ADMIN, so "loopback up" is the whole state its network namespace can have.
+_LOOPBACK_UP = r'read -r s; p=${s#*\"pid\":}; exec nsenter -t "${p%%[!0-9]*}" -n ip link set lo up'
+LOOPBACK_UP_HOOK = {"path": "/bin/sh", "args": ["sh", "-c", _LOOPBACK_UP], "timeout": 10}
+
+
 def prepare_dev_dir(dev_dir: Path) -> None:
     dev_dir.mkdir(exist_ok=True)
     for name, target in _DEV_LINKS.items():
@@ -38,9 +46,10 @@ def prepare_dev_dir(dev_dir: Path) -> None:
 
 
 def runc_config(rootfs: Path, dev_dir: Path, hostname: str, cgroups_path: str, limits: Limits,
-                host_usr: bool, annotations: dict[str, str]) -> dict:
+                host_usr: bool, annotations: dict[str, str], restoring: bool = False) -> dict:
     """`dev_dir` is an empty host directory bind-mounted as /dev: a bind mount is external to CRIU, so it is
-    neither archived on checkpoint nor rebuilt on restore (a tmpfs /dev would be, at tar speed)."""
+    neither archived on checkpoint nor rebuilt on restore (a tmpfs /dev would be, at tar speed).
+    `restoring`: the bundle is for `runc restore`, which gets the loopback hook."""
     mounts = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
         {"destination": "/dev", "type": "bind", "source": str(dev_dir), "options": ["rbind", "nosuid"]},
@@ -59,6 +68,7 @@ def runc_config(rootfs: Path, dev_dir: Path, hostname: str, cgroups_path: str, l
     if host_usr:
         mounts.append({"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]})
     no_caps: list[str] = []
+    hooks = {"createRuntime": [LOOPBACK_UP_HOOK]} if restoring and not limits.network else {}
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -73,6 +83,7 @@ def runc_config(rootfs: Path, dev_dir: Path, hostname: str, cgroups_path: str, l
         "root": {"path": str(rootfs), "readonly": False},
         "hostname": hostname,
         "annotations": annotations,
+        "hooks": hooks,
         "mounts": mounts,
         "linux": {
             "uidMappings": _ID_MAP,
