@@ -1,17 +1,24 @@
-"""Decode throughput and TTFT of the worker engine, against the decode step's memory roofline.
+"""Decode throughput and TTFT of one engine rank, against the decode step's memory roofline and a named peer.
 
-    python bench/serve.py [--model mini] [--device cuda] [--batches 1 16 64 256] [--context 512]
-                          [--prefix 16384] [--increment 512] [--out bench/results/serve.json]
+    python -m bench.serve [--model mini] [--batches 1 16 64 256] [--contexts 1024 4096] [--steps 10]
+                          [--prefix 32768] [--increment 512] [--peer-batches 1 16] [--time-limit 420]
 
-Runs the decode worker's engine in-process (scheduler, paged pool, executor, model; TP 1, no gRPC) on
-seeded random weights:
-- decode: B requests of `--context` prompt tokens are prefilled, then `--steps` decode steps are timed.
-  The roofline of one step is (weight bytes touched + KDA state read+write + MLA latent read) over the copy
-  bandwidth measured in the same run; the ratio is achieved bytes/s over that bandwidth.
-- TTFT: a `--prefix`-token prompt uncached, then a new request sharing that prefix plus `--increment`
-  tokens, which restores from the prefix cache (MLA blocks + KDA checkpoint) and prefills only the rest.
-- peer: Hugging Face transformers' `kimi_linear` model in the Kimi-Linear form of the preset
-  (`<model>-kl`), batch-1 decode, when the image has it; otherwise the reason is printed.
+Runs one TP-1 rank in-process on seeded random weights: the paged pool (`k3core.cache`), the reference
+layers for prefill (`ModelRunner`), and the decode fast path the executor uses on CUDA (`DecodeFastPath`:
+kernels through `kernels.dispatch` on the pool's pages, one CUDA graph per batch bucket). It drives the
+cache manager with the calls the engine's executor makes (append, reserve, pre_forward, forward,
+forward_done, commit_step); the scheduler and gRPC layers are left out (they import the service runtime,
+which the accelerator image lacks). Greedy sampling of the whole batch is one argmax and one host copy.
+- decode: B requests at `context` tokens (pages reserved and marked computed without a prefill forward:
+  the cost of a decode step does not depend on the cached values), `--steps` timed steps after warm-up.
+  Roofline of a step = (weights touched + KDA state read and write + MLA latent read) / copy bandwidth
+  measured in the same run.
+- TTFT: a fresh `--prefix` + `--increment` prompt (uncached), then the same prefix with a different
+  increment (restored from the prefix cache: MLA blocks + the KDA checkpoint at the prefix end).
+- peer: Hugging Face transformers' `kimi_linear` model on the Kimi-Linear form of the preset (`<model>-kl`)
+  with the same weights (our state dict loaded into it), decode at the same batch and context; ours runs
+  the same `-kl` model. Greedy tokens of both on one prompt are compared as a check.
+Rows are written to `--out` as they are measured.
 """
 
 from __future__ import annotations
@@ -24,39 +31,35 @@ from pathlib import Path
 
 import torch
 
-from k3.v1 import common_pb2
+from k3core.cache.checkpoints import CheckpointPolicy
+from k3core.cache.layout import plan_layout, shape_from_config
 from k3core.cache.manager import PrefixCacheManager
+from k3core.config import K3Config
 from k3core.model import K3Model
-from services.engine.config import WorkerConfig
-from services.engine.executor import Executor
+from k3core.presets import preset
 from services.engine.model_runner import ModelRunner
-from services.engine.params import GenerationOptions
-from services.engine.plan import RecordingManager
-from services.engine.request import EngineRequest
-from services.engine.sampler import sample_next
-from services.engine.scheduler import Scheduler
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
+def sync() -> None:
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+def copy_bandwidth(device: str, nbytes: int) -> float:
     """Bytes/s of a device-to-device copy (read + write counted)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    sync(device)
+    sync()
     started, reps = time.perf_counter(), 10
     for _ in range(reps):
         dst.copy_(src)
-    sync(device)
+    sync()
     return 2 * nbytes * reps / (time.perf_counter() - started)
 
 
 @torch.no_grad()
-def random_model(config, device: str, dtype: torch.dtype) -> K3Model:
+def random_model(config: K3Config, device: str, dtype: torch.dtype) -> K3Model:
     """Seeded random weights drawn on the device (a 2.4B-parameter CPU init would dominate the run)."""
     torch.manual_seed(0)
     with torch.device(device):
@@ -71,125 +74,197 @@ def random_model(config, device: str, dtype: torch.dtype) -> K3Model:
     return model.to(dtype).eval()
 
 
-class Bench:
-    def __init__(self, config: WorkerConfig, model: K3Model):
-        self.config = config
-        manager = PrefixCacheManager(config.pool_layout(), config.num_pages, device=config.device)
-        self.executor = Executor(manager, ModelRunner(model, config.device), rank=0, tp_size=1,
-                                 total_heads=model.config.kda_num_heads, instance=common_pb2.InstanceId())
-        self.recording = RecordingManager(manager)
-        self.scheduler = Scheduler(self.recording, hash_block_tokens=config.hash_block_tokens,
-                                   max_running=config.max_running, step_token_budget=config.step_token_budget,
-                                   model_name=config.model)
-        self.options = GenerationOptions.from_proto(common_pb2.SamplingParams(max_tokens=100_000, ignore_eos=True),
-                                                    vocab_size=model.config.vocab_size, max_tokens_limit=100_000)
-        self.requests: dict[str, EngineRequest] = {}
-        self.token_range = min(1000, model.config.vocab_size - 2)
+class ForwardTimer:
+    """Device time of the forward (CUDA events), or wall time on the CPU."""
 
-    def submit(self, rid: str, prompt: list[int]) -> EngineRequest:
-        req = EngineRequest(rid, prompt, self.options, lambda out: None)
-        self.requests[rid] = req
-        self.scheduler.add(req)
-        return req
+    def __init__(self) -> None:
+        self.cuda = torch.cuda.is_available()
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        self.began = time.perf_counter()
 
-    def step(self) -> list[str]:
-        """One engine step; returns the requests that got a token."""
-        plan = self.scheduler.schedule()
-        result = self.executor.execute(plan)
-        sampled = [f.rid for f in plan.forward if f.sample]
-        for row, rid in enumerate(sampled):
-            req = self.requests[rid]
-            token = sample_next(result.logits[row], self.options, len(req.output))
-            req.output.append(token)
-            self.recording.call("append_tokens", rid, [token])
-        return sampled
+    def stop(self) -> None:
+        if self.cuda:
+            self.end.record()
+        self.ended = time.perf_counter()
 
-    def finish_all(self) -> None:
-        for req in list(self.requests.values()):
-            self.scheduler.remove(req, keep_turn=True)
-        self.requests.clear()
-        self.step()
+    def seconds(self) -> float:
+        return self.start.elapsed_time(self.end) / 1e3 if self.cuda else self.ended - self.began
+
+
+class Rank:
+    """One TP-1 engine rank: pool, reference prefill, decode fast path (on CUDA), greedy sampling."""
+
+    def __init__(self, model: K3Model, name: str, args: argparse.Namespace, dtype: torch.dtype):
+        layout = plan_layout(shape_from_config(model.config, name), 1, state_dtype=torch.float32, conv_dtype=dtype,
+                             mla_dtype=dtype, hash_block_tokens=args.hash_block)
+        # Every chunk end keeps its checkpoint (no supersede), so a later prompt sharing the prefix finds one.
+        self.manager = PrefixCacheManager(layout, args.num_pages, policy=CheckpointPolicy(supersede=False),
+                                          device=args.device)
+        max_len = args.prefix + args.increment + args.steps + 64
+        self.runner = ModelRunner(model, args.device, max_model_len=max_len, max_batch=max(args.batches))
+        self.fast = self.runner.decode_fastpath(self.manager, tp_size=1)
+        self.budget = args.budget
+        self.vocab = min(997, model.config.vocab_size - 2)  # token ids 1..vocab in every prompt here
+        self.forward_s: list[float] = []
+
+    def prefill(self, rid: str, tokens: list[int]) -> tuple[int, int]:
+        """Admit and prefill a prompt in hash-aligned chunks; (first token, prompt tokens served by the cache)."""
+        manager = self.manager
+        hit = manager.add_request(rid, tokens)
+        req = manager.requests[rid]
+        while req.num_computed < len(tokens):
+            n = manager.prefill_chunk(rid, self.budget)
+            manager.reserve(rid, n)
+            manager.pre_forward()
+            start = req.num_computed
+            logits = self.runner.forward([tokens[start : start + n]], manager.batch_view([rid]))
+            manager.forward_done(rid)
+            manager.commit_step()
+        return int(logits[-1].argmax()), hit
+
+    def fill(self, rids: list[str], context: int) -> None:
+        """Requests at `context` tokens without a forward (pages reserved, marked computed)."""
+        manager = self.manager
+        for i, rid in enumerate(rids):
+            manager.add_request(rid, [(7919 * i + 31 * j) % self.vocab + 1 for j in range(context)])
+            manager.reserve(rid, context)
+        manager.pre_forward()
+        for rid in rids:
+            manager.forward_done(rid)
+        manager.commit_step()
+
+    def decode(self, rids: list[str], tokens: list[int]) -> list[int]:
+        manager = self.manager
+        for rid, token in zip(rids, tokens, strict=True):
+            manager.append_tokens(rid, [token])
+            manager.reserve(rid, 1)
+        manager.pre_forward()
+        cached = [manager.requests[r] for r in rids]
+        timer = ForwardTimer()
+        if self.fast is not None and self.fast.supports(cached):
+            logits = self.fast.forward(cached, tokens)
+        else:
+            logits = self.runner.forward([[t] for t in tokens], manager.batch_view(rids))
+        timer.stop()
+        next_tokens = logits.argmax(-1).tolist()
+        self.forward_s.append(timer.seconds())
+        for rid in rids:
+            manager.forward_done(rid)
+        manager.commit_step()
+        return next_tokens
+
+    def finish(self, rids: list[str], keep_turn: bool = False) -> None:
+        for rid in rids:
+            self.manager.finish(rid, keep_turn)
 
 
 def step_bytes(model: K3Model, batch: int, context: int) -> int:
     """Bytes one decode step must move at minimum: weights touched, KDA state read+write, MLA latents."""
     c = model.config
-    expert_bytes = experts = 0
-    total = 0
+    expert_bytes = experts = total = 0
     for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
         if ".experts." in name:
-            expert_bytes += nbytes
-            experts += 1
+            expert_bytes, experts = expert_bytes + nbytes, experts + 1
         elif "embed_tokens" not in name:
             total += nbytes
     if experts:
         per_expert = expert_bytes / (experts / 3)  # w1, w2, w3 per expert
         moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
-        touched = min(c.num_experts, batch * c.num_experts_per_token)
-        total += int(moe_layers * touched * per_expert)
+        total += int(moe_layers * min(c.num_experts, batch * c.num_experts_per_token) * per_expert)
     heads, d, w = c.kda_num_heads, c.kda_head_dim, c.short_conv_kernel_size
     state = len(c.kda_layers) * heads * (d * d * 4 + 3 * d * (w - 1) * 2)
     latent = len(c.mla_layers) * c.mla_latent_dim * 2 * context
     return total + batch * (2 * state + latent)
 
 
-def decode_throughput(bench: Bench, batch: int, context: int, steps: int, device: str) -> float:
-    """Seconds per decode step with `batch` running requests at about `context` tokens."""
-    for i in range(batch):
-        bench.submit(f"d{batch}-{i}", [(17 * i + j) % bench.token_range + 1 for j in range(context)])
-    while any(not r.output for r in bench.requests.values()):
-        bench.step()
-    bench.step()  # warm the pure decode path
-    sync(device)
+def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str) -> tuple[float, float]:
+    """(wall seconds per step, forward seconds per step) of `batch` requests at `context` tokens."""
+    rids = [f"{tag}-{batch}-{context}-{i}" for i in range(batch)]
+    rank.fill(rids, context)
+    tokens = [(13 * i) % rank.vocab + 1 for i in range(batch)]
+    for _ in range(3):  # captures this bucket's graph, then warm
+        tokens = rank.decode(rids, tokens)
+    sync()
+    rank.forward_s.clear()
     started = time.perf_counter()
     for _ in range(steps):
-        bench.step()
-    sync(device)
-    elapsed = (time.perf_counter() - started) / steps
-    bench.finish_all()
-    return elapsed
+        tokens = rank.decode(rids, tokens)
+    sync()
+    wall = (time.perf_counter() - started) / steps
+    forward = sorted(rank.forward_s)[len(rank.forward_s) // 2]
+    rank.finish(rids)
+    return wall, forward
 
 
-def time_to_first_token(bench: Bench, prompt: list[int], rid: str, device: str) -> tuple[float, int]:
-    sync(device)
+def ttft(rank: Rank, prefix: list[int], increment: int) -> dict:
+    rank.prefill("warm", [(t * 5) % rank.vocab + 1 for t in prefix[:2048]])  # warm kernels and allocator, no shared prefix
+    rank.finish(["warm"])
+    sync()
     started = time.perf_counter()
-    req = bench.submit(rid, prompt)
-    while not req.output:
-        bench.step()
-    sync(device)
-    elapsed = time.perf_counter() - started
-    cached = req.cached_tokens
-    bench.finish_all()
-    return elapsed, cached
+    rank.prefill("miss", prefix + [5] * increment)
+    sync()
+    uncached = time.perf_counter() - started
+    rank.finish(["miss"], keep_turn=True)
+    started = time.perf_counter()
+    _, hit = rank.prefill("hit", prefix + [9] * increment)
+    sync()
+    cached = time.perf_counter() - started
+    rank.finish(["hit"])
+    return {"prefix": len(prefix), "increment": increment, "uncached_s": uncached, "cached_s": cached,
+            "hit_tokens": hit, "speedup": uncached / cached}
 
 
-def hf_peer(model_name: str, device: str, steps: int) -> dict:
-    """Batch-1 decode of transformers' kimi_linear on the Kimi-Linear form of the preset, if present."""
+def hf_peer(ours: K3Model, rank: Rank, args: argparse.Namespace, name: str) -> dict:
+    """transformers' kimi_linear with our weights vs our rank on the same `-kl` model."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
-        from transformers.models import kimi_linear  # noqa: F401
+        from transformers import AutoConfig, AutoModelForCausalLM
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
         return {"available": False, "reason": f"{type(exc).__name__}: {exc}"[:300]}
+    hf = ours.config.to_hf_dict()
+    config = AutoConfig.for_model("kimi_linear", **{k: v for k, v in hf.items() if k != "model_type"})
+    with torch.device(args.device):
+        peer = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).eval()
+    result = {"available": True, "model": name, "transformers_class": type(peer).__name__}
     try:
-        from k3core.presets import preset
-        hf_dict = preset(f"{model_name}-kl").to_hf_dict()
-        config = AutoConfig.for_model("kimi_linear", **{k: v for k, v in hf_dict.items() if k != "model_type"})
-        with torch.device(device):
-            peer = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).eval()
-        ids = torch.arange(1, 513, device=device)[None]
+        missing, unexpected = peer.load_state_dict(ours.state_dict(), strict=False)
+        result.update(same_weights=not missing and not unexpected, missing=list(missing)[:8],
+                      unexpected=list(unexpected)[:8])
+    except RuntimeError as exc:
+        result.update(same_weights=False, load_error=str(exc)[:300])
+    prompt = [(11 * j) % rank.vocab + 1 for j in range(64)]
+    with torch.no_grad():
+        hf_tokens = peer.generate(torch.tensor([prompt], device=args.device), max_new_tokens=8, do_sample=False)
+    first, _ = rank.prefill("check", prompt)
+    ours_tokens = [first]
+    for _ in range(7):
+        ours_tokens += rank.decode(["check"], ours_tokens[-1:])
+    rank.finish(["check"])
+    result["greedy_tokens_equal"] = f"{sum(a == b for a, b in zip(hf_tokens[0, 64:].tolist(), ours_tokens, strict=False))}/8"
+    rows = []
+    for batch in args.peer_batches:
+        ids = torch.tensor([[(7 * i + j) % rank.vocab + 1 for j in range(args.peer_context)] for i in range(batch)],
+                           device=args.device)
         with torch.no_grad():
             out = peer(ids, use_cache=True)
             past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-            sync(device)
+            sync()
             started = time.perf_counter()
-            for _ in range(steps):
+            for _ in range(args.peer_steps):
                 out = peer(token, past_key_values=past, use_cache=True)
                 past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-            sync(device)
-        return {"available": True, "step_s": (time.perf_counter() - started) / steps}
-    except Exception as exc:  # noqa: BLE001
-        return {"available": False, "reason": f"{type(exc).__name__}: {exc}"[:300]}
+            sync()
+        peer_s = (time.perf_counter() - started) / args.peer_steps
+        ours_s, _ = decode_row(rank, batch, args.peer_context, args.peer_steps, "peer")
+        rows.append({"batch": batch, "context": args.peer_context, "peer_step_s": peer_s, "ours_step_s": ours_s,
+                     "speedup": peer_s / ours_s})
+        print(f"peer kimi_linear ({name}) batch {batch} ctx {args.peer_context}: {1e3 * peer_s:.2f} ms/step, "
+              f"ours {1e3 * ours_s:.2f} ms/step: {peer_s / ours_s:.1f}x")
+    result["rows"] = rows
+    del peer
+    return result
 
 
 def main() -> None:
@@ -197,54 +272,67 @@ def main() -> None:
     parser.add_argument("--model", default="mini")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--prefix", type=int, default=16384)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--prefix", type=int, default=32768)
     parser.add_argument("--increment", type=int, default=512)
-    parser.add_argument("--num-pages", type=int, default=1200)
+    parser.add_argument("--peer-batches", type=int, nargs="*", default=[1, 16])
+    parser.add_argument("--peer-context", type=int, default=1024)
+    parser.add_argument("--peer-steps", type=int, default=5)
+    parser.add_argument("--num-pages", type=int, default=16000)
     parser.add_argument("--hash-block", type=int, default=512)
+    parser.add_argument("--budget", type=int, default=8192, help="prefill tokens per forward")
+    parser.add_argument("--time-limit", type=float, default=420.0, help="skip what would start after this")
     parser.add_argument("--out", default="bench/results/serve.json")
     args = parser.parse_args()
-    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    config = WorkerConfig.load("decode", ["--model", args.model, "--device", args.device, "--dtype", dtype,
-                                          "--num-pages", str(args.num_pages), "--max-running", "512",
-                                          "--step-token-budget", "8192", "--hash-block-tokens", str(args.hash_block),
-                                          "--torch-threads", "0"], env={})
+    began = time.perf_counter()
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     bandwidth = copy_bandwidth(args.device, (1 << 30) if args.device.startswith("cuda") else (1 << 26))
-    model = random_model(config.model_config(), args.device, config.torch_dtype)
-    bench = Bench(config, model)
-    header = {"model": args.model, "device": args.device, "dtype": dtype, "copy_bandwidth_Bps": bandwidth,
-              "context": args.context}
-    rows = []
-    print(f"model {args.model} on {args.device} ({dtype}); copy bandwidth {bandwidth / 1e9:.1f} GB/s")
-    print(f"{'batch':>6} {'step ms':>9} {'tok/s':>10} {'roofline ms':>12} {'of roofline':>12}")
-    for batch in args.batches:
-        step_s = decode_throughput(bench, batch, args.context, args.steps, args.device)
-        roof_s = step_bytes(model, batch, args.context) / bandwidth
-        rows.append({"batch": batch, "step_s": step_s, "tokens_per_s": batch / step_s, "roofline_step_s": roof_s,
-                     "fraction_of_roofline": roof_s / step_s})
-        print(f"{batch:>6} {1e3 * step_s:>9.2f} {batch / step_s:>10.1f} {1e3 * roof_s:>12.3f} {roof_s / step_s:>11.1%}")
-        save(args.out, {**header, "decode": rows, "complete": False})  # a partial run keeps what it measured
-    # A miss: a fresh prefix + increment. A hit: the same-length prompt whose prefix an earlier turn left in
-    # the cache (its prompt-end KDA checkpoint is kept, as a conversation's turn boundary is).
-    fresh = [(11 * j) % bench.token_range + 1 for j in range(args.prefix)]
-    uncached, _ = time_to_first_token(bench, fresh + [5] * args.increment, "ttft-miss", args.device)
-    prefix = [(7 * j) % bench.token_range + 1 for j in range(args.prefix)]
-    time_to_first_token(bench, prefix, "ttft-turn1", args.device)
-    cached, hit = time_to_first_token(bench, prefix + [9] * args.increment, "ttft-hit", args.device)
-    print(f"TTFT {args.prefix}+{args.increment} tokens: uncached {uncached:.3f} s, prefix hit ({hit} tokens) "
-          f"{cached:.3f} s, ratio {uncached / cached:.1f}x")
-    peer = hf_peer(args.model, args.device, args.steps)
-    if peer.get("available"):
-        ours = rows[0]["step_s"]
-        print(f"peer transformers kimi_linear ({args.model}-kl) batch 1: {1e3 * peer['step_s']:.2f} ms/step; "
-              f"ours / peer speed {peer['step_s'] / ours:.2f}x")
+    model = random_model(preset(args.model), args.device, dtype)
+    rank = Rank(model, args.model, args, dtype)
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    result: dict = {"model": args.model, "device": f"{device_name}, torch {torch.__version__}", "dtype": str(dtype),
+                    "copy_bandwidth_Bps": bandwidth, "fast_path": rank.fast is not None,
+                    "cuda_graphs": bool(rank.fast and rank.fast.graphs), "decode": [], "skipped": []}
+    print(f"model {args.model} on {device_name} ({dtype}); copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
+          f"fast path {result['fast_path']}, graphs {result['cuda_graphs']}")
+    print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'fwd ms':>8} {'tok/s':>9} {'roofline ms':>12} {'of roof':>8}")
+    for context in args.contexts:
+        for batch in args.batches:
+            if time.perf_counter() - began > args.time_limit:
+                result["skipped"].append(f"decode batch {batch} context {context}")
+                continue
+            wall, forward = decode_row(rank, batch, context, args.steps, "d")
+            roof = step_bytes(model, batch, context) / bandwidth
+            result["decode"].append({"batch": batch, "context": context, "step_s": wall, "forward_s": forward,
+                                     "tokens_per_s": batch / wall, "roofline_step_s": roof,
+                                     "fraction_of_roofline": roof / wall, "forward_fraction_of_roofline": roof / forward})
+            print(f"{batch:>6} {context:>8} {1e3 * wall:>9.2f} {1e3 * forward:>8.2f} {batch / wall:>9.1f} "
+                  f"{1e3 * roof:>12.3f} {roof / wall:>8.1%}", flush=True)
+            save(args.out, result)
+    if time.perf_counter() - began < args.time_limit and args.prefix:
+        result["ttft"] = ttft(rank, [(11 * j) % rank.vocab + 1 for j in range(args.prefix)], args.increment)
+        t = result["ttft"]
+        print(f"TTFT {args.prefix}+{args.increment}: uncached {t['uncached_s']:.3f} s, prefix hit "
+              f"({t['hit_tokens']} tokens) {t['cached_s']:.3f} s: {t['speedup']:.0f}x", flush=True)
+        save(args.out, result)
     else:
-        print(f"peer transformers kimi_linear: not run ({peer['reason']})")
-    save(args.out, {**header, "decode": rows, "complete": True,
-                    "ttft": {"prefix": args.prefix, "increment": args.increment, "uncached_s": uncached,
-                             "cached_s": cached, "hit_tokens": hit},
-                    "peer_kimi_linear": peer})
+        result["skipped"].append("ttft")
+    del rank
+    if time.perf_counter() - began < args.time_limit and args.peer_batches:
+        kl_name = f"{args.model}-kl"
+        kl_model = random_model(preset(kl_name), args.device, dtype)
+        kl_args = argparse.Namespace(**{**vars(args), "prefix": args.peer_context, "increment": 64,
+                                        "batches": args.peer_batches, "num_pages": args.num_pages // 4})
+        try:
+            result["peer_kimi_linear"] = hf_peer(kl_model, Rank(kl_model, kl_name, kl_args, dtype), kl_args, kl_name)
+        except Exception as exc:  # noqa: BLE001 - the peer is reported, never fatal
+            result["peer_kimi_linear"] = {"available": False, "reason": f"{type(exc).__name__}: {exc}"[:400]}
+            print(f"peer: {result['peer_kimi_linear']['reason']}")
+    else:
+        result["skipped"].append("peer")
+    result["wall_s"] = time.perf_counter() - began
+    save(args.out, result)
 
 
 def save(path: str, result: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -12,9 +13,12 @@ from k3core.cache.manager import PrefixCacheManager
 from k3core.model import K3Model
 from k3core.model.init import init_weights
 from k3core.weights.checkpoint import load_checkpoint
-from services.engine.config import WorkerConfig
 from services.engine.decode_fastpath import DecodeFastPath, fastpath_wanted
 from services.engine.tensor_parallel import shard_model
+
+if TYPE_CHECKING:  # not at run time: the config pulls in the service runtime (gRPC health, etcd), which
+    # benchmarks on a bare accelerator image do without
+    from services.engine.config import WorkerConfig
 
 
 def build_model(config: WorkerConfig, rank: int, group: dist.ProcessGroup | None = None) -> K3Model:
