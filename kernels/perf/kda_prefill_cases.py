@@ -9,6 +9,7 @@ sequences), for ours and for the peer.
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import torch
@@ -34,7 +35,6 @@ VARIANTS = (
     ("split bv=64", {"fuse_output": False, "block_v": 64}),
     ("split bv=32", {"fuse_output": False, "block_v": 32}),
     ("split bv=64 w8", {"fuse_output": False, "block_v": 64, "num_warps": 8}),
-    ("fused w4", {"fuse_output": True, "recurrence_warps": 4}),
     ("fused w8", {"fuse_output": True, "recurrence_warps": 8}),
 )
 
@@ -154,6 +154,8 @@ def prefill_rows(shapes=SHAPES, variants=VARIANTS) -> list[Row]:
                                 extra={"kernels_ms": kernel_ms(partial(fla_block, x, params, cu, cu_cpu))}))
             except Exception as e:  # noqa: BLE001
                 rows.append(Row("kda_prefill_block", label, "fla-core composition", float("nan"), note=repr(e)[:300]))
+            for r in rows[-len(variants) - 1:]:  # progress, in case the run is cut short
+                print(f"{r.shape} {r.impl}: {r.ms:.4f} ms {r.note[:120]} {r.extra}", file=sys.stderr, flush=True)
             del x
             torch.cuda.empty_cache()
     return rows
