@@ -10,28 +10,26 @@ us on it: everyone takes the stored pair) or another session of the same primary
 wait until the mirror has applied it, recount, retry. So every assignment is checked against the counts of
 all earlier ones of its primary, and the pair cap holds across replicas, not only within one.
 Reads: a watch mirrors the prefix into a dict; routing a known session is a dict lookup, no etcd call.
-Expiry: a replica puts all assignments of one `bucket_s` window on one lease with TTL idle_ttl + bucket_s
+Expiry: a replica puts all assignments of one `window_s` window on one lease with TTL idle_ttl + window_s
 (a lease per window, not per session). Routing a known session whose lease has less than idle_ttl left
 re-puts it on the current lease (background thread; at most once per window per active session), so a
-session's assignment outlives its last route by idle_ttl to idle_ttl + bucket_s.
+session's assignment outlives its last route by idle_ttl to idle_ttl + window_s.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import math
 import queue
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pyetcd
 from prometheus_client import Counter
 
+from services.router.assignment_records import LeaseWindows, Stored, create_ops, decode, encode, refresh_ops
 from services.router.bounded import Assignment, PairLoads, choose_backup
 from services.runtime.etcd_follow import EtcdFollower, connect
 
@@ -41,62 +39,8 @@ ASSIGNMENTS = Counter("k3_router_assignments_total", "Bounded-mode session assig
 PAGE = 2000
 
 
-@dataclass(frozen=True)
-class Stored:
-    assignment: Assignment
-    mod_revision: int
-    lease: int
-
-
-def encode(a: Assignment) -> str:
-    return json.dumps({"p": a.primary, "b": a.backup}, separators=(",", ":"))
-
-
-def decode(value: bytes) -> Assignment:
-    doc = json.loads(value)
-    return Assignment(str(doc["p"]), None if doc["b"] is None else str(doc["b"]))
-
-
-def create_ops(key: str, seq_key: str, value: str, seen_seq: int, tx: Any, lease: int) -> tuple[list, list, list]:
-    """Create the session if absent and no assignment of its primary happened since `seen_seq`."""
-    return ([tx.version(key) == 0, tx.mod(seq_key) == seen_seq],
-            [tx.put(key, value, lease=lease), tx.put(seq_key, ""), tx.get(key)],
-            [tx.get(key), tx.get(seq_key)])
-
-
-def refresh_ops(key: str, value: str, mod_revision: int, tx: Any, lease: int) -> tuple[list, list, list]:
-    """Re-lease only if unchanged since read: never resurrect an expired key or overwrite a new assignment."""
-    return [tx.mod(key) == mod_revision], [tx.put(key, value, lease=lease), tx.get(key)], []
-
-
-class LeaseWindows:
-    """The lease this replica puts assignments on now: a new one every `bucket_s`, never kept alive."""
-
-    def __init__(self, idle_ttl_s: float, bucket_s: float):
-        self.ttl = math.ceil(idle_ttl_s + bucket_s)
-        self.bucket_s = bucket_s
-        self._lock = threading.Lock()
-        self._lease: tuple[int, float] | None = None
-
-    def current(self, client: pyetcd.client, granted: dict[int, float]) -> int:
-        with self._lock:
-            now = time.monotonic()
-            if self._lease is None or now - self._lease[1] >= self.bucket_s:
-                lease = client.lease(self.ttl)
-                self._lease = (lease.id, now)
-                for old, expires in list(granted.items()):  # forget long-expired windows
-                    if expires < now - self.ttl:
-                        del granted[old]
-                granted[lease.id] = now + lease.ttl
-            return self._lease[0]
-
-    def drop(self) -> None:
-        with self._lock:
-            self._lease = None
-
-
 class AssignmentStore(EtcdFollower):
-    def __init__(self, endpoints: list[str], prefix: str, eps: float, idle_ttl_s: float, bucket_s: float):
+    def __init__(self, endpoints: list[str], prefix: str, eps: float, idle_ttl_s: float, window_s: float):
         super().__init__(endpoints, "etcd-assignments")
         self.root = f"{prefix}/assign/"
         self.eps = eps
@@ -107,7 +51,8 @@ class AssignmentStore(EtcdFollower):
         # Lease id -> time.monotonic() at which it expires (learned from etcd for other replicas' leases).
         self._lease_deadline: dict[int, float] = {}
         self._cond = threading.Condition()
-        self._leases = LeaseWindows(idle_ttl_s, bucket_s)
+        self._primary_locks: dict[str, threading.Lock] = {}
+        self._leases = LeaseWindows(idle_ttl_s, window_s)
         self._writer: pyetcd.client | None = None
         self._writer_lock = threading.Lock()
         self._refreshing: set[str] = set()
@@ -145,6 +90,18 @@ class AssignmentStore(EtcdFollower):
                healthy: Collection[str], timeout_s: float = 5.0) -> Assignment:
         """The session's stored pair, creating it (bounded backup, see bounded.py) if it has none."""
         deadline = time.monotonic() + timeout_s
+        # This replica's own assignments of one primary go one at a time: concurrent ones would only make
+        # each other's transactions fail on the sequence key and retry.
+        local = self._primary_locks.setdefault(order[0], threading.Lock())
+        if not local.acquire(timeout=timeout_s):
+            raise TimeoutError(f"assignment of {session_id!r}: this replica's queue for {order[0]!r} is stuck")
+        try:
+            return self._assign(session_id, order, weights, healthy, deadline)
+        finally:
+            local.release()
+
+    def _assign(self, session_id: str, order: Sequence[str], weights: Mapping[str, float],
+                healthy: Collection[str], deadline: float) -> Assignment:
         primary, key, seq_key = order[0], self.session_key(session_id), self.seq_key(order[0])
         while True:
             with self._cond:

@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from services.router import assignment_store
-from services.router.assignment_store import AssignmentStore, decode, encode
+from services.router.assignment_records import decode, encode
+from services.router.assignment_store import AssignmentStore
 from services.router.bounded import Assignment
 from services.router.placement import PlacementTable
 from services.runtime.etcd_follow import connect

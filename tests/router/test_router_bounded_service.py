@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from k3.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.router.assignment_store import decode
+from services.router.assignment_records import decode
 from services.runtime.client import sync_channel
 from services.runtime.etcd_follow import connect
 from services.runtime.ports import free_port
