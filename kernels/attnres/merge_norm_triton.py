@@ -46,7 +46,7 @@ def attnres_merge_norm(
     stat_max: torch.Tensor, stat_denom: torch.Tensor, stat_acc: torch.Tensor, query: torch.Tensor,
     partial: torch.Tensor | None, out_norm_weight: torch.Tensor, key_norm_weight: torch.Tensor | None = None,
     key_eps: float = 1e-6, out_eps: float = 1e-6, out_dtype: torch.dtype | None = None,
-    num_warps: int = 8,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """stat_* of one site ([M], [M], [M, D] float32, from k3core.ops.attnres.attnres_inter(...).row(i)),
     query [D], partial [M, D] or None (first site of a block) -> (h, RMSNorm(h) * out_norm_weight), both

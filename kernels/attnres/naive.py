@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from k3core.ops.attnres import OnlineSoftmax, attnres_merge
+from k3core.ops.attnres import attnres_inter as _inter
 from k3core.ops.norm import rms_norm
 
 
@@ -12,7 +13,7 @@ def attnres_merge_norm(
     stat_max: torch.Tensor, stat_denom: torch.Tensor, stat_acc: torch.Tensor, query: torch.Tensor,
     partial: torch.Tensor | None, out_norm_weight: torch.Tensor, key_norm_weight: torch.Tensor | None = None,
     key_eps: float = 1e-6, out_eps: float = 1e-6, out_dtype: torch.dtype | None = None,
-    num_warps: int = 8,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of kernels.attnres.merge_norm_triton.attnres_merge_norm (num_warps ignored)."""
     del num_warps
@@ -21,3 +22,10 @@ def attnres_merge_norm(
     if partial is None and out_dtype is not None:
         h = h.to(out_dtype)
     return h, rms_norm(h, out_norm_weight, out_eps)
+
+
+def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None,
+                  eps: float = 1e-6, block_d: int = 64, block_rows: int = 4, num_warps: int = 4) -> OnlineSoftmax:
+    """Reference of kernels.attnres.inter_triton.attnres_inter (tuning arguments ignored)."""
+    del block_d, block_rows, num_warps
+    return _inter(queries, blocks, norm_weights, eps)

@@ -1,12 +1,18 @@
-"""Token-centric routed-expert decode with MXFP4 weights streamed and dequantised on the fly (§5.4.2).
+"""Routed-expert decode with MXFP4 weights streamed and dequantised on the fly (§5.4.2, WarpDecode idea).
 
 At decode batch sizes a grouped GEMM degenerates into streaming weight matrices, so the work is cut by
-output neuron, not by tile: program (token-expert pair, row block) walks its expert's packed rows once,
-turns e2m1 codes into floats with a few integer operations (code -> fp16 bit pattern, times 2^14: exact
-for all eight magnitudes, subnormal 0.5 included), applies the e8m0 scale per 32 elements and reduces.
+output rows: program (pair, row block) streams BR packed rows of one expert. Expert-centric: the program of
+the first (token, expert) pair that names an expert serves every token routed to it (the others exit at
+once), so an expert's weights leave DRAM once per step however many tokens share it; the rows are re-read
+from L2 for the second and later tokens.
+
+Dequantisation works on 32-bit words of 8 e2m1 codes (k3core.quant.mxfp4 packs element 2i in the low
+nibble of byte i, so nibble k of word c is element 8c + k). Nibbles k and k+4 become one pair of fp16 bit
+patterns with two shifts and masks (magnitude to bits 9-11, sign to bit 15): that fp16 is the e2m1 value
+times 2^-14, exact for all eight magnitudes, the subnormal 0.5 included. Both halves are widened to float32
+and multiplied into float32 sums; the e8m0 scale (and 2^14) is applied once per 32 elements.
 Kernel 1: gate and up rows -> SiTU-GLU -> h [T*k, F]. Kernel 2: down rows times the router weight
--> [T*k, l], summed over the k experts of a token -> u [T, l]. Weights use k3core.quant.mxfp4's layout:
-packed uint8 [E, rows, cols/2] (element 2i in the low nibble), scales uint8 [E, rows, cols/32].
+-> [T*k, l]. Kernel 3: the k rows of each token summed into u [T, l] in x's dtype.
 """
 
 from __future__ import annotations
@@ -19,66 +25,126 @@ if triton is not None:
     from kernels.moe.situ_glu_triton import situ_glu_values
 
     @triton.jit
-    def _mxfp4_row_dot(packed, scales, rows, row_ok, x, c0, COLS: tl.constexpr, BR: tl.constexpr,
-                       BC: tl.constexpr):
-        """sum_c W[rows, c0 + c] * x[c0 + c] for BC columns (BC/2 bytes, BC/32 scales per row)."""
-        cb = tl.arange(0, BC // 2)
-        codes = tl.load(packed + rows[:, None] * (COLS // 2) + (c0 // 2 + cb)[None, :], mask=row_ok[:, None],
-                        other=0).to(tl.int16)
-        lo = ((codes & 7) << 9) | ((codes & 8) << 12)
-        hi = (((codes >> 4) & 7) << 9) | (((codes >> 4) & 8) << 12)
-        w_lo = lo.to(tl.float16, bitcast=True).to(tl.float32)
-        w_hi = hi.to(tl.float16, bitcast=True).to(tl.float32)
-        x_even = tl.load(x + c0 + 2 * cb).to(tl.float32)
-        x_odd = tl.load(x + c0 + 2 * cb + 1).to(tl.float32)
-        part = w_lo * x_even[None, :] + w_hi * x_odd[None, :]  # [BR, BC/2]
-        groups = tl.sum(tl.reshape(part, (BR, BC // 32, 16)), 2)  # [BR, BC/32]
-        s = tl.load(scales + rows[:, None] * (COLS // 32) + (c0 // 32 + tl.arange(0, BC // 32))[None, :],
-                    mask=row_ok[:, None], other=127).to(tl.float32)
-        return tl.sum(groups * tl.exp2(s - 127.0), 1) * 16384.0  # 2^14 undoes the fp16 exponent bias
+    def _e2m1_pair(w, K: tl.constexpr):
+        """Nibbles K and K+4 of each uint32 word as two fp16 bit patterns (value * 2^-14) in one word."""
+        if K == 3:
+            return ((w >> 3) & 0x0E000E00) | (w & 0x80008000)
+        else:
+            return ((w << (9 - 4 * K)) & 0x0E000E00) | ((w << (12 - 4 * K)) & 0x80008000)
 
     @triton.jit
-    def _gate_up_situ_kernel(x, ids, wgu, sgu, h, K, F, beta1, beta2, L: tl.constexpr, BR: tl.constexpr,
-                             BC: tl.constexpr):
-        pair = tl.program_id(0).to(tl.int64)
+    def _halves(pair, USE_ASM: tl.constexpr):
+        """The two fp16 halves of a word, widened to float32 (PTX on the GPU: a register split and two
+        conversions; the interpreter takes the portable masks and shifts)."""
+        if USE_ASM:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b16 xl, xh; mov.b32 {xl, xh}, $2; cvt.f32.f16 $0, xl; cvt.f32.f16 $1, xh; }",
+                "=r,=r,r", [pair], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        else:
+            lo = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = (pair >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def _rows_dot(words, scales, rows, row_ok, vec, c0, WORDS: tl.constexpr, BR: tl.constexpr,
+                  BW: tl.constexpr, USE_ASM: tl.constexpr):
+        """sum_c W[rows, c] vec[c] over the 8*BW columns of words c0..c0+BW (a row has WORDS words)."""
+        cw = c0 + tl.arange(0, BW)
+        w = tl.load(words + rows[:, None] * WORDS + cw[None, :], mask=row_ok[:, None], other=0)
+        w = w.to(tl.uint32, bitcast=True)
+        part = tl.zeros([BR, BW], dtype=tl.float32)
+        for k in tl.static_range(4):
+            lo, hi = _halves(_e2m1_pair(w, k), USE_ASM)
+            part += lo * tl.load(vec + cw * 8 + k).to(tl.float32)[None, :]
+            part += hi * tl.load(vec + cw * 8 + k + 4).to(tl.float32)[None, :]
+        groups = tl.sum(tl.reshape(part, (BR, BW // 4, 4)), 2)  # 4 words = one 32-element scale group
+        s = tl.load(scales + rows[:, None] * (WORDS // 4) + (c0 // 4 + tl.arange(0, BW // 4))[None, :],
+                    mask=row_ok[:, None], other=0).to(tl.float32)
+        return tl.sum(groups * tl.exp2(s - 113.0), 1)  # 2^(s - 127) times the 2^14 of the fp16 trick
+
+    @triton.jit
+    def _routes(ids, pair, T, K, BT: tl.constexpr, BK: tl.constexpr):
+        """For the expert of `pair`: whether `pair` is its first pair (the leader), and per token the
+        first pair routed to it and a mask of any further (duplicate) pairs of that token."""
+        e = tl.load(ids + pair)
+        tok, slot = tl.arange(0, BT), tl.arange(0, BK)
+        index = tok[:, None] * K + slot[None, :]
+        match = tl.load(ids + index, mask=(tok[:, None] < T) & (slot[None, :] < K), other=-1) == e
+        first = tl.min(tl.where(match, index, 1 << 30), 1)  # [BT], 1<<30 where the token skips e
+        leader = tl.min(first, 0) == pair
+        return e.to(tl.int64), leader, first, match & (index != first[:, None]), index
+
+    @triton.jit
+    def _gate_up_kernel(x, ids, wgu, sgu, h, T, K, F, beta1, beta2, L: tl.constexpr, BR: tl.constexpr,
+                        BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
+        pair = tl.program_id(0)
         rows = tl.program_id(1) * BR + tl.arange(0, BR)
         ok = rows < F
-        e = tl.load(ids + pair).to(tl.int64)
-        xt = x + (pair // K) * L
-        wg = wgu + e * (2 * F) * (L // 2)
-        sg = sgu + e * (2 * F) * (L // 32)
-        g = tl.zeros([BR], dtype=tl.float32)
-        u = tl.zeros([BR], dtype=tl.float32)
-        for c0 in range(0, L, BC):
-            g += _mxfp4_row_dot(wg, sg, rows, ok, xt, c0, L, BR, BC)
-            u += _mxfp4_row_dot(wg, sg, rows + F, ok, xt, c0, L, BR, BC)
-        tl.store(h + pair * F + rows, situ_glu_values(g, u, beta1, beta2), mask=ok)
+        e, leader, first, _, _ = _routes(ids, pair, T, K, BT, BK)
+        if leader:
+            words, scales = wgu + e * (2 * F) * (L // 8), sgu + e * (2 * F) * (L // 32)
+            for t in range(T):
+                p = tl.sum(tl.where(tl.arange(0, BT) == t, first, 0))
+                if p < (1 << 30):
+                    g = tl.zeros([BR], dtype=tl.float32)
+                    u = tl.zeros([BR], dtype=tl.float32)
+                    for c0 in range(0, L // 8, BW):
+                        g += _rows_dot(words, scales, rows, ok, x + t * L, c0, L // 8, BR, BW, USE_ASM)
+                        u += _rows_dot(words, scales, rows + F, ok, x + t * L, c0, L // 8, BR, BW, USE_ASM)
+                    tl.store(h + p.to(tl.int64) * F + rows, situ_glu_values(g, u, beta1, beta2),
+                             mask=ok)
 
     @triton.jit
-    def _down_kernel(h, ids, weights, wd, sd, partial, K, F: tl.constexpr, L, BR: tl.constexpr,
-                     BC: tl.constexpr):
-        """One (token, expert) pair per program row: p * W_down[e][rows] . h[pair] -> partial[pair, rows]."""
-        pair = tl.program_id(0).to(tl.int64)
+    def _down_kernel(h, ids, weights, wd, sd, partial, T, K, F: tl.constexpr, L, BR: tl.constexpr,
+                     BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
+        pair = tl.program_id(0)
         rows = tl.program_id(1) * BR + tl.arange(0, BR)
         ok = rows < L
-        e = tl.load(ids + pair).to(tl.int64)
-        acc = tl.zeros([BR], dtype=tl.float32)
-        for c0 in range(0, F, BC):
-            acc += _mxfp4_row_dot(wd + e * L * (F // 2), sd + e * L * (F // 32), rows, ok, h + pair * F, c0, F, BR,
-                                  BC)
-        tl.store(partial + pair * L + rows, tl.load(weights + pair).to(tl.float32) * acc, mask=ok)
+        e, leader, first, dup, index = _routes(ids, pair, T, K, BT, BK)
+        if leader:
+            words, scales = wd + e * L * (F // 8), sd + e * L * (F // 32)
+            routed = (index == first[:, None]) | dup
+            p_sum = tl.sum(tl.where(routed, tl.load(weights + index, mask=routed, other=0.0), 0.0), 1)
+            # A token that names the expert twice gets the summed weight on its first pair, zero on the rest.
+            tl.store(partial + index.to(tl.int64)[:, :, None] * L + rows[None, None, :], tl.zeros([BT, BK, BR],
+                     dtype=tl.float32), mask=dup[:, :, None] & ok[None, None, :])
+            for t in range(T):
+                tok = tl.arange(0, BT) == t
+                p = tl.sum(tl.where(tok, first, 0))
+                if p < (1 << 30):
+                    acc = tl.zeros([BR], dtype=tl.float32)
+                    for c0 in range(0, F // 8, BW):
+                        acc += _rows_dot(words, scales, rows, ok, h + p.to(tl.int64) * F, c0, F // 8, BR, BW,
+                                         USE_ASM)
+                    tl.store(partial + p.to(tl.int64) * L + rows, tl.sum(tl.where(tok, p_sum, 0.0)) * acc,
+                             mask=ok)
+
+    @triton.jit
+    def _sum_pairs_kernel(partial, out, K, L, BK: tl.constexpr, BL: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BL + tl.arange(0, BL)
+        slot = tl.arange(0, BK)
+        rows = tl.load(partial + (t * K + slot[:, None]) * L + cols[None, :],
+                       mask=(slot[:, None] < K) & (cols[None, :] < L), other=0.0)
+        tl.store(out + t * L + cols, tl.sum(rows, 0).to(out.dtype.element_ty), mask=cols < L)
+
+
+def _words(packed: torch.Tensor) -> torch.Tensor:
+    """The packed bytes as int32 words (8 codes each); a view, no copy."""
+    return packed.contiguous().view(torch.int32)
 
 
 def latent_moe_decode(
     x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
     gate_up_packed: torch.Tensor, gate_up_scales: torch.Tensor, down_packed: torch.Tensor,
     down_scales: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0, block_rows: int = 16,
-    block_cols: int = 256, num_warps: int = 4,
+    block_cols: int = 1024, num_warps: int = 4,
 ) -> torch.Tensor:
     """u = sum_j p_j E_{id_j}(x) per token (eq.11's routed sum, in the latent width l).
 
     x [T, l]; expert_ids, expert_weights [T, k]; gate_up_* for W_gate;W_up stacked [E, 2F, l] and down_*
-    for W_down [E, l, F], both MXFP4-packed. Returns u [T, l] in x's dtype.
+    for W_down [E, l, F], both MXFP4-packed. Returns u [T, l] in x's dtype. `block_cols` columns (a
+    multiple of 32) are streamed per step and row.
     """
     T, L = x.shape
     E, two_f, half_l = gate_up_packed.shape
@@ -92,20 +158,21 @@ def latent_moe_decode(
     require(down_scales.shape == (E, L, F // 32), f"down_scales must be [{E}, {L}, {F // 32}]")
     require(expert_weights.shape == (T, K), f"expert_weights must be [{T}, {K}] like expert_ids")
     require(gate_up_packed.dtype == torch.uint8 and down_packed.dtype == torch.uint8, "packed weights are uint8")
-    bc = min(block_cols, L, F)
-    require(bc >= 32 and bc == next_pow2(bc) and L % bc == 0 and F % bc == 0,
+    bc_up, bc_down = min(block_cols, L), min(block_cols, F)  # columns streamed per step: l, then F
+    require(block_cols >= 32 and block_cols == next_pow2(block_cols) and L % bc_up == 0 and F % bc_down == 0,
             f"l={L} and F={F} must be multiples of a power-of-two column block >= 32")
     ids = expert_ids.contiguous()
+    routing = {"BT": next_pow2(T), "BK": next_pow2(K), "USE_ASM": x.is_cuda, "num_warps": num_warps}
     h = torch.empty(T * K, F, dtype=torch.float32, device=x.device)
-    _gate_up_situ_kernel[(T * K, triton.cdiv(F, block_rows))](
-        x, ids, gate_up_packed, gate_up_scales, h, K, F, beta1, beta2, L=L, BR=block_rows, BC=bc,
-        num_warps=num_warps,
+    _gate_up_kernel[(T * K, triton.cdiv(F, block_rows))](
+        x, ids, _words(gate_up_packed), gate_up_scales, h, T, K, F, beta1, beta2, L=L, BR=block_rows, BW=bc_up // 8,
+        **routing,
     )
-    # Down rows per (token, expert) pair as well, so that even one token keeps every SM streaming; the
-    # k partial rows of a token are then summed (a [T, k, l] float32 reduction, tiny next to the weights).
     partial = torch.empty(T * K, L, dtype=torch.float32, device=x.device)
     _down_kernel[(T * K, triton.cdiv(L, block_rows))](
-        h, ids, expert_weights.contiguous(), down_packed, down_scales, partial, K, F=F, L=L, BR=block_rows,
-        BC=bc, num_warps=num_warps,
+        h, ids, expert_weights.contiguous(), _words(down_packed), down_scales, partial, T, K, F=F, L=L,
+        BR=block_rows, BW=bc_down // 8, **routing,
     )
-    return partial.view(T, K, L).sum(1).to(x.dtype)
+    out = torch.empty(T, L, dtype=x.dtype, device=x.device)
+    _sum_pairs_kernel[(T, triton.cdiv(L, 1024))](partial, out, K, L, BK=next_pow2(K), BL=1024)
+    return out

@@ -33,23 +33,16 @@ def mla_bytes(batch: int, ctx: int) -> float:
     return batch * ctx * (R + P) * 2 + batch * HEADS * (R + P + R) * 2
 
 
-# (block_n, num_warps, num_stages, num_splits or 0 for the default, tokens_major)
-VARIANTS = ((32, 4, 3, 0, False), (32, 4, 3, 32, False))
+# Tuning arguments of mla_decode_paged; unnamed ones take their defaults.
+VARIANTS: tuple[dict, ...] = ({}, {"page_tiles": False}, {"num_splits": 32})
 
 
-def _tuning(v: tuple) -> dict:
-    bn, nw, ns, splits, tokens_major = v
-    return {"block_n": bn, "num_warps": nw, "num_stages": ns, "num_splits": splits or None,
-            "tokens_major": tokens_major}
-
-
-def _name(v: tuple) -> str:
-    bn, nw, ns, splits, tokens_major = v
-    return f"ours(bn={bn},w={nw},s={ns},splits={splits or 'auto'}{',tokens-major' if tokens_major else ''})"
+def _name(v: dict) -> str:
+    return "ours(" + ",".join(f"{k}={val}" for k, val in v.items()) + ")" if v else "ours(defaults)"
 
 
 def mla_rows(shapes: tuple[tuple[int, int], ...] = ((64, 4096), (64, 16384), (64, 65536), (1, 65536), (16, 65536)),
-             variants: tuple[tuple[int, int, int, int, bool], ...] = VARIANTS) -> list[Row]:
+             variants: tuple[dict, ...] = VARIANTS) -> list[Row]:
     rows: list[Row] = []
     scale = (128 + 64) ** -0.5
     # Correctness on fresh inputs with ragged lengths, against the reference.
@@ -59,7 +52,7 @@ def mla_rows(shapes: tuple[tuple[int, int], ...] = ((64, 4096), (64, 16384), (64
     errs = {}
     for v in variants:
         try:
-            errs[_name(v)] = rel_err(decode_triton.mla_decode_paged(q, cache, table, lengths, scale, **_tuning(v)),
+            errs[_name(v)] = rel_err(decode_triton.mla_decode_paged(q, cache, table, lengths, scale, **v),
                                      ref)
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for a variant
             errs[_name(v)] = repr(e)[:100]
@@ -69,7 +62,7 @@ def mla_rows(shapes: tuple[tuple[int, int], ...] = ((64, 4096), (64, 16384), (64
         for v in variants:
             try:
                 ms, how = time_ms(partial(decode_triton.mla_decode_paged, q, cache, table, lengths, scale,
-                                          **_tuning(v)))
+                                          **v))
                 rows.append(Row("mla_decode_paged", shape, _name(v), ms, mla_bytes(B, ctx), note=how,
                                 extra={"rel_err": errs.get(_name(v))}))
             except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for a variant

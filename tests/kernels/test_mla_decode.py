@@ -29,7 +29,9 @@ def test_reference_matches_float64_attention():
         torch.testing.assert_close(out[b].double(), probs @ rows[:, :R], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(("splits", "block", "tokens_major"), [(1, 16, False), (3, 16, True), (4, 32, False)])
+# block 8 = PAGE: whole-page tiles (one page-table read per tile); 16 and 32 span pages: per-row gathers.
+@pytest.mark.parametrize(("splits", "block", "tokens_major"),
+                         [(1, 16, False), (3, 16, True), (4, 32, False), (2, 8, False), (3, 8, True)])
 def test_triton_split_kv_matches_reference(interpreted, splits, block, tokens_major):
     q, cache, table, lengths = _paged_case(1, [1, 17, 40, 9])
     out = decode_triton.mla_decode_paged(q, cache, table, lengths, 0.2, latent_dim=R, num_splits=splits,
@@ -44,6 +46,26 @@ def test_more_splits_than_rows_is_still_exact(interpreted):
     out = decode_triton.mla_decode_paged(q, cache, table, lengths, 0.2, latent_dim=R, num_splits=8)
     torch.testing.assert_close(out, naive.mla_decode_paged(q, cache, table, lengths, 0.2, latent_dim=R),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_page_tiles_and_row_gathers_agree(interpreted):
+    """Forcing per-row gathers where whole-page tiles apply gives the same result; forcing page tiles on a
+    tile that spans pages is refused."""
+    q, cache, table, lengths = _paged_case(4, [8, 23, 16])
+    args = (q, cache, table, lengths, 0.2)
+    tiled = decode_triton.mla_decode_paged(*args, latent_dim=R, num_splits=2, block_n=8)
+    gathered = decode_triton.mla_decode_paged(*args, latent_dim=R, num_splits=2, block_n=8, page_tiles=False)
+    torch.testing.assert_close(tiled, gathered, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="page_tiles"):
+        decode_triton.mla_decode_paged(*args, latent_dim=R, block_n=16, page_tiles=True)
+
+
+@pytest.mark.parametrize(("batch", "capacity"), [(1, 65536), (16, 65536), (64, 4096), (256, 65536), (3, 640)])
+def test_default_splits_fill_the_gpu_without_tiny_splits(batch, capacity):
+    splits = decode_triton.default_splits(batch, capacity, 64)
+    assert splits >= 1 and splits & (splits - 1) == 0  # a power of two
+    assert splits == 1 or capacity // splits >= 4 * 64  # at least four tiles per split
+    assert batch * splits >= 132 or splits == capacity // 256 or splits == 1  # else enough to fill the SMs
 
 
 @pytest.mark.parametrize(

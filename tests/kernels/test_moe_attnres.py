@@ -7,20 +7,20 @@ import torch
 
 from k3core.ops.attnres import attnres_direct, attnres_inter
 from k3core.quant.mxfp4 import dequantize, quantize
-from kernels.attnres import merge_norm_triton
+from kernels.attnres import inter_triton, merge_norm_triton
 from kernels.attnres import naive as attnres_naive
 from kernels.moe import latent_moe_decode_triton, situ_glu_triton
 from kernels.moe import naive as moe_naive
 
-T, K, E, L, F = 2, 3, 5, 64, 32
+T, K, E, L, F = 2, 3, 4, 64, 32  # 6 picks from 4 experts: the two tokens share at least two experts
 
 
-def _moe_case(seed: int):
+def _moe_case(seed: int, experts: int = E):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, L, generator=gen)
-    gate_up = quantize(torch.randn(E, 2 * F, L, generator=gen) * 0.2)
-    down = quantize(torch.randn(E, L, F, generator=gen) * 0.2)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).int()
+    gate_up = quantize(torch.randn(experts, 2 * F, L, generator=gen) * 0.2)
+    down = quantize(torch.randn(experts, L, F, generator=gen) * 0.2)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:K] for _ in range(T)]).int()
     return x, ids, torch.rand(T, K, generator=gen), *gate_up, *down
 
 
@@ -38,9 +38,20 @@ def test_moe_reference_matches_float64_math():
 
 
 def test_triton_moe_decode_matches_reference(interpreted):
+    """Experts shared by both tokens are streamed once (expert-centric) and still serve each token."""
     case = _moe_case(1)
-    out = latent_moe_decode_triton.latent_moe_decode(*case, block_cols=32, block_rows=8)  # 2 column blocks
+    shared = set(case[1][0].tolist()) & set(case[1][1].tolist())
+    assert len(shared) >= 2
+    out = latent_moe_decode_triton.latent_moe_decode(*case, block_cols=32, block_rows=16)  # 2 column blocks
     torch.testing.assert_close(out, moe_naive.latent_moe_decode(*case), rtol=1e-5, atol=1e-5)
+
+
+def test_triton_moe_decode_token_naming_an_expert_twice(interpreted):
+    """A token that names one expert in two slots gets both router weights (as the reference does)."""
+    x, ids, w, *packs = _moe_case(6, experts=3)
+    ids[0, 2] = ids[0, 0]
+    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, block_cols=64, block_rows=16)
+    torch.testing.assert_close(out, moe_naive.latent_moe_decode(x, ids, w, *packs), rtol=1e-5, atol=1e-5)
 
 
 def test_moe_bad_scales_name_the_field(interpreted):
@@ -64,6 +75,22 @@ def _attnres_case(seed: int, dtype: torch.dtype):
     stats = attnres_inter(queries, blocks, key_w).row(2)
     partial = torch.randn(5, 48, generator=gen).to(dtype)
     return blocks, queries[2], key_w[2], stats, partial, torch.rand(48, generator=gen) + 0.5
+
+
+@pytest.mark.parametrize(("rows_shape", "with_norm_w", "block_rows"), [((5,), True, 2), ((2, 3), False, 4)])
+def test_triton_attnres_inter_matches_reference(interpreted, rows_shape, with_norm_w, block_rows):
+    """Phase 1 for all sites at once: max, denominator and accumulator as k3core's batched reference."""
+    gen = torch.Generator().manual_seed(7)
+    blocks = torch.randn(3, *rows_shape, 40, generator=gen).bfloat16()
+    queries = torch.randn(4, 40, generator=gen)
+    norm_w = torch.rand(4, 40, generator=gen) + 0.5 if with_norm_w else None
+    ours = inter_triton.attnres_inter(queries, blocks, norm_w, block_d=16, block_rows=block_rows)
+    ref = attnres_naive.attnres_inter(queries, blocks, norm_w)
+    for a, b in ((ours.max, ref.max), (ours.denom, ref.denom), (ours.acc, ref.acc)):
+        assert a.shape == b.shape and a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    direct = attnres_direct(queries[1], blocks.float(), norm_w[1] if with_norm_w else None)
+    torch.testing.assert_close(ours.row(1).result(), direct, rtol=1e-5, atol=1e-5)
 
 
 def test_attnres_reference_equals_direct_attention_then_norm():
