@@ -87,7 +87,7 @@ class AssignmentStore(EtcdFollower):
 
     # ---- writes (blocking: call from a worker thread) ----
     def assign(self, session_id: str, order: Sequence[str], weights: Mapping[str, float],
-               healthy: Collection[str], timeout_s: float = 5.0) -> Assignment:
+               healthy: Collection[str], timeout_s: float = 2.0) -> Assignment:
         """The session's stored pair, creating it (bounded backup, see bounded.py) if it has none."""
         deadline = time.monotonic() + timeout_s
         # This replica's own assignments of one primary go one at a time: concurrent ones would only make

@@ -16,7 +16,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from k3.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.router.assignment_store import AssignmentStore
+from services.router.assignment_store import ASSIGNMENTS, AssignmentStore
 from services.router.config import RouterConfig
 from services.router.decision import RouteDecision, decide, decide_assigned
 from services.router.membership import ClusterView, FleetTracker, parse_requirements
@@ -119,16 +119,18 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if assignment is not None:
             self.assignments.touch(session_id)
             return decide_assigned(table, session_id, assignment, routable, exclude)
-        try:
-            assignment = await asyncio.to_thread(self.assignments.assign, session_id, table.order(session_id),
-                                                 table.weights, routable)
-        except Exception as exc:  # noqa: BLE001 - etcd unreachable: route anyway, store on a later turn
-            # The stateless pair has the same primary, so only the backup may differ from a later assignment.
-            log.warning("session not assigned in etcd; routing it statelessly",
-                        extra={"session": session_id, "error": str(exc)})
-            ROUTES.labels("unassigned").inc()
-            return decide(table, session_id, routable, exclude)
-        return decide_assigned(table, session_id, assignment, routable, exclude)
+        # etcd unreachable: route anyway and store it on a later turn. The stateless pair has the same primary,
+        # so only the backup may differ from the later assignment. A lost watch skips the attempt at once.
+        if self.assignments.connected:
+            try:
+                assignment = await asyncio.to_thread(self.assignments.assign, session_id,
+                                                     table.order(session_id), table.weights, routable)
+                return decide_assigned(table, session_id, assignment, routable, exclude)
+            except Exception as exc:  # noqa: BLE001 - counted and logged; routed statelessly below
+                log.warning("session not assigned in etcd; routing it statelessly",
+                            extra={"session": session_id, "error": str(exc)})
+        ASSIGNMENTS.labels("failed").inc()
+        return decide(table, session_id, routable, exclude)
 
     async def GetFleet(self, request: router_pb2.GetFleetRequest, context) -> router_pb2.GetFleetResponse:
         routable = self.fleet.routable(self.clock(), self.config.failback_hold_s)

@@ -103,20 +103,28 @@ async def test_bounded_mode_keeps_stored_pairs_when_the_fleet_grows(etcd_server)
         await channels.close()
 
 
-async def test_bounded_mode_routes_statelessly_while_etcd_is_unreachable():
-    # An etcd endpoint nobody listens on: the store never syncs and every assignment fails.
-    store = AssignmentStore([f"127.0.0.1:{free_port()}"], "/k3test-down", 0.1, 600, 60)
+async def test_bounded_mode_routes_from_the_mirror_and_statelessly_while_etcd_is_down(etcd_restartable):
+    store = AssignmentStore([etcd_restartable.endpoint], "/k3test-down", 0.1, 600, 60)
     channels = ChannelPool()
     router = RouterServicer(RouterConfig(slot_bits=10, placement_mode="bounded", probe_timeout_ms=200), channels,
                             Clock(), assignments=store)
     try:
-        router.apply_membership(healthy_fleet("abc"))
+        assert store.wait_synced(10)
+        router.apply_membership(healthy_fleet("abcdef"))
         await router.wait_ready()
-        answer = await router.Route(request("s1"), None)
-        expected = router.table.place("s1")
-        assert (answer.primary.name, answer.backup.name, answer.target.name) == (
-            expected.primary, expected.backup, expected.primary)
-        assert store.get("s1") is None
+        # Enough sessions of one primary that some backups differ from the stateless second choice.
+        known = {s: await router.Route(request(s), None) for s in (f"k{i}" for i in range(150))}
+        etcd_restartable.stop()
+        for s, before in known.items():  # known sessions: the stored pair, from the mirror
+            after = await router.Route(request(s), None)
+            assert (after.primary, after.backup, after.target) == (before.primary, before.backup, before.target)
+        assert any(r.backup.name != router.table.place(s).backup for s, r in known.items())
+        for s in ("new-1", "new-2"):  # new sessions: the stateless pair, not stored
+            answer = await router.Route(request(s), None)
+            expected = router.table.place(s)
+            assert (answer.primary.name, answer.backup.name, answer.target.name) == (
+                expected.primary, expected.backup, expected.primary)
+            assert store.get(s) is None
     finally:
         store.close()
         await channels.close()
