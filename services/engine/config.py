@@ -12,6 +12,7 @@ from k3core.config import K3Config
 from k3core.presets import PRESET_NAMES, preset
 from services.runtime import ServiceConfig
 
+MAX_SPECULATIVE_TOKENS = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,8 +43,14 @@ class WorkerConfig(ServiceConfig):
     max_tokens_limit: int = 8192
     # The cluster's KV transfer service (used when a request names none; else found through etcd).
     transfer_address: str = ""
-    # A draft model preset enables speculative decoding (replay-verify kernel); empty disables it.
+    # A draft model preset enables speculative decoding on the decode worker (docs/serving.md); empty disables
+    # it. The draft must share the target's vocabulary (tokenizer).
     draft_model: str = ""
+    draft_model_overrides: str = ""  # JSON object of K3Config fields to override on the draft preset
+    draft_checkpoint: str = ""  # empty: seeded random weights
+    draft_weights_seed: int = -1  # -1: the target's weights_seed (same preset + overrides = the target itself)
+    # Drafts proposed per running request per step (the target verifies them plus a bonus token in one forward).
+    num_speculative_tokens: int = 4
 
     def validate(self) -> list[str]:
         problems = super().validate()
@@ -68,7 +75,33 @@ class WorkerConfig(ServiceConfig):
         if not problems and self.model_config().kda_num_heads % self.tp_size:
             problems.append(f"tp_size: {self.tp_size} does not divide the model's "
                             f"{self.model_config().kda_num_heads} KDA heads")
+        if self.draft_model and not problems:
+            problems += self._draft_problems()
         return problems
+
+    def _draft_problems(self) -> list[str]:
+        if self.draft_model not in PRESET_NAMES:
+            return [f"draft_model: unknown preset {self.draft_model!r}; known: {', '.join(PRESET_NAMES)}"]
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            return [f"num_speculative_tokens: must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                    f"got {self.num_speculative_tokens}"]
+        if self.tp_size != 1:
+            return [f"draft_model: speculative decoding runs at tp_size 1 only, got tp_size {self.tp_size}"]
+        try:
+            draft = self.draft_config().model_config()
+        except (ValueError, TypeError) as exc:
+            return [f"draft_model_overrides: {exc}"]
+        target = self.model_config().vocab_size
+        if draft.vocab_size != target:
+            return [f"draft_model: vocabulary of {draft.vocab_size} differs from the target's {target} "
+                    "(the draft must share the tokenizer)"]
+        return []
+
+    def draft_config(self) -> WorkerConfig:
+        """The draft model as a worker config of its own (its preset, overrides, weights; one rank)."""
+        seed = self.weights_seed if self.draft_weights_seed < 0 else self.draft_weights_seed
+        return dataclasses.replace(self, model=self.draft_model, model_overrides=self.draft_model_overrides,
+                                   checkpoint=self.draft_checkpoint, weights_seed=seed, tp_size=1, draft_model="")
 
     def model_config(self) -> K3Config:
         config = preset(self.model)

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from k3.v1 import common_pb2
+from services.engine.acceptance import accept_drafts
+from services.engine.draft_runner import Proposal
 from services.engine.executor import Executor, StepResult
 from services.engine.metrics import EngineMetrics
 from services.engine.output import OutputProcessor
@@ -19,6 +21,7 @@ from services.engine.plan import RecordingManager, StepPlan
 from services.engine.request import EngineRequest, Phase, StepOutput
 from services.engine.sampler import sample_next
 from services.engine.scheduler import Scheduler
+from services.engine.speculative import Speculator
 from services.runtime import errors
 
 log = logging.getLogger("k3.engine")
@@ -28,8 +31,10 @@ Broadcast = Callable[[StepPlan], None]
 
 class Engine:
     def __init__(self, executor: Executor, scheduler: Scheduler, manager: RecordingManager,
-                 output: OutputProcessor, metrics: EngineMetrics, broadcast: Broadcast | None = None):
+                 output: OutputProcessor, metrics: EngineMetrics, broadcast: Broadcast | None = None,
+                 speculator: Speculator | None = None):
         self.executor = executor
+        self.speculator = speculator
         self.scheduler = scheduler
         self.manager = manager
         self.output = output
@@ -122,6 +127,9 @@ class Engine:
 
     def _step(self) -> None:
         started = time.perf_counter()
+        proposals = self.speculator.propose(self.scheduler.running) if self.speculator is not None else {}
+        if proposals:
+            self.scheduler.offer_drafts({rid: p.tokens for rid, p in proposals.items()})
         plan = self.scheduler.schedule()
         for req in self.scheduler.rejected:
             self.requests.pop(req.rid, None)
@@ -132,6 +140,8 @@ class Engine:
             return
         if self.broadcast is not None:
             self.broadcast(plan)
+        if self.scheduler.verifying:
+            self._verify(proposals)
         result = self.executor.execute(plan)
         self._after_step(plan, result)
         self._update_gauges()
@@ -166,23 +176,53 @@ class Engine:
                                                                     len(req.output))
             self._accept(req, token)
 
+    def _verify(self, proposals: dict[str, Proposal]) -> None:
+        """Run the step's verify windows before the executor's forward (its step stays open until then):
+        accept, stream, and advance each request's cache over what it kept."""
+        assert self.speculator is not None
+        verification = self.speculator.verify(self.scheduler.verifying)
+        kept: dict[str, int] = {}
+        for item, logits in zip(verification.items, verification.logits, strict=True):
+            req = self.requests[item.rid]
+            proposal = proposals[item.rid]
+            tokens = accept_drafts(logits, proposal.tokens, proposal.probs, req.options, len(req.output))
+            self.speculator.record(len(proposal.tokens), len(tokens) - 1)
+            kept[item.rid] = self._stream(req, tokens)
+        self.speculator.commit(verification, kept)
+        for item in verification.items:
+            req = self.requests.get(item.rid)
+            if req is not None and req.phase is Phase.RUNNING:
+                self.manager.call("append_tokens", req.rid, req.output[-1:])  # the new pending token
+
     def _accept(self, req: EngineRequest, token: int) -> None:
+        self._stream(req, [token])
+        if req.phase is Phase.RUNNING:
+            self.manager.call("append_tokens", req.rid, [token])
+
+    def _stream(self, req: EngineRequest, tokens: list[int]) -> int:
+        """Hand a step's new tokens to the request's stream in one output; stops at the first token that
+        ends the request (which is then finished). Returns how many tokens it took."""
+        outs = []
+        for token in tokens:
+            outs.append(self.output.accept(req, token))
+            if outs[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                self._finish(req, outs[-1].finish_reason, keep_turn=True)
+                break
         now = time.monotonic()
         if req.first_token_at is None:
             req.first_token_at = now
             self.metrics.ttft.observe(now - req.arrival)
         elif req.last_token_at is not None:
-            self.metrics.tpot.observe(now - req.last_token_at)
+            for _ in outs:  # a window's tokens share the step's time
+                self.metrics.tpot.observe((now - req.last_token_at) / len(outs))
         req.last_token_at = now
-        self.metrics.record_tokens(1)
-        out = self.output.accept(req, token)
-        if out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-            self._finish(req, out.finish_reason, keep_turn=True)
-        else:
-            self.manager.call("append_tokens", req.rid, [token])
-        req.emit(out)
+        self.metrics.record_tokens(len(outs))
+        req.emit(StepOutput([t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
+                            outs[-1].finish_reason))
+        return len(outs)
 
     def _finish(self, req: EngineRequest, reason: int, keep_turn: bool) -> None:
+        self._forget_draft(req.rid)
         self.scheduler.remove(req, keep_turn)
         self.requests.pop(req.rid, None)
         self.output.forget(req.rid)
@@ -191,10 +231,15 @@ class Engine:
     def _fail(self, req: EngineRequest, error: errors.ServiceError) -> None:
         if req.phase is not Phase.FINISHED:
             self.scheduler.remove(req, keep_turn=False)
+        self._forget_draft(req.rid)
         self.requests.pop(req.rid, None)
         self.output.forget(req.rid)
         self.metrics.finished.labels("FINISH_REASON_ERROR").inc()
         req.emit(StepOutput([], error=error))
+
+    def _forget_draft(self, rid: str) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(rid)
 
     def _update_gauges(self) -> None:
         pool = self.manager.manager.pool

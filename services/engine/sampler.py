@@ -23,6 +23,12 @@ def sample_next(logits: torch.Tensor, options: GenerationOptions, index: int) ->
     """logits [V] (float32) -> the token at output position `index`."""
     if options.temperature == 0:
         return int(torch.argmax(logits))
+    generator = torch.Generator(device="cpu").manual_seed(token_seed(options.seed, index))
+    return int(torch.multinomial(sampling_probs(logits, options).cpu(), 1, generator=generator))
+
+
+def sampling_probs(logits: torch.Tensor, options: GenerationOptions) -> torch.Tensor:
+    """The distribution a token is drawn from (temperature > 0): temperature, then top-k, then top-p."""
     scores = logits.float() / options.temperature
     if options.top_k and options.top_k < scores.numel():
         kth = torch.topk(scores, options.top_k).values[-1]
@@ -33,5 +39,4 @@ def sample_next(logits: torch.Tensor, options: GenerationOptions, index: int) ->
         outside = torch.cumsum(sorted_probs, 0) - sorted_probs >= options.top_p
         sorted_probs[outside] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    generator = torch.Generator(device="cpu").manual_seed(token_seed(options.seed, index))
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return probs

@@ -25,6 +25,7 @@ from services.engine.model_runner import ModelRunner, build_model
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager, StepPlan
 from services.engine.scheduler import Scheduler
+from services.engine.speculative import build_speculator
 from services.runtime.ports import free_port
 
 log = logging.getLogger("k3.worker")
@@ -81,7 +82,8 @@ class Worker:
         tokenizer = ByteTokenizer()
         output = OutputProcessor(tokenizer if tokenizer.vocab_size == model_config.vocab_size else None,
                                  model_config.eos_token_id)
-        self.engine = Engine(executor, scheduler, recording, output, self.metrics, broadcast)
+        speculator = build_speculator(config, self.role, executor.runner.model, executor.manager)
+        self.engine = Engine(executor, scheduler, recording, output, self.metrics, broadcast, speculator)
         self.engine.start()
         return self.engine
 

@@ -1,0 +1,142 @@
+"""The target's verify step over the paged pool (K3 report §5.4.2): one forward over the pending token and
+the drafts, then the cache is advanced over the accepted prefix only.
+
+- KDA: the verify forward's state writes are dropped, so the request's state pages keep the state before the
+  window. Each KDA layer's projected inputs of the window (pre-conv q, k, v, decay logits, beta logits: a
+  few KB per token, against H*D*D floats of state) are captured on the way; once acceptance is known, the
+  accepted prefix is replayed from them into the state pages with the verify kernel
+  (`kernels.dispatch.kda_verify_replay`: Triton on CUDA, the plain-torch reference on CPU). No state is
+  ever stored per draft.
+- MLA: rows of every window token are written into the reserved pages; the request's computed length is
+  rolled back to the accepted prefix (rows past it are scratch, overwritten later); a window ends at the
+  latest on a hash-block boundary, so no page ever holds rejected rows only. Hash blocks and KDA
+  checkpoints are registered for the accepted prefix only (`forward_done` over it), so the prefix cache
+  sees what a non-speculative run registers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from k3core.cache.manager import PrefixCacheManager
+from k3core.cache.paged_view import PagedBatchCache
+from k3core.layers.kda import KimiDeltaAttention
+from kernels import dispatch
+
+# Projections a KDA layer's state depends on, in the kernel's argument order (q, k, v, z, beta).
+KDA_INPUTS = ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj")
+
+
+class ProjectionCapture:
+    """The projected inputs of every KDA layer in one forward, packed in batch order: {kda_index: [5 x [N, .]]}."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.layers = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+        self.inputs: dict[int, list[torch.Tensor]] = {}
+
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        self.inputs = {layer.kda_index: [torch.empty(0)] * len(KDA_INPUTS) for layer in self.layers}
+        handles = []
+        for layer in self.layers:
+            for slot, name in enumerate(KDA_INPUTS):
+                def keep(_module, _args, out, index=layer.kda_index, slot=slot):
+                    self.inputs[index][slot] = out.detach()
+                handles.append(getattr(layer, name).register_forward_hook(keep))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+class VerifyBatchCache:
+    """The paged view of a verify forward with KDA state writes dropped (the replay writes the state)."""
+
+    def __init__(self, inner: PagedBatchCache):
+        self.inner = inner
+
+    @property
+    def num_sequences(self) -> int:
+        return self.inner.num_sequences
+
+    @property
+    def context_lens(self) -> list[int]:
+        return self.inner.context_lens
+
+    @property
+    def new_token_counts(self) -> list[int]:
+        return self.inner.new_token_counts
+
+    def kda_read(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.kda_read(kda_layer)
+
+    def kda_write(self, kda_layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+        del kda_layer, conv_state, recurrent_state  # the state after the whole window is not the one to keep
+
+    def mla_append(self, mla_layer: int, latent: torch.Tensor) -> None:
+        self.inner.mla_append(mla_layer, latent)
+
+    def mla_read(self, mla_layer: int, seq: int) -> torch.Tensor:
+        return self.inner.mla_read(mla_layer, seq)
+
+
+def _padded(packed: torch.Tensor, windows: list[int], heads: int) -> torch.Tensor:
+    """[N, heads * D] packed windows -> [B, max window, heads, D], zero padded."""
+    rows = packed.reshape(packed.shape[0], heads, -1)
+    out = rows.new_zeros(len(windows), max(windows), *rows.shape[1:])
+    for b, part in enumerate(rows.split(windows)):
+        out[b, : part.shape[0]] = part
+    return out
+
+
+@torch.no_grad()
+def replay_accepted(capture: ProjectionCapture, view: PagedBatchCache, windows: list[int], counts: list[int]) -> None:
+    """Advance every KDA layer's state pages over the first counts[b] tokens of each window (>= 1: the pending
+    token is always kept). The verify kernel replays the first counts[b] - 1 tokens from their projected
+    inputs and commits the state after the last accepted one."""
+    batch = len(windows)
+    slots = torch.arange(batch)
+    last = torch.tensor([c - 1 for c in counts])
+    for layer in capture.layers:
+        heads = layer.heads
+        q, k, v, z, beta = (_padded(t, windows, heads) for t in capture.inputs[layer.kda_index])
+        inputs = (q, k, v, z, beta.squeeze(-1))
+        slots, last = slots.to(inputs[0].device), last.to(inputs[0].device)
+        window = tuple(t[slots, last].unsqueeze(1) for t in inputs)
+        conv, state = view.kda_read(layer.kda_index)  # the state before the window: its writes were dropped
+        conv_weight = torch.stack([c.weight[:, 0, :] for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)])
+        dispatch.kda_verify_replay(*window, torch.zeros_like(window[0]), conv_weight, layer.A_log.reshape(heads),
+                                   layer.dt_bias, layer.o_norm.weight, state, conv, slots,
+                                   previous_drafts=inputs, n_accepted=last, lower_bound=layer.lower_bound,
+                                   scale=layer.scale)
+        view.kda_write(layer.kda_index, conv, state)
+
+
+def commit_accepted(manager: PrefixCacheManager, rid: str, count: int) -> None:
+    """Roll the request back to its first `count` window tokens computed: the drafts after them leave its
+    tokens and chain hashes, and `forward_done` registers
+    the accepted prefix (hash blocks, a KDA checkpoint at a hash boundary) like a non-speculative step."""
+    req = manager.requests[rid]
+    if not 1 <= count <= req.scheduled:
+        raise ValueError(f"request {rid!r}: {count} accepted tokens of a {req.scheduled}-token window")
+    end = req.num_computed + count
+    # A window never crosses a hash-block boundary (the speculator caps it), hence no physical block
+    # boundary either: the rejected rows sit in the block the request grows into next, past its length
+    # (scratch), and no page holds rejected rows only.
+    assert len(req.blocks) == -(-end // manager.layout.tokens_per_block), "a verify window crossed a block"
+    truncate_tokens(manager, rid, end)
+    req.scheduled = count
+    manager.forward_done(rid)
+
+
+def truncate_tokens(manager: PrefixCacheManager, rid: str, num_tokens: int) -> None:
+    """Forget a request's known tokens past `num_tokens` (drafts that were not accepted, or not verified)."""
+    req = manager.requests[rid]
+    assert req.tokens is not None and num_tokens >= req.num_computed
+    del req.tokens[num_tokens:]
+    del req.chain[num_tokens // req.hash_block :]  # in place: a checkpoint shares the list (reads its prefix)
+    req.num_tokens = num_tokens
