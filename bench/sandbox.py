@@ -182,6 +182,8 @@ async def main_async(args: argparse.Namespace) -> dict:
                            default_disk_bytes=64 << 20)
     backends = available_backends(root / "backends")
     backends.pop("firecracker", None)
+    if args.backends:
+        backends = {name: be for name, be in backends.items() if name in args.backends.split(",")}
     mgr = SandboxManager(config, backends)
     mgr.images.ensure_base()
     rows, density = [], {}
@@ -204,6 +206,7 @@ def main() -> None:
     parser.add_argument("--criu-iterations", type=int, default=8)
     parser.add_argument("--density", type=int, default=40)
     parser.add_argument("--criu-density", type=int, default=10)
+    parser.add_argument("--backends", default="", help="comma-separated subset, e.g. criu (default: all)")
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     print(f"{'backend':<10} {'op':<9} {'n':>3} {'p50 ms':>9} {'p99 ms':>9} {'cpu p50':>8} {'AgentENV ms':>17} "

@@ -76,6 +76,8 @@ def test_criu_memory_state_survives_snapshot_restore_and_fork(client):
     client.start_counter(sid)
     assert [client.bump(sid), client.bump(sid)] == [1, 2]
     _pause_stops_cpu(client, sid, CGROUP_GROUP["criu"])
+    # The killed busy loop had been re-parented to the container's init, which reaped it: no zombie.
+    assert client.sh(sid, "sleep 0.2; ps -eo stat= | grep -c '^Z'")[1].strip() == "0"
     assert client.bump(sid) == 3
 
     snap = client.stub.SnapshotSandbox(pb.SnapshotSandboxRequest(sandbox_id=sid))
