@@ -289,7 +289,7 @@ def fused_kda_recurrent(
 
 
 # Decode-step tuning (bench/kernels.py sweeps these): value-column tile streamed per program, warps, stages.
-DECODE_TILE_V, DECODE_WARPS, DECODE_STAGES = 32, 4, 2
+DECODE_TILE_V, DECODE_WARPS, DECODE_STAGES = 128, 4, 1
 
 
 def kda_decode_step(

@@ -23,7 +23,7 @@ if triton is not None:
 
     @triton.jit
     def _conv_swish(x, init_conv, conv_w, stream, n, h, t, bos, valid, offs, HAS_CONV: tl.constexpr,
-                    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr):
+                    H, D: tl.constexpr, W: tl.constexpr):
         """Swish(ShortConv) of one stream (0 q, 1 k, 2 v) at tokens t [C] of head h, [C, D] float32.
 
         Inputs before the sequence start `bos` come from the carried conv state [N, 3, H, D, W-1] (zeros
@@ -99,7 +99,7 @@ if triton is not None:
         q, k, v, z, beta, conv_w, A_log, dt_bias, init_conv, cu_seqlens, chunk_seq, chunk_start,
         w_out, u_out, qg_out, kg_out, aqk_out, gc_out,
         scale, lower_bound, l2_eps,
-        H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+        H, D: tl.constexpr, W: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
         HAS_CONV: tl.constexpr,
     ):
         """Grid (chunks, H). Token-major [T_total, H, *] in and out; gc_out [chunks, H, D]."""

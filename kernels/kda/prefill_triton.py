@@ -32,7 +32,7 @@ if triton is not None:
 
     @triton.jit
     def _final_conv_windows(x, init_conv, final_conv, stream, n, h, bos, eos, HAS_CONV: tl.constexpr,
-                            H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr):
+                            H, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr):
         """The last W-1 raw inputs of sequence n, head h, one stream, as its [D, W-1] conv window."""
         offs = tl.arange(0, D)[:, None]
         col = tl.arange(0, BWM)[None, :]
@@ -48,7 +48,7 @@ if triton is not None:
     def _kda_chunk_recurrence_kernel(
         w, u, qg, kg, aqk, gc, gate, norm_w, h_out, vnew_out, y_out,
         init_state, final_state, q, k, v, init_conv, final_conv, cu_seqlens, chunk_offsets, norm_eps,
-        H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, C: tl.constexpr,
+        H, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, C: tl.constexpr,
         BV: tl.constexpr, HAS_STATE: tl.constexpr, HAS_CONV: tl.constexpr, FUSE_OUTPUT: tl.constexpr,
         STAGES: tl.constexpr,
     ):
@@ -96,7 +96,7 @@ if triton is not None:
     @triton.jit
     def _kda_chunk_output_kernel(
         qg, aqk, h_in, v_new, gate, norm_w, y_out, cu_seqlens, chunk_seq, chunk_start, norm_eps,
-        H: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
+        H, D: tl.constexpr, C: tl.constexpr,
     ):
         """Grid (chunks, H): y = gated RMSNorm(qg S_in + Aqk v_new)."""
         ci = tl.program_id(0)
@@ -159,15 +159,16 @@ def kda_prefill_block(
     initial_conv: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
     norm_eps: float = 1e-6, block_v: int | None = None, fuse_output: bool | None = None,
-    num_warps: int = 4, recurrence_warps: int = 4, stages: int = 2,
+    num_warps: int = 4, recurrence_warps: int = 4, stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
     The softplus gate (lower_bound=None) is unbounded, so the sub-block decay split is not safe for it:
     that case runs the reference. fuse_output (default: when sequences x heads fill the card) computes the
     output inside the recurrence with one program per (sequence, head); otherwise block_v (default 64)
-    value columns per recurrence program and a separate output pass. cu_seqlens may live on the CPU (no
-    device sync then)."""
+    value columns per recurrence program and a separate output pass. stages: software-pipelining depth of
+    the recurrence's chunk loop (default 2; 1 when fused, whose tiles would not fit shared memory twice).
+    cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
         return naive.kda_prefill_block(*args, initial_state, initial_conv, cu_seqlens, lower_bound, scale,
@@ -213,7 +214,8 @@ def kda_prefill_block(
         initial_state.contiguous() if initial_state is not None else gc, final_state, q, k, v, conv, final_conv,
         cu, chunk_offsets, norm_eps,
         H=H, D=D, W=W, BWM=next_pow2(W - 1), C=CHUNK, BV=block_v, HAS_STATE=initial_state is not None,
-        HAS_CONV=initial_conv is not None, FUSE_OUTPUT=fuse, STAGES=stages, num_warps=recurrence_warps,
+        HAS_CONV=initial_conv is not None, FUSE_OUTPUT=fuse, STAGES=stages or (1 if fuse else 2),
+        num_warps=recurrence_warps,
     )
     if not fuse and n_chunks:
         _kda_chunk_output_kernel[(n_chunks, H)](

@@ -3,13 +3,14 @@
 The peer: 3x fla `causal_conv1d` (SiLU), `chunk_kda` (safe_gate, lower_bound=-5, gate, L2Norm and
 sigmoid(beta) in kernel, final state out) and `rms_norm_gated` (sigmoid). Both start from no carried state
 and return the final state. Accuracy: relative error of y and of the final state against a float64
-evaluation of the block (k3core ops in float64) on the first <= 2048 tokens of each sequence (at most two
+evaluation of the block (k3core ops in float64) on the first <= 1024 tokens of each sequence (at most two
 sequences), for ours and for the peer.
 """
 
 from __future__ import annotations
 
 import sys
+import traceback
 from functools import partial
 
 import torch
@@ -32,7 +33,6 @@ SHAPES = (
 # Tuning variants timed for every shape: (label, keyword arguments of prefill_triton.kda_prefill_block).
 VARIANTS = (
     ("default", {}),
-    ("split bv=64", {"fuse_output": False, "block_v": 64}),
     ("split bv=32", {"fuse_output": False, "block_v": 32}),
     ("split bv=64 w8", {"fuse_output": False, "block_v": 64, "num_warps": 8}),
     ("fused w8", {"fuse_output": True, "recurrence_warps": 8}),
@@ -84,23 +84,27 @@ def float64_block(x, params, cu: torch.Tensor | None):
 def _accuracy_case(batch: int, length: int, heads: int, lengths, dev: str):
     """A smaller problem of the same kind for the float64 check: inputs, cu_seqlens (device, cpu)."""
     if lengths is None:
-        return _inputs(min(batch, 2), min(length, 2048), heads, dev), None, None
+        return _inputs(min(batch, 2), min(length, 1024), heads, dev), None, None
     short = [min(n, 1024) for n in lengths[:3]]
     cu_cpu = torch.tensor([0, *torch.tensor(short).cumsum(0).tolist()], dtype=torch.int64)
     return _inputs(1, sum(short), heads, dev), cu_cpu.to(dev), cu_cpu
 
 
-def _errors(params, heads, batch, length, lengths, dev) -> dict:
-    x, cu, cu_cpu = _accuracy_case(batch, length, heads, lengths, dev)
-    y64, s64 = float64_block(x, params, cu)
-    y, s, _ = prefill_triton.kda_prefill_block(*x, *params, cu_seqlens=cu_cpu)
-    out = {"y_rel_err": rel_err(y, y64), "state_rel_err": rel_err(s, s64)}
+def ours_block(x, params, cu: torch.Tensor | None, cu_cpu: torch.Tensor | None, **tuning):
+    del cu  # ours takes cu_seqlens on the CPU: no device sync, CUDA-graph capturable
+    y, state, _ = prefill_triton.kda_prefill_block(*x, *params, cu_seqlens=cu_cpu, **tuning)
+    return y, state
+
+
+def _errors(block, params, heads: int, batch: int, length: int, lengths) -> dict:
+    """Relative errors of y and the final state against the float64 block, on the accuracy case."""
     try:
-        y_fla, s_fla = fla_block(x, params, cu, cu_cpu)
-        out.update(fla_y_rel_err=rel_err(y_fla, y64), fla_state_rel_err=rel_err(s_fla, s64))
-    except Exception as e:  # noqa: BLE001
-        out["fla_error"] = repr(e)[:200]
-    return out
+        x, cu, cu_cpu = _accuracy_case(batch, length, heads, lengths, "cuda")
+        y64, s64 = float64_block(x, params, cu)
+        y, s = block(x, params, cu, cu_cpu)
+        return {"y_rel_err": rel_err(y, y64), "state_rel_err": rel_err(s, s64)}
+    except Exception:  # noqa: BLE001 - still time what runs
+        return {"error": traceback.format_exc()[-400:]}
 
 
 def kernel_ms(fn) -> dict[str, float]:
@@ -124,38 +128,39 @@ def block_bytes(tokens: int, heads: int) -> float:
     return tokens * heads * (6 * D + 1) * 2
 
 
+def _case(batch: int, length: int, heads: int, lengths):
+    params = _params(heads, "cuda")
+    cu = cu_cpu = None
+    if lengths is not None:
+        cu_cpu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+        cu, length = cu_cpu.cuda(), sum(lengths)
+    return params, _inputs(batch, length, heads, "cuda"), cu, cu_cpu, block_bytes(batch * length, heads)
+
+
+def _measure(label: str, impl: str, fn, nbytes: float, extra: dict) -> Row:
+    try:
+        ms, how = time_ms(fn, inner=5, reps=10)
+        row = Row("kda_prefill_block", label, impl, ms, nbytes, note=how, extra=dict(extra, kernels_ms=kernel_ms(fn)))
+    except Exception:  # noqa: BLE001 - one failing variant must not hide the others
+        row = Row("kda_prefill_block", label, impl, float("nan"), note=traceback.format_exc()[-400:], extra=extra)
+    print(f"{label} {impl}: {row.ms:.4f} ms {row.note[-200:]} {row.extra}", file=sys.stderr, flush=True)
+    return row
+
+
 def prefill_rows(shapes=SHAPES, variants=VARIANTS) -> list[Row]:
+    """Ours (every variant) at every shape first, then the peer: a failing peer cannot hide our numbers."""
     rows: list[Row] = []
     with torch.inference_mode():
         for label, batch, length, heads, lengths in shapes:
-            params = _params(heads, "cuda")
-            cu = cu_cpu = None
-            if lengths is not None:
-                cu_cpu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-                cu, length = cu_cpu.cuda(), sum(lengths)
-            x = _inputs(batch, length, heads, "cuda")
-            try:
-                err = _errors(params, heads, batch, length, lengths, "cuda")
-            except Exception as e:  # noqa: BLE001 - still time what runs
-                err = {"error": repr(e)[:300]}
-            nbytes = block_bytes(batch * length, heads)
+            params, x, cu, cu_cpu, nbytes = _case(batch, length, heads, lengths)
+            err = _errors(ours_block, params, heads, batch, length, lengths)
             for name, tuning in variants:
-                try:
-                    ms, how = time_ms(partial(prefill_triton.kda_prefill_block, *x, *params, cu_seqlens=cu_cpu,
-                                              **tuning), inner=5, reps=10)
-                    extra = dict(err, kernels_ms=kernel_ms(partial(prefill_triton.kda_prefill_block, *x, *params,
-                                                                   cu_seqlens=cu_cpu, **tuning)))
-                    rows.append(Row("kda_prefill_block", label, f"ours({name})", ms, nbytes, note=how, extra=extra))
-                except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
-                    rows.append(Row("kda_prefill_block", label, f"ours({name})", float("nan"), note=repr(e)[:300]))
-            try:
-                ms, how = time_ms(partial(fla_block, x, params, cu, cu_cpu), inner=5, reps=10)
-                rows.append(Row("kda_prefill_block", label, "fla-core composition", ms, nbytes, note=how,
-                                extra={"kernels_ms": kernel_ms(partial(fla_block, x, params, cu, cu_cpu))}))
-            except Exception as e:  # noqa: BLE001
-                rows.append(Row("kda_prefill_block", label, "fla-core composition", float("nan"), note=repr(e)[:300]))
-            for r in rows[-len(variants) - 1:]:  # progress, in case the run is cut short
-                print(f"{r.shape} {r.impl}: {r.ms:.4f} ms {r.note[:120]} {r.extra}", file=sys.stderr, flush=True)
+                rows.append(_measure(label, f"ours({name})", partial(ours_block, x, params, cu, cu_cpu, **tuning),
+                                     nbytes, err))
             del x
-            torch.cuda.empty_cache()
+        for label, batch, length, heads, lengths in shapes:
+            params, x, cu, cu_cpu, nbytes = _case(batch, length, heads, lengths)
+            err = _errors(fla_block, params, heads, batch, length, lengths)
+            rows.append(_measure(label, "fla-core composition", partial(fla_block, x, params, cu, cu_cpu), nbytes, err))
+            del x
     return rows
