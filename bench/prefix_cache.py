@@ -97,7 +97,7 @@ class Scheme:
 # Agentic turns extend the previous turn's output, so the prompt-end checkpoint is not kept here.
 FINE = Scheme("fine (this cache)", 512, CheckpointPolicy(max_pool_fraction=0.25, keep_prompt_end=False))
 GRID = Scheme("block grid 1536 (vLLM-align-like)", 1536,
-              CheckpointPolicy(supersede=False, keep_prompt_end=False, max_pool_fraction=1.0))
+              CheckpointPolicy(supersede=False, keep_prompt_end=False, max_pool_fraction=1.0, eviction="lru"))
 
 
 def _forward(manager: PrefixCacheManager, rid: str, tokens: int) -> None:

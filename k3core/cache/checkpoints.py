@@ -12,6 +12,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from k3core.cache.prefix_index import Block
+
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
@@ -20,14 +22,25 @@ class CheckpointPolicy:
     every_hash_blocks: snapshot only where the boundary (in hash blocks) is a multiple of this.
     supersede: a request's previous checkpoint is reclaimed when it takes a new one, unless it was kept
         (turn boundary); False keeps every snapshot until eviction (what a block-grid cache does).
-    max_pool_fraction: cap on the pages held by checkpoints; the least recently used go first.
+    max_pool_fraction: cap on the pages held by checkpoints; superseded turn boundaries go first, then the
+        least recently used.
     keep_prompt_end: keep the checkpoint at the last boundary of the prompt (resampling, retries).
+    eviction: "value" evicts idle entries in the cost-aware order of `k3core.cache.retention` (what no
+        checkpoint can use, superseded turn boundaries, then whole conversations least recently used
+        first); "lru" keeps one LRU over every entry (a vLLM-style cache).
     """
 
     every_hash_blocks: int = 1
     supersede: bool = True
     max_pool_fraction: float = 0.25
     keep_prompt_end: bool = True
+    eviction: str = "value"
+
+    def __post_init__(self) -> None:
+        if self.eviction not in ("value", "lru"):
+            raise ValueError(f"eviction must be 'value' or 'lru', not {self.eviction!r}")
+        if self.every_hash_blocks < 1 or not 0 <= self.max_pool_fraction <= 1:
+            raise ValueError("every_hash_blocks must be >= 1 and max_pool_fraction in [0, 1]")
 
 
 @dataclass(eq=False)
@@ -42,6 +55,8 @@ class Checkpoint:
     ready: bool = False  # bytes landed (committed)
     fingerprints: list[int] | None = None  # per page, taken when the snapshot landed
     pins: int = 0  # hits being restored from it
+    superseded: bool = False  # a later turn of its conversation ended on top of it (evicted early)
+    anchored: list[Block] = field(default_factory=list)  # prefix blocks it keeps worth holding (retention)
 
     def evict(self) -> None:
         self.on_evict(self)
@@ -91,14 +106,17 @@ class CheckpointStore:
             self._lru.move_to_end(checkpoint.key)
 
     def victims_for(self, extra: int) -> list[Checkpoint] | None:
-        """Least recently used unpinned, committed checkpoints to drop so that `extra` more fit the cap;
-        None when the cap cannot be met."""
+        """Unpinned, committed checkpoints to drop so that `extra` more fit the cap, superseded ones first,
+        then least recently used; None when the cap cannot be met."""
         need = self.num_pages + extra - self.max_pages
+        if need <= 0:
+            return []
         victims: list[Checkpoint] = []
-        for checkpoint in self._lru.values():
-            if need <= 0:
-                break
-            if checkpoint.ready and checkpoint.pins == 0:
-                victims.append(checkpoint)
-                need -= self.pages_per_checkpoint
+        for superseded in (True, False):
+            for checkpoint in self._lru.values():
+                if need <= 0:
+                    return victims
+                if checkpoint.superseded is superseded and checkpoint.ready and checkpoint.pins == 0:
+                    victims.append(checkpoint)
+                    need -= self.pages_per_checkpoint
         return victims if need <= 0 else None

@@ -12,16 +12,17 @@ A scheduling step goes:
 
 Everything registered in a step (hash endpoints, checkpoints, prefetched blocks) is invisible to lookups
 and pinned against eviction until `commit_step`, because its bytes land only with the step's copies and
-forward. Every page of a hit is pinned before anything is allocated for it, because allocation may evict.
+forward (`step_queue`). Admission is in `admission`, checkpoint taking in `snapshots`, data movement
+between tiers in `tiering`, and the order in which idle entries are evicted in `retention`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from k3core.cache.admission import Admission, new_request
 from k3core.cache.checkpoints import Checkpoint, CheckpointPolicy, CheckpointStore
-from k3core.cache.cpu_tier import CpuTier, HostBlock, HostCheckpoint
-from k3core.cache.hashing import chain_hashes
+from k3core.cache.cpu_tier import CpuTier
 from k3core.cache.layout import PoolLayout
 from k3core.cache.lookup import Hit, PrefixLookup
 from k3core.cache.metrics import CacheMetrics
@@ -30,6 +31,9 @@ from k3core.cache.paged_view import PagedBatchCache
 from k3core.cache.pool import OutOfPages, PageKind, PagePool
 from k3core.cache.prefix_index import Block, PrefixIndex
 from k3core.cache.request import CachedRequest
+from k3core.cache.retention import RetentionPolicy
+from k3core.cache.snapshots import Snapshots
+from k3core.cache.step_queue import StepQueue
 from k3core.cache.tiering import Tiering
 
 
@@ -40,7 +44,8 @@ class PrefixCacheManager:
         """`device=None` runs metadata only (no tensors); otherwise pages live in a tensor on `device`."""
         self.layout = layout
         self.policy = policy or CheckpointPolicy()
-        self.pool = PagePool(num_pages)
+        value_aware = self.policy.eviction == "value"
+        self.pool = PagePool(num_pages, RetentionPolicy.num_tiers(value_aware))
         self.store = PageStore(layout, self.pool, device, debug) if device is not None else None
         self.index = PrefixIndex()
         cap = int(self.policy.max_pool_fraction * num_pages)
@@ -50,22 +55,18 @@ class PrefixCacheManager:
         self.verify_restore = verify_restore
         self.finder = PrefixLookup(self.index, self.checkpoints, cpu_tier, layout.hash_block_tokens,
                                    layout.hash_blocks_per_block)
+        self.retention = RetentionPolicy(self.pool, self.index, layout, value_aware)
+        self.queue = StepQueue()
         self.tiering = Tiering(self)
+        self.admission = Admission(self)
+        self.snapshots = Snapshots(self)
         self.requests: dict[str, CachedRequest] = {}
-        self._pre_ops: list[CopyOp] = []
-        self._zero_pages: list[int] = []
-        self._post_ops: list[CopyOp] = []
-        self._unpin_pages: list[int] = []  # page refs held until this step's copies land
-        self._unpin_checkpoints: list[Checkpoint] = []
-        self._unpin_host: list[HostBlock | HostCheckpoint] = []
-        self._dirty: set[str] = set()  # requests forwarded in the current step
         self.integrity_errors = 0
 
     @property
     def step_open(self) -> bool:
         """Whether copies, pins or registrations of the current step are waiting for `commit_step`."""
-        return bool(self._pre_ops or self._zero_pages or self._post_ops or self._unpin_pages
-                    or self._unpin_host or self._dirty)
+        return self.queue.open
 
     # ---- lookup and admission -------------------------------------------------------------------------
     def lookup(self, chain: list[int], num_tokens: int) -> Hit:
@@ -79,21 +80,9 @@ class PrefixCacheManager:
         there). Raises OutOfPages with nothing changed when the pool cannot hold it."""
         if rid in self.requests:
             raise ValueError(f"request {rid!r} already added")
-        hb = self.layout.hash_block_tokens
-        if tokens is not None:
-            req = CachedRequest(rid, hb, chain_hashes(tokens, hb), list(tokens), len(tokens), len(tokens))
-        elif chain is not None and num_tokens is not None:
-            req = CachedRequest(rid, hb, list(chain), None, num_tokens, num_tokens)
-            if len(req.chain) != num_tokens // hb:
-                raise ValueError(f"request {rid!r}: {len(chain)} chain hashes for {num_tokens} tokens")
-        else:
-            raise ValueError("add_request needs tokens, or chain and num_tokens")
-        if req.num_tokens == 0:
-            raise ValueError(f"request {rid!r} has no tokens")
-        hit = self.finder.lookup(req.chain, req.num_tokens)
-        while hit.num_tokens and not self.tiering.verify(hit):
-            hit = self.finder.lookup(req.chain, req.num_tokens)  # the bad entry is gone; take the next best
-        self._admit(req, hit)
+        req = new_request(rid, self.layout.hash_block_tokens, tokens, chain, num_tokens)
+        hit = self.admission.verified_lookup(req.chain, req.num_tokens)
+        self.admission.admit(req, hit)
         self.requests[rid] = req
         if self.metrics is not None:
             self.metrics.lookup_tokens.inc(req.num_tokens)
@@ -102,84 +91,10 @@ class PrefixCacheManager:
                 self.metrics.hit_boundary.observe(hit.num_tokens)
         return hit.num_tokens
 
-    @staticmethod
-    def _gpu_pages(hit: Hit) -> list[int]:
-        pages = [p for src in hit.blocks if isinstance(src, Block) for p in src.pages]
-        return pages + hit.checkpoint.pages if isinstance(hit.checkpoint, Checkpoint) else pages
-
-    def _pin(self, hit: Hit) -> None:
-        """Reference every GPU page of the hit (and pin its host entries) until this step commits."""
-        for src in hit.blocks:
-            if isinstance(src, Block):
-                for page in src.pages:
-                    self.pool.incref(page)
-                self._unpin_pages += src.pages
-            else:
-                self._pin_host(src)
-        checkpoint = hit.checkpoint
-        if isinstance(checkpoint, Checkpoint):
-            for page in checkpoint.pages:
-                self.pool.incref(page)
-            self._unpin_pages += checkpoint.pages
-            checkpoint.pins += 1
-            self._unpin_checkpoints.append(checkpoint)
-            self.checkpoints.touch(checkpoint)
-        elif checkpoint is not None:
-            self._pin_host(checkpoint)
-
-    def _pin_host(self, entry: HostBlock | HostCheckpoint) -> None:
-        entry.pins += 1
-        self._unpin_host.append(entry)
-        if self.cpu is not None:
-            self.cpu.touch(entry)
-
-    def _admit(self, req: CachedRequest, hit: Hit) -> None:
-        lay = self.layout
-        boundary = hit.num_tokens
-        # Blocks the request needs its own pages for: prefetched from the host, or the partial last block
-        # (copy-on-write: the shared page may be another request's growth point).
-        own = [k for k, src in enumerate(hit.blocks)
-               if isinstance(src, HostBlock) or (k + 1) * lay.tokens_per_block > boundary]
-        needed = lay.num_kda_groups + lay.num_mla_groups * len(own)
-        idle_hit_pages = sum(self.pool.refcount[p] == 0 for p in self._gpu_pages(hit))  # pinning takes them
-        if needed > self.pool.num_available - idle_hit_pages:
-            raise OutOfPages(f"request {req.rid!r} needs {needed} pages, {self.pool.num_available} available")
-        self._pin(hit)  # before any allocation: allocating may evict
-        req.state_pages = self._allocate(PageKind.KDA, lay.num_kda_groups, 1)[0]
-        fresh = iter(self._allocate(PageKind.MLA, lay.num_mla_groups, len(own)))
-        for k, src in enumerate(hit.blocks):
-            if k not in own:
-                assert isinstance(src, Block)
-                for page in src.pages:  # the request's own reference (the pin ends at commit)
-                    self.pool.incref(page)
-                req.blocks.append(src)
-                continue
-            tokens = min(lay.tokens_per_block, boundary - k * lay.tokens_per_block)
-            block = self.tiering.copy_block(k, src, next(fresh), tokens)
-            req.blocks.append(block)
-            if tokens < lay.tokens_per_block:  # the private copy also holds the hit's endpoints: standby
-                first = k * lay.hash_blocks_per_block
-                for j in range(first, first + tokens // lay.hash_block_tokens):
-                    self.index.register(req.chain[j], block, j - first + 1)
-                for page in block.pages:
-                    self.pool.adopt(page, block)
-        if hit.checkpoint is None:
-            self._zero_pages += req.state_pages
-        else:
-            self.tiering.restore(hit.checkpoint, req.state_pages)
-        req.num_computed = req.hit_tokens = boundary
-
-    def _allocate(self, kind: PageKind, groups: int, count: int) -> list[list[int]]:
-        """`count` page sets of one page per cache group (callers check availability first)."""
-        per_group = [self.pool.allocate(kind, g, count) for g in range(groups)]
-        return [[per_group[g][i] for g in range(groups)] for i in range(count)]
-
     def prefetch(self, chain: list[int], num_tokens: int) -> int:
         """Bring the CPU-tier part of a future hit back to the GPU ahead of its request (matchable after
         commit). Returns the boundary staged, 0 when nothing was (no hit, already resident, no room)."""
-        hit = self.finder.lookup(chain, num_tokens)
-        while hit.num_tokens and not self.tiering.verify(hit):
-            hit = self.finder.lookup(chain, num_tokens)
+        hit = self.admission.verified_lookup(chain, num_tokens)
         return self.tiering.prefetch(hit, list(chain)) if hit.num_tokens else 0
 
     # ---- growth ---------------------------------------------------------------------------------------
@@ -207,12 +122,12 @@ class PrefixCacheManager:
         if num_new_tokens <= 0 or req.num_computed + num_new_tokens > req.num_tokens:
             raise ValueError(f"request {rid!r}: cannot schedule {num_new_tokens} tokens at "
                              f"{req.num_computed}/{req.num_tokens}")
-        per_block = self.layout.tokens_per_block
-        need = -(-(req.num_computed + num_new_tokens) // per_block) - len(req.blocks)
+        lay = self.layout
+        need = -(-(req.num_computed + num_new_tokens) // lay.tokens_per_block) - len(req.blocks)
         if need > 0:
-            if need * self.layout.num_mla_groups > self.pool.num_available:
+            if need * lay.num_mla_groups > self.pool.num_available:
                 raise OutOfPages(f"request {rid!r} needs {need} more blocks")
-            for pages in self._allocate(PageKind.MLA, self.layout.num_mla_groups, need):
+            for pages in self.pool.allocate_sets(PageKind.MLA, lay.num_mla_groups, need):
                 req.blocks.append(Block(len(req.blocks), pages, self.tiering.evict_block))
         req.scheduled = num_new_tokens
 
@@ -223,13 +138,7 @@ class PrefixCacheManager:
 
     def pre_forward(self) -> list[CopyOp]:
         """Run (with a store) and return the copies that must land before this step's forward."""
-        ops, self._pre_ops = self._pre_ops, []
-        if self.store is not None:
-            for page in self._zero_pages:
-                self.store.zero(page)
-            self.store.run(ops)
-        self._zero_pages = []
-        return ops
+        return self.queue.run_pre(self.store)
 
     def forward_done(self, rid: str) -> None:
         """The forward over the reserved tokens ran: register the hash blocks it completed and snapshot
@@ -241,91 +150,42 @@ class PrefixCacheManager:
         start = req.num_computed
         req.num_computed += req.scheduled
         req.scheduled = 0
-        self._dirty.add(rid)
+        self.queue.touched.add(rid)
         for j in range(start // hb, min(req.num_computed // hb, len(req.chain))):
             block = req.blocks[j // per_block]
             covered = j % per_block + 1
             block.filled = covered
             self.index.register(req.chain[j], block, covered)
             if self.pool.owner[block.pages[0]] is None:
-                for page in block.pages:
-                    self.pool.adopt(page, block)
+                self.retention.adopt(block.pages, block)
         if req.num_computed % hb == 0:
-            self._snapshot(req)
-
-    def _snapshot(self, req: CachedRequest) -> None:
-        hb = self.layout.hash_block_tokens
-        end = req.num_computed // hb
-        if end > len(req.chain) or end % self.policy.every_hash_blocks:
-            return
-        key = req.chain[end - 1]
-        turn = end == req.prompt_tokens // hb
-        checkpoint = self.checkpoints.by_key.get(key)
-        if checkpoint is None:
-            checkpoint = self._new_checkpoint(req, key)
-            if checkpoint is None:
-                return
-        checkpoint.keep |= turn and self.policy.keep_prompt_end
-        previous, req.latest = req.latest, checkpoint
-        if (previous is not None and previous is not checkpoint and self.policy.supersede
-                and previous.owner == req.rid and not previous.keep):
-            self.drop_checkpoint(previous)
-
-    def _new_checkpoint(self, req: CachedRequest, key: int) -> Checkpoint | None:
-        groups = self.layout.num_kda_groups
-        victims = self.checkpoints.victims_for(groups)
-        if victims is None or groups > self.pool.num_available:
-            if self.metrics is not None:
-                self.metrics.checkpoints_skipped.inc()
-            return None
-        for victim in victims:
-            self.tiering.evict_checkpoint(victim)
-        pages = self._allocate(PageKind.KDA, groups, 1)[0]
-        checkpoint = Checkpoint(key, req.num_computed, pages, req.chain, self.tiering.evict_checkpoint,
-                                owner=req.rid)
-        self.checkpoints.add(checkpoint)
-        for page in pages:
-            self.pool.adopt(page, checkpoint)
-        nbytes = self.layout.kda_page_used_bytes
-        self._post_ops += [CopyOp(dst, nbytes, src_page=src) for dst, src in zip(pages, req.state_pages, strict=True)]
-        self._unpin_pages += pages  # the allocation reference holds the pages until the copy lands
-        return checkpoint
+            self.snapshots.take(req)
 
     def drop_checkpoint(self, checkpoint: Checkpoint) -> None:
         """Unregister a checkpoint in every group at once and release its pages (no write-back)."""
-        if self.checkpoints.by_key.get(checkpoint.key) is not checkpoint:
-            return  # already evicted
-        self.checkpoints.remove(checkpoint)
-        for page in checkpoint.pages:
-            self.pool.release(page)
+        self.snapshots.drop(checkpoint)
 
     # ---- step end -------------------------------------------------------------------------------------
     def commit_step(self) -> None:
         """This step's copies and forward have landed: make its registrations matchable, drop its pins."""
-        if self._pre_ops or self._zero_pages:
+        queue = self.queue
+        if queue.pre_ops or queue.zero_pages:
             self.pre_forward()
         if self.store is not None:
-            self.store.run(self._post_ops)
+            self.store.run(queue.post_ops)
             used = self.layout.kda_page_used_bytes
             for checkpoint in self.checkpoints.pending():
                 checkpoint.fingerprints = [self.store.fingerprint(p, used) for p in checkpoint.pages]
-        self._post_ops = []
         self.checkpoints.commit()
         self.index.commit()
-        for page in self._unpin_pages:
-            self.pool.decref(page)
-        for checkpoint in self._unpin_checkpoints:
-            checkpoint.pins -= 1
-        for entry in self._unpin_host:
-            entry.pins -= 1
-        self._unpin_pages, self._unpin_checkpoints, self._unpin_host = [], [], []
-        self._dirty.clear()
+        queue.release(self.pool)
         if self.metrics is not None:
             self.metrics.checkpoint_bytes.set(self.checkpoints.num_pages * self.layout.page_bytes)
 
     def finish(self, rid: str, turn_boundary: bool = True) -> None:
         """Release a finished (or aborted, `turn_boundary=False`) request. Its latest checkpoint is the
-        state at the last hash boundary of the conversation so far: kept for the next turn."""
+        state at the last hash boundary of the conversation so far: kept for the next turn, and the
+        checkpoint this turn started from is superseded by it."""
         req = self.requests.pop(rid)
         latest = req.latest
         if turn_boundary and latest is not None and self.checkpoints.by_key.get(latest.key) is latest:
@@ -333,17 +193,20 @@ class PrefixCacheManager:
             self.checkpoints.touch(latest)
             for page in latest.pages:
                 self.pool.touch(page)
+            started = req.hit_checkpoint
+            if started is not None and started is not latest and started.num_tokens < latest.num_tokens:
+                self.retention.supersede(started)
         # Tail blocks first, so that under LRU a prefix's end is evicted before its shared head.
         pages = [p for block in reversed(req.blocks) for p in block.pages] + req.state_pages
-        if rid in self._dirty:
-            self._unpin_pages += pages  # this step's copies may still read them
+        if rid in self.queue.touched:
+            self.queue.hold(pages)  # this step's copies may still read or write them
         else:
             for page in pages:
                 self.pool.decref(page)
 
     def evict_idle(self, num_pages: int) -> int:
-        """Evict idle cached entries (LRU first; written back to the CPU tier when there is one) until
-        `num_pages` pages are free or nothing idle is left. Returns the pages freed."""
+        """Evict idle cached entries (in retention order; written back to the CPU tier when there is one)
+        until `num_pages` pages are free or nothing idle is left. Returns the pages freed."""
         freed = 0
         while freed < num_pages and self.pool.num_cached:
             freed += self.pool.evict_one()

@@ -25,6 +25,7 @@ class Block:
     # recomputed a prefix someone else registered first); it takes over if that block is evicted
     standby: list[int] = field(default_factory=list)
     filled: int = 0  # hash blocks of this block whose bytes are valid (the first `filled`)
+    anchors: int = 0  # checkpoints whose prefix lookups resolve through this block (retention)
 
     @property
     def last_endpoint(self) -> int:
@@ -57,6 +58,11 @@ class PrefixIndex:
 
     def contains(self, chain_hash: int) -> bool:
         return chain_hash in self._by_hash
+
+    def answering(self, chain_hash: int) -> Block | None:
+        """The block that answers (or, once committed, will answer) lookups for this hash."""
+        endpoint = self._by_hash.get(chain_hash)
+        return endpoint.block if endpoint is not None else None
 
     def register(self, chain_hash: int, block: Block, hash_blocks: int) -> None:
         """Register an endpoint (pending until commit). If another block holds the hash already, this one

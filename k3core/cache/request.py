@@ -24,6 +24,7 @@ class CachedRequest:
     blocks: list[Block] = field(default_factory=list)  # block table
     state_pages: list[int] = field(default_factory=list)  # private KDA state, one page per KDA group
     latest: Checkpoint | None = None  # most recent checkpoint taken at this request's position
+    hit_checkpoint: Checkpoint | None = None  # the GPU checkpoint its prefix hit was restored from
 
     def append_tokens(self, tokens: Sequence[int]) -> None:
         if self.tokens is None:

@@ -76,14 +76,13 @@ class Tiering:
             for g, page in enumerate(pages):
                 if isinstance(src, HostBlock):
                     assert src.data is not None
-                    self.m._pre_ops.append(CopyOp(page, nbytes, src_host=src.data[g]))
+                    self.m.queue.pre_ops.append(CopyOp(page, nbytes, src_host=src.data[g]))
                 else:
-                    self.m._pre_ops.append(CopyOp(page, nbytes, src_page=src.pages[g]))
+                    self.m.queue.pre_ops.append(CopyOp(page, nbytes, src_page=src.pages[g]))
         if isinstance(src, HostBlock) and tokens == self.lay.tokens_per_block:
             for chain_hash, covered in src.endpoints:
                 self.m.index.register(chain_hash, block, covered)
-            for page in pages:
-                self.m.pool.adopt(page, block)
+            self.m.retention.adopt(pages, block)
         return block
 
     def restore(self, src: CheckpointSource, state_pages: list[int]) -> None:
@@ -96,9 +95,9 @@ class Tiering:
         for g, page in enumerate(state_pages):
             if isinstance(src, HostCheckpoint):
                 assert src.data is not None
-                self.m._pre_ops.append(CopyOp(page, nbytes, src_host=src.data[g]))
+                self.m.queue.pre_ops.append(CopyOp(page, nbytes, src_host=src.data[g]))
             else:
-                self.m._pre_ops.append(CopyOp(page, nbytes, src_page=src.pages[g]))
+                self.m.queue.pre_ops.append(CopyOp(page, nbytes, src_page=src.pages[g]))
 
     def prefetch(self, hit: Hit, chain: list[int]) -> int:
         """Stage the host-resident whole blocks and checkpoint of a hit on the GPU (pending until commit)."""
@@ -114,20 +113,20 @@ class Tiering:
         if not needed or needed > m.pool.num_available or (
                 host_checkpoint and m.checkpoints.victims_for(lay.num_kda_groups) != []):
             return 0
-        m._pin(hit)
+        m.admission.pin(hit)
         for k, src in host_blocks:
-            pages = m._allocate(PageKind.MLA, lay.num_mla_groups, 1)[0]
+            pages = m.pool.allocate_sets(PageKind.MLA, lay.num_mla_groups, 1)[0]
             self.copy_block(k, src, pages, lay.tokens_per_block)
-            m._unpin_pages += pages
+            m.queue.hold(pages)
         if host_checkpoint is not None:
-            pages = m._allocate(PageKind.KDA, lay.num_kda_groups, 1)[0]
+            pages = m.pool.allocate_sets(PageKind.KDA, lay.num_kda_groups, 1)[0]
             checkpoint = Checkpoint(host_checkpoint.key, hit.num_tokens, pages, chain, self.evict_checkpoint,
                                     keep=True, fingerprints=host_checkpoint.fingerprints)
             m.checkpoints.add(checkpoint)
-            for page in pages:
-                m.pool.adopt(page, checkpoint)
+            m.retention.adopt(pages, checkpoint)
+            m.retention.anchor(checkpoint)
             self.restore(host_checkpoint, pages)
-            m._unpin_pages += pages
+            m.queue.hold(pages)
         return hit.num_tokens
 
     # ---- eviction and write-back ----------------------------------------------------------------------

@@ -258,3 +258,44 @@ def test_prefetch_brings_a_written_back_prefix_back_before_reuse() -> None:
     manager.pre_forward()
     oracle.check_private(manager, "b", TOKENS[:45])
     assert registry.get_sample_value("k3_prefix_cache_cpu_tier_bytes_total", {"direction": "prefetch"}) > 0
+
+
+def test_finishing_a_request_admitted_in_the_same_step_leaves_no_copy_behind() -> None:
+    """A request admitted and finished (aborted) in one step still has its restore copy and state zeroing
+    queued. Its pages must not go to another request before those land: otherwise the other request's
+    state is overwritten by the stale restore."""
+    manager, _ = make(pages=12)
+    run(manager, "x", TOKENS[:30])  # 3 blocks and a kept checkpoint at 28 (2 pages) idle in the pool
+    filler = manager.pool.allocate(PageKind.MLA, 0, manager.pool.num_free - 3)
+    assert manager.add_request("a", TOKENS[:30] + [1, 2]) == 28  # restore of the checkpoint queued
+    manager.finish("a", turn_boundary=False)  # aborted before its first forward
+    oracle = PrefixOracle(LAYOUT)
+    fresh = [7, 7, 7, 7, 7, 7]  # a miss: "b" must start from a zero state
+    oracle.learn(fresh)
+    try:
+        assert manager.add_request("b", fresh) == 0
+    except OutOfPages:  # a's pages are held until this step's copies land
+        manager.commit_step()
+        assert manager.add_request("b", fresh) == 0
+    manager.pre_forward()
+    oracle.check_private(manager, "b", fresh)
+    manager.commit_step()
+    manager.finish("b")
+    for page in filler:
+        manager.pool.decref(page)
+    manager.pool.check_invariants()
+    assert all(count == 0 for count in manager.pool.refcount)
+
+
+def test_finishing_a_miss_admitted_in_the_same_step_keeps_its_zeroing_on_its_own_pages() -> None:
+    manager, _ = make(pages=12)
+    filler = manager.pool.allocate(PageKind.MLA, 0, manager.pool.num_free - 2)
+    manager.add_request("a", TOKENS[:6])  # a miss: zeroing of its state pages queued
+    manager.finish("a", turn_boundary=False)
+    assert manager.step_open  # the zeroing still targets a's pages, so they are not free yet
+    assert manager.pool.num_free == 0
+    manager.commit_step()
+    assert manager.pool.num_free == 2 and not manager.step_open
+    for page in filler:
+        manager.pool.decref(page)
+    manager.pool.check_invariants()
