@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -199,9 +201,38 @@ def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str) -> tu
     return wall, forward
 
 
+def profile_forward(rank: Rank, batch: int, context: int) -> None:
+    """Kernel time by name of one eager fast-path forward (printed): where the step's device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rids = [f"prof-{i}" for i in range(batch)]
+    rank.fill(rids, context)
+    for rid in rids:
+        rank.manager.append_tokens(rid, [1])
+        rank.manager.reserve(rid, 1)
+    fast = rank.fast
+    cached = [rank.manager.requests[r] for r in rids]
+    inputs = fast.builder.view(torch.from_numpy(fast.builder.build(cached, [1] * batch, batch)).to(fast.device), batch)
+    fast.decoder.forward(inputs)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fast.decoder.forward(inputs)
+        sync()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.device_time_total for e in events)
+    print(f"profile batch {batch} ctx {context}: {sum(e.count for e in events)} kernels, {total / 1e3:.2f} ms device")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:22]:
+        print(f"  {e.device_time_total / 1e3:7.3f} ms {e.count:5d}x  {e.key[:90]}")
+    for rid in rids:
+        rank.manager.forward_done(rid)
+    rank.manager.commit_step()
+    rank.finish(rids)
+
+
 def ttft(rank: Rank, prefix: list[int], increment: int) -> dict:
     rank.prefill("warm", [(t * 5) % rank.vocab + 1 for t in prefix[:2048]])  # warm kernels and allocator, no shared prefix
     rank.finish(["warm"])
+    rank.budget = math.gcd(rank.budget, len(prefix))  # a forward ends at the prefix: its checkpoint is kept
     sync()
     started = time.perf_counter()
     rank.prefill("miss", prefix + [5] * increment)
@@ -220,20 +251,22 @@ def ttft(rank: Rank, prefix: list[int], increment: int) -> dict:
 def hf_peer(ours: K3Model, rank: Rank, args: argparse.Namespace, name: str) -> dict:
     """transformers' kimi_linear with our weights vs our rank on the same `-kl` model."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
         return {"available": False, "reason": f"{type(exc).__name__}: {exc}"[:300]}
-    hf = ours.config.to_hf_dict()
-    config = AutoConfig.for_model("kimi_linear", **{k: v for k, v in hf.items() if k != "model_type"})
-    with torch.device(args.device):
-        peer = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).eval()
-    result = {"available": True, "model": name, "transformers_class": type(peer).__name__}
-    try:
-        missing, unexpected = peer.load_state_dict(ours.state_dict(), strict=False)
-        result.update(same_weights=not missing and not unexpected, missing=list(missing)[:8],
-                      unexpected=list(unexpected)[:8])
-    except RuntimeError as exc:
-        result.update(same_weights=False, load_error=str(exc)[:300])
+    from safetensors.torch import save_file
+
+    # Our checkpoint in the released Kimi Linear layout; transformers converts its names on load.
+    folder = Path(tempfile.mkdtemp(prefix="k3-peer-"))
+    save_file({k: v.detach().cpu().contiguous() for k, v in ours.state_dict().items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({**ours.config.to_hf_dict(), "torch_dtype": "bfloat16"}))
+    peer, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, output_loading_info=True)
+    peer = peer.to(args.device).eval()
+    shutil.rmtree(folder, ignore_errors=True)
+    result = {"available": True, "model": name, "transformers_class": type(peer).__name__,
+              "same_weights": not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")),
+              "loading_info": {k: [str(x) for x in list(v)[:6]] for k, v in info.items() if v}}
     prompt = [(11 * j) % rank.vocab + 1 for j in range(64)]
     with torch.no_grad():
         hf_tokens = peer.generate(torch.tensor([prompt], device=args.device), max_new_tokens=8, do_sample=False)
@@ -282,6 +315,7 @@ def main() -> None:
     parser.add_argument("--num-pages", type=int, default=16000)
     parser.add_argument("--hash-block", type=int, default=512)
     parser.add_argument("--budget", type=int, default=8192, help="prefill tokens per forward")
+    parser.add_argument("--profile", type=int, default=0, help="print the kernel profile at this batch size")
     parser.add_argument("--time-limit", type=float, default=420.0, help="skip what would start after this")
     parser.add_argument("--out", default="bench/results/serve.json")
     args = parser.parse_args()
@@ -297,6 +331,8 @@ def main() -> None:
     print(f"model {args.model} on {device_name} ({dtype}); copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
           f"fast path {result['fast_path']}, graphs {result['cuda_graphs']}")
     print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'fwd ms':>8} {'tok/s':>9} {'roofline ms':>12} {'of roof':>8}")
+    if args.profile and rank.fast is not None:
+        profile_forward(rank, args.profile, args.contexts[0])
     for context in args.contexts:
         for batch in args.batches:
             if time.perf_counter() - began > args.time_limit:

@@ -36,7 +36,7 @@ def fastpath_wanted(device: torch.device, tp_size: int) -> bool:
 
 class DecodeFastPath:
     def __init__(self, model: K3Model, manager: PrefixCacheManager, *, max_model_len: int = 32768,
-                 max_batch: int = 256, graphs: bool | None = None, head_streams: int = 4) -> None:
+                 max_batch: int = 256, graphs: bool | None = None, head_streams: int = 16) -> None:
         if manager.store is None:
             raise ValueError("the decode fast path needs a manager with a page store")
         layout = manager.layout

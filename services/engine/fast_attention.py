@@ -22,6 +22,11 @@ from services.engine.pool_views import PoolViews
 L2_EPS = 1e-6  # k3core.ops.kda.l2norm's default, what the reference layer uses
 
 
+def rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm module's output in one fused op (k3core.ops.norm.rms_norm computes the same in float32)."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+
+
 def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
     """One weight for several projections of the same input (one GEMM instead of several). The modules'
     weights become views of it, so nothing is duplicated and the reference path sees the same numbers."""
@@ -116,10 +121,10 @@ class MlaDecode:
         write_rows [B]: where each new latent row goes in `views.mla_rows()`."""
         attn, batch = self.attn, x.shape[0]
         parts = F.linear(x, self.weight).split(self.splits, dim=-1)
-        q = attn.q_b_proj(attn.q_a_layernorm(parts[0])) if attn.q_lora else parts[0]
+        q = attn.q_b_proj(rms(attn.q_a_layernorm, parts[0])) if attn.q_lora else parts[0]
         q = q.reshape(batch, attn.heads, attn.nope + attn.rope)
         kv = parts[1]
-        latent = torch.cat([attn.kv_a_layernorm(kv[:, : attn.rank]), kv[:, attn.rank :]], dim=-1)
+        latent = torch.cat([rms(attn.kv_a_layernorm, kv[:, : attn.rank]), kv[:, attn.rank :]], dim=-1)
         self.rows.index_copy_(0, write_rows, latent.to(self.rows.dtype))
         q_latent = torch.bmm(q[..., : attn.nope].transpose(0, 1), self.w_uk.to(q.dtype))  # [H, B, R]
         absorbed = torch.cat([q_latent.transpose(0, 1), q[..., attn.nope :]], dim=-1).to(self.cache.dtype)

@@ -17,18 +17,18 @@ from k3core.model import K3Model
 from k3core.ops.attnres import attnres_direct, attnres_inter
 from kernels import dispatch
 from services.engine.decode_inputs import DecodeInputs
-from services.engine.fast_attention import HeadStreams, KdaDecode, MlaDecode
+from services.engine.fast_attention import HeadStreams, KdaDecode, MlaDecode, rms
 from services.engine.fast_ffn import MlpDecode, MoeDecode, grouped_mm_available
 from services.engine.pool_views import PoolViews
 
 
 class FastDecoder:
-    def __init__(self, model: K3Model, views: PoolViews, head_streams: int = 4) -> None:
+    def __init__(self, model: K3Model, views: PoolViews, head_streams: int = 16) -> None:
         self.model = model
         self.config = config = model.config
         layout = views.layout
         weight = model.model.embed_tokens.weight
-        streams = HeadStreams(weight.device, head_streams)
+        streams = HeadStreams(weight.device, min(head_streams, config.kda_num_heads))
         grouped = grouped_mm_available(weight.device, weight.dtype)
         self.attention: list = []
         self.ffn: list = []
@@ -58,12 +58,12 @@ class FastDecoder:
         backbone = self.model.model
         h = backbone.embed_tokens(inp.tokens)
         h = self._attn_res(h, inp) if self.config.uses_attn_res else self._residual(h, inp)
-        return self.model.lm_head(backbone.norm(h))
+        return self.model.lm_head(rms(backbone.norm, h))
 
     def _residual(self, h: torch.Tensor, inp: DecodeInputs) -> torch.Tensor:
         for i, layer in enumerate(self.model.model.layers):
-            h = h + self.attention[i](layer.input_layernorm(h), inp)
-            h = h + self.ffn[i](layer.post_attention_layernorm(h))
+            h = h + self.attention[i](rms(layer.input_layernorm, h), inp)
+            h = h + self.ffn[i](rms(layer.post_attention_layernorm, h))
         return h
 
     def _attn_res(self, h: torch.Tensor, inp: DecodeInputs) -> torch.Tensor:

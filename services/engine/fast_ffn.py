@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from k3core.config import K3Config
 from k3core.layers.mlp import GatedMLP
 from k3core.layers.moe import SparseMoE
-from k3core.ops.moe import swiglu
+from k3core.ops.moe import sigmoid_router, swiglu
 from kernels import dispatch
-from services.engine.fast_attention import fuse_linears
+from services.engine.fast_attention import fuse_linears, rms
 
 
 def glu_activation(config: K3Config, gate_up: torch.Tensor) -> torch.Tensor:
@@ -62,6 +62,7 @@ class MoeDecode:
             e.w1.weight.data, e.w3.weight.data = self.w13[i, :ffn], self.w13[i, ffn:]
             e.w2.weight.data = self.w2[i]
         self.shared = MlpDecode(moe.shared_experts, config) if moe.shared_experts is not None else None
+        self.router = moe.gate.weight.detach().float()  # routing runs in float32 (MoEGate), cast once here
 
     def _routed_grouped(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         tokens, top_k = indices.shape
@@ -87,12 +88,14 @@ class MoeDecode:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
-        weights, indices, _ = moe.route(x)
+        logits = F.linear(x.float(), self.router)
+        weights, indices = sigmoid_router(logits, moe.top_k, moe.gate.e_score_correction_bias, moe.renormalize,
+                                          moe.scaling)
         z = moe.routed_expert_down_proj(x) if moe.latent else x
         routed = (self._routed_grouped if self.grouped else self._routed_dense)(z, weights, indices).to(x.dtype)
         if moe.latent:
             if moe.routed_expert_norm is not None:
-                routed = moe.routed_expert_norm(routed)
+                routed = rms(moe.routed_expert_norm, routed)
             routed = moe.routed_expert_up_proj(routed)
         if self.shared is not None:
             routed = routed + self.shared(x)
