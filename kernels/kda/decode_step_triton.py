@@ -29,7 +29,7 @@ if triton is not None:
         q, k, v, z, beta, gate, conv_w, A_log, dt_bias, norm_w, state, conv_state, slots, out,
         state_slot_stride, conv_slot_stride, scale, lower_bound, l2_eps, norm_eps,
         H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, BV: tl.constexpr,
-        BOUNDED: tl.constexpr, STAGES: tl.constexpr,
+        BOUNDED: tl.constexpr, STAGES: tl.constexpr, STREAMING: tl.constexpr,
     ):
         """Grid (B, H); inputs [B, H, D] (viewed as L = 1 token), beta [B, H]."""
         b = tl.program_id(0).to(tl.int64)
@@ -66,13 +66,19 @@ if triton is not None:
         for j in tl.range(0, NT, num_stages=STAGES):
             offs_v = j * BV + tl.arange(0, BV)
             s_ptrs = s_base + offs[:, None] * D + offs_v[None, :]
-            S = tl.load(s_ptrs) * decay[:, None]
+            if STREAMING:  # the state is touched once per step: keep it from evicting the inputs and taps
+                S = tl.load(s_ptrs, eviction_policy="evict_first") * decay[:, None]
+            else:
+                S = tl.load(s_ptrs) * decay[:, None]
             v3, v2, v1 = _history(v, v, hv, r, b, h, 1, 0, offs_v, H, D, W)
             vw0, vw1, vw2, vw3 = _taps(taps + 2 * H * D * W, offs_v, W)
             vt = _conv_silu(v3, v2, v1, _raw_input(v, v, hv, 0, r, b, h, 1, 0, offs_v, H, D, W), vw0, vw1, vw2, vw3)
             u = bt * (vt - tl.sum(S * kt[:, None], 0))
             S = S + kt[:, None] * u[None, :]
-            tl.store(s_ptrs, S)
+            if STREAMING:
+                tl.store(s_ptrs, S, cache_modifier=".cs")
+            else:
+                tl.store(s_ptrs, S)
             o_all = tl.where(tiles[:, None] == j, tl.sum(S * qs[:, None], 0)[None, :], o_all)
             _write_conv_window(v, v, hv, 1, r, b, h, 1, 0, offs_v, H, D, W, BWM, BV, D)
         cols = tiles[:, None] * BV + tl.arange(0, BV)[None, :]
@@ -89,7 +95,7 @@ def kda_decode_tiled(
     gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
     lower_bound: float | None, scale: float | None, l2_eps: float, norm_eps: float, tile_v: int,
-    num_warps: int, stages: int,
+    num_warps: int, stages: int, streaming: bool = False,
 ) -> torch.Tensor:
     """Launch on inputs already checked by decode_triton (contiguous [B, H, D], beta [B, H])."""
     B, H, D = q.shape
@@ -100,6 +106,6 @@ def kda_decode_tiled(
         state_pool.stride(0), conv_pool.stride(0), D**-0.5 if scale is None else scale,
         -5.0 if lower_bound is None else lower_bound, l2_eps, norm_eps,
         H=H, D=D, W=W, BWM=next_pow2(W - 1), BV=tile_v, BOUNDED=lower_bound is not None, STAGES=stages,
-        num_warps=num_warps,
+        STREAMING=streaming, num_warps=num_warps,
     )
     return out
