@@ -34,7 +34,6 @@ SHAPES = (
 VARIANTS = (
     ("default", {}),
     ("split bv=32", {"fuse_output": False, "block_v": 32}),
-    ("split bv=64 w8", {"fuse_output": False, "block_v": 64, "num_warps": 8}),
     ("fused w8", {"fuse_output": True, "recurrence_warps": 8}),
 )
 
