@@ -14,7 +14,7 @@ from services.sandbox.backends.base import ExecSpec, collect
 from services.sandbox.backends.criu import CriuBackend
 from services.sandbox.backends.namespace import NamespaceBackend
 from services.sandbox.config import SandboxConfig
-from services.sandbox.errors import InvalidRequest, NotFound
+from services.sandbox.errors import BackendFailure, InvalidRequest, NotFound
 from services.sandbox.limits import _FLOORS, LimitRequest, resolve_limits
 from services.sandbox.manager import SandboxManager
 from tests.sandbox.conftest import CGROUP_GROUP, leaked_mounts, requires_criu, requires_namespace
@@ -140,3 +140,24 @@ async def test_a_restarted_manager_reaps_sandboxes_left_by_a_crashed_one(manager
     assert leaked_mounts(tmp_path) == []
     for controller in ("unified", "memory", "pids"):
         assert not Path(f"/sys/fs/cgroup/{controller}/{CGROUP_GROUP[backend]}/{sb.sandbox_id}").exists()
+
+
+@requires_criu
+async def test_criu_fork_of_a_state_criu_cannot_dump_fails_cleanly(manager, tmp_path):
+    """A TCP connection (here over the sandbox's loopback) is state this CRIU cannot dump on this kernel. The
+    fork fails with CRIU's reason, the parent keeps running, and the copies (whose `runc restore` had already
+    started, waiting for the images) leave no container, mount or cgroup behind."""
+    sb = await manager.create("base", "t", LimitRequest(), backend="criu")
+    hold_connection = ("import socket, time; s = socket.create_server(('127.0.0.1', 0)); "
+                       "c = socket.create_connection(s.getsockname()); a = s.accept(); time.sleep(600)")
+    await collect(manager.exec(sb.sandbox_id, ExecSpec(["python3", "-c", hold_connection], background=True)))
+    await _sh(manager, sb.sandbox_id, "sleep 0.3")
+    with pytest.raises(BackendFailure, match="criu dump failed"):
+        await manager.fork(sb.sandbox_id, 2)
+    assert list(manager.sandboxes) == [sb.sandbox_id] and not sb.paused
+    assert await _sh(manager, sb.sandbox_id, "echo alive") == "alive\n"
+    criu_root = tmp_path / "backends" / "criu"
+    assert sorted(p.name for p in criu_root.glob("sbx-*")) == [sb.sandbox_id]
+    assert [m for m in leaked_mounts(tmp_path) if sb.sandbox_id not in m] == []
+    assert sorted(p.name for p in Path(f"/sys/fs/cgroup/memory/{CGROUP_GROUP['criu']}").iterdir()
+                  if p.is_dir()) == [sb.sandbox_id]

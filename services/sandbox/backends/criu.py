@@ -31,7 +31,13 @@ from services.sandbox.backends.base import (
 )
 from services.sandbox.backends.cgroups import CGROUP_ROOT, remove_group, remove_tree
 from services.sandbox.backends.cgroups import probe as probe_cgroups
-from services.sandbox.backends.criu_dump import dump_leave_running, log_errors
+from services.sandbox.backends.criu_dump import (
+    dump_leave_running,
+    feed_descriptors,
+    link_images,
+    log_errors,
+    make_images_dir,
+)
 from services.sandbox.backends.criu_options import CriuOptions
 from services.sandbox.backends.launch import background_argv, command_env, frozen, gather_all, require_tools
 from services.sandbox.backends.overlay import OverlayDisk, copy_tree
@@ -68,22 +74,28 @@ class CriuBackend(SandboxBackend):
         return None
 
     async def _runc(self, *args: str, log: Path | None = None) -> None:
+        await self._wait_runc(await self._spawn_runc(*args, log=log), args[0], log)
+
+    async def _spawn_runc(self, *args: str, log: Path | None = None) -> asyncio.subprocess.Process:
         argv = ["runc", "--root", str(self.state_dir)]
         if log is not None:
             argv += ["--log", str(log)]
         # A detached container inherits runc's stdio: a pipe there would never reach EOF (and CRIU cannot
         # dump a task whose stdio is a host file), so detached commands report through --log only.
         detached = args[0] in ("run", "restore")
-        proc = await asyncio.create_subprocess_exec(
+        return await asyncio.create_subprocess_exec(
             *argv, *args, env=self._env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL if detached else asyncio.subprocess.PIPE,
         )
+
+    @staticmethod
+    async def _wait_runc(proc: asyncio.subprocess.Process, command: str, log: Path | None) -> None:
         _, err = await proc.communicate()
         if proc.returncode != 0:
             detail = (err or b"").decode(errors="replace").strip()
             if log is not None and log.exists():
                 detail += " | " + log.read_text(errors="replace")[-600:]
-            raise BackendFailure(f"runc {args[0]} failed: {detail}")
+            raise BackendFailure(f"runc {command} failed: {detail}")
 
     def _prepare(self, sandbox_id: str, image: Image, limits: Limits, env: dict[str, str]) -> SandboxHandle:
         sb = SandboxHandle(sandbox_id, image, limits, env, self.root_dir / sandbox_id)
@@ -101,10 +113,20 @@ class CriuBackend(SandboxBackend):
 
     async def _start(self, sb: SandboxHandle, *runc_args: str) -> None:
         """`runc run` or `runc restore` of the bundle, detached; records the init's host pid for dumps."""
-        pid_file = sb.dir / "init.pid"
-        await self._runc(*runc_args, "-d", "--pid-file", str(pid_file), "--bundle", str(sb.dir), sb.sandbox_id,
-                         log=sb.dir / "runc.log")
-        sb.state["pid"] = int(pid_file.read_text())
+        await self._finish_start(sb, await self._spawn_start(sb, *runc_args), runc_args[0])
+
+    async def _spawn_start(self, sb: SandboxHandle, *runc_args: str) -> asyncio.subprocess.Process:
+        return await self._spawn_runc(*runc_args, "-d", "--pid-file", str(sb.dir / "init.pid"), "--bundle",
+                                      str(sb.dir), sb.sandbox_id, log=sb.dir / "runc.log")
+
+    async def _finish_start(self, sb: SandboxHandle, proc: asyncio.subprocess.Process, command: str) -> None:
+        try:
+            await self._wait_runc(proc, command, sb.dir / "runc.log")
+        except BackendFailure as e:
+            if command == "restore":
+                raise BackendFailure(f"{e} | criu: {log_errors(sb.dir / 'restore-work' / 'restore.log')}") from e
+            raise
+        sb.state["pid"] = int((sb.dir / "init.pid").read_text())
 
     async def create(self, sandbox_id: str, image: Image, limits: Limits, env: dict[str, str]) -> SandboxHandle:
         sb = self._prepare(sandbox_id, image, limits, env)
@@ -200,7 +222,7 @@ class CriuBackend(SandboxBackend):
     async def _wake(self, sb: SandboxHandle) -> None:
         """Restores a hibernated container; it comes back running (CRIU leaves cgroup state alone)."""
         images = sb.dir / "hibernation"
-        await self._restore_into(sb, images / "memory", images / "restore-work")
+        await self._restore_into(sb, images / "memory")
         shutil.rmtree(images, ignore_errors=True)
         sb.hibernated = False
         sb.paused = False
@@ -212,6 +234,7 @@ class CriuBackend(SandboxBackend):
         if sb.hibernated:
             await gather_all(*copies)
             return sb.dir / "hibernation" / "memory"
+        make_images_dir(images)
         async with frozen(self, sb):
             dump = dump_leave_running(sb.state["pid"], sb.dir, sb.state["freezer"], images, images.parent / "work")
             await gather_all(dump, *copies)
@@ -223,18 +246,19 @@ class CriuBackend(SandboxBackend):
             await copy_tree(memory, dest / "memory")
         return SnapshotRef(snapshot_id, self.name, dest, sb.image.name, sb.limits, sb.env, memory=True)
 
-    async def _restore_into(self, sb: SandboxHandle, images: Path, work: Path) -> None:
+    async def _restore_into(self, sb: SandboxHandle, images: Path) -> None:
         self._write_bundle(sb, restoring=True)
-        try:
-            await self._start(sb, "restore", "--image-path", str(images), "--work-path", str(work))
-        except BackendFailure as e:
-            raise BackendFailure(f"{e} | criu: {log_errors(work / 'restore.log')}") from e
+        await self._start(sb, *self._restore_args(sb, images))
+
+    @staticmethod
+    def _restore_args(sb: SandboxHandle, images: Path) -> tuple[str, ...]:
+        return "restore", "--image-path", str(images), "--work-path", str(sb.dir / "restore-work")
 
     async def restore(self, ref: SnapshotRef, sandbox_id: str, image: Image) -> SandboxHandle:
         sb = self._prepare(sandbox_id, image, ref.limits, ref.env)
         try:
             await sb.state["disk"].mount(seed_upper=ref.dir / "upper")
-            await self._restore_into(sb, ref.dir / "memory", sb.dir / "restore-work")
+            await self._restore_into(sb, ref.dir / "memory")
         except BaseException:
             await self.destroy(sb)
             raise
@@ -247,10 +271,12 @@ class CriuBackend(SandboxBackend):
         copies = [self._prepare(i, sb.image, sb.limits, sb.env) for i in sandbox_ids]
         staging = Path(tempfile.mkdtemp(prefix=f"k3-fork-{sb.sandbox_id}-", dir=SCRATCH_DIR))
         try:
-            upper = sb.state["disk"].upper
-            memory = await self._checkpoint(sb, staging / "memory",
-                                            *(c.state["disk"].mount(seed_upper=upper) for c in copies))
-            await gather_all(*(self._restore_into(c, memory, c.dir / "restore-work") for c in copies))
+            if sb.hibernated:
+                upper = sb.state["disk"].upper
+                memory = await self._checkpoint(sb, staging, *(c.state["disk"].mount(seed_upper=upper) for c in copies))
+                await gather_all(*(self._restore_into(c, memory) for c in copies))
+            else:
+                await self._fork_live(sb, copies, staging)
             return copies
         except BaseException:
             for c in copies:
@@ -258,6 +284,39 @@ class CriuBackend(SandboxBackend):
             raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+    async def _fork_live(self, sb: SandboxHandle, copies: list[SandboxHandle], staging: Path) -> None:
+        """Each copy's `runc restore` starts while CRIU dumps, as soon as its disk is seeded: runc's own
+        start-up (a Go process, a CRIU version probe, the restore mounts) overlaps the dump, and it waits on
+        its images' descriptors.json FIFO until the dump is complete."""
+        images = [staging / f"images-{i}" for i in range(len(copies))]
+        for d in images:
+            make_images_dir(d, descriptors_fifo=True)
+        upper = sb.state["disk"].upper
+        started: list[tuple[SandboxHandle, Path, asyncio.subprocess.Process]] = []
+
+        async def stage(copy: SandboxHandle, copy_images: Path) -> None:
+            await copy.state["disk"].mount(seed_upper=upper)
+            self._write_bundle(copy, restoring=True)
+            started.append((copy, copy_images, await self._spawn_start(copy, *self._restore_args(copy, copy_images))))
+
+        async def finish(copy: SandboxHandle, copy_images: Path, proc: asyncio.subprocess.Process) -> None:
+            await feed_descriptors(copy_images, proc, complete)
+            await self._finish_start(copy, proc, "restore")
+
+        complete = False
+        try:
+            async with frozen(self, sb):
+                dump = dump_leave_running(sb.state["pid"], sb.dir, sb.state["freezer"], images[0], staging / "work")
+                await gather_all(dump, *(stage(c, d) for c, d in zip(copies, images, strict=True)))
+            for d in images[1:]:
+                link_images(images[0], d)
+            complete = True
+        finally:  # every started runc is released (and waited for), also when the dump failed
+            results = await asyncio.gather(*(finish(*s) for s in started), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
 
     async def destroy(self, sb: SandboxHandle) -> None:
         if (self.state_dir / sb.sandbox_id).exists():

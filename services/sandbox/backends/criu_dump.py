@@ -12,6 +12,7 @@ through `runc restore`, which needs to own the new container's state.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 from pathlib import Path
@@ -25,6 +26,7 @@ INIT_STDIO = ["/dev/null", "/dev/null", "/dev/null"]
 # runc bind-mounts these host device nodes into every container of a user namespace, over the bundle's own.
 RUNC_DEVICES = ("/dev/null", "/dev/random", "/dev/full", "/dev/tty", "/dev/zero", "/dev/urandom")
 LOG = "dump.log"
+DESCRIPTORS = "descriptors.json"
 
 
 def external_mounts(config: dict, init_pid: int) -> dict[str, str]:
@@ -50,13 +52,47 @@ def dump_argv(init_pid: int, config: dict, freezer: Path, images: Path, work: Pa
     return argv
 
 
-async def dump_leave_running(init_pid: int, bundle: Path, freezer: Path, images: Path, work: Path) -> None:
-    """Dumps the container's whole process tree into `images`; it keeps running (or stays frozen if it was)."""
-    config = json.loads((bundle / "config.json").read_text())
-    # 0700, not runc's 0600: the restorer opens images from inside the container's user namespace.
+def make_images_dir(images: Path, descriptors_fifo: bool = False) -> None:
+    """0700, not runc's 0600: the restorer opens images from inside the container's user namespace.
+    `descriptors_fifo`: descriptors.json is a FIFO, which a `runc restore` started early blocks on until
+    `feed_descriptors` writes it (runc reads it after its own start-up and just before it starts CRIU)."""
     images.mkdir(mode=0o700, parents=True)
+    if descriptors_fifo:
+        os.mkfifo(images / DESCRIPTORS, 0o600)
+    else:
+        (images / DESCRIPTORS).write_text(json.dumps(INIT_STDIO))
+
+
+async def feed_descriptors(images: Path, reader: asyncio.subprocess.Process, complete: bool) -> None:
+    """Lets the `runc restore` waiting on the images' FIFO go on: with the descriptors once the images are
+    complete, else with nothing, on which it fails and cleans up after itself."""
+    while True:
+        try:
+            fd = os.open(images / DESCRIPTORS, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as e:  # ENXIO: runc has not opened it yet
+            if e.errno != errno.ENXIO or reader.returncode is not None:
+                return  # runc already gave up; its exit status says why
+            await asyncio.sleep(0.001)
+    try:
+        if complete:
+            os.write(fd, json.dumps(INIT_STDIO).encode())
+    finally:
+        os.close(fd)
+
+
+def link_images(source: Path, dest: Path) -> None:
+    """Gives another restore the same images (hard links: same tmpfs, no copy), except its own FIFO."""
+    for f in source.iterdir():
+        if f.name != DESCRIPTORS:
+            os.link(f, dest / f.name)
+
+
+async def dump_leave_running(init_pid: int, bundle: Path, freezer: Path, images: Path, work: Path) -> None:
+    """Dumps the container's whole process tree into `images` (made by make_images_dir); the container keeps
+    running (or stays frozen if it was)."""
+    config = json.loads((bundle / "config.json").read_text())
     work.mkdir(mode=0o700, parents=True, exist_ok=True)
-    (images / "descriptors.json").write_text(json.dumps(INIT_STDIO))
     proc = await asyncio.create_subprocess_exec(
         *dump_argv(init_pid, config, freezer, images, work), stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)

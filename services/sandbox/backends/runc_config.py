@@ -34,7 +34,7 @@ _DEV_LINKS = {"ptmx": "pts/ptmx", "fd": "/proc/self/fd", "stdin": "/proc/self/fd
 # down. runc runs createRuntime hooks once CRIU has made the namespaces and before any task is restored (the
 # state on stdin carries the new init's host pid): loopback is up before the tenant's code runs again. The
 # tenant holds no CAP_NET_ADMIN, so "loopback up" is the whole state its network namespace can have.
-_LOOPBACK_UP = r'read -r s; p=${s#*\"pid\":}; exec nsenter -t "${p%%[!0-9]*}" -n ip link set lo up'
+_LOOPBACK_UP = r'read -r s; p=${s#*\"pid\":}; exec /usr/bin/nsenter -t "${p%%[!0-9]*}" -n /usr/sbin/ip link set lo up'
 LOOPBACK_UP_HOOK = {"path": "/bin/sh", "args": ["sh", "-c", _LOOPBACK_UP], "timeout": 10}
 
 
