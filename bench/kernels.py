@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         result["fla"] = import_module("fla").__version__
-    except Exception:  # noqa: BLE001
-        result["fla"] = None
+    except Exception:  # noqa: BLE001 - kept rows keep the fla version of the run that measured them
+        result["fla"] = (previous or {}).get("fla")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

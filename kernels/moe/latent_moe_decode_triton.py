@@ -46,11 +46,17 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
-    def _rows_dot(words, scales, rows, row_ok, vec, c0, WORDS: tl.constexpr, BR: tl.constexpr,
-                  BW: tl.constexpr, USE_ASM: tl.constexpr):
-        """sum_c W[rows, c] vec[c] over the 8*BW columns of words c0..c0+BW (a row has WORDS words)."""
+    def _load_tile(words, scales, rows, row_ok, c0, WORDS: tl.constexpr, BW: tl.constexpr):
+        """Words c0..c0+BW of the given rows (a row has WORDS words) and their e8m0 scales."""
+        w = tl.load(words + rows[:, None] * WORDS + (c0 + tl.arange(0, BW))[None, :], mask=row_ok[:, None], other=0)
+        s = tl.load(scales + rows[:, None] * (WORDS // 4) + (c0 // 4 + tl.arange(0, BW // 4))[None, :],
+                    mask=row_ok[:, None], other=0)
+        return w, s
+
+    @triton.jit
+    def _tile_dot(w, s, vec, c0, BR: tl.constexpr, BW: tl.constexpr, USE_ASM: tl.constexpr):
+        """sum_c W[row, c] vec[c] over the 8*BW columns of a tile from `_load_tile`: [BR]."""
         cw = c0 + tl.arange(0, BW)
-        w = tl.load(words + rows[:, None] * WORDS + cw[None, :], mask=row_ok[:, None], other=0)
         w = w.to(tl.uint32, bitcast=True)
         part = tl.zeros([BR, BW], dtype=tl.float32)
         for k in tl.static_range(4):
@@ -58,9 +64,7 @@ if triton is not None:
             part += lo * tl.load(vec + cw * 8 + k).to(tl.float32)[None, :]
             part += hi * tl.load(vec + cw * 8 + k + 4).to(tl.float32)[None, :]
         groups = tl.sum(tl.reshape(part, (BR, BW // 4, 4)), 2)  # 4 words = one 32-element scale group
-        s = tl.load(scales + rows[:, None] * (WORDS // 4) + (c0 // 4 + tl.arange(0, BW // 4))[None, :],
-                    mask=row_ok[:, None], other=0).to(tl.float32)
-        return tl.sum(groups * tl.exp2(s - 113.0), 1)  # 2^(s - 127) times the 2^14 of the fp16 trick
+        return tl.sum(groups * tl.exp2(s.to(tl.float32) - 113.0), 1)  # 2^(s - 127) times the fp16 trick's 2^14
 
     @triton.jit
     def _routes(ids, pair, T, K, BT: tl.constexpr, BK: tl.constexpr):
@@ -75,49 +79,79 @@ if triton is not None:
         return e.to(tl.int64), leader, first, match & (index != first[:, None]), index
 
     @triton.jit
+    def _step(it, rb0, n_rows, ITERS: tl.constexpr, WORDS: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr):
+        """Rows and first word of step `it` of a program's walk over RB row blocks x WORDS // BW column
+        blocks; rows past the matrix or past the last step are masked."""
+        rows = (rb0 + it // (WORDS // BW)) * BR + tl.arange(0, BR)
+        return rows, (rows < n_rows) & (rows * 0 + it < ITERS), (it % (WORDS // BW)) * BW
+
+    @triton.jit
     def _gate_up_kernel(x, ids, wgu, sgu, h, T, K, F, beta1, beta2, L: tl.constexpr, BR: tl.constexpr,
-                        BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
+                        BW: tl.constexpr, RB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                        USE_ASM: tl.constexpr):
         pair = tl.program_id(0)
-        rows = tl.program_id(1) * BR + tl.arange(0, BR)
-        ok = rows < F
+        rb0 = tl.program_id(1) * RB
         e, leader, first, _, _ = _routes(ids, pair, T, K, BT, BK)
+        ITERS = RB * (L // 8 // BW)
         if leader:
             words, scales = wgu + e * (2 * F) * (L // 8), sgu + e * (2 * F) * (L // 32)
             for t in range(T):
                 p = tl.sum(tl.where(tl.arange(0, BT) == t, first, 0))
                 if p < (1 << 30):
+                    # Each step loads the next step's tiles before it computes its own (register double
+                    # buffering), so a program always has a load in flight.
+                    rows, ok, c0 = _step(0, rb0, F, ITERS, L // 8, BR, BW)
+                    wg, sg = _load_tile(words, scales, rows, ok, c0, L // 8, BW)
+                    wu, su = _load_tile(words, scales, rows + F, ok, c0, L // 8, BW)
                     g = tl.zeros([BR], dtype=tl.float32)
                     u = tl.zeros([BR], dtype=tl.float32)
-                    for c0 in range(0, L // 8, BW):
-                        g += _rows_dot(words, scales, rows, ok, x + t * L, c0, L // 8, BR, BW, USE_ASM)
-                        u += _rows_dot(words, scales, rows + F, ok, x + t * L, c0, L // 8, BR, BW, USE_ASM)
-                    tl.store(h + p.to(tl.int64) * F + rows, situ_glu_values(g, u, beta1, beta2),
-                             mask=ok)
+                    for it in range(ITERS):
+                        rows, ok, c0 = _step(it, rb0, F, ITERS, L // 8, BR, BW)
+                        n_rows, n_ok, n_c0 = _step(it + 1, rb0, F, ITERS, L // 8, BR, BW)
+                        wg_next, sg_next = _load_tile(words, scales, n_rows, n_ok, n_c0, L // 8, BW)
+                        wu_next, su_next = _load_tile(words, scales, n_rows + F, n_ok, n_c0, L // 8, BW)
+                        g += _tile_dot(wg, sg, x + t * L, c0, BR, BW, USE_ASM)
+                        u += _tile_dot(wu, su, x + t * L, c0, BR, BW, USE_ASM)
+                        if c0 + BW == L // 8:
+                            tl.store(h + p.to(tl.int64) * F + rows, situ_glu_values(g, u, beta1, beta2), mask=ok)
+                            g = tl.zeros([BR], dtype=tl.float32)
+                            u = tl.zeros([BR], dtype=tl.float32)
+                        wg, sg, wu, su = wg_next, sg_next, wu_next, su_next
 
     @triton.jit
     def _down_kernel(h, ids, weights, wd, sd, partial, T, K, F: tl.constexpr, L, BR: tl.constexpr,
-                     BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
+                     BW: tl.constexpr, RB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     USE_ASM: tl.constexpr):
         pair = tl.program_id(0)
-        rows = tl.program_id(1) * BR + tl.arange(0, BR)
-        ok = rows < L
+        rb0 = tl.program_id(1) * RB
         e, leader, first, dup, index = _routes(ids, pair, T, K, BT, BK)
+        ITERS = RB * (F // 8 // BW)
         if leader:
             words, scales = wd + e * L * (F // 8), sd + e * L * (F // 32)
             routed = (index == first[:, None]) | dup
             p_sum = tl.sum(tl.where(routed, tl.load(weights + index, mask=routed, other=0.0), 0.0), 1)
             # A token that names the expert twice gets the summed weight on its first pair, zero on the rest.
-            tl.store(partial + index.to(tl.int64)[:, :, None] * L + rows[None, None, :], tl.zeros([BT, BK, BR],
-                     dtype=tl.float32), mask=dup[:, :, None] & ok[None, None, :])
+            for rb in range(rb0, rb0 + RB):
+                rows = rb * BR + tl.arange(0, BR)
+                tl.store(partial + index.to(tl.int64)[:, :, None] * L + rows[None, None, :],
+                         tl.zeros([BT, BK, BR], dtype=tl.float32), mask=dup[:, :, None] & (rows < L)[None, None, :])
             for t in range(T):
                 tok = tl.arange(0, BT) == t
                 p = tl.sum(tl.where(tok, first, 0))
                 if p < (1 << 30):
+                    weight = tl.sum(tl.where(tok, p_sum, 0.0))
+                    rows, ok, c0 = _step(0, rb0, L, ITERS, F // 8, BR, BW)
+                    w, s = _load_tile(words, scales, rows, ok, c0, F // 8, BW)
                     acc = tl.zeros([BR], dtype=tl.float32)
-                    for c0 in range(0, F // 8, BW):
-                        acc += _rows_dot(words, scales, rows, ok, h + p.to(tl.int64) * F, c0, F // 8, BR, BW,
-                                         USE_ASM)
-                    tl.store(partial + p.to(tl.int64) * L + rows, tl.sum(tl.where(tok, p_sum, 0.0)) * acc,
-                             mask=ok)
+                    for it in range(ITERS):
+                        rows, ok, c0 = _step(it, rb0, L, ITERS, F // 8, BR, BW)
+                        n_rows, n_ok, n_c0 = _step(it + 1, rb0, L, ITERS, F // 8, BR, BW)
+                        w_next, s_next = _load_tile(words, scales, n_rows, n_ok, n_c0, F // 8, BW)
+                        acc += _tile_dot(w, s, h + p.to(tl.int64) * F, c0, BR, BW, USE_ASM)
+                        if c0 + BW == F // 8:
+                            tl.store(partial + p.to(tl.int64) * L + rows, weight * acc, mask=ok)
+                            acc = tl.zeros([BR], dtype=tl.float32)
+                        w, s = w_next, s_next
 
     @triton.jit
     def _sum_pairs_kernel(partial, out, K, L, BK: tl.constexpr, BL: tl.constexpr):
@@ -138,13 +172,13 @@ def latent_moe_decode(
     x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
     gate_up_packed: torch.Tensor, gate_up_scales: torch.Tensor, down_packed: torch.Tensor,
     down_scales: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0, block_rows: int = 16,
-    block_cols: int = 1024, num_warps: int = 4,
+    block_cols: int = 1024, num_warps: int = 4, row_blocks: int = 2,
 ) -> torch.Tensor:
     """u = sum_j p_j E_{id_j}(x) per token (eq.11's routed sum, in the latent width l).
 
     x [T, l]; expert_ids, expert_weights [T, k]; gate_up_* for W_gate;W_up stacked [E, 2F, l] and down_*
     for W_down [E, l, F], both MXFP4-packed. Returns u [T, l] in x's dtype. `block_cols` columns (a
-    multiple of 32) are streamed per step and row.
+    multiple of 32) are streamed per step and row; a program walks `row_blocks` blocks of `block_rows` rows.
     """
     T, L = x.shape
     E, two_f, half_l = gate_up_packed.shape
@@ -164,14 +198,14 @@ def latent_moe_decode(
     ids = expert_ids.contiguous()
     routing = {"BT": next_pow2(T), "BK": next_pow2(K), "USE_ASM": x.is_cuda, "num_warps": num_warps}
     h = torch.empty(T * K, F, dtype=torch.float32, device=x.device)
-    _gate_up_kernel[(T * K, triton.cdiv(F, block_rows))](
+    _gate_up_kernel[(T * K, triton.cdiv(F, block_rows * row_blocks))](
         x, ids, _words(gate_up_packed), gate_up_scales, h, T, K, F, beta1, beta2, L=L, BR=block_rows, BW=bc_up // 8,
-        **routing,
+        RB=row_blocks, **routing,
     )
     partial = torch.empty(T * K, L, dtype=torch.float32, device=x.device)
-    _down_kernel[(T * K, triton.cdiv(L, block_rows))](
+    _down_kernel[(T * K, triton.cdiv(L, block_rows * row_blocks))](
         h, ids, expert_weights.contiguous(), _words(down_packed), down_scales, partial, T, K, F=F, L=L,
-        BR=block_rows, BW=bc_down // 8, **routing,
+        BR=block_rows, BW=bc_down // 8, RB=row_blocks, **routing,
     )
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     _sum_pairs_kernel[(T, triton.cdiv(L, 1024))](partial, out, K, L, BK=next_pow2(K), BL=1024)

@@ -14,11 +14,11 @@ def latent_moe_decode(
     x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
     gate_up_packed: torch.Tensor, gate_up_scales: torch.Tensor, down_packed: torch.Tensor,
     down_scales: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0, block_rows: int = 16,
-    block_cols: int = 1024, num_warps: int = 4,
+    block_cols: int = 1024, num_warps: int = 4, row_blocks: int = 2,
 ) -> torch.Tensor:
     """Reference of kernels.moe.latent_moe_decode_triton.latent_moe_decode (tuning ignored): dequantise
     each selected expert, gate/up matvec, SiTU-GLU, down matvec, weighted sum; float32 throughout."""
-    del block_rows, block_cols, num_warps
+    del block_rows, block_cols, num_warps, row_blocks
     out = torch.zeros(x.shape, dtype=F32, device=x.device)
     F = gate_up_packed.shape[1] // 2
     for t in range(x.shape[0]):

@@ -34,7 +34,8 @@ def mla_bytes(batch: int, ctx: int) -> float:
 
 
 # Tuning arguments of mla_decode_paged; unnamed ones take their defaults.
-VARIANTS: tuple[dict, ...] = ({}, {"page_tiles": False}, {"num_splits": 32})
+# The second is the previous kernel's configuration (per-row page gathers, 32-row tiles, 3 stages).
+VARIANTS: tuple[dict, ...] = ({}, {"page_tiles": False, "block_n": 32, "num_stages": 3})
 
 
 def _name(v: dict) -> str:

@@ -11,7 +11,7 @@ from kernels.moe import latent_moe_decode_triton, naive
 from kernels.perf.harness import Row, rel_err, time_ms
 
 E, L, F, TOP_K = 256, 2048, 1024, 16
-VARIANTS = ((16, 512, 4), (32, 1024, 8))  # rows, cols, warps
+VARIANTS = ((16, 1024, 4, 2),)  # rows, cols, warps, row blocks per program
 
 
 def _experts(dev: str = "cuda"):
@@ -52,12 +52,12 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), variants: tuple = VARIANTS) 
             ids[1, 0] = ids[0, 0]
         ref = naive.latent_moe_decode(x, ids, weights, *packs)
         shape = f"T={T},E={E},k={TOP_K},l={L},F={F},mxfp4"
-        for br, bc, nw in variants:
-            tuning = {"block_rows": br, "block_cols": bc, "num_warps": nw}
+        for br, bc, nw, rb in variants:
+            tuning = {"block_rows": br, "block_cols": bc, "num_warps": nw, "row_blocks": rb}
             err = rel_err(latent_moe_decode_triton.latent_moe_decode(x, ids, weights, *packs, **tuning), ref)
             ms, how = time_ms(partial(latent_moe_decode_triton.latent_moe_decode, x, ids, weights, *packs,
                                       **tuning))
-            rows.append(Row("latent_moe_decode", shape, f"ours(rows={br},cols={bc},w={nw})", ms, expert_bytes(ids),
+            rows.append(Row("latent_moe_decode", shape, f"ours(rows={br}x{rb},cols={bc},w={nw})", ms, expert_bytes(ids),
                             note=how, extra={"rel_err_vs_reference": err}))
         ms, how = time_ms(partial(_torch_peer, x, ids, weights, packs), inner=5, reps=10)
         rows.append(Row("latent_moe_decode", shape, "torch dequantize+bmm", ms, expert_bytes(ids), note=how))

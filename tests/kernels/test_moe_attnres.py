@@ -42,7 +42,8 @@ def test_triton_moe_decode_matches_reference(interpreted):
     case = _moe_case(1)
     shared = set(case[1][0].tolist()) & set(case[1][1].tolist())
     assert len(shared) >= 2
-    out = latent_moe_decode_triton.latent_moe_decode(*case, block_cols=32, block_rows=16)  # 2 column blocks
+    # 2 column blocks per row, 2 row blocks per program: the double-buffered walk crosses both.
+    out = latent_moe_decode_triton.latent_moe_decode(*case, block_cols=32, block_rows=8, row_blocks=2)
     torch.testing.assert_close(out, moe_naive.latent_moe_decode(*case), rtol=1e-5, atol=1e-5)
 
 
@@ -77,14 +78,17 @@ def _attnres_case(seed: int, dtype: torch.dtype):
     return blocks, queries[2], key_w[2], stats, partial, torch.rand(48, generator=gen) + 0.5
 
 
-@pytest.mark.parametrize(("rows_shape", "with_norm_w", "block_rows"), [((5,), True, 2), ((2, 3), False, 4)])
-def test_triton_attnres_inter_matches_reference(interpreted, rows_shape, with_norm_w, block_rows):
-    """Phase 1 for all sites at once: max, denominator and accumulator as k3core's batched reference."""
+@pytest.mark.parametrize(("rows_shape", "with_norm_w", "block_rows", "chunks"),
+                         [((5,), True, 2, (2, 3)), ((2, 3), False, 4, None)])
+def test_triton_attnres_inter_matches_reference(interpreted, rows_shape, with_norm_w, block_rows, chunks):
+    """Phase 1 for all sites at once: max, denominator and accumulator as k3core's batched reference (with
+    the D axis cut into chunks: partial scores added up, accumulators written chunk by chunk)."""
     gen = torch.Generator().manual_seed(7)
     blocks = torch.randn(3, *rows_shape, 40, generator=gen).bfloat16()
     queries = torch.randn(4, 40, generator=gen)
     norm_w = torch.rand(4, 40, generator=gen) + 0.5 if with_norm_w else None
-    ours = inter_triton.attnres_inter(queries, blocks, norm_w, block_d=16, block_rows=block_rows)
+    ours = inter_triton.attnres_inter(queries, blocks, norm_w, block_d=16, score_rows=block_rows,
+                                      chunks=chunks)
     ref = attnres_naive.attnres_inter(queries, blocks, norm_w)
     for a, b in ((ours.max, ref.max), (ours.denom, ref.denom), (ours.acc, ref.acc)):
         assert a.shape == b.shape and a.dtype == torch.float32
