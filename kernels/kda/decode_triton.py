@@ -288,8 +288,9 @@ def fused_kda_recurrent(
     return out
 
 
-# Decode-step tuning (bench/kernels.py sweeps these): value-column tile streamed per program, warps, stages.
-DECODE_TILE_V, DECODE_WARPS, DECODE_STAGES = 128, 4, 1
+# Decode-step tuning (bench/kernels.py sweeps these): value-column tile streamed per program, warps, stages,
+# streaming cache hints on the state. Measured best on the H200: the whole state per program, 4 warps, hints.
+DECODE_TILE_V, DECODE_WARPS, DECODE_STAGES, DECODE_STREAMING = 128, 4, 1, True
 
 
 def kda_decode_step(
@@ -301,8 +302,8 @@ def kda_decode_step(
 ) -> torch.Tensor:
     """One decode token per sequence: [B, H, D] inputs (beta [B, H]) -> y [B, H, D]; pool updated in place.
 
-    Runs decode_step_triton's kernel: one program per (sequence, head) streaming its state in block_v-column
-    tiles (default DECODE_TILE_V)."""
+    Runs decode_step_triton's kernel: one program per (sequence, head) walking its state in block_v-column
+    tiles (default DECODE_TILE_V: the whole state, measured fastest)."""
     from kernels.kda.decode_step_triton import kda_decode_tiled  # it imports this module's helpers
 
     tokens = [t.unsqueeze(1) for t in (q, k, v, z, beta, gate)]
@@ -313,4 +314,4 @@ def kda_decode_step(
     q, k, v, z, beta, gate = (t.contiguous() for t in (q, k, v, z, beta, gate))
     return kda_decode_tiled(q, k, v, z, beta, gate, conv_weight.contiguous(), A_log, dt_bias.contiguous(),
                             norm_weight, state_pool, conv_pool, slots, lower_bound, scale, l2_eps, norm_eps,
-                            tile_v, num_warps, DECODE_STAGES)
+                            tile_v, num_warps, DECODE_STAGES, DECODE_STREAMING)

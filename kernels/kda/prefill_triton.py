@@ -159,7 +159,7 @@ def kda_prefill_block(
     initial_conv: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
     norm_eps: float = 1e-6, block_v: int | None = None, fuse_output: bool | None = None,
-    num_warps: int = 8, recurrence_warps: int = 4, stages: int | None = None,
+    num_warps: int = 8, recurrence_warps: int = 4, stages: int | None = None, plain_2d: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
@@ -198,7 +198,8 @@ def kda_prefill_block(
         _kda_chunk_prologue_kernel[(n_chunks, H)](
             q, k, v, z, beta, conv_weight.contiguous(), A_log, dt_bias.contiguous(), conv, cu, chunk_seq,
             chunk_start, *work, aqk, gc, scale, lower_bound, l2_eps,
-            H=H, D=D, W=W, C=CHUNK, BC=SUB, HAS_CONV=initial_conv is not None, num_warps=num_warps,
+            H=H, D=D, W=W, C=CHUNK, BC=SUB, HAS_CONV=initial_conv is not None, PLAIN_2D=plain_2d,
+            num_warps=num_warps,
         )
     fuse = N * H >= 2 * _sm_count(dev) if fuse_output is None else fuse_output
     block_v = D if fuse else (block_v or min(64, D))

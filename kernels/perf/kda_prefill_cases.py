@@ -9,6 +9,8 @@ sequences), for ours and for the peer.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import traceback
 from functools import partial
@@ -36,6 +38,15 @@ VARIANTS = (
     ("split bv=32", {"fuse_output": False, "block_v": 32}),
     ("fused w8", {"fuse_output": True, "recurrence_warps": 8}),
 )
+
+
+def selected_variants(variants=VARIANTS) -> tuple[tuple[str, dict], ...]:
+    """The variants to time: KDA_PREFILL_VARIANTS (comma-separated labels) picks some, KDA_PREFILL_TUNING
+    (a JSON object of kda_prefill_block arguments) is added to every one, e.g. '{"plain_2d": true}'."""
+    base = json.loads(os.environ.get("KDA_PREFILL_TUNING") or "{}")
+    names = os.environ.get("KDA_PREFILL_VARIANTS")
+    picked = [v for v in variants if names is None or v[0] in names.split(",")]
+    return tuple((name + (f" {base}" if base else ""), {**base, **tuning}) for name, tuning in picked)
 
 
 def _params(heads: int, dev: str):
@@ -146,8 +157,9 @@ def _measure(label: str, impl: str, fn, nbytes: float, extra: dict) -> Row:
     return row
 
 
-def prefill_rows(shapes=SHAPES, variants=VARIANTS) -> list[Row]:
+def prefill_rows(shapes=SHAPES, variants=None) -> list[Row]:
     """Ours (every variant) at every shape first, then the peer: a failing peer cannot hide our numbers."""
+    variants = selected_variants() if variants is None else variants
     rows: list[Row] = []
     with torch.inference_mode():
         for label, batch, length, heads, lengths in shapes:

@@ -42,15 +42,18 @@ def test_reference_prefill_matches_float64_token_by_token():
         torch.testing.assert_close(final_conv[n].double(), conv, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("fuse_output", "block_v"), [(False, 16), (True, None)])
-def test_triton_prefill_matches_reference(interpreted, fuse_output, block_v):
-    """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states."""
+@pytest.mark.parametrize(("fuse_output", "block_v", "plain_2d"), [(False, 16, False), (True, None, False),
+                                                                   (False, 16, True)])
+def test_triton_prefill_matches_reference(interpreted, fuse_output, block_v, plain_2d):
+    """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states; both forms of
+    the chunk prologue."""
     gen = torch.Generator().manual_seed(12)
     params = CASE.params(gen)
     states, convs = CASE.pools(gen)
     x = CASE.tokens(gen, 2, 70)
     kwargs = {"initial_state": states[:2], "initial_conv": convs[:2]}
-    got = prefill_triton.kda_prefill_block(*x, *params, **kwargs, fuse_output=fuse_output, block_v=block_v)
+    got = prefill_triton.kda_prefill_block(*x, *params, **kwargs, fuse_output=fuse_output, block_v=block_v,
+                                           plain_2d=plain_2d)
     _close(got, naive.kda_prefill_block(*x, *params, **kwargs))
 
 
@@ -69,7 +72,8 @@ def test_triton_prefill_varlen_with_an_empty_sequence(interpreted):
     assert torch.equal(state[1], states[1]) and torch.equal(conv[1], convs[1])
 
 
-def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted):
+@pytest.mark.parametrize("plain_2d", [False, True])
+def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted, plain_2d):
     """g = -5 on every channel: decay ratios span e^(+-80) inside a 16-token sub-block and must not
     overflow; no initial state or conv (zeros)."""
     gen = torch.Generator().manual_seed(14)
@@ -77,7 +81,8 @@ def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted):
     A_log = torch.full((CASE.heads,), 3.0)
     q, k, v, z, beta, gate = CASE.tokens(gen, 1, 64)
     z = z.abs() + 10.0  # sigmoid(e^3 * (z + b)) == 1 in float32
-    got = prefill_triton.kda_prefill_block(q, k, v, z, beta, gate, conv_w, A_log, dt_bias.abs() + 1, norm_w)
+    got = prefill_triton.kda_prefill_block(q, k, v, z, beta, gate, conv_w, A_log, dt_bias.abs() + 1, norm_w,
+                                           plain_2d=plain_2d)
     want = naive.kda_prefill_block(q, k, v, z, beta, gate, conv_w, A_log, dt_bias.abs() + 1, norm_w)
     assert torch.isfinite(got[0]).all()
     _close(got, want)
