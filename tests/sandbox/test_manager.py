@@ -144,9 +144,9 @@ async def test_a_restarted_manager_reaps_sandboxes_left_by_a_crashed_one(manager
 
 @requires_criu
 async def test_criu_fork_of_a_state_criu_cannot_dump_fails_cleanly(manager, tmp_path):
-    """A TCP connection (here over the sandbox's loopback) is state this CRIU cannot dump on this kernel. The
-    fork fails with CRIU's reason, the parent keeps running, and the copies (whose `runc restore` had already
-    started, waiting for the images) leave no container, mount or cgroup behind."""
+    """An established TCP connection (here over the sandbox's loopback) is state CRIU will not dump without
+    --tcp-established. The fork fails with CRIU's reason, the parent keeps running, and the copies (whose
+    `runc restore` had already started, waiting for the images) leave no container, mount or cgroup behind."""
     sb = await manager.create("base", "t", LimitRequest(), backend="criu")
     hold_connection = ("import socket, time; s = socket.create_server(('127.0.0.1', 0)); "
                        "c = socket.create_connection(s.getsockname()); a = s.accept(); time.sleep(600)")
@@ -161,3 +161,25 @@ async def test_criu_fork_of_a_state_criu_cannot_dump_fails_cleanly(manager, tmp_
     assert [m for m in leaked_mounts(tmp_path) if sb.sandbox_id not in m] == []
     assert sorted(p.name for p in Path(f"/sys/fs/cgroup/memory/{CGROUP_GROUP['criu']}").iterdir()
                   if p.is_dir()) == [sb.sandbox_id]
+
+
+TCP_COUNTER = ("import socket\nn = 0\nserver = socket.create_server(('127.0.0.1', 7000))\nwhile True:\n"
+               "    conn, _ = server.accept()\n    n += 1\n    conn.sendall(str(n).encode())\n    conn.close()\n")
+TCP_BUMP = ["python3", "-c", "import socket, time\nfor _ in range(100):\n    try:\n"
+            "        print(socket.create_connection(('127.0.0.1', 7000)).recv(16).decode())\n        break\n"
+            "    except ConnectionRefusedError:\n        time.sleep(0.05)\n"]  # waits for the server to listen
+
+
+@requires_criu
+async def test_criu_fork_of_a_tcp_server_keeps_serving_in_every_copy(manager):
+    """A listening TCP socket on the sandbox's loopback is forked with its process (this needs CRIU built by
+    .ci/install-sandbox-deps.sh: stock 4.1.1 cannot dump inet sockets on Linux 6.16+) and loopback is up in
+    the copies: each copy's server continues the parent's count on its own."""
+    sb = await manager.create("base", "t", LimitRequest(), backend="criu")
+    await manager.write_file(sb.sandbox_id, "/home/user/tcp_counter.py", TCP_COUNTER.encode(), 0o644)
+    await collect(manager.exec(sb.sandbox_id, ExecSpec(["python3", "/home/user/tcp_counter.py"], background=True)))
+    assert (await collect(manager.exec(sb.sandbox_id, ExecSpec(TCP_BUMP)))).stdout == b"1\n"
+    copies, _ = await manager.fork(sb.sandbox_id, 2)
+    runs = [(c.sandbox_id, await collect(manager.exec(c.sandbox_id, ExecSpec(TCP_BUMP)))) for c in copies]
+    assert [r.stdout for _, r in runs] == [b"2\n", b"2\n"], [r.stderr[-300:] for _, r in runs]
+    assert (await collect(manager.exec(sb.sandbox_id, ExecSpec(TCP_BUMP)))).stdout == b"2\n"
