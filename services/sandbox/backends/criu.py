@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Coroutine
@@ -41,8 +40,10 @@ from services.sandbox.backends.criu_dump import (
 from services.sandbox.backends.criu_options import CriuOptions
 from services.sandbox.backends.launch import background_argv, command_env, frozen, gather_all, require_tools
 from services.sandbox.backends.overlay import OverlayDisk, copy_tree
+from services.sandbox.backends.runc_cli import RuncCli
 from services.sandbox.backends.runc_config import prepare_dev_dir, runc_config
 from services.sandbox.backends.streaming import stream_command
+from services.sandbox.backends.tagged_kill import terminate_tagged
 from services.sandbox.errors import BackendFailure
 from services.sandbox.images import Image
 
@@ -59,9 +60,8 @@ class CriuBackend(SandboxBackend):
 
     def __init__(self, root_dir: Path) -> None:
         self.root_dir = Path(root_dir)
-        self.state_dir = self.root_dir / ".runc"
         self.criu_options = CriuOptions(self.root_dir)
-        self._env = self.criu_options.env(dict(os.environ))
+        self.runc = RuncCli(self.root_dir / ".runc", self.criu_options.env(dict(os.environ)))
 
     @classmethod
     def probe(cls) -> str | None:
@@ -72,30 +72,6 @@ class CriuBackend(SandboxBackend):
         if check.returncode != 0:
             return f"`criu check` fails on this kernel: {(check.stderr or check.stdout).strip()[-300:]}"
         return None
-
-    async def _runc(self, *args: str, log: Path | None = None) -> None:
-        await self._wait_runc(await self._spawn_runc(*args, log=log), args[0], log)
-
-    async def _spawn_runc(self, *args: str, log: Path | None = None) -> asyncio.subprocess.Process:
-        argv = ["runc", "--root", str(self.state_dir)]
-        if log is not None:
-            argv += ["--log", str(log)]
-        # A detached container inherits runc's stdio: a pipe there would never reach EOF (and CRIU cannot
-        # dump a task whose stdio is a host file), so detached commands report through --log only.
-        detached = args[0] in ("run", "restore")
-        return await asyncio.create_subprocess_exec(
-            *argv, *args, env=self._env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL if detached else asyncio.subprocess.PIPE,
-        )
-
-    @staticmethod
-    async def _wait_runc(proc: asyncio.subprocess.Process, command: str, log: Path | None) -> None:
-        _, err = await proc.communicate()
-        if proc.returncode != 0:
-            detail = (err or b"").decode(errors="replace").strip()
-            if log is not None and log.exists():
-                detail += " | " + log.read_text(errors="replace")[-600:]
-            raise BackendFailure(f"runc {command} failed: {detail}")
 
     def _prepare(self, sandbox_id: str, image: Image, limits: Limits, env: dict[str, str]) -> SandboxHandle:
         sb = SandboxHandle(sandbox_id, image, limits, env, self.root_dir / sandbox_id)
@@ -116,12 +92,12 @@ class CriuBackend(SandboxBackend):
         await self._finish_start(sb, await self._spawn_start(sb, *runc_args), runc_args[0])
 
     async def _spawn_start(self, sb: SandboxHandle, *runc_args: str) -> asyncio.subprocess.Process:
-        return await self._spawn_runc(*runc_args, "-d", "--pid-file", str(sb.dir / "init.pid"), "--bundle",
-                                      str(sb.dir), sb.sandbox_id, log=sb.dir / "runc.log")
+        return await self.runc.spawn(*runc_args, "-d", "--pid-file", str(sb.dir / "init.pid"), "--bundle",
+                                     str(sb.dir), sb.sandbox_id, log=sb.dir / "runc.log")
 
     async def _finish_start(self, sb: SandboxHandle, proc: asyncio.subprocess.Process, command: str) -> None:
         try:
-            await self._wait_runc(proc, command, sb.dir / "runc.log")
+            await self.runc.wait(proc, command, sb.dir / "runc.log")
         except BackendFailure as e:
             if command == "restore":
                 raise BackendFailure(f"{e} | criu: {log_errors(sb.dir / 'restore-work' / 'restore.log')}") from e
@@ -141,7 +117,7 @@ class CriuBackend(SandboxBackend):
 
     def exec(self, sb: SandboxHandle, spec: ExecSpec) -> AsyncIterator[ExecChunk]:
         exec_id = os.urandom(8).hex()
-        argv = ["runc", "--root", str(self.state_dir), "exec", "--user", f"{SANDBOX_UID}:{SANDBOX_UID}"]
+        argv = [*self.runc.prefix, "exec", "--user", f"{SANDBOX_UID}:{SANDBOX_UID}"]
         argv += ["--cwd", spec.cwd, "--no-new-privs"]
         for k, v in {**command_env(sb.env, spec.env), EXEC_TAG: exec_id}.items():
             argv += ["--env", f"{k}={v}"]
@@ -150,40 +126,10 @@ class CriuBackend(SandboxBackend):
         argv += [sb.sandbox_id, *inner]
 
         async def terminate() -> None:
-            await self._terminate_exec(sb, exec_id, TERM_GRACE_S)
+            procs = CGROUP_ROOT / "pids" / CGROUP_GROUP / sb.sandbox_id / "cgroup.procs"
+            await terminate_tagged(self, sb, procs, f"{EXEC_TAG}={exec_id}".encode(), TERM_GRACE_S)
 
         return stream_command(argv, spec.stdin, spec.timeout_s, terminate)
-
-    async def _terminate_exec(self, sb: SandboxHandle, exec_id: str, grace_s: float) -> None:
-        """SIGTERM every task of one command, then SIGKILL them with the container frozen: runc gives a
-        command no cgroup of its own, so its tasks are found by the tag in their environment (inherited by
-        every descendant, re-parented or not), and freezing first stops a fork bomb from outrunning the kill."""
-        tag = f"{EXEC_TAG}={exec_id}".encode()
-        _signal_all(self._tagged(sb, tag), signal.SIGTERM)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
-        while self._tagged(sb, tag) and loop.time() < deadline:
-            await asyncio.sleep(0.01)
-        if not self._tagged(sb, tag):
-            return
-        async with frozen(self, sb):
-            _signal_all(self._tagged(sb, tag), signal.SIGKILL)
-
-    @staticmethod
-    def _tagged(sb: SandboxHandle, tag: bytes) -> list[int]:
-        procs = CGROUP_ROOT / "pids" / CGROUP_GROUP / sb.sandbox_id / "cgroup.procs"
-        found = []
-        try:
-            pids = procs.read_text().split()
-        except FileNotFoundError:
-            return []
-        for pid in pids:
-            try:
-                if tag in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                    found.append(int(pid))
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                continue
-        return found
 
     async def _set_frozen(self, sb: SandboxHandle, frozen_: bool) -> None:
         # Writing the v1 freezer directly (as `runc pause` does) avoids a runc process per call: ~0.2 ms.
@@ -214,7 +160,7 @@ class CriuBackend(SandboxBackend):
             await self.pause(sb)
         images = sb.dir / "hibernation"
         shutil.rmtree(images, ignore_errors=True)
-        await self._runc("checkpoint", "--image-path", str(images / "memory"), "--work-path",
+        await self.runc.run("checkpoint", "--image-path", str(images / "memory"), "--work-path",
                          str(images / "work"), sb.sandbox_id)
         os.chmod(images / "memory", 0o700)
         sb.hibernated = True
@@ -319,13 +265,13 @@ class CriuBackend(SandboxBackend):
                 raise r
 
     async def destroy(self, sb: SandboxHandle) -> None:
-        if (self.state_dir / sb.sandbox_id).exists():
+        if (self.runc.state_dir / sb.sandbox_id).exists():
             with contextlib.suppress(BackendFailure):
-                await self._runc("kill", sb.sandbox_id, "KILL")
+                await self.runc.run("kill", sb.sandbox_id, "KILL")
             if sb.paused:  # a frozen task cannot act on SIGKILL until thawed
                 with contextlib.suppress(OSError, BackendFailure):
                     await self._set_frozen(sb, False)
-            await self._runc("delete", "--force", sb.sandbox_id)
+            await self.runc.run("delete", "--force", sb.sandbox_id)
         sb.state["disk"].unmount()
         for controller in ("memory", "cpu", "pids", "freezer", "unified"):
             remove_tree(CGROUP_ROOT / controller / CGROUP_GROUP / sb.sandbox_id)
@@ -353,8 +299,3 @@ class CriuBackend(SandboxBackend):
         except FileNotFoundError:
             return 0
 
-
-def _signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
