@@ -39,6 +39,7 @@ from k3core.cache.manager import PrefixCacheManager
 from k3core.config import K3Config
 from k3core.model import K3Model
 from k3core.presets import preset
+from services.engine import fast_ffn
 from services.engine.model_runner import ModelRunner
 
 
@@ -124,6 +125,7 @@ class Rank:
             logits = self.runner.forward([tokens[start : start + n]], manager.batch_view([rid]))
             manager.forward_done(rid)
             manager.commit_step()
+        self.last_logits = logits[-1]
         return int(logits[-1].argmax()), hit
 
     def fill(self, rids: list[str], context: int) -> None:
@@ -213,7 +215,18 @@ def profile_forward(rank: Rank, batch: int, context: int) -> None:
     fast = rank.fast
     cached = [rank.manager.requests[r] for r in rids]
     inputs = fast.builder.view(torch.from_numpy(fast.builder.build(cached, [1] * batch, batch)).to(fast.device), batch)
+    touched: list[int] = []
+    route = fast_ffn.sigmoid_router
+
+    def counting_router(*a, **k):
+        weights, indices = route(*a, **k)
+        touched.append(int(indices.unique().numel()))
+        return weights, indices
+
+    fast_ffn.sigmoid_router = counting_router  # eager only: count the experts each MoE layer reads
     fast.decoder.forward(inputs)
+    fast_ffn.sigmoid_router = route
+    print(f"experts touched per MoE layer at batch {batch}: {touched}")
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fast.decoder.forward(inputs)
@@ -269,8 +282,12 @@ def hf_peer(ours: K3Model, rank: Rank, args: argparse.Namespace, name: str) -> d
               "loading_info": {k: [str(x) for x in list(v)[:6]] for k, v in info.items() if v}}
     prompt = [(11 * j) % rank.vocab + 1 for j in range(64)]
     with torch.no_grad():
+        hf_logits = peer(torch.tensor([prompt], device=args.device)).logits[0, -1].float()
         hf_tokens = peer.generate(torch.tensor([prompt], device=args.device), max_new_tokens=8, do_sample=False)
     first, _ = rank.prefill("check", prompt)
+    ours_logits = rank.last_logits.float()
+    result["prompt_logits_max_abs_diff"] = float((hf_logits - ours_logits).abs().max())
+    result["prompt_logits_std"] = float(ours_logits.std())
     ours_tokens = [first]
     for _ in range(7):
         ours_tokens += rank.decode(["check"], ours_tokens[-1:])

@@ -5,7 +5,8 @@ Routed experts: pairs are sorted by expert id, the tokens' latent rows gathered 
 `torch._grouped_mm` runs every expert's gate|up and down matmul over its contiguous run of rows (the
 expert weights are stacked once into [E, 2F, l] and [E, l, F]; the modules' weights become views of
 them). Where grouped matmul is not available, the same pairs run as a dense batched matmul over all
-experts (exact too, more FLOPs).
+experts (exact too, more FLOPs): also the choice where nearly every expert is read anyway and the
+extra FLOPs stay under the weight reads (a mid-size batch), because it is a handful of large kernels.
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ class MoeDecode:
         tokens, top_k = indices.shape
         experts = self.w13.shape[0]
         flat = indices.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        # A unique key per pair keeps the order deterministic without a stable (radix) sort: the plain sort
+        # of a few thousand keys is one bitonic pass.
+        keys = flat * flat.numel() + torch.arange(flat.numel(), device=z.device)
+        order = torch.sort(keys).indices
         counts = torch.zeros(experts, dtype=torch.int32, device=z.device)
         counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
@@ -86,13 +90,20 @@ class MoeDecode:
         dense = torch.zeros(z.shape[0], experts, dtype=weights.dtype, device=z.device).scatter_(1, indices, weights)
         return torch.einsum("te,etl->tl", dense, out.to(weights.dtype))
 
+    def _dense(self, tokens: int) -> bool:
+        """Dense over all experts when every expert is likely touched anyway and the extra FLOPs stay under
+        the weight reads (fewer, larger kernels); grouped for few tokens (few experts read) or many tokens."""
+        experts = self.w13.shape[0]
+        return not self.grouped or (tokens * self.moe.top_k >= 2 * experts and tokens <= 128)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
         logits = F.linear(x.float(), self.router)
         weights, indices = sigmoid_router(logits, moe.top_k, moe.gate.e_score_correction_bias, moe.renormalize,
                                           moe.scaling)
         z = moe.routed_expert_down_proj(x) if moe.latent else x
-        routed = (self._routed_grouped if self.grouped else self._routed_dense)(z, weights, indices).to(x.dtype)
+        routed = (self._routed_dense if self._dense(x.shape[0]) else self._routed_grouped)(z, weights, indices)
+        routed = routed.to(x.dtype)
         if moe.latent:
             if moe.routed_expert_norm is not None:
                 routed = rms(moe.routed_expert_norm, routed)

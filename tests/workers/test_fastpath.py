@@ -140,16 +140,19 @@ def test_padded_rows_leave_the_real_rows_alone(nano):
     assert torch.equal(manager.store.data[rest], before[rest])
 
 
-@pytest.mark.parametrize("grouped", [True, False])
-def test_batched_moe_equals_the_reference_moe(nano, grouped):
+@pytest.mark.parametrize(("grouped", "tokens", "dense"), [(True, 3, False), (True, 9, True), (True, 200, False),
+                                                        (False, 3, True)])
+def test_batched_moe_equals_the_reference_moe(nano, grouped, tokens, dense):
     if grouped and not grouped_mm_available(torch.device("cpu"), torch.float32):
         pytest.skip("torch._grouped_mm is not available in this torch build")
     model = copy.deepcopy(nano)
     moe = next(layer.block_sparse_moe for layer in model.model.layers if layer.is_moe)
-    x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = moe(x)
-        got = MoeDecode(moe, model.config, grouped)(x)
+        fast = MoeDecode(moe, model.config, grouped)
+        assert fast._dense(tokens) == dense  # the formulation under test is the one that runs
+        got = fast(x)
         assert torch.equal(moe(x), want)  # the reference still runs on the stacked weights' views
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
