@@ -159,7 +159,7 @@ def kda_prefill_block(
     initial_conv: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
     norm_eps: float = 1e-6, block_v: int | None = None, fuse_output: bool | None = None,
-    num_warps: int = 8, recurrence_warps: int = 4, stages: int | None = None, plain_2d: bool = False,
+    num_warps: int = 4, recurrence_warps: int = 4, stages: int | None = None, plain_2d: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
