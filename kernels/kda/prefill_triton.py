@@ -168,7 +168,9 @@ def kda_prefill_block(
     output inside the recurrence with one program per (sequence, head); otherwise block_v (default 64)
     value columns per recurrence program and a separate output pass. stages: software-pipelining depth of
     the recurrence's chunk loop (default 2; 1 when fused, whose tiles would not fit shared memory twice).
-    cu_seqlens may live on the CPU (no device sync then)."""
+    num_warps: prologue and output kernels (the prologue's reshape form faults at 8 warps with Triton 3.6
+    on the H200; 4 measured good). plain_2d: the prologue's reshape-free form (4x the multiply-adds of the
+    decay products, one dot per substitution step). cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
         return naive.kda_prefill_block(*args, initial_state, initial_conv, cu_seqlens, lower_bound, scale,
