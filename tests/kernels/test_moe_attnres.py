@@ -47,6 +47,13 @@ def test_triton_moe_decode_matches_reference(interpreted):
     torch.testing.assert_close(out, moe_naive.latent_moe_decode(*case), rtol=1e-5, atol=1e-5)
 
 
+def test_triton_moe_decode_single_token(interpreted):
+    """Batch 1 (one-wide token axis in the kernel) against the reference."""
+    x, ids, w, *packs = _moe_case(8)
+    out = latent_moe_decode_triton.latent_moe_decode(x[:1], ids[:1], w[:1], *packs, block_cols=32, block_rows=16)
+    torch.testing.assert_close(out, moe_naive.latent_moe_decode(x[:1], ids[:1], w[:1], *packs), rtol=1e-5, atol=1e-5)
+
+
 def test_triton_moe_decode_token_naming_an_expert_twice(interpreted):
     """A token that names one expert in two slots gets both router weights (as the reference does)."""
     x, ids, w, *packs = _moe_case(6, experts=3)
