@@ -1,6 +1,6 @@
 """Sandbox lifecycle latencies per backend next to AgentENV's published figures, plus idle density.
 
-    sudo python bench/sandbox.py [--iterations 20] [--criu-iterations 8] [--density 40]
+    sudo python bench/sandbox.py [--iterations 20] [--criu-iterations 20] [--density 40] [--backends criu]
 
 Runs the manager in-process (the gRPC service adds one loopback round trip, ~1 ms) on real sandboxes of the
 base image, each holding a small stateful process (a Python counter, ~10 MB). For each backend it times
@@ -203,7 +203,7 @@ async def main_async(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--criu-iterations", type=int, default=8)
+    parser.add_argument("--criu-iterations", type=int, default=20)
     parser.add_argument("--density", type=int, default=40)
     parser.add_argument("--criu-density", type=int, default=10)
     parser.add_argument("--backends", default="", help="comma-separated subset, e.g. criu (default: all)")
