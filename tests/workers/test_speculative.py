@@ -23,7 +23,7 @@ from services.engine.params import GenerationOptions
 from services.engine.request import EngineRequest, StepOutput
 from services.engine.worker import Worker
 from tests.workers.cluster import HASH_BLOCK, OVERRIDES
-from tests.workers.oracle import build_reference
+from tests.workers.oracle import build_reference, offline_generate
 
 PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(20 + 9 * i)] for i in range(3)]
 MAX_TOKENS = 16
@@ -42,14 +42,19 @@ class Sink:
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.reason = 0
+        self.error: Exception | None = None
         self.done = threading.Event()
 
-    def __call__(self, out: StepOutput) -> None:
-        assert out.error is None, out.error
+    def __call__(self, out: StepOutput) -> None:  # on the engine thread: record, never raise there
         self.tokens += out.token_ids
-        if out.finish_reason:
+        self.error = out.error
+        if out.finish_reason or out.error:
             self.reason = out.finish_reason
             self.done.set()
+
+    def wait(self) -> None:
+        assert self.done.wait(120)
+        assert self.error is None, self.error
 
 
 @dataclass
@@ -83,7 +88,8 @@ def run_engine(*flags: str, opts: list[GenerationOptions] | None = None, prompts
         sinks = [Sink() for _ in prompts]
         for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
             engine.submit(EngineRequest(f"r{i}", prompt, opts[i], sink))
-        assert all(s.done.wait(120) for s in sinks)
+        for sink in sinks:
+            sink.wait()
         sequences = [p + s.tokens[:-1] for p, s in zip(prompts, sinks, strict=True)]  # what was computed
         engine.call(lambda manager: None).result(10)  # one loop turn: the finished requests leave the pool
         registrations = engine.call(lambda manager: check_against_offline(manager, sequences)).result(60)
@@ -203,3 +209,37 @@ def test_sampled_requests_are_reproducible_and_cache_only_the_accepted_prefix():
     assert alone.tokens == first.tokens[1:2]
     assert 0 < first.accepted < first.proposed  # partial acceptance: replays of 0 < k < n drafts
     assert all(len(t) == MAX_TOKENS for t in first.tokens)
+
+
+def test_a_verify_window_preempted_by_a_full_pool_resumes_with_exact_greedy_tokens():
+    """7 pages: a long prompt (admitted first, prefilling 48-token chunks) runs out of pages while a short
+    request (admitted second, decoding with verify windows in the remaining budget) holds drafts; the short
+    one is the newest, so it is preempted with its window reserved, re-admitted through the prefix cache,
+    and resumes (its draft cache then has nothing new to catch up). Both still equal offline greedy."""
+    long_prompt, short_prompt = [(3 * j) % 250 + 1 for j in range(300)], [(5 * j) % 250 + 1 for j in range(8)]
+    config = WorkerConfig.load("decode", ["--model-overrides", json.dumps(OVERRIDES), "--hash-block-tokens",
+                                          str(HASH_BLOCK), "--num-pages", "7", "--step-token-budget", "56",
+                                          *SELF_DRAFT, "--num-speculative-tokens", "3"], env={})
+    worker = Worker(config, "decode")
+    engine = worker.start(common_pb2.InstanceId(service="decode"))
+    victims: list[bool] = []
+    preempt = engine.scheduler._preempt
+
+    def observed(req, plan):  # was the victim holding a verify window?
+        victims.append(any(f.rid == req.rid for f in engine.scheduler.verifying))
+        preempt(req, plan)
+
+    engine.scheduler._preempt = observed
+    try:
+        first, second = Sink(), Sink()
+        engine.submit(EngineRequest("long", long_prompt, options(0, max_tokens=8), first))
+        engine.submit(EngineRequest("short", short_prompt, options(1, max_tokens=30), second))
+        first.wait()
+        second.wait()
+        assert True in victims
+        assert first.tokens == offline_generate(reference(), long_prompt, options(0, max_tokens=8))
+        assert second.tokens == offline_generate(reference(), short_prompt, options(1, max_tokens=30))
+        assert engine.call(lambda manager: None).result(10) is None
+        assert engine.pool_usage() == 0.0
+    finally:
+        worker.stop()
