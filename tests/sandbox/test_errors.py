@@ -101,6 +101,8 @@ def test_list_backends_reports_capabilities_and_reasons(client):
     assert backends["namespace"].available and backends["namespace"].is_default
     assert not backends["namespace"].memory_snapshot and not backends["namespace"].live_fork
     assert backends["criu"].memory_snapshot and backends["criu"].live_fork
+    # Full dumps only: CRIU pre-dumps need soft-dirty page tracking, which this kernel lacks.
+    assert not backends["criu"].incremental and backends["firecracker"].incremental
     assert not backends["firecracker"].available and backends["firecracker"].reason
 
 
