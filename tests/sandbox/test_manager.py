@@ -3,6 +3,7 @@ snapshots with retention, snapshots surviving a manager restart, and limit resol
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from services.sandbox.backends.base import ExecSpec, collect
 from services.sandbox.backends.criu import CriuBackend
+from services.sandbox.backends.criu_dump import DESCRIPTORS, make_images_dir
 from services.sandbox.backends.namespace import NamespaceBackend
 from services.sandbox.config import SandboxConfig
 from services.sandbox.errors import BackendFailure, InvalidRequest, NotFound
@@ -183,3 +185,24 @@ async def test_criu_fork_of_a_tcp_server_keeps_serving_in_every_copy(manager):
     runs = [(c.sandbox_id, await collect(manager.exec(c.sandbox_id, ExecSpec(TCP_BUMP)))) for c in copies]
     assert [r.stdout for _, r in runs] == [b"2\n", b"2\n"], [r.stderr[-300:] for _, r in runs]
     assert (await collect(manager.exec(sb.sandbox_id, ExecSpec(TCP_BUMP)))).stdout == b"2\n"
+
+
+@requires_criu
+async def test_reaper_releases_a_restore_left_waiting_by_a_crashed_fork(manager):
+    """A fork's `runc restore` waits on its images' descriptors.json FIFO until the manager feeds it; if the
+    manager died there, the next one's reaper must give it EOF (so runc fails and cleans up) rather than
+    leave it blocked forever. `cat` stands in for runc here: it blocks in open() on the FIFO the same way."""
+    backend = manager.backends["criu"]
+    images = backend.scratch / "fork-sbx-0000000000000000-x" / "images-0"
+    backend.scratch.mkdir(exist_ok=True)
+    make_images_dir(images, descriptors_fifo=True)
+    waiter = subprocess.Popen(["cat", str(images / DESCRIPTORS)], stdout=subprocess.PIPE)
+    try:
+        time.sleep(0.2)
+        assert waiter.poll() is None  # blocked, as runc would be
+        await backend.reap_orphans()
+        assert waiter.wait(timeout=10) == 0 and waiter.stdout.read() == b""
+    finally:
+        waiter.kill()
+        waiter.wait()
+    assert not backend.scratch.exists()

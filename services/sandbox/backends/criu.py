@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -31,11 +32,13 @@ from services.sandbox.backends.base import (
 from services.sandbox.backends.cgroups import CGROUP_ROOT, remove_group, remove_tree
 from services.sandbox.backends.cgroups import probe as probe_cgroups
 from services.sandbox.backends.criu_dump import (
+    DESCRIPTORS,
     dump_leave_running,
     feed_descriptors,
     link_images,
     log_errors,
     make_images_dir,
+    release_orphaned_reader,
 )
 from services.sandbox.backends.criu_options import CriuOptions
 from services.sandbox.backends.launch import background_argv, command_env, frozen, gather_all, require_tools
@@ -51,7 +54,7 @@ CGROUP_GROUP = "k3sandbox-criu"
 EXEC_TAG = "K3_EXEC_ID"
 TERM_GRACE_S = 1.0
 # Fork dumps live only for the call: on a tmpfs they skip the disk filesystem's block allocation.
-SCRATCH_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+SCRATCH_DIR = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
 
 
 class CriuBackend(SandboxBackend):
@@ -61,6 +64,8 @@ class CriuBackend(SandboxBackend):
     def __init__(self, root_dir: Path) -> None:
         self.root_dir = Path(root_dir)
         self.criu_options = CriuOptions(self.root_dir)
+        # This backend's own fork scratch space (one per root dir, so two managers never touch each other's).
+        self.scratch = SCRATCH_DIR / f"k3-criu-{hashlib.sha1(str(self.root_dir).encode()).hexdigest()[:12]}"
         self.runc = RuncCli(self.root_dir / ".runc", self.criu_options.env(dict(os.environ)))
 
     @classmethod
@@ -161,7 +166,7 @@ class CriuBackend(SandboxBackend):
         images = sb.dir / "hibernation"
         shutil.rmtree(images, ignore_errors=True)
         await self.runc.run("checkpoint", "--image-path", str(images / "memory"), "--work-path",
-                         str(images / "work"), sb.sandbox_id)
+                            str(images / "work"), sb.sandbox_id)
         os.chmod(images / "memory", 0o700)
         sb.hibernated = True
 
@@ -215,7 +220,8 @@ class CriuBackend(SandboxBackend):
         for this call), and each copy's disk is seeded straight from the frozen parent's upper layer while
         CRIU dumps, instead of through a staged copy."""
         copies = [self._prepare(i, sb.image, sb.limits, sb.env) for i in sandbox_ids]
-        staging = Path(tempfile.mkdtemp(prefix=f"k3-fork-{sb.sandbox_id}-", dir=SCRATCH_DIR))
+        self.scratch.mkdir(mode=0o700, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"fork-{sb.sandbox_id}-", dir=self.scratch))
         try:
             if sb.hibernated:
                 upper = sb.state["disk"].upper
@@ -279,8 +285,15 @@ class CriuBackend(SandboxBackend):
 
     def release_host_state(self) -> None:
         remove_group(CGROUP_GROUP)
+        with contextlib.suppress(OSError):
+            self.scratch.rmdir()
 
     async def reap_orphans(self) -> list[str]:
+        # A manager that died mid-fork left `runc restore`s blocked on their images' FIFOs: release them
+        # empty, on which they fail and undo their own mounts, before their sandboxes are torn down.
+        for fifo in self.scratch.glob(f"fork-*/images-*/{DESCRIPTORS}"):
+            release_orphaned_reader(fifo)
+        shutil.rmtree(self.scratch, ignore_errors=True)
         reaped = []
         for d in sorted(self.root_dir.glob("sbx-*")):
             sb = SandboxHandle(d.name, None, None, {}, d, paused=True)  # type: ignore[arg-type] - teardown only

@@ -81,6 +81,14 @@ async def feed_descriptors(images: Path, reader: asyncio.subprocess.Process, com
         os.close(fd)
 
 
+def release_orphaned_reader(fifo: Path) -> None:
+    """EOF for a reader blocked on `fifo` whose writer is gone (a manager that died mid-fork)."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass  # no reader (ENXIO) or no FIFO: nothing is waiting
+
+
 def link_images(source: Path, dest: Path) -> None:
     """Gives another restore the same images (hard links: same tmpfs, no copy), except its own FIFO."""
     for f in source.iterdir():
@@ -96,7 +104,11 @@ async def dump_leave_running(init_pid: int, bundle: Path, freezer: Path, images:
     proc = await asyncio.create_subprocess_exec(
         *dump_argv(init_pid, config, freezer, images, work), stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-    _, err = await proc.communicate()
+    try:
+        _, err = await proc.communicate()
+    except asyncio.CancelledError:
+        await proc.wait()  # CRIU holds the tree seized: the caller may thaw it only once CRIU is done
+        raise
     if proc.returncode != 0:
         raise BackendFailure(f"criu dump failed ({proc.returncode}): {err.decode(errors='replace').strip()} | "
                              f"criu: {log_errors(work / LOG)}")
