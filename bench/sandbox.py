@@ -165,6 +165,17 @@ def _cpu_seconds(mgr: SandboxManager, ids: list[str]) -> float:
     return total / 1e6
 
 
+async def _busy_sandboxes(mgr: SandboxManager, count: int, cpu_millis: int) -> list[str]:
+    """Tenants burning CPU (a shell busy loop each, capped at `cpu_millis`): the host a fork competes with."""
+    backend = "namespace" if "namespace" in mgr.backends else next(iter(mgr.backends))
+    ids = []
+    for _ in range(count):
+        sb = await mgr.create("base", "busy", LimitRequest(cpu_millis=cpu_millis), backend=backend)
+        await collect(mgr.exec(sb.sandbox_id, ExecSpec(["sh", "-c", "while :; do :; done"], background=True)))
+        ids.append(sb.sandbox_id)
+    return ids
+
+
 def _row(backend: str, op: str, values: list[float], cpu: list[float]) -> dict:
     p50, p99 = _percentile(values, 0.5), _percentile(values, 0.99)
     peer = AGENTENV_MS.get(op)
@@ -177,6 +188,7 @@ def _row(backend: str, op: str, values: list[float], cpu: list[float]) -> dict:
 
 async def main_async(args: argparse.Namespace) -> dict:
     root = Path(tempfile.mkdtemp(prefix="k3-sandbox-bench-"))
+    load_at_start = os.getloadavg()[0]
     config = SandboxConfig(root_dir=str(root), max_sandboxes_per_tenant=10_000,
                            max_memory_per_tenant_bytes=1 << 50, default_memory_bytes=256 << 20,
                            default_disk_bytes=64 << 20)
@@ -193,9 +205,17 @@ async def main_async(args: argparse.Namespace) -> dict:
             samples = await bench_latency(mgr, name, iterations)
             rows += [_row(name, op, samples[op], samples[op + "_cpu"]) for op in OPS if samples[op]]
             density[name] = await bench_density(mgr, name, args.density if name == "namespace" else args.criu_density)
+        if args.busy and "criu" in backends:  # the CRIU goals again, with tenants saturating the host's cores
+            busy = await _busy_sandboxes(mgr, args.busy, args.busy_cpu_millis)
+            samples = await bench_latency(mgr, "criu", args.criu_iterations)
+            label = f"criu, {args.busy} busy x {args.busy_cpu_millis}m"
+            rows += [_row(label, op, samples[op], samples[op + "_cpu"]) for op in ("snapshot", "restore", "fork")]
+            for s in busy:
+                await mgr.destroy(s)
     finally:
         await mgr.close()
-    return {"machine": f"{platform.node()} {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
+    return {"machine": f"{platform.node()} {os.cpu_count()} CPUs, load {load_at_start:.1f} at start, "
+                       f"{os.getloadavg()[0]:.1f} at end",
             "kernel": platform.release(), "rows": rows, "density": density,
             "agentenv_reference": "K3 report 5.3.2 (Firecracker microVMs, incremental dirty-page snapshots)"}
 
@@ -207,6 +227,9 @@ def main() -> None:
     parser.add_argument("--density", type=int, default=40)
     parser.add_argument("--criu-density", type=int, default=10)
     parser.add_argument("--backends", default="", help="comma-separated subset, e.g. criu (default: all)")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="then rerun the CRIU snapshot/restore/fork timings next to this many CPU-bound sandboxes")
+    parser.add_argument("--busy-cpu-millis", type=int, default=500)
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     print(f"{'backend':<10} {'op':<9} {'n':>3} {'p50 ms':>9} {'p99 ms':>9} {'cpu p50':>8} {'AgentENV ms':>17} "
