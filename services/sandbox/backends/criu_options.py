@@ -7,8 +7,8 @@ after the request, so it overrides the request). Each option below goes where it
 
 * `network-lock skip` (CLI level; in the RPC-level file CRIU 4.1.1 crashes on it, a NULL argv in its
   option parser): the sandbox's network namespace holds only loopback and every task in it is frozen while
-  CRIU dumps it, so nothing can send or receive; the default iptables lock cost 8 `iptables-restore` runs per
-  dump and 4 per restore. The method is recorded in the images, so restore skips the unlock too.
+  CRIU dumps it, so nothing can send or receive; the default iptables lock cost 8 iptables processes per
+  dump and an unlock pass per restore. The method is recorded in the images, so restore skips it too.
 * `manage-cgroups=ignore` (RPC level; runc always asks for `soft`): CRIU neither dumps nor restores cgroup
   properties. runc already puts the restoring CRIU into the new container's cgroups with the bundle's
   limits before CRIU forks anything, so restored tasks land there; dumping the properties meant mounting
