@@ -105,7 +105,8 @@ class Speculator:
         its last token). Replays KDA over them, then rolls each request's cache back to them."""
         windows = [len(f.token_ids) for f in verification.items]
         kept = [counts[f.rid] for f in verification.items]
-        replay_accepted(verification.capture, verification.view.inner, windows, kept)
+        capture = verification.capture
+        replay_accepted(capture.layers, capture.inputs, verification.view.inner, windows, kept)
         for item, count in zip(verification.items, kept, strict=True):
             commit_accepted(self.manager, item.rid, count)
 

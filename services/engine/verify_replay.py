@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
+from k3core.cache.interface import BatchCache
 from k3core.cache.manager import PrefixCacheManager
 from k3core.cache.paged_view import PagedBatchCache
 from k3core.layers.kda import KimiDeltaAttention
@@ -94,32 +95,33 @@ def _padded(packed: torch.Tensor, windows: list[int], heads: int) -> torch.Tenso
 
 
 @torch.no_grad()
-def replay_accepted(capture: ProjectionCapture, view: PagedBatchCache, windows: list[int], counts: list[int]) -> None:
-    """Advance every KDA layer's state pages over the first counts[b] tokens of each window (>= 1: the pending
-    token is always kept). The verify kernel replays the first counts[b] - 1 tokens from their projected
-    inputs and commits the state after the last accepted one."""
+def replay_accepted(layers: list[KimiDeltaAttention], inputs: dict[int, list[torch.Tensor]], view: BatchCache,
+                    windows: list[int], counts: list[int]) -> None:
+    """Advance every KDA layer's state in `view` over the first counts[b] (>= 1) tokens of each window, from
+    the windows' projected inputs (`ProjectionCapture.inputs`, packed in batch order). The verify kernel
+    replays the first counts[b] - 1 tokens and commits the state after the last kept one."""
     batch = len(windows)
     slots = torch.arange(batch)
     last = torch.tensor([c - 1 for c in counts])
-    for layer in capture.layers:
+    for layer in layers:
         heads = layer.heads
-        q, k, v, z, beta = (_padded(t, windows, heads) for t in capture.inputs[layer.kda_index])
-        inputs = (q, k, v, z, beta.squeeze(-1))
-        slots, last = slots.to(inputs[0].device), last.to(inputs[0].device)
-        window = tuple(t[slots, last].unsqueeze(1) for t in inputs)
-        conv, state = view.kda_read(layer.kda_index)  # the state before the window: its writes were dropped
+        q, k, v, z, beta = (_padded(t, windows, heads) for t in inputs[layer.kda_index])
+        projected = (q, k, v, z, beta.squeeze(-1))
+        slots, last = slots.to(q.device), last.to(q.device)
+        window = tuple(t[slots, last].unsqueeze(1) for t in projected)
+        conv, state = view.kda_read(layer.kda_index)  # the state before the window (its writes were dropped)
         conv_weight = torch.stack([c.weight[:, 0, :] for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)])
         dispatch.kda_verify_replay(*window, torch.zeros_like(window[0]), conv_weight, layer.A_log.reshape(heads),
                                    layer.dt_bias, layer.o_norm.weight, state, conv, slots,
-                                   previous_drafts=inputs, n_accepted=last, lower_bound=layer.lower_bound,
+                                   previous_drafts=projected, n_accepted=last, lower_bound=layer.lower_bound,
                                    scale=layer.scale)
         view.kda_write(layer.kda_index, conv, state)
 
 
 def commit_accepted(manager: PrefixCacheManager, rid: str, count: int) -> None:
     """Roll the request back to its first `count` window tokens computed: the drafts after them leave its
-    tokens and chain hashes, and `forward_done` registers
-    the accepted prefix (hash blocks, a KDA checkpoint at a hash boundary) like a non-speculative step."""
+    tokens and chain hashes, and `forward_done` registers the accepted prefix (hash blocks, a KDA checkpoint
+    at a hash boundary) like a non-speculative step."""
     req = manager.requests[rid]
     if not 1 <= count <= req.scheduled:
         raise ValueError(f"request {rid!r}: {count} accepted tokens of a {req.scheduled}-token window")
