@@ -132,12 +132,18 @@ class Rank:
         """Requests at `context` tokens without a forward (pages reserved, marked computed)."""
         manager = self.manager
         for i, rid in enumerate(rids):
-            manager.add_request(rid, [(7919 * i + 31 * j) % self.vocab + 1 for j in range(context)])
-            manager.reserve(rid, context)
+            hit = manager.add_request(rid, [(7919 * i + 31 * j + context) % self.vocab + 1 for j in range(context)])
+            manager.reserve(rid, context - hit)
         manager.pre_forward()
         for rid in rids:
             manager.forward_done(rid)
         manager.commit_step()
+
+    def next_tokens(self, batch: int, step: int) -> list[int]:
+        """The tokens fed back: one pseudo-random id per row and step. (The greedy argmax of random weights
+        is the same token for every row, so every row would route to the same few experts; a trained
+        model's batch spreads over them, which is what the roofline assumes.)"""
+        return [(104729 * (step + 1) + 7919 * row) % self.vocab + 1 for row in range(batch)]
 
     def decode(self, rids: list[str], tokens: list[int]) -> list[int]:
         manager = self.manager
@@ -188,14 +194,13 @@ def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str) -> tu
     """(wall seconds per step, forward seconds per step) of `batch` requests at `context` tokens."""
     rids = [f"{tag}-{batch}-{context}-{i}" for i in range(batch)]
     rank.fill(rids, context)
-    tokens = [(13 * i) % rank.vocab + 1 for i in range(batch)]
-    for _ in range(3):  # captures this bucket's graph, then warm
-        tokens = rank.decode(rids, tokens)
+    for step in range(3):  # captures this bucket's graph, then warm
+        rank.decode(rids, rank.next_tokens(batch, step))
     sync()
     rank.forward_s.clear()
     started = time.perf_counter()
-    for _ in range(steps):
-        tokens = rank.decode(rids, tokens)
+    for step in range(steps):
+        rank.decode(rids, rank.next_tokens(batch, step))  # samples (argmax), feeds the row's next token
     sync()
     wall = (time.perf_counter() - started) / steps
     forward = sorted(rank.forward_s)[len(rank.forward_s) // 2]
@@ -209,12 +214,13 @@ def profile_forward(rank: Rank, batch: int, context: int) -> None:
 
     rids = [f"prof-{i}" for i in range(batch)]
     rank.fill(rids, context)
-    for rid in rids:
-        rank.manager.append_tokens(rid, [1])
+    tokens = rank.next_tokens(batch, 0)
+    for rid, token in zip(rids, tokens, strict=True):
+        rank.manager.append_tokens(rid, [token])
         rank.manager.reserve(rid, 1)
     fast = rank.fast
     cached = [rank.manager.requests[r] for r in rids]
-    inputs = fast.builder.view(torch.from_numpy(fast.builder.build(cached, [1] * batch, batch)).to(fast.device), batch)
+    inputs = fast.builder.view(torch.from_numpy(fast.builder.build(cached, tokens, batch)).to(fast.device), batch)
     touched: list[int] = []
     route = fast_ffn.sigmoid_router
 
@@ -228,7 +234,7 @@ def profile_forward(rank: Rank, batch: int, context: int) -> None:
     fast_ffn.sigmoid_router = route
     print(f"experts touched per MoE layer at batch {batch}: {touched}")
     sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]) as prof:
         fast.decoder.forward(inputs)
         sync()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
@@ -302,9 +308,10 @@ def hf_peer(ours: K3Model, rank: Rank, args: argparse.Namespace, name: str) -> d
             past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
             sync()
             started = time.perf_counter()
-            for _ in range(args.peer_steps):
+            for step in range(args.peer_steps):  # sample (argmax), feed the same tokens our rank gets
                 out = peer(token, past_key_values=past, use_cache=True)
-                past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                past, _ = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                token = torch.tensor(rank.next_tokens(batch, step), device=args.device)[:, None]
             sync()
         peer_s = (time.perf_counter() - started) / args.peer_steps
         ours_s, _ = decode_row(rank, batch, args.peer_context, args.peer_steps, "peer")
