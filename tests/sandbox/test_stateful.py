@@ -104,14 +104,15 @@ def test_criu_memory_state_survives_snapshot_restore_and_fork(client):
     assert info.state == pb.SANDBOX_STATE_PAUSED and info.memory_released
     assert not Path(f"/sys/fs/cgroup/pids/{CGROUP_GROUP['criu']}/{b}").exists()  # no task of it is left
     assert info.memory_bytes < running_bytes
-    # A snapshot of a hibernated sandbox is taken from its images: it stays hibernated, and the snapshot
-    # restores to the same state.
+    # A snapshot or fork of a hibernated sandbox is taken from its images: it stays hibernated, and the
+    # snapshot's restore and the fork's copy continue from its state.
     hib_snap = client.stub.SnapshotSandbox(pb.SnapshotSandboxRequest(sandbox_id=b)).snapshot_id
+    hib_fork = client.track(client.stub.ForkSandbox(pb.ForkSandboxRequest(sandbox_id=b, count=1)).sandboxes)
     assert client.stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=b)).sandbox.memory_released
     from_hib = client.track([client.stub.RestoreSandbox(pb.RestoreSandboxRequest(snapshot_id=hib_snap))
                              .sandbox])[0].sandbox_id
-    assert client.bump(from_hib) == 6
+    assert [client.bump(from_hib), client.bump(hib_fork[0].sandbox_id)] == [6, 6]
     assert client.bump(b) == 6  # exec resumes it: restored from disk, continuing from 5
     assert not client.stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=b)).sandbox.memory_released
-    for copy in (sid, restored, a, b, from_hib):
+    for copy in (sid, restored, a, b, from_hib, hib_fork[0].sandbox_id):
         client.destroy(copy)
