@@ -248,6 +248,39 @@ def profile_forward(rank: Rank, batch: int, context: int) -> None:
     rank.finish(rids)
 
 
+def check_fast_path(rank: Rank, batch: int = 4, prompt_len: int = 96) -> dict:
+    """One decode step through the fast path (graph, kernels) and through the reference layers from the same
+    pool bytes (really prefilled prompts): how far apart the logits and the written KDA states are."""
+    manager, store = rank.manager, rank.manager.store
+    rids = [f"check-{i}" for i in range(batch)]
+    for i, rid in enumerate(rids):
+        rank.prefill(rid, [(17 * i + 5 * j) % rank.vocab + 1 for j in range(prompt_len + 7 * i)])
+    tokens = rank.next_tokens(batch, 0)
+    for rid, token in zip(rids, tokens, strict=True):
+        manager.append_tokens(rid, [token])
+        manager.reserve(rid, 1)
+    manager.pre_forward()
+    cached = [manager.requests[r] for r in rids]
+    state_pages = sorted(p for r in cached for p in r.state_pages)
+    pages = sorted(set(state_pages) | {p for r in cached for b in r.blocks for p in b.pages})
+    before = store.data[pages].clone()
+    fast = rank.fast.forward(cached, tokens).float().clone()
+    fast_states = store.data[state_pages].clone()
+    store.data[pages] = before
+    ref = rank.runner.forward([[t] for t in tokens], manager.batch_view(rids)).float()
+    ref_states = store.data[state_pages]
+    state_err = (fast_states.view(torch.float32) - ref_states.view(torch.float32)).abs().max()
+    result = {"batch": batch, "logits_max_abs_diff": float((fast - ref).abs().max()),
+              "logits_std": float(ref.std()), "argmax_equal": f"{int((fast.argmax(-1) == ref.argmax(-1)).sum())}/{batch}",
+              "kda_state_max_abs_diff": float(state_err), "kda_state_max_abs": float(ref_states.view(torch.float32).abs().max())}
+    for rid in rids:
+        manager.forward_done(rid)
+    manager.commit_step()
+    rank.finish(rids)
+    print(f"fast path vs reference, one step at batch {batch}: {result}")
+    return result
+
+
 def ttft(rank: Rank, prefix: list[int], increment: int) -> dict:
     rank.prefill("warm", [(t * 5) % rank.vocab + 1 for t in prefix[:2048]])  # warm kernels and allocator, no shared prefix
     rank.finish(["warm"])
@@ -339,6 +372,7 @@ def main() -> None:
     parser.add_argument("--num-pages", type=int, default=16000)
     parser.add_argument("--hash-block", type=int, default=512)
     parser.add_argument("--budget", type=int, default=8192, help="prefill tokens per forward")
+    parser.add_argument("--check", action="store_true", help="compare one fast-path step with the reference")
     parser.add_argument("--profile", type=int, default=0, help="print the kernel profile at this batch size")
     parser.add_argument("--time-limit", type=float, default=420.0, help="skip what would start after this")
     parser.add_argument("--out", default="bench/results/serve.json")
@@ -355,6 +389,8 @@ def main() -> None:
     print(f"model {args.model} on {device_name} ({dtype}); copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
           f"fast path {result['fast_path']}, graphs {result['cuda_graphs']}")
     print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'fwd ms':>8} {'tok/s':>9} {'roofline ms':>12} {'of roof':>8}")
+    if args.check and rank.fast is not None:
+        result["fast_path_check"] = check_fast_path(rank)
     if args.profile and rank.fast is not None:
         profile_forward(rank, args.profile, args.contexts[0])
     for context in args.contexts:
