@@ -5,13 +5,20 @@
 Replays a synthetic agentic trace against the scheduler-side cache manager (metadata only: page ids and
 chain hashes, no tensors) at K3 / TP8 shapes, for two configurations at the same GPU pool bytes:
 
-- fine (this cache): 512-token hash blocks inside the physical blocks the sizing function picks (1024
-  tokens at K3 TP8); KDA checkpoints at the end of each forward, superseded ones reclaimed, turn boundaries
-  kept, checkpoints capped at a quarter of the pool.
+- fine (this cache): 256-token hash blocks inside the physical blocks the sizing function picks (768
+  tokens at K3 TP8, 8 % KDA page padding; the report's 512 gives 1024-token blocks and 31 % padding, also
+  replayed); KDA checkpoints at the end of each forward, superseded ones reclaimed, turn boundaries kept,
+  a waypoint checkpoint every 64K prefilled tokens, checkpoints capped at a quarter of the pool, and the
+  cost-aware eviction order of `k3core.cache.retention`.
 - block grid (the peer, modelled on vLLM's hybrid "align" prefix caching): hash block = physical block =
   1536 tokens (what the same sizing gives at that grid); a recurrent state is cached at every block-aligned
   forward end (prefill chunks snapped to the grid, every block crossed in decode) and kept until LRU
-  eviction, with no supersession and no cap.
+  eviction (one LRU over all entries, tail blocks of a finished request first), with no supersession and
+  no cap.
+
+Memory: both get the same pool bytes, and everything either caches lives in pool pages (MLA blocks,
+checkpoints, private states, with their padding), so the comparison is at equal memory by construction;
+the table reports the average split of the pool at turn starts.
 
 Trace: sessions run `--concurrent` at a time (a new one starts when one ends); each has a shared system
 prompt, a first prompt of 10K-300K tokens (log-uniform), and 10-40 turns; each turn decodes 200-1500
@@ -19,8 +26,8 @@ tokens and appends a tool result so that the context grows 1-4K tokens per turn,
 one at a time (prefill in 8K chunks snapped to the hash grid, decode in hash-block segments, which
 changes no cache state compared to token-by-token decode).
 
-A second part times the scheduler-side cache operations of one decode step (append tokens, reserve,
-forward_done for each request, one commit) with 256 running requests, against a 1 ms/step budget.
+A second part times the scheduler-side cache operations per decode step with 256 running requests
+(`bench/cache_ops.py`), against a 1 ms/step budget.
 """
 
 from __future__ import annotations
@@ -30,16 +37,19 @@ import json
 import math
 import random
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from bench.cache_ops import measure
 from k3core.cache.checkpoints import CheckpointPolicy
 from k3core.cache.cpu_tier import CpuTier
 from k3core.cache.layout import PoolLayout, plan_layout, shape_from_config
 from k3core.cache.manager import PrefixCacheManager
 from k3core.cache.metrics import CacheMetrics
+from k3core.cache.pool import PageKind
 from k3core.presets import preset
 
 RESULTS = Path(__file__).resolve().parent / "results" / "prefix_cache.json"
@@ -95,9 +105,11 @@ class Scheme:
 
 
 # Agentic turns extend the previous turn's output, so the prompt-end checkpoint is not kept here.
-FINE = Scheme("fine (this cache)", 512, CheckpointPolicy(max_pool_fraction=0.25, keep_prompt_end=False))
+FINE = Scheme("fine (this cache)", 256, CheckpointPolicy(max_pool_fraction=0.25, keep_prompt_end=False))
+FINE_512 = Scheme("fine, 512-token hash blocks", 512, FINE.policy)
 GRID = Scheme("block grid 1536 (vLLM-align-like)", 1536,
-              CheckpointPolicy(supersede=False, keep_prompt_end=False, max_pool_fraction=1.0, eviction="lru"))
+              CheckpointPolicy(supersede=False, keep_prompt_end=False, max_pool_fraction=1.0, eviction="lru",
+                               waypoint_tokens=0))
 
 
 def _forward(manager: PrefixCacheManager, rid: str, tokens: int) -> None:
@@ -137,6 +149,7 @@ def replay(scheme: Scheme, pool_gib: float, sessions: list[Session], concurrent:
     waiting = list(sessions)
     active: list[tuple[Session, int, int]] = []  # (session, next turn, context length)
     prompt_tokens = reused = turns = peak_checkpoint_pages = 0
+    split = {"mla": 0, "checkpoint": 0, "free": 0}  # pool pages at turn starts, summed over turns
     start = time.perf_counter()
     while waiting or active:
         while waiting and len(active) < concurrent:
@@ -145,6 +158,9 @@ def replay(scheme: Scheme, pool_gib: float, sessions: list[Session], concurrent:
         i = rng.randrange(len(active))
         session, turn, context = active[i]
         decoded, tool = session.turns[turn] if turn < len(session.turns) else (0, 0)
+        split["mla"] += manager.pool.kind.count(PageKind.MLA)
+        split["checkpoint"] += manager.checkpoints.num_pages  # between turns every KDA page is a checkpoint
+        split["free"] += manager.pool.num_free
         hit = run_turn(manager, session, f"{session.sid}:{turn}", context, max(decoded, 1))
         prompt_tokens += context
         reused += hit
@@ -160,70 +176,106 @@ def replay(scheme: Scheme, pool_gib: float, sessions: list[Session], concurrent:
         "turns": turns, "prompt_tokens": prompt_tokens, "reused_tokens": reused,
         "prefill_tokens_computed": prompt_tokens - reused, "reuse_fraction": reused / prompt_tokens,
         "peak_checkpoint_gib": peak_checkpoint_pages * layout.page_bytes / GIB,
+        "pool_bytes": pages * layout.page_bytes,
+        **{f"avg_{k}_gib": v / turns * layout.page_bytes / GIB for k, v in split.items()},
+        "avg_kda_padding_gib": split["checkpoint"] / turns * layout.kda_padding_bytes / GIB,
         "evictions": manager.pool.evictions, "replay_s": time.perf_counter() - start,
         **{f"cpu_{d}_gib": (registry.get_sample_value("k3_prefix_cache_cpu_tier_bytes_total", {"direction": d})
                             or 0.0) / GIB for d in ("offload", "prefetch")},
     }
 
 
-def time_decode_steps(running: int = 256, steps: int = 2000, context: int = 20_000) -> dict:
-    """Scheduler-side cache work of decode steps with `running` requests (metadata only)."""
-    layout = FINE.layout()
-    hb = layout.hash_block_tokens
-    blocks_each = (context + 37 * running + steps) // layout.tokens_per_block + 2
-    manager = PrefixCacheManager(layout, running * (blocks_each + 2 * layout.num_kda_groups) + 64)
-    # Contexts are staggered so that requests cross hash boundaries (and snapshot) on different steps.
-    sessions = [Session(sid, context + 37 * sid, []) for sid in range(running)]
-    rids = [f"r{s.sid}" for s in sessions]
-    for session, rid in zip(sessions, rids, strict=True):
-        manager.add_request(rid, chain=session.chain(hb, session.first_prompt), num_tokens=session.first_prompt)
-        _forward(manager, rid, session.first_prompt)
-    samples = []
-    for _ in range(steps):
-        begin = time.perf_counter()
-        for session, rid in zip(sessions, rids, strict=True):
-            req = manager.requests[rid]
-            grown = req.num_tokens + 1
-            manager.append_hashes(rid, 1, session.chain(hb, grown)[req.num_tokens // hb :] if grown % hb == 0 else ())
-            manager.reserve(rid, 1)
-            manager.forward_done(rid)
-        manager.commit_step()
-        samples.append(time.perf_counter() - begin)
-    samples.sort()
-    return {"running": running, "steps": steps, "mean_ms": 1e3 * sum(samples) / steps,
-            "p50_ms": 1e3 * samples[steps // 2], "p99_ms": 1e3 * samples[int(steps * 0.99)], "budget_ms": 1.0}
+def recency_ceiling(layout: PoolLayout, pool_gib: float, sessions: list[Session], concurrent: int,
+                    seed: int) -> int:
+    """Reused tokens of an idealised cache on the same trace and pool: a conversation costs exactly its
+    MLA blocks and one checkpoint and nothing else is held (no padding, leftovers or superseded entries), a
+    running turn holds its whole context, and pressure trims the least recently used conversation from its
+    tail block by block (as if it had a checkpoint at every block). It ranks conversations by recency, as
+    any policy must that cannot tell which conversations have ended: the reference for how much of the gap
+    to a goal better eviction could still close on this trace."""
+    per_block, hb, ckpt = layout.tokens_per_block, layout.hash_block_tokens, layout.num_kda_groups
+    capacity = int(pool_gib * GIB // layout.page_bytes)
+    resident: OrderedDict[int, int] = OrderedDict()  # session -> tokens held, least recently used first
+    used = 0  # pages held by `resident`
+    rng = random.Random(seed)
+    waiting, active = list(sessions), []
+    reused = 0
+    while waiting or active:
+        while waiting and len(active) < concurrent:
+            session = waiting.pop(0)
+            active.append((session, 0, session.first_prompt))
+        i = rng.randrange(len(active))
+        session, turn, context = active[i]
+        decoded, tool = session.turns[turn] if turn < len(session.turns) else (0, 0)
+        held = resident.pop(session.sid, 0)
+        used -= -(-held // per_block) + ckpt if held else 0
+        reused += min(held, context - 1) // hb * hb
+        end = context + max(decoded, 1)
+        need = -(-end // per_block) + ckpt
+        while used + need > capacity and resident:
+            sid, tokens = next(iter(resident.items()))
+            pages = -(-tokens // per_block)
+            keep = pages - (used + need - capacity)
+            used -= pages + ckpt
+            if keep > 0:
+                resident[sid] = keep * per_block
+                resident.move_to_end(sid, last=False)
+                used += keep + ckpt
+            else:
+                del resident[sid]
+        resident[session.sid] = end
+        used += need
+        if turn + 1 >= len(session.turns):
+            active.pop(i)
+        else:
+            active[i] = (session, turn + 1, end + tool)
+    return reused
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sessions", type=int, default=200)
     parser.add_argument("--concurrent", type=int, default=16)
-    parser.add_argument("--gib", type=float, nargs="+", default=[16.0], help="GPU pool sizes")
-    parser.add_argument("--cpu-gib", type=float, default=256.0, help="CPU tier for the last pair of rows")
+    parser.add_argument("--gib", type=float, nargs="+", default=[16.0, 32.0], help="GPU pool sizes")
+    parser.add_argument("--cpu-gib", type=float, default=256.0, help="CPU tier of the last rows (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     sessions = make_trace(args.sessions, args.seed)
-    configs = [(gib, 0.0) for gib in args.gib] + [(args.gib[0], args.cpu_gib)]
+    configs = [(gib, 0.0, (FINE, FINE_512, GRID)) for gib in args.gib]
+    if args.cpu_gib:
+        configs.append((args.gib[0], args.cpu_gib, (FINE, GRID)))
     rows = []
-    for gib, cpu_gib in configs:
-        for scheme in (FINE, GRID):
-            rows.append(replay(scheme, gib, sessions, args.concurrent, args.seed, cpu_gib))
     print("| GPU pool GiB | CPU tier GiB | scheme | hash/block tokens | reused tokens | prefill computed | reuse "
-          "| ratio vs grid | peak ckpt GiB | evictions | CPU offload/prefetch GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for fine, grid in zip(rows[::2], rows[1::2], strict=True):
-        for row in (fine, grid):
-            ratio = row["reused_tokens"] / max(grid["reused_tokens"], 1)
-            row["ratio_vs_grid"] = ratio
+          "| ratio vs grid | pool split MLA/ckpt/free GiB (avg) | of which KDA padding GiB | peak ckpt GiB "
+          "| evictions | CPU offload/prefetch GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for gib, cpu_gib, schemes in configs:
+        group = [replay(scheme, gib, sessions, args.concurrent, args.seed, cpu_gib) for scheme in schemes]
+        grid = group[-1]
+        if not cpu_gib:
+            group[0]["recency_ceiling_tokens"] = recency_ceiling(FINE.layout(), gib, sessions, args.concurrent,
+                                                                 args.seed)
+        for row in group:
+            row["ratio_vs_grid"] = ratio = row["reused_tokens"] / max(grid["reused_tokens"], 1)
+            assert row["pool_bytes"] <= gib * GIB  # equal memory: nothing lives outside the pool
             print(f"| {row['pool_gib']:.0f} | {row['cpu_gib']:.0f} | {row['scheme']} "
                   f"| {row['hash_block']}/{row['tokens_per_block']} | {row['reused_tokens']:,} "
                   f"| {row['prefill_tokens_computed']:,} | {row['reuse_fraction']:.1%} | {ratio:.2f}x "
-                  f"| {row['peak_checkpoint_gib']:.1f} | {row['evictions']:,} "
-                  f"| {row['cpu_offload_gib']:.0f}/{row['cpu_prefetch_gib']:.0f} |")
-    timing = time_decode_steps()
-    print(f"\nscheduler-side cache ops per decode step, {timing['running']} running requests: "
-          f"mean {timing['mean_ms']:.3f} ms, p50 {timing['p50_ms']:.3f} ms, p99 {timing['p99_ms']:.3f} ms "
-          f"(budget {timing['budget_ms']} ms: {timing['budget_ms'] / timing['mean_ms']:.1f}x headroom)")
+                  f"| {row['avg_mla_gib']:.1f}/{row['avg_checkpoint_gib']:.1f}/{row['avg_free_gib']:.1f} "
+                  f"| {row['avg_kda_padding_gib']:.2f} | {row['peak_checkpoint_gib']:.1f} | {row['evictions']:,} "
+                  f"| {row['cpu_offload_gib']:.0f}/{row['cpu_prefetch_gib']:.0f} |", flush=True)
+        if "recency_ceiling_tokens" in group[0]:
+            ceiling = group[0]["recency_ceiling_tokens"]
+            print(f"| {gib:.0f} | 0 | idealised recency cache (reference, see recency_ceiling) "
+                  f"| {FINE.hash_block}/{group[0]['tokens_per_block']} | {ceiling:,} | | "
+                  f"{ceiling / group[0]['prompt_tokens']:.1%} | {ceiling / grid['reused_tokens']:.2f}x | | | | | |")
+        rows += group
+    timing = measure()
+    wall, cpu = timing["wall"], timing["cpu"]
+    print(f"\nscheduler-side cache ops per decode step, {timing['running']} running requests, a turn ending every "
+          f"{timing['churn_every']} steps (bench/cache_ops.py has the variants): wall p50 {wall['p50_ms']:.3f} / "
+          f"p99 {wall['p99_ms']:.3f} / mean {wall['mean_ms']:.3f} ms, thread CPU p50 {cpu['p50_ms']:.3f} / p99 "
+          f"{cpu['p99_ms']:.3f} / mean {cpu['mean_ms']:.3f} ms (budget 1 ms: {1 / wall['mean_ms']:.1f}x)")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"trace": vars(args), "replays": rows, "decode_step_timing": timing}, indent=2))
 

@@ -25,6 +25,9 @@ class CheckpointPolicy:
     max_pool_fraction: cap on the pages held by checkpoints; superseded turn boundaries go first, then the
         least recently used.
     keep_prompt_end: keep the checkpoint at the last boundary of the prompt (resampling, retries).
+    waypoint_tokens: during a prefill, keep a checkpoint every this many computed tokens (0: none). A
+        conversation's waypoints are evicted after its turn end, deepest first, so memory pressure trims a
+        long conversation from its tail (its head stays reusable) instead of losing all of it at once.
     eviction: "value" evicts idle entries in the cost-aware order of `k3core.cache.retention` (what no
         checkpoint can use, superseded turn boundaries, then whole conversations least recently used
         first); "lru" keeps one LRU over every entry (a vLLM-style cache).
@@ -35,12 +38,13 @@ class CheckpointPolicy:
     max_pool_fraction: float = 0.25
     keep_prompt_end: bool = True
     eviction: str = "value"
+    waypoint_tokens: int = 65_536
 
     def __post_init__(self) -> None:
         if self.eviction not in ("value", "lru"):
             raise ValueError(f"eviction must be 'value' or 'lru', not {self.eviction!r}")
-        if self.every_hash_blocks < 1 or not 0 <= self.max_pool_fraction <= 1:
-            raise ValueError("every_hash_blocks must be >= 1 and max_pool_fraction in [0, 1]")
+        if self.every_hash_blocks < 1 or not 0 <= self.max_pool_fraction <= 1 or self.waypoint_tokens < 0:
+            raise ValueError("every_hash_blocks must be >= 1, max_pool_fraction in [0, 1], waypoint_tokens >= 0")
 
 
 @dataclass(eq=False)
@@ -57,6 +61,7 @@ class Checkpoint:
     pins: int = 0  # hits being restored from it
     superseded: bool = False  # a later turn of its conversation ended on top of it (evicted early)
     anchored: list[Block] = field(default_factory=list)  # prefix blocks it keeps worth holding (retention)
+    waypoints: list[Checkpoint] = field(default_factory=list)  # a turn end's conversation waypoints
 
     def evict(self) -> None:
         self.on_evict(self)

@@ -62,6 +62,10 @@ class PrefixCacheManager:
         self.snapshots = Snapshots(self)
         self.requests: dict[str, CachedRequest] = {}
         self.integrity_errors = 0
+        # read on every request of every step
+        self._hash_block = layout.hash_block_tokens
+        self._hash_blocks_per_block = layout.hash_blocks_per_block
+        self._tokens_per_block = layout.tokens_per_block
 
     @property
     def step_open(self) -> bool:
@@ -77,7 +81,8 @@ class PrefixCacheManager:
                     num_tokens: int | None = None) -> int:
         """Admit a request: look its prompt up, pin the hit, allocate its private state and queue the copies
         that restore the hit. Returns the number of prompt tokens served from the cache (prefill resumes
-        there). Raises OutOfPages with nothing changed when the pool cannot hold it."""
+        there). Raises OutOfPages with nothing changed when the pool cannot hold it. `chain` may come with
+        `tokens`: hashes computed before the step (`hashing.chain_hashes`), so admission does not hash."""
         if rid in self.requests:
             raise ValueError(f"request {rid!r} already added")
         req = new_request(rid, self.layout.hash_block_tokens, tokens, chain, num_tokens)
@@ -122,12 +127,12 @@ class PrefixCacheManager:
         if num_new_tokens <= 0 or req.num_computed + num_new_tokens > req.num_tokens:
             raise ValueError(f"request {rid!r}: cannot schedule {num_new_tokens} tokens at "
                              f"{req.num_computed}/{req.num_tokens}")
-        lay = self.layout
-        need = -(-(req.num_computed + num_new_tokens) // lay.tokens_per_block) - len(req.blocks)
+        need = -(-(req.num_computed + num_new_tokens) // self._tokens_per_block) - len(req.blocks)
         if need > 0:
-            if need * lay.num_mla_groups > self.pool.num_available:
+            groups = self.layout.num_mla_groups
+            if need * groups > self.pool.num_available:
                 raise OutOfPages(f"request {rid!r} needs {need} more blocks")
-            for pages in self.pool.allocate_sets(PageKind.MLA, lay.num_mla_groups, need):
+            for pages in self.pool.allocate_sets(PageKind.MLA, groups, need):
                 req.blocks.append(Block(len(req.blocks), pages, self.tiering.evict_block))
         req.scheduled = num_new_tokens
 
@@ -146,20 +151,26 @@ class PrefixCacheManager:
         req = self.requests[rid]
         if req.scheduled <= 0:
             raise ValueError(f"request {rid!r} has no reserved tokens")
-        hb, per_block = self.layout.hash_block_tokens, self.layout.hash_blocks_per_block
+        hb = self._hash_block
         start = req.num_computed
-        req.num_computed += req.scheduled
+        end = req.num_computed = start + req.scheduled
         req.scheduled = 0
         self.queue.touched.add(rid)
-        for j in range(start // hb, min(req.num_computed // hb, len(req.chain))):
+        if end // hb > start // hb:  # hash blocks completed (a decode step mostly completes none)
+            self._register(req, start // hb, min(end // hb, len(req.chain)))
+        if end % hb == 0:
+            self.snapshots.take(req)
+
+    def _register(self, req: CachedRequest, first: int, last: int) -> None:
+        """Register the endpoints of hash blocks [first, last) of a request (pending until commit)."""
+        per_block = self._hash_blocks_per_block
+        for j in range(first, last):
             block = req.blocks[j // per_block]
             covered = j % per_block + 1
             block.filled = covered
             self.index.register(req.chain[j], block, covered)
             if self.pool.owner[block.pages[0]] is None:
                 self.retention.adopt(block.pages, block)
-        if req.num_computed % hb == 0:
-            self.snapshots.take(req)
 
     def drop_checkpoint(self, checkpoint: Checkpoint) -> None:
         """Unregister a checkpoint in every group at once and release its pages (no write-back)."""
@@ -184,15 +195,20 @@ class PrefixCacheManager:
 
     def finish(self, rid: str, turn_boundary: bool = True) -> None:
         """Release a finished (or aborted, `turn_boundary=False`) request. Its latest checkpoint is the
-        state at the last hash boundary of the conversation so far: kept for the next turn, and the
-        checkpoint this turn started from is superseded by it."""
+        state at the last hash boundary of the conversation so far: kept for the next turn, together with
+        the conversation's waypoints, and the checkpoint this turn started from is superseded by it."""
         req = self.requests.pop(rid)
         latest = req.latest
         if turn_boundary and latest is not None and self.checkpoints.by_key.get(latest.key) is latest:
             latest.keep = True
-            self.checkpoints.touch(latest)
-            for page in latest.pages:
-                self.pool.touch(page)
+            resident = self.checkpoints.by_key
+            latest.waypoints = [w for w in req.waypoints if w is not latest and resident.get(w.key) is w]
+            # touched after the turn end, the shallowest last: the conversation leaves tail first
+            for checkpoint in [latest, *reversed(latest.waypoints)]:
+                if resident.get(checkpoint.key) is checkpoint:
+                    self.checkpoints.touch(checkpoint)
+                    for page in checkpoint.pages:
+                        self.pool.touch(page)
             started = req.hit_checkpoint
             if started is not None and started is not latest and started.num_tokens < latest.num_tokens:
                 self.retention.supersede(started)

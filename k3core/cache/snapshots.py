@@ -3,7 +3,8 @@
 After a forward that ends on a hash boundary, the request's private KDA state is copied into freshly
 allocated pages (one per KDA group) and registered under the boundary's chain hash; the copy lands with
 the step (`StepQueue.post_ops`) and the checkpoint is matchable only after `commit_step`. A request's
-previous checkpoint is reclaimed when it takes the next one unless it was kept (a turn boundary).
+previous checkpoint is reclaimed when it takes the next one unless it was kept (a turn boundary, the
+prompt's end, or a waypoint of a long prefill).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class Snapshots:
             if checkpoint is None:
                 return
         checkpoint.keep |= end == req.prompt_tokens // hb and m.policy.keep_prompt_end
+        spacing = m.policy.waypoint_tokens
+        if spacing and req.num_computed < req.prompt_tokens:
+            last = req.waypoints[-1].num_tokens if req.waypoints else req.hit_tokens
+            if req.num_computed - last >= spacing and checkpoint not in req.waypoints:
+                checkpoint.keep = True  # a waypoint of a long prefill: evicted after the turn end
+                req.waypoints.append(checkpoint)
         req.latest = checkpoint
         if reclaim and previous is not None:
             self.drop(previous)

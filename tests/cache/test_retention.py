@@ -159,3 +159,32 @@ def test_pressure_takes_recomputed_duplicates_before_an_older_conversation(evict
     for page in filler:
         manager.pool.decref(page)
     manager.pool.check_invariants()
+
+
+def test_waypoints_let_pressure_trim_a_conversation_from_its_tail() -> None:
+    """A long prefill keeps a waypoint checkpoint every 16 tokens. Under pressure the conversation loses
+    its turn end and the blocks past its deepest waypoint first; its next turn still hits there."""
+    policy = CheckpointPolicy(keep_prompt_end=False, waypoint_tokens=16, max_pool_fraction=1.0)
+    manager = PrefixCacheManager(LAYOUT, 40, policy=policy)
+    long = conversation(7, 50)
+    turn(manager, "a", long)  # chunks end at 8, 16 (waypoint), ..., 32 (waypoint), 40, 48: turn end 48
+    kept = sorted(c.num_tokens for c in manager.checkpoints.by_key.values())
+    assert kept == [16, 32, 48]
+    filler = manager.pool.allocate(PageKind.MLA, 0, manager.pool.num_free)
+    while manager.checkpoints.find(chain_hashes(long, 4)[11]) is not None:  # the turn end (48) goes first
+        manager.pool.evict_one()
+    assert sorted(c.num_tokens for c in manager.checkpoints.by_key.values()) == [16, 32]
+    manager.pool.evict_one()  # the block past the deepest waypoint (tokens 36-47) is worthless now
+    for page in filler:
+        manager.pool.decref(page)
+    assert turn(manager, "a2", long + [1, 2, 3]) == 32
+
+
+def test_a_conversations_waypoints_follow_its_turns() -> None:
+    policy = CheckpointPolicy(keep_prompt_end=False, waypoint_tokens=16, max_pool_fraction=1.0)
+    manager = PrefixCacheManager(LAYOUT, 60, policy=policy)
+    tokens = conversation(8, 40)
+    turn(manager, "t0", tokens)
+    assert turn(manager, "t1", tokens + [5] * 6) == 40
+    (end,) = [c for c in manager.checkpoints.by_key.values() if c.num_tokens == 44]
+    assert [w.num_tokens for w in end.waypoints] == [16, 32]  # inherited from the first turn's prefill

@@ -42,7 +42,7 @@ class CacheMachine(RuleBasedStateMachine):
         page = self.layout.page_bytes
         self.manager = PrefixCacheManager(
             self.layout, num_pages=40, device="cpu", debug=True, cpu_tier=CpuTier(24 * page),
-            policy=CheckpointPolicy(max_pool_fraction=0.5))
+            policy=CheckpointPolicy(max_pool_fraction=0.5, waypoint_tokens=8))
         self.oracle = PrefixOracle(self.layout)
         self.tokens: dict[str, list[int]] = {}
         self.next_id = 0
