@@ -59,7 +59,7 @@ class Verification:
     items: list[ForwardItem]
     logits: list[torch.Tensor]  # [window, V] per item
     view: VerifyBatchCache
-    capture: ProjectionCapture
+    inputs: dict[int, list[torch.Tensor]]  # the windows' projected KDA inputs, per KDA layer
 
 
 class Speculator:
@@ -98,15 +98,15 @@ class Speculator:
         tokens = torch.tensor([t for f in items for t in f.token_ids], dtype=torch.long, device=self.device)
         with self.capture.capturing():
             logits = self.target(tokens, view, logits_for="all").float()
-        return Verification(items, list(logits.split([len(f.token_ids) for f in items])), view, self.capture)
+        return Verification(items, list(logits.split([len(f.token_ids) for f in items])), view,
+                            self.capture.inputs)
 
     def commit(self, verification: Verification, counts: dict[str, int]) -> None:
         """counts: rid -> window tokens to keep (the pending token and the drafts the request emitted before
         its last token). Replays KDA over them, then rolls each request's cache back to them."""
         windows = [len(f.token_ids) for f in verification.items]
         kept = [counts[f.rid] for f in verification.items]
-        capture = verification.capture
-        replay_accepted(capture.layers, capture.inputs, verification.view.inner, windows, kept)
+        replay_accepted(self.capture.layers, verification.inputs, verification.view.inner, windows, kept)
         for item, count in zip(verification.items, kept, strict=True):
             commit_accepted(self.manager, item.rid, count)
 

@@ -1,5 +1,5 @@
 """Speculative decoding's pieces alone: the acceptance rule against hand-computed cases and against the
-target's distribution (its guarantee), and the worker flags."""
+target's distribution (its guarantee), the KDA replay against token-by-token decode, and the worker flags."""
 
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ import pytest
 import torch
 
 from k3.v1 import common_pb2
+from k3core.cache.contiguous import ContiguousBatchCache
 from services.engine.acceptance import accept_drafts, draft_token
 from services.engine.config import WorkerConfig
 from services.engine.params import GenerationOptions
 from services.engine.sampler import sampling_probs
+from services.engine.verify_replay import ProjectionCapture, VerifyBatchCache, replay_accepted
+from tests.workers.cluster import OVERRIDES
+from tests.workers.oracle import build_reference
 
 
 def _options(temperature: float, seed: int = 0, top_k: int = 0) -> GenerationOptions:
@@ -74,3 +78,34 @@ def test_draft_flags_are_checked_and_name_the_field():
     assert "draft_model_overrides" in _problems("draft_model", "nano", "draft_model_overrides", "[1]")[0]
     mismatch = _problems("draft_model", "nano", "draft_model_overrides", '{"vocab_size": 512}')
     assert "share the tokenizer" in mismatch[0]
+
+
+@torch.no_grad()
+def test_replaying_a_kept_prefix_gives_the_state_of_decoding_it_token_by_token():
+    """The mechanism alone: a verify forward over two windows with its KDA writes dropped, then the replay of
+    2 and 3 kept tokens from the captured projections; every KDA layer's state and conv window equal those of
+    plain one-token decode of the same tokens, and the kept MLA rows equal that run's rows."""
+    model = build_reference("nano", OVERRIDES)
+    prompts, windows, kept = [[5, 9, 17, 33, 2], [40, 41, 42]], [[7, 8, 9, 10], [11, 12, 13]], [2, 3]
+    spec, plain = ([model.new_sequence_cache() for _ in prompts] for _ in range(2))
+    for caches in (spec, plain):
+        for prompt, cache in zip(prompts, caches, strict=True):
+            model.prefill(torch.tensor(prompt), cache, 0)
+    capture = ProjectionCapture(model)
+    view = VerifyBatchCache(ContiguousBatchCache(spec, [len(w) for w in windows]))
+    with capture.capturing():
+        model(torch.tensor([t for w in windows for t in w]), view, logits_for="all")
+    commit = ContiguousBatchCache(spec, kept)  # the pre-window states: the verify forward wrote none
+    replay_accepted(capture.layers, capture.inputs, commit, [len(w) for w in windows], kept)
+    commit.commit()
+    for window, count, cache in zip(windows, kept, plain, strict=True):
+        for token in window[:count]:
+            model.decode(torch.tensor([token]), [cache])
+    for ours, reference in zip(spec, plain, strict=True):
+        assert ours.length == reference.length
+        torch.testing.assert_close(ours.kda_state, reference.kda_state, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.kda_conv, reference.kda_conv, atol=1e-5, rtol=1e-5)
+        for layer in range(len(model.config.mla_layers)):
+            torch.testing.assert_close(ours.mla_rows(layer, ours.length), reference.mla_rows(layer, ours.length),
+                                       atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(spec[0].kda_state, plain[1].kda_state)  # the states are not trivially equal
