@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -40,6 +41,7 @@ from k3core.config import K3Config
 from k3core.model import K3Model
 from k3core.presets import preset
 from services.engine import fast_ffn
+from services.engine.decode_fastpath import DecodeFastPath
 from services.engine.model_runner import ModelRunner
 
 
@@ -249,8 +251,10 @@ def profile_forward(rank: Rank, batch: int, context: int) -> None:
 
 
 def check_fast_path(rank: Rank, batch: int = 4, prompt_len: int = 96) -> dict:
-    """One decode step through the fast path (graph, kernels) and through the reference layers from the same
-    pool bytes (really prefilled prompts): how far apart the logits and the written KDA states are."""
+    """One decode step through the fast path and through the reference layers from the same pool bytes
+    (really prefilled prompts): logits and written KDA pages apart by how much. Variants localise a gap:
+    the graph as served, eager with side streams, eager on one stream, eager with dense MoE, and eager
+    with the kernels' references (K3_KERNELS_REFERENCE=1)."""
     manager, store = rank.manager, rank.manager.store
     rids = [f"check-{i}" for i in range(batch)]
     for i, rid in enumerate(rids):
@@ -264,20 +268,43 @@ def check_fast_path(rank: Rank, batch: int = 4, prompt_len: int = 96) -> dict:
     state_pages = sorted(p for r in cached for p in r.state_pages)
     pages = sorted(set(state_pages) | {p for r in cached for b in r.blocks for p in b.pages})
     before = store.data[pages].clone()
-    fast = rank.fast.forward(cached, tokens).float().clone()
-    fast_states = store.data[state_pages].clone()
-    store.data[pages] = before
-    ref = rank.runner.forward([[t] for t in tokens], manager.batch_view(rids)).float()
-    ref_states = store.data[state_pages]
-    state_err = (fast_states.view(torch.float32) - ref_states.view(torch.float32)).abs().max()
-    result = {"batch": batch, "logits_max_abs_diff": float((fast - ref).abs().max()),
-              "logits_std": float(ref.std()), "argmax_equal": f"{int((fast.argmax(-1) == ref.argmax(-1)).sum())}/{batch}",
-              "kda_state_max_abs_diff": float(state_err), "kda_state_max_abs": float(ref_states.view(torch.float32).abs().max())}
+
+    def run(forward) -> tuple[torch.Tensor, torch.Tensor]:
+        store.data[pages] = before
+        logits = forward().float().clone()
+        return logits, store.data[state_pages].view(torch.float32).clone()
+
+    eager = DecodeFastPath(rank.runner.model, manager, max_model_len=rank.runner.max_model_len, graphs=False)
+    one_stream = DecodeFastPath(rank.runner.model, manager, max_model_len=rank.runner.max_model_len, graphs=False,
+                                head_streams=0)
+
+    def dense() -> torch.Tensor:
+        for op in one_stream.decoder.ffn:
+            op.grouped = False
+        return one_stream.forward(cached, tokens)
+
+    def references() -> torch.Tensor:
+        os.environ["K3_KERNELS_REFERENCE"] = "1"
+        try:
+            return one_stream.forward(cached, tokens)
+        finally:
+            del os.environ["K3_KERNELS_REFERENCE"]
+
+    variants = {"graph": lambda: rank.fast.forward(cached, tokens), "eager": lambda: eager.forward(cached, tokens),
+                "one_stream": lambda: one_stream.forward(cached, tokens), "dense_moe": dense,
+                "kernel_references": references}
+    outs = {name: run(fn) for name, fn in variants.items()}
+    ref_logits, ref_states = run(lambda: rank.runner.forward([[t] for t in tokens], manager.batch_view(rids)))
+    result = {"batch": batch, "logits_std": float(ref_logits.std()), "state_page_max_abs": float(ref_states.abs().max())}
+    for name, (logits, states) in outs.items():
+        result[name] = {"logits_max_abs_diff": float((logits - ref_logits).abs().max()),
+                        "argmax_equal": f"{int((logits.argmax(-1) == ref_logits.argmax(-1)).sum())}/{batch}",
+                        "state_page_max_abs_diff": float((states - ref_states).abs().max())}
+        print(f"fast path ({name}) vs reference, one step at batch {batch}: {result[name]}")
     for rid in rids:
         manager.forward_done(rid)
     manager.commit_step()
     rank.finish(rids)
-    print(f"fast path vs reference, one step at batch {batch}: {result}")
     return result
 
 
