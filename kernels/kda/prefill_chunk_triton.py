@@ -24,11 +24,12 @@ if triton is not None:
     @triton.jit
     def _conv_swish(x, init_conv, conv_w, stream, n, h, t, bos, valid, offs, HAS_CONV: tl.constexpr,
                     H, D: tl.constexpr, W: tl.constexpr):
-        """Swish(ShortConv) of one stream (0 q, 1 k, 2 v) at tokens t [C] of head h, [C, D] float32.
+        """Swish(ShortConv) of one stream (0 q, 1 k, 2 v) at tokens t [C] of head h, channels offs (of D),
+        as [C, len(offs)] float32.
 
         Inputs before the sequence start `bos` come from the carried conv state [N, 3, H, D, W-1] (zeros
         without one); rows that are not `valid` come out zero."""
-        acc = tl.zeros([t.shape[0], D], dtype=tl.float32)
+        acc = tl.zeros([t.shape[0], offs.shape[0]], dtype=tl.float32)
         for s in tl.static_range(W):
             p = t - s
             inside = valid & (p >= bos)
@@ -51,22 +52,6 @@ if triton is not None:
         return tl.sum(tl.where(tl.arange(0, NB)[:, None, None] == blk, x3, 0.0), axis=0)
 
     @triton.jit
-    def _decay_products_2d(q, k, G, rows, C: tl.constexpr, BC: tl.constexpr):
-        """As _decay_products with 2-D tiles only: each key sub-block is a masked [C, D] tile, so every dot
-        is [C, D] x [D, C] (4x the multiply-adds, no reshapes)."""
-        NB: tl.constexpr = C // BC
-        akk = tl.zeros([C, C], dtype=tl.float32)
-        aqk = tl.zeros([C, C], dtype=tl.float32)
-        for blk in tl.static_range(NB):
-            ref = tl.sum(tl.where(rows[:, None] == blk * BC + BC - 1, G, 0.0), axis=0)
-            row_decay = tl.exp(tl.where(rows[:, None] >= blk * BC, G - ref[None, :], -1e30))
-            in_blk = (rows // BC == blk)[:, None]
-            k_col = tl.trans(tl.where(in_blk, k * tl.exp(tl.where(in_blk, ref[None, :] - G, 0.0)), 0.0))
-            akk += tl.dot(k * row_decay, k_col)
-            aqk += tl.dot(q * row_decay, k_col)
-        return akk, aqk
-
-    @triton.jit
     def _decay_products(q, k, G, rows, C: tl.constexpr, BC: tl.constexpr, D: tl.constexpr):
         """(sum_c k_r k_i e^(G_r - G_i), sum_c q_r k_i e^(G_r - G_i)) for all r, i as [C, C], unmasked
         where i is in a later sub-block than r (those entries are set to zero, not computed)."""
@@ -84,22 +69,6 @@ if triton is not None:
             acc_k = tl.where(slot == blk, part_k[:, None, :], acc_k)
             acc_q = tl.where(slot == blk, part_q[:, None, :], acc_q)
         return tl.reshape(acc_k, [C, C]), tl.reshape(acc_q, [C, C])
-
-    @triton.jit
-    def _unit_lower_inverse_2d(M, rows, C: tl.constexpr, BC: tl.constexpr):
-        """As _unit_lower_inverse with 2-D tiles only: the diagonal blocks' forward substitution runs on
-        the whole block-diagonal [C, C] with one tf32 dot per step (BC - 1 steps)."""
-        cols = tl.arange(0, C)
-        eye = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
-        same = rows[:, None] // BC == cols[None, :] // BC
-        md = tl.where(same, M, 0.0)
-        d_inv = eye
-        for i in tl.static_range(1, BC):
-            d_inv = tl.where((rows % BC == i)[:, None], eye - tl.dot(md, d_inv), d_inv)
-        N = tl.dot(d_inv, tl.where(rows[:, None] // BC > cols[None, :] // BC, M, 0.0))
-        N2 = tl.dot(N, N)
-        N3 = tl.dot(N2, N)
-        return tl.dot(eye - N + N2 - N3, d_inv)
 
     @triton.jit
     def _unit_lower_inverse(M, rows, C: tl.constexpr, BC: tl.constexpr):
@@ -132,10 +101,9 @@ if triton is not None:
         w_out, u_out, qg_out, kg_out, aqk_out, gc_out,
         scale, lower_bound, l2_eps,
         H, D: tl.constexpr, W: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-        HAS_CONV: tl.constexpr, PLAIN_2D: tl.constexpr,
+        HAS_CONV: tl.constexpr,
     ):
-        """Grid (chunks, H). Token-major [T_total, H, *] in and out; gc_out [chunks, H, D]. PLAIN_2D: the
-        reshape-free (more multiply-adds) forms of the decay products and the inverse."""
+        """Grid (chunks, H). Token-major [T_total, H, *] in and out; gc_out [chunks, H, D]."""
         ci = tl.program_id(0)
         h = tl.program_id(1)
         n = tl.load(chunk_seq + ci).to(tl.int64)
@@ -158,20 +126,14 @@ if triton is not None:
         qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=1) + l2_eps)[:, None]
         bt = tl.sigmoid(tl.load(beta + t * H + h, mask=valid, other=0.0).to(tl.float32))
         bt = tl.where(valid, bt, 0.0)
-        if PLAIN_2D:
-            akk, aqk = _decay_products_2d(qt, kt, G, rows, C, BC)
-        else:
-            akk, aqk = _decay_products(qt, kt, G, rows, C, BC, D)
+        akk, aqk = _decay_products(qt, kt, G, rows, C, BC, D)
         cols = tl.arange(0, C)
         aqk = tl.where(cols[None, :] <= rows[:, None], aqk * scale, 0.0)
         tl.store(aqk_out + (t[:, None] * H + h) * C + cols[None, :], aqk.to(aqk_out.dtype.element_ty),
                  mask=io_mask)
         tl.store(qg_out + tok, (qt * tl.exp(G) * scale).to(qg_out.dtype.element_ty), mask=io_mask)
         akk = tl.where(cols[None, :] < rows[:, None], akk * bt[:, None], 0.0)
-        if PLAIN_2D:
-            T = _unit_lower_inverse_2d(akk, rows, C, BC)
-        else:
-            T = _unit_lower_inverse(akk, rows, C, BC)
+        T = _unit_lower_inverse(akk, rows, C, BC)
         tl.store(w_out + tok, tl.dot(T, kt * tl.exp(G) * bt[:, None]).to(w_out.dtype.element_ty), mask=io_mask)
         g_end = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), axis=0)
         tl.store(kg_out + tok, (kt * tl.exp(g_end[None, :] - G)).to(kg_out.dtype.element_ty), mask=io_mask)

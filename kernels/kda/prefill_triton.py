@@ -18,6 +18,7 @@ import torch
 
 from kernels._triton import next_pow2, require, tl, triton
 from kernels.kda import naive
+from kernels.kda.prefill_chunk_kblock_triton import _kda_chunk_prologue_kblock_kernel
 from kernels.kda.prefill_chunk_triton import CHUNK, SUB, _kda_chunk_prologue_kernel
 
 if triton is not None:
@@ -159,7 +160,7 @@ def kda_prefill_block(
     initial_conv: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
     norm_eps: float = 1e-6, block_v: int | None = None, fuse_output: bool | None = None,
-    num_warps: int = 4, recurrence_warps: int = 4, stages: int | None = None, plain_2d: bool = False,
+    num_warps: int = 4, recurrence_warps: int = 4, stages: int | None = None, k_block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
@@ -169,8 +170,9 @@ def kda_prefill_block(
     32 when sequences x heads are few) value columns per recurrence program and a separate output pass. stages: software-pipelining depth of
     the recurrence's chunk loop (default 2; 1 when fused, whose tiles would not fit shared memory twice).
     num_warps: prologue and output kernels (the prologue's reshape form faults at 8 warps with Triton 3.6
-    on the H200; 4 measured good). plain_2d: the prologue's reshape-free form (4x the multiply-adds of the
-    decay products, one dot per substitution step). cu_seqlens may live on the CPU (no device sync then)."""
+    on the H200; 4 measured good). k_block: run the K-blocked prologue (prefill_chunk_kblock_triton.py)
+    with that many key columns per block (a divisor of D, >= 16); default: the full-width prologue.
+    cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
         return naive.kda_prefill_block(*args, initial_state, initial_conv, cu_seqlens, lower_bound, scale,
@@ -197,12 +199,15 @@ def kda_prefill_block(
     scale = D**-0.5 if scale is None else scale
     conv = initial_conv.contiguous() if initial_conv is not None else q
     if n_chunks:
-        _kda_chunk_prologue_kernel[(n_chunks, H)](
-            q, k, v, z, beta, conv_weight.contiguous(), A_log, dt_bias.contiguous(), conv, cu, chunk_seq,
-            chunk_start, *work, aqk, gc, scale, lower_bound, l2_eps,
-            H=H, D=D, W=W, C=CHUNK, BC=SUB, HAS_CONV=initial_conv is not None, PLAIN_2D=plain_2d,
-            num_warps=num_warps,
-        )
+        prologue_args = (q, k, v, z, beta, conv_weight.contiguous(), A_log, dt_bias.contiguous(), conv, cu,
+                         chunk_seq, chunk_start, *work, aqk, gc, scale, lower_bound, l2_eps)
+        shape = {"H": H, "D": D, "W": W, "C": CHUNK, "BC": SUB, "HAS_CONV": initial_conv is not None}
+        if k_block is None or k_block == D:
+            _kda_chunk_prologue_kernel[(n_chunks, H)](*prologue_args, **shape, num_warps=num_warps)
+        else:
+            require(D % k_block == 0 and k_block >= 16, f"k_block must divide {D} and be >= 16, got {k_block}")
+            _kda_chunk_prologue_kblock_kernel[(n_chunks, H)](*prologue_args, **shape, BK=k_block,
+                                                              num_warps=num_warps)
     fuse = N * H >= 2 * _sm_count(dev) if fuse_output is None else fuse_output
     if not block_v:  # 32 columns when 64-column programs would leave most SMs idle (B=1, T=32K: -3 %)
         block_v = min(64 if N * H * (D // 64) >= 2 * _sm_count(dev) else 32, D)

@@ -42,18 +42,19 @@ def test_reference_prefill_matches_float64_token_by_token():
         torch.testing.assert_close(final_conv[n].double(), conv, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("fuse_output", "block_v", "plain_2d"), [(False, 16, False), (True, None, False),
-                                                                   (False, 16, True)])
-def test_triton_prefill_matches_reference(interpreted, fuse_output, block_v, plain_2d):
+@pytest.mark.parametrize(("fuse_output", "block_v", "k_block"), [(False, 16, None), (True, None, None),
+                                                                  (False, 16, 16)])
+def test_triton_prefill_matches_reference(interpreted, fuse_output, block_v, k_block):
     """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states; both forms of
-    the chunk prologue."""
+    the chunk prologue (K-blocked: two 16-column blocks of D = 32)."""
+    case = CASE if k_block is None else KdaCase(heads=2, dim=32)
     gen = torch.Generator().manual_seed(12)
-    params = CASE.params(gen)
-    states, convs = CASE.pools(gen)
-    x = CASE.tokens(gen, 2, 70)
+    params = case.params(gen)
+    states, convs = case.pools(gen)
+    x = case.tokens(gen, 2, 70)
     kwargs = {"initial_state": states[:2], "initial_conv": convs[:2]}
     got = prefill_triton.kda_prefill_block(*x, *params, **kwargs, fuse_output=fuse_output, block_v=block_v,
-                                           plain_2d=plain_2d)
+                                           k_block=k_block)
     _close(got, naive.kda_prefill_block(*x, *params, **kwargs))
 
 
@@ -72,8 +73,8 @@ def test_triton_prefill_varlen_with_an_empty_sequence(interpreted):
     assert torch.equal(state[1], states[1]) and torch.equal(conv[1], convs[1])
 
 
-@pytest.mark.parametrize("plain_2d", [False, True])
-def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted, plain_2d):
+@pytest.mark.parametrize("k_block", [None, 16])
+def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted, k_block):
     """g = -5 on every channel: decay ratios span e^(+-80) inside a 16-token sub-block and must not
     overflow; no initial state or conv (zeros)."""
     gen = torch.Generator().manual_seed(14)
@@ -82,7 +83,7 @@ def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted, pla
     q, k, v, z, beta, gate = CASE.tokens(gen, 1, 64)
     z = z.abs() + 10.0  # sigmoid(e^3 * (z + b)) == 1 in float32
     got = prefill_triton.kda_prefill_block(q, k, v, z, beta, gate, conv_w, A_log, dt_bias.abs() + 1, norm_w,
-                                           plain_2d=plain_2d)
+                                           k_block=k_block)
     want = naive.kda_prefill_block(q, k, v, z, beta, gate, conv_w, A_log, dt_bias.abs() + 1, norm_w)
     assert torch.isfinite(got[0]).all()
     _close(got, want)
