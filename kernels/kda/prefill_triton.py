@@ -159,19 +159,22 @@ def kda_prefill_block(
     norm_weight: torch.Tensor, initial_state: torch.Tensor | None = None,
     initial_conv: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
-    norm_eps: float = 1e-6, block_v: int | None = None, fuse_output: bool | None = None,
+    norm_eps: float = 1e-6, block_v: int | None = None, fuse_output: bool = False,
     num_warps: int = 4, recurrence_warps: int = 4, stages: int | None = None, k_block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
     The softplus gate (lower_bound=None) is unbounded, so the sub-block decay split is not safe for it:
-    that case runs the reference. fuse_output (default: when sequences x heads fill the card) computes the
-    output inside the recurrence with one program per (sequence, head); otherwise block_v (default 64, or
-    32 when sequences x heads are few) value columns per recurrence program and a separate output pass. stages: software-pipelining depth of
-    the recurrence's chunk loop (default 2; 1 when fused, whose tiles would not fit shared memory twice).
-    num_warps: prologue and output kernels (the prologue's reshape form faults at 8 warps with Triton 3.6
-    on the H200; 4 measured good). k_block: run the K-blocked prologue (prefill_chunk_kblock_triton.py)
-    with that many key columns per block (a divisor of D, >= 16); default: the full-width prologue.
+    that case runs the reference. Tuning (H200 measurements in docs/kernels.md):
+    - block_v: value columns per recurrence program (default 64, or 32 when sequences x heads are few).
+    - fuse_output: compute the output inside the recurrence, one program per (sequence, head), instead of
+      a separate output pass (measured 1.5x slower at B=1, T=32K, H=16, so off by default).
+    - stages: software-pipelining depth of the recurrence's chunk loop (default 2; 1 when fused, whose
+      tiles would not fit shared memory twice).
+    - num_warps: prologue and output kernels (the full-width prologue faults at 8 warps with Triton 3.6 on
+      the H200; 4 measured good).
+    - k_block: run the K-blocked prologue (prefill_chunk_kblock_triton.py) with that many key columns per
+      block (a divisor of D, >= 16); default: the full-width prologue (the one timed on the device).
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
@@ -208,7 +211,7 @@ def kda_prefill_block(
             require(D % k_block == 0 and k_block >= 16, f"k_block must divide {D} and be >= 16, got {k_block}")
             _kda_chunk_prologue_kblock_kernel[(n_chunks, H)](*prologue_args, **shape, BK=k_block,
                                                               num_warps=num_warps)
-    fuse = N * H >= 2 * _sm_count(dev) if fuse_output is None else fuse_output
+    fuse = bool(fuse_output)
     if not block_v:  # 32 columns when 64-column programs would leave most SMs idle (B=1, T=32K: -3 %)
         block_v = min(64 if N * H * (D // 64) >= 2 * _sm_count(dev) else 32, D)
     block_v = D if fuse else block_v
