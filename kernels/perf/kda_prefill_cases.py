@@ -36,14 +36,13 @@ SHAPES = (
 # Measured at B=1,T=32K,H=16 (H200): default 7.03 ms (prologue 5.69, recurrence 1.06, output 0.26), split
 # bv=32 6.81 ms, fused w8 10.3 ms. Not yet measured on the device: the K-blocked prologue (ptxas for sm_90a:
 # 16 columns at 4 warps 254 registers and no spills, 32 columns at 8 warps 248 and none, against 255 + ~9 KB
-# of spill stores for the full-width form at 4 warps). 8-warp variants go last: the full-width prologue
-# faulted at 8 warps, and a fault ends the process.
+# of spill stores for the full-width form at 4 warps). No 8-warp prologue here: the full-width one faulted at
+# 8 warps, and a fault ends the process (try KDA_PREFILL_TUNING='{"k_block": 32, "num_warps": 8}' on its own).
 VARIANTS = (
     ("default", {}),
     ("kblock 16", {"k_block": 16}),
     ("split bv=32", {"fuse_output": False, "block_v": 32}),
     ("fused w8", {"fuse_output": True, "recurrence_warps": 8}),
-    ("kblock 32 w8", {"k_block": 32, "num_warps": 8}),
 )
 
 
