@@ -85,8 +85,6 @@ class WorkerConfig(ServiceConfig):
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             return [f"num_speculative_tokens: must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                     f"got {self.num_speculative_tokens}"]
-        if self.tp_size != 1:
-            return [f"draft_model: speculative decoding runs at tp_size 1 only, got tp_size {self.tp_size}"]
         try:
             draft = self.draft_config().model_config()
         except (ValueError, TypeError) as exc:

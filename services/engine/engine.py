@@ -140,8 +140,8 @@ class Engine:
             return
         if self.broadcast is not None:
             self.broadcast(plan)
-        if self.scheduler.verifying:
-            self._verify(proposals)
+        if plan.verify:
+            self._verify(plan, proposals)
         result = self.executor.execute(plan)
         self._after_step(plan, result)
         self._update_gauges()
@@ -176,19 +176,19 @@ class Engine:
                                                                     len(req.output))
             self._accept(req, token)
 
-    def _verify(self, proposals: dict[str, Proposal]) -> None:
+    def _verify(self, plan: StepPlan, proposals: dict[str, Proposal]) -> None:
         """Run the step's verify windows before the executor's forward (its step stays open until then):
         accept, stream, and advance each request's cache over what it kept."""
         assert self.speculator is not None
-        verification = self.speculator.verify(self.scheduler.verifying)
-        kept: dict[str, int] = {}
+        verification = self.speculator.verifier.verify(plan.verify)
+        kept: list[int] = []
         for item, logits in zip(verification.items, verification.logits, strict=True):
             req = self.requests[item.rid]
             proposal = proposals[item.rid]
             tokens = accept_drafts(logits, proposal.tokens, proposal.probs, req.options, len(req.output))
             self.speculator.record(len(proposal.tokens), len(tokens) - 1)
-            kept[item.rid] = self._stream(req, tokens)
-        self.speculator.commit(verification, kept)
+            kept.append(self._stream(req, tokens))
+        self.speculator.verifier.commit(verification, kept)
         for item in verification.items:
             req = self.requests.get(item.rid)
             if req is not None and req.phase is Phase.RUNNING:

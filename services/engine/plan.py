@@ -41,6 +41,8 @@ class StepPlan:
     forward: list[ForwardItem] = field(default_factory=list)
     imports: list[ImportItem] = field(default_factory=list)
     exports: list[ExportItem] = field(default_factory=list)
+    # Speculative decoding: verify windows (pending token + drafts), run before `forward` (engine/speculative.py).
+    verify: list[ForwardItem] = field(default_factory=list)
     shutdown: bool = False
 
     @property

@@ -12,9 +12,10 @@ lookup restores it up to its last hash boundary and only the tail is recomputed.
 "offload through the prefix cache, recompute the tail", never a failure; a request that cannot fit even
 alone is refused with RESOURCE_EXHAUSTED.
 
-Speculative decoding: `offer_drafts` before `schedule` gives a decoding request with drafts a verify window (its pending
-token and the drafts, pages reserved for all of them) in `verifying` instead of a one-token forward; when
-the pool cannot hold the drafts it decodes one token as usual (drafts never preempt anyone).
+Speculative decoding: `offer_drafts` before `schedule` gives a decoding request with drafts a verify window
+(its pending token and the drafts) in `plan.verify` instead of a one-token forward. Its pages are reserved
+for the pending token first, preempting as usual; the drafts then need no further page (a window never
+crosses a hash-block boundary, `Speculator.window`), so every rank replays the same calls.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from collections.abc import Mapping
 from k3core.cache.pool import OutOfPages
 from services.engine.plan import ExportItem, ForwardItem, ImportItem, RecordingManager, StepPlan
 from services.engine.request import EngineRequest, Phase
-from services.engine.verify_replay import truncate_tokens
 
 
 class Scheduler:
@@ -47,8 +47,6 @@ class Scheduler:
         self._leaving: dict[str, bool] = {}
         # Filled by `schedule`: requests that could not be admitted even into an empty pool.
         self.rejected: list[EngineRequest] = []
-        # Filled by `schedule`: verify windows (pending token + drafts) of this step, run by the speculator.
-        self.verifying: list[ForwardItem] = []
         self._drafts: Mapping[str, list[int]] = {}
 
     def add(self, req: EngineRequest) -> None:
@@ -76,13 +74,12 @@ class Scheduler:
 
     def offer_drafts(self, drafts: Mapping[str, list[int]]) -> None:
         """Draft tokens (rid -> drafts) for the next `schedule`: those requests' decode steps become verify
-        windows (`verifying`) where budget and pool allow."""
+        windows (`plan.verify`) where the budget allows."""
         self._drafts = drafts
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self.rejected = []
-        self.verifying = []
         for rid, keep in self._leaving.items():
             self.manager.call("finish", rid, keep)
         self._leaving.clear()
@@ -128,10 +125,6 @@ class Scheduler:
         count = self._chunk(req, budget)
         if count == 0:
             return 0
-        drafts = self._drafts.get(req.rid)
-        if drafts and count == 1 and len(drafts) < budget and self._remaining(req) == 1:
-            if self._reserve_window(req, drafts):
-                return 1 + len(drafts)
         while True:
             try:
                 self.manager.call("reserve", req.rid, count)
@@ -147,22 +140,17 @@ class Scheduler:
         cached = self.manager.manager.requests[req.rid]
         start = cached.num_computed
         sample = start + count == cached.num_tokens
+        drafts = self._drafts.get(req.rid)
+        if drafts and count == 1 and sample and len(drafts) < budget:
+            self.manager.call("append_tokens", req.rid, drafts)
+            self.manager.call("reserve", req.rid, 1 + len(drafts))  # within the pending token's block
+            plan.verify.append(ForwardItem(req.rid, [req.tokens[-1], *drafts], True))
+            return 1 + len(drafts)
         plan.forward.append(ForwardItem(req.rid, req.tokens[start : start + count], sample))
         if sample and req.export is not None and not req.output:
             plan.exports.append(ExportItem(req.rid, req.export.handle_id, req.export.transfer_address,
                                            self.model_name))
         return count
-
-    def _reserve_window(self, req: EngineRequest, drafts: list[int]) -> bool:
-        """Pages for the pending token and the drafts, or False (nothing changed) when the pool is short."""
-        self.manager.call("append_tokens", req.rid, drafts)
-        try:
-            self.manager.call("reserve", req.rid, 1 + len(drafts))
-        except OutOfPages:
-            truncate_tokens(self.manager.manager, req.rid, len(req.tokens))
-            return False
-        self.verifying.append(ForwardItem(req.rid, [req.tokens[-1], *drafts], True))
-        return True
 
     def _admit(self, req: EngineRequest, plan: StepPlan) -> str:
         """"admitted", "wait" (the pool is busy: stay queued), or "rejected" (cannot fit even alone)."""
@@ -210,7 +198,7 @@ class Scheduler:
         self._pool_full = True
         self.running.remove(req)
         plan.forward[:] = [f for f in plan.forward if f.rid != req.rid]
-        self.verifying[:] = [f for f in self.verifying if f.rid != req.rid]
+        plan.verify[:] = [f for f in plan.verify if f.rid != req.rid]
         plan.exports[:] = [e for e in plan.exports if e.rid != req.rid]
         plan.imports[:] = [i for i in plan.imports if i.rid != req.rid]
         self.manager.call("finish", req.rid, True)

@@ -9,27 +9,22 @@ conditions cut the window), and the cache is advanced over the accepted prefix o
 A window never crosses a hash-block boundary (it may end on one): the KDA state at every boundary is then
 a state the step commits, so checkpoints and hash registrations equal those of a non-speculative run (the
 same rule as prefill chunks). A request also gets no more drafts than it may still emit tokens.
+
+Tensor parallelism: the windows travel in the step's plan (`plan.verify`); every rank runs the verify
+forward and replays its own KDA heads (`verify_replay.Verifier`), rank 0 alone runs the draft model and the
+acceptance rule and sends the kept counts to the other ranks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from k3core.cache.manager import PrefixCacheManager
 from services.engine.config import WorkerConfig
 from services.engine.draft_runner import DraftRequest, DraftRunner, Proposal
+from services.engine.executor import Executor
 from services.engine.model_runner import build_model
-from services.engine.plan import ForwardItem
 from services.engine.request import EngineRequest
-from services.engine.verify_replay import (
-    ProjectionCapture,
-    VerifyBatchCache,
-    commit_accepted,
-    replay_accepted,
-)
+from services.engine.verify_replay import Verifier
 
 
 class SpecMetrics:
@@ -52,32 +47,22 @@ class SpecMetrics:
                                          "(accepted drafts + 1)", buckets=tuple(range(1, 18)))
 
 
-@dataclass
-class Verification:
-    """A verify forward whose cache effects wait for the acceptance decision (`Speculator.commit`)."""
-
-    items: list[ForwardItem]
-    logits: list[torch.Tensor]  # [window, V] per item
-    view: VerifyBatchCache
-    inputs: dict[int, list[torch.Tensor]]  # the windows' projected KDA inputs, per KDA layer
-
-
 class Speculator:
-    def __init__(self, draft: DraftRunner, target: torch.nn.Module, manager: PrefixCacheManager,
-                 num_tokens: int, device: str, metrics: SpecMetrics):
+    """Rank 0's side: the draft model, the per-request window rule, the verifier and the metrics."""
+
+    def __init__(self, draft: DraftRunner, verifier: Verifier, num_tokens: int, metrics: SpecMetrics):
         self.draft = draft
-        self.target = target
-        self.manager = manager
+        self.verifier = verifier
+        self.manager = verifier.manager
         self.num_tokens = num_tokens
-        self.device = torch.device(device)
         self.metrics = metrics
-        self.capture = ProjectionCapture(target)
         self.proposed = 0  # totals since start (also exported as metrics)
         self.accepted = 0
         self.verifies = 0
 
     def window(self, req: EngineRequest) -> int:
-        """Drafts this request may get now: capped by the next hash boundary and by its max_tokens."""
+        """Drafts this request may get now: capped by the next hash boundary (so the window needs no page
+        beyond the pending token's, and every boundary state is one a step commits) and by max_tokens."""
         cached = self.manager.requests[req.rid]
         if cached.num_tokens - cached.num_computed != 1 or not req.output or req.forced or req.export is not None:
             return 0
@@ -89,26 +74,6 @@ class Speculator:
         wanted = [DraftRequest(r.rid, r.tokens, n, len(r.output), r.options)
                   for r in running if (n := self.window(r)) > 0]
         return self.draft.propose(wanted)
-
-    @torch.no_grad()
-    def verify(self, items: list[ForwardItem]) -> Verification:
-        """The target's forward over the windows (pages reserved by the scheduler), logits at every token."""
-        self.manager.pre_forward()  # copies of this step land before any forward (idempotent)
-        view = VerifyBatchCache(self.manager.batch_view([f.rid for f in items]))
-        tokens = torch.tensor([t for f in items for t in f.token_ids], dtype=torch.long, device=self.device)
-        with self.capture.capturing():
-            logits = self.target(tokens, view, logits_for="all").float()
-        return Verification(items, list(logits.split([len(f.token_ids) for f in items])), view,
-                            self.capture.inputs)
-
-    def commit(self, verification: Verification, counts: dict[str, int]) -> None:
-        """counts: rid -> window tokens to keep (the pending token and the drafts the request emitted before
-        its last token). Replays KDA over them, then rolls each request's cache back to them."""
-        windows = [len(f.token_ids) for f in verification.items]
-        kept = [counts[f.rid] for f in verification.items]
-        replay_accepted(self.capture.layers, verification.inputs, verification.view.inner, windows, kept)
-        for item, count in zip(verification.items, kept, strict=True):
-            commit_accepted(self.manager, item.rid, count)
 
     def record(self, drafts: int, accepted: int) -> None:
         self.proposed += drafts
@@ -123,13 +88,18 @@ class Speculator:
         self.draft.forget(rid)
 
 
-def build_speculator(config: WorkerConfig, role: str, target: torch.nn.Module,
-                     manager: PrefixCacheManager) -> Speculator | None:
-    """The decode worker's speculator when a draft model is configured (the prefill worker emits one token
-    per request: nothing to speculate)."""
+def build_verifier(config: WorkerConfig, role: str, executor: Executor) -> Verifier | None:
+    """Every rank's verifier when speculative decoding is on: the decode worker with a draft model (the
+    prefill worker emits one token per request: nothing to speculate)."""
     if not config.draft_model or role != "decode":
         return None
-    draft_config = config.draft_config()
-    draft = DraftRunner(build_model(draft_config, 0), config.device)
-    return Speculator(draft, target, manager, config.num_speculative_tokens, config.device,
-                      SpecMetrics.for_role(role))
+    return Verifier(executor.runner.model, executor.manager, config.device, config.tp_size)
+
+
+def build_speculator(config: WorkerConfig, role: str, executor: Executor) -> Speculator | None:
+    """Rank 0's speculator (the draft model runs there only, replicated weights, one rank's cache)."""
+    verifier = build_verifier(config, role, executor)
+    if verifier is None:
+        return None
+    draft = DraftRunner(build_model(config.draft_config(), 0), config.device)
+    return Speculator(draft, verifier, config.num_speculative_tokens, SpecMetrics.for_role(role))

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from k3core.cache.interface import BatchCache
 from k3core.cache.manager import PrefixCacheManager
 from k3core.cache.paged_view import PagedBatchCache
 from k3core.layers.kda import KimiDeltaAttention
 from kernels import dispatch
+from services.engine.plan import ForwardItem
 
 # Projections a KDA layer's state depends on, in the kernel's argument order (q, k, v, z, beta).
 KDA_INPUTS = ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj")
@@ -142,3 +145,54 @@ def truncate_tokens(manager: PrefixCacheManager, rid: str, num_tokens: int) -> N
     del req.tokens[num_tokens:]
     del req.chain[num_tokens // req.hash_block :]  # in place: a checkpoint shares the list (reads its prefix)
     req.num_tokens = num_tokens
+
+
+@dataclass
+class Verification:
+    """A verify forward whose cache effects wait for the acceptance decision (`Verifier.commit`)."""
+
+    items: list[ForwardItem]
+    logits: list[torch.Tensor]  # [window, V] per item
+    view: VerifyBatchCache
+    inputs: dict[int, list[torch.Tensor]]  # the windows' projected KDA inputs, per KDA layer
+
+
+class Verifier:
+    """The target side on one TP rank: every rank runs the verify forward (its collectives) and the commit
+    of the kept tokens over its own KDA heads; rank 0 decides the counts and sends them to the others."""
+
+    def __init__(self, target: torch.nn.Module, manager: PrefixCacheManager, device: str, tp_size: int):
+        self.target = target
+        self.manager = manager
+        self.device = torch.device(device)
+        self.tp_size = tp_size
+        self.capture = ProjectionCapture(target)
+
+    @torch.no_grad()
+    def verify(self, items: list[ForwardItem]) -> Verification:
+        """The target's forward over the windows (pages reserved by the scheduler), logits at every token."""
+        self.manager.pre_forward()  # copies of this step land before any forward (idempotent)
+        view = VerifyBatchCache(self.manager.batch_view([f.rid for f in items]))
+        tokens = torch.tensor([t for f in items for t in f.token_ids], dtype=torch.long, device=self.device)
+        with self.capture.capturing():
+            logits = self.target(tokens, view, logits_for="all").float()
+        return Verification(items, list(logits.split([len(f.token_ids) for f in items])), view,
+                            self.capture.inputs)
+
+    def commit(self, verification: Verification, counts: list[int] | None) -> None:
+        """counts (rank 0; None on the others, which receive them): window tokens each request keeps, the
+        pending token and the drafts it emitted before its last token. Replays KDA over them, then rolls
+        each request's cache back to them."""
+        if self.tp_size > 1:
+            box = [counts]
+            dist.broadcast_object_list(box, src=0)
+            counts = box[0]
+        assert counts is not None
+        windows = [len(f.token_ids) for f in verification.items]
+        replay_accepted(self.capture.layers, verification.inputs, verification.view.inner, windows, counts)
+        for item, count in zip(verification.items, counts, strict=True):
+            commit_accepted(self.manager, item.rid, count)
+
+    def follow(self, items: list[ForwardItem]) -> None:
+        """Ranks > 0: the verify step of rank 0's plan, with the counts rank 0 decided."""
+        self.commit(self.verify(items), None)

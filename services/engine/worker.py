@@ -25,7 +25,7 @@ from services.engine.model_runner import ModelRunner, build_model
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager, StepPlan
 from services.engine.scheduler import Scheduler
-from services.engine.speculative import build_speculator
+from services.engine.speculative import build_speculator, build_verifier
 from services.runtime.ports import free_port
 
 log = logging.getLogger("k3.worker")
@@ -82,7 +82,7 @@ class Worker:
         tokenizer = ByteTokenizer()
         output = OutputProcessor(tokenizer if tokenizer.vocab_size == model_config.vocab_size else None,
                                  model_config.eos_token_id)
-        speculator = build_speculator(config, self.role, executor.runner.model, executor.manager)
+        speculator = build_speculator(config, self.role, executor)
         self.engine = Engine(executor, scheduler, recording, output, self.metrics, broadcast, speculator)
         self.engine.start()
         return self.engine
@@ -107,6 +107,7 @@ def run_rank(config: WorkerConfig, role: str, rank: int, port: int) -> None:
     init_distributed(config, rank, port)
     instance = common_pb2.InstanceId(service=role, cluster=config.cluster, instance=f"{config.instance}-r{rank}")
     executor = build_executor(config, role, rank, instance, None)
+    verifier = build_verifier(config, role, executor)  # speculative decoding: verify windows on every rank
     dist.barrier()
     try:
         while True:
@@ -117,6 +118,9 @@ def run_rank(config: WorkerConfig, role: str, rank: int, port: int) -> None:
             if plan.shutdown:
                 break
             executor.replay(plan)
+            if plan.verify:
+                assert verifier is not None
+                verifier.follow(plan.verify)
             executor.execute(plan)
     except RuntimeError as exc:  # rank 0 (or a peer) went away: this rank has nothing left to serve
         log.error("tensor-parallel group broken; rank exiting", extra={"rank": rank, "error": str(exc)[:200]})

@@ -226,7 +226,7 @@ def test_a_verify_window_preempted_by_a_full_pool_resumes_with_exact_greedy_toke
     preempt = engine.scheduler._preempt
 
     def observed(req, plan):  # was the victim holding a verify window?
-        victims.append(any(f.rid == req.rid for f in engine.scheduler.verifying))
+        victims.append(any(f.rid == req.rid for f in plan.verify))
         preempt(req, plan)
 
     engine.scheduler._preempt = observed
