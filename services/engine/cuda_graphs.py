@@ -43,11 +43,6 @@ class DecodeGraphs:
     def bucket(self, batch: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
-    def capture_all(self, up_to: int | None = None) -> None:
-        """Capture every bucket (largest first, so smaller graphs reuse its pool memory)."""
-        for size in sorted((b for b in self.buckets if up_to is None or b <= self.bucket(up_to)), reverse=True):
-            self._get(size)
-
     def run(self, fill: Callable[[np.ndarray, int], None], batch: int) -> torch.Tensor:
         """Replay the bucket of `batch` rows after `fill(host image, size)`; logits [batch, V] (a view)."""
         captured = self._get(self.bucket(batch))
