@@ -1,8 +1,10 @@
 """One CUDA graph of the decode forward per batch-size bucket (the batch is padded up to its bucket).
 
-As vLLM does: a graph is captured the first time its bucket is needed (largest buckets first share one
-memory pool), its inputs are one static int64 buffer refreshed by a single host-to-device copy from a
-pinned staging buffer, and its output is a static logits tensor valid until the next replay. Capture
+As vLLM does: a graph is captured the first time its bucket is needed, all graphs share one memory pool
+(one replays at a time, and a replay's logits are consumed before the next replay, so a later graph may
+reuse an earlier one's intermediates), its inputs are one static int64 buffer refreshed by a single
+host-to-device copy from a pinned staging buffer, and its output is a static logits tensor valid until
+the next replay. Capture
 warms up on a side stream first (Triton compiles there) with every row pointing at the scratch pages, so
 neither the warm-up nor the capture touches a request's state.
 """
