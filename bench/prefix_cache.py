@@ -38,7 +38,7 @@ import math
 import random
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -109,7 +109,10 @@ FINE = Scheme("fine (this cache)", 256, CheckpointPolicy(max_pool_fraction=0.25,
 FINE_512 = Scheme("fine, 512-token hash blocks", 512, FINE.policy)
 GRID = Scheme("block grid 1536 (vLLM-align-like)", 1536,
               CheckpointPolicy(supersede=False, keep_prompt_end=False, max_pool_fraction=1.0, eviction="lru",
-                               waypoint_tokens=0))
+                               waypoint_tokens=0, branch_points=False))
+# The peer given this cache's branch points (a forward ends, and a state is kept, where a shared prefix
+# ends, here on its grid): shown so that the gain of branch points is not mistaken for the grid's loss.
+GRID_BRANCH = Scheme("block grid 1536 + branch points", 1536, replace(GRID.policy, branch_points=True))
 
 
 def _forward(manager: PrefixCacheManager, rid: str, tokens: int) -> None:
@@ -189,8 +192,9 @@ def recency_ceiling(layout: PoolLayout, pool_gib: float, sessions: list[Session]
                     seed: int) -> int:
     """Reused tokens of an idealised cache on the same trace and pool: a conversation costs exactly its
     MLA blocks and one checkpoint and nothing else is held (no padding, leftovers or superseded entries), a
-    running turn holds its whole context, and pressure trims the least recently used conversation from its
-    tail block by block (as if it had a checkpoint at every block). It ranks conversations by recency, as
+    running turn holds its whole context, pressure trims the least recently used conversation from its
+    tail block by block (as if it had a checkpoint at every block), and every miss reuses the shared
+    system prompt (counted in each conversation's memory, so this errs low by its few blocks). It ranks conversations by recency, as
     any policy must that cannot tell which conversations have ended: the reference for how much of the gap
     to a goal better eviction could still close on this trace."""
     per_block, hb, ckpt = layout.tokens_per_block, layout.hash_block_tokens, layout.num_kda_groups
@@ -199,7 +203,7 @@ def recency_ceiling(layout: PoolLayout, pool_gib: float, sessions: list[Session]
     used = 0  # pages held by `resident`
     rng = random.Random(seed)
     waiting, active = list(sessions), []
-    reused = 0
+    reused = shared = 0
     while waiting or active:
         while waiting and len(active) < concurrent:
             session = waiting.pop(0)
@@ -209,7 +213,8 @@ def recency_ceiling(layout: PoolLayout, pool_gib: float, sessions: list[Session]
         decoded, tool = session.turns[turn] if turn < len(session.turns) else (0, 0)
         held = resident.pop(session.sid, 0)
         used -= -(-held // per_block) + ckpt if held else 0
-        reused += min(held, context - 1) // hb * hb
+        reused += max(min(held, context - 1), shared) // hb * hb
+        shared = SYSTEM_PROMPT  # from the first turn on, the system prompt is always held (hit by every miss)
         end = context + max(decoded, 1)
         need = -(-end // per_block) + ckpt
         while used + need > capacity and resident:
@@ -241,7 +246,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     sessions = make_trace(args.sessions, args.seed)
-    configs = [(gib, 0.0, (FINE, FINE_512, GRID)) for gib in args.gib]
+    configs = [(gib, 0.0, (FINE, FINE_512, GRID_BRANCH, GRID)) for gib in args.gib]
     if args.cpu_gib:
         configs.append((args.gib[0], args.cpu_gib, (FINE, GRID)))
     rows = []

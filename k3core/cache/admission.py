@@ -125,4 +125,6 @@ class Admission:
             req.hit_checkpoint = hit.checkpoint
             req.waypoints = [w for w in hit.checkpoint.waypoints if w.num_tokens <= boundary]
         req.num_computed = req.hit_tokens = boundary
+        if m.policy.branch_points and hit.mla_tokens > boundary:
+            req.branch_point = hit.mla_tokens
         m.queue.touched.add(req.rid)

@@ -28,6 +28,9 @@ class CheckpointPolicy:
     waypoint_tokens: during a prefill, keep a checkpoint every this many computed tokens (0: none). A
         conversation's waypoints are evicted after its turn end, deepest first, so memory pressure trims a
         long conversation from its tail (its head stays reusable) instead of losing all of it at once.
+    branch_points: when a prompt's MLA match runs past its checkpoint hit (a prefix another sequence
+        computed, such as a shared system prompt), `prefill_chunk` ends a forward at the end of the match
+        and the checkpoint taken there is kept, so the next sequence sharing that prefix hits it.
     eviction: "value" evicts idle entries in the cost-aware order of `k3core.cache.retention` (what no
         checkpoint can use, superseded turn boundaries, then whole conversations least recently used
         first); "lru" keeps one LRU over every entry (a vLLM-style cache).
@@ -39,6 +42,7 @@ class CheckpointPolicy:
     keep_prompt_end: bool = True
     eviction: str = "value"
     waypoint_tokens: int = 65_536
+    branch_points: bool = True
 
     def __post_init__(self) -> None:
         if self.eviction not in ("value", "lru"):

@@ -111,10 +111,13 @@ class PrefixCacheManager:
 
     def prefill_chunk(self, rid: str, budget: int) -> int:
         """How many tokens to prefill next within `budget` so that the forward ends on a hash boundary
-        (where its final state can be checkpointed); the unaligned remainder of the prompt runs alone."""
+        (where its final state can be checkpointed); the unaligned remainder of the prompt runs alone. A
+        forward also ends at the request's branch point (`CheckpointPolicy.branch_points`)."""
         req, hb = self.requests[rid], self.layout.hash_block_tokens
         aligned_end = req.num_tokens // hb * hb
         end = min(req.num_computed + budget, req.num_tokens)
+        if req.num_computed < req.branch_point < end:
+            end = req.branch_point
         if req.num_computed < aligned_end:
             end = min(end, aligned_end)
             if end // hb * hb > req.num_computed:

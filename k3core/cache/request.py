@@ -22,6 +22,7 @@ class CachedRequest:
     num_computed: int = 0  # tokens whose KV and state are in the cache
     scheduled: int = 0  # new tokens reserved for the current step
     hit_tokens: int = 0
+    branch_point: int = 0  # where its MLA match ended past its hit: a forward ends and a checkpoint is kept there
     blocks: list[Block] = field(default_factory=list)  # block table
     state_pages: list[int] = field(default_factory=list)  # private KDA state, one page per KDA group
     latest: Checkpoint | None = None  # most recent checkpoint taken at this request's position

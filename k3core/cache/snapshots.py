@@ -39,7 +39,8 @@ class Snapshots:
             checkpoint = self._new(req, key, previous if reclaim else None)
             if checkpoint is None:
                 return
-        checkpoint.keep |= end == req.prompt_tokens // hb and m.policy.keep_prompt_end
+        checkpoint.keep |= (end == req.prompt_tokens // hb and m.policy.keep_prompt_end
+                            or req.num_computed == req.branch_point)
         spacing = m.policy.waypoint_tokens
         if spacing and req.num_computed < req.prompt_tokens:
             last = req.waypoints[-1].num_tokens if req.waypoints else req.hit_tokens

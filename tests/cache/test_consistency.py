@@ -299,3 +299,34 @@ def test_finishing_a_miss_admitted_in_the_same_step_keeps_its_zeroing_on_its_own
     for page in filler:
         manager.pool.decref(page)
     manager.pool.check_invariants()
+
+
+def test_a_shared_prefix_gets_a_checkpoint_at_its_branch_point() -> None:
+    """a computed a prefix that b shares only in part (a system prompt): b's MLA match runs past its
+    (empty) checkpoint hit, so b's prefill ends a forward where the match ends and keeps the state there;
+    c, sharing the same prefix, hits it with exactly that prefix's state."""
+    manager, _ = make(keep_prompt_end=False)
+    system = TOKENS[:14]
+    run(manager, "a", system + [1] * 20)  # a's only kept checkpoint is its turn end (32)
+    b = system + [2] * 20
+    assert manager.add_request("b", b) == 0
+    assert manager.requests["b"].branch_point == 12  # the last full hash block both share
+    assert manager.prefill_chunk("b", 100) == 12
+    while manager.requests["b"].num_computed < len(b):
+        step(manager, {"b": 100})
+    manager.finish("b")
+    oracle = PrefixOracle(LAYOUT)
+    c = system + [3] * 9
+    for tokens in (system + [1] * 20, b, c):
+        oracle.learn(tokens)
+    assert manager.add_request("c", c) == 12
+    manager.pre_forward()
+    oracle.check_private(manager, "c", c)
+    assert oracle.check(manager) > 0
+
+
+def test_branch_points_can_be_switched_off() -> None:
+    manager, _ = make(keep_prompt_end=False, branch_points=False)
+    run(manager, "a", TOKENS[:14] + [1] * 20)
+    manager.add_request("b", TOKENS[:14] + [2] * 20)
+    assert manager.requests["b"].branch_point == 0 and manager.prefill_chunk("b", 100) == 32

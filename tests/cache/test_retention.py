@@ -105,7 +105,7 @@ def test_superseded_turn_boundary_goes_before_a_live_conversation() -> None:
 
 
 def test_a_recomputed_duplicate_answers_no_lookup_and_is_worthless() -> None:
-    manager = PrefixCacheManager(LAYOUT, 40, policy=CheckpointPolicy(keep_prompt_end=False))
+    manager = PrefixCacheManager(LAYOUT, 40, policy=CheckpointPolicy(keep_prompt_end=False, branch_points=False))
     shared = conversation(3, 24)
     turn(manager, "a", shared + [1] * 6)
     manager.drop_checkpoint(next(iter(manager.checkpoints.by_key.values())))
@@ -147,7 +147,8 @@ def test_pressure_takes_recomputed_duplicates_before_an_older_conversation(evict
     """b misses (a's checkpoint lies past their shared prefix) and recomputes the shared blocks. Those
     copies answer no lookup; under pressure the value order takes them and both conversations stay
     reusable, where one LRU over entries takes a's checkpoint (the oldest entry) and loses a."""
-    manager = PrefixCacheManager(LAYOUT, 30, policy=CheckpointPolicy(keep_prompt_end=False, eviction=eviction))
+    policy = CheckpointPolicy(keep_prompt_end=False, eviction=eviction, branch_points=False)
+    manager = PrefixCacheManager(LAYOUT, 30, policy=policy)
     shared = conversation(4, 24)
     a, b = shared + conversation(5, 12), shared + conversation(6, 12)
     turn(manager, "a", a)
