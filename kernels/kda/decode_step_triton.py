@@ -27,27 +27,31 @@ if triton is not None:
     @triton.jit
     def _kda_decode_tiled_kernel(
         q, k, v, z, beta, gate, conv_w, A_log, dt_bias, norm_w, state, conv_state, slots, out,
-        state_slot_stride, conv_slot_stride, scale, lower_bound, l2_eps, norm_eps,
+        state_slot, state_head, state_row, state_col, conv_slot, conv_stream, conv_head, conv_ch, conv_tap,
+        scale, lower_bound, l2_eps, norm_eps,
         H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, BV: tl.constexpr,
         BOUNDED: tl.constexpr, STAGES: tl.constexpr, STREAMING: tl.constexpr,
     ):
-        """Grid (B, H); inputs [B, H, D] (viewed as L = 1 token), beta [B, H]."""
+        """Grid (B, H); inputs [B, H, D] (viewed as L = 1 token), beta [B, H]. The pools are addressed by
+        element strides only (state: slot, head, row, column; conv: slot, stream, head, channel, tap), so a
+        head-interleaved pool page is as good as a dense [slots, H, D, D] tensor."""
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         NT: tl.constexpr = D // BV
         offs = tl.arange(0, D)
         slot = tl.load(slots + b).to(tl.int64)
         r = b * 0  # no replay: a tensor zero keeps _raw_input's masks tensors under the interpreter
-        stream = H * D * (W - 1)
-        hist = conv_state + slot * conv_slot_stride + h * D * (W - 1)
+        hist = conv_state + slot * conv_slot + h * conv_head
+        hk, hv = hist + conv_stream, hist + 2 * conv_stream
         taps = conv_w + h * D * W
-        q3, q2, q1 = _history(q, q, hist, r, b, h, 1, 0, offs, H, D, W)
+        q3, q2, q1 = _history(q, q, hist, conv_ch, conv_tap, r, b, h, 1, 0, offs, H, D, W)
         qw0, qw1, qw2, qw3 = _taps(taps, offs, W)
-        qt = _conv_silu(q3, q2, q1, _raw_input(q, q, hist, 0, r, b, h, 1, 0, offs, H, D, W), qw0, qw1, qw2, qw3)
-        k3, k2, k1 = _history(k, k, hist + stream, r, b, h, 1, 0, offs, H, D, W)
+        xq = _raw_input(q, q, hist, conv_ch, conv_tap, 0, r, b, h, 1, 0, offs, H, D, W)
+        qt = _conv_silu(q3, q2, q1, xq, qw0, qw1, qw2, qw3)
+        k3, k2, k1 = _history(k, k, hk, conv_ch, conv_tap, r, b, h, 1, 0, offs, H, D, W)
         kw0, kw1, kw2, kw3 = _taps(taps + H * D * W, offs, W)
-        kt = _conv_silu(k3, k2, k1, _raw_input(k, k, hist + stream, 0, r, b, h, 1, 0, offs, H, D, W),
-                        kw0, kw1, kw2, kw3)
+        xk = _raw_input(k, k, hk, conv_ch, conv_tap, 0, r, b, h, 1, 0, offs, H, D, W)
+        kt = _conv_silu(k3, k2, k1, xk, kw0, kw1, kw2, kw3)
         qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + l2_eps)
         kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + l2_eps)
         zt = tl.load(z + (b * H + h) * D + offs).to(tl.float32) + tl.load(dt_bias + h * D + offs).to(tl.float32)
@@ -59,20 +63,20 @@ if triton is not None:
         decay = tl.exp(gt)
         bt = tl.sigmoid(tl.load(beta + b * H + h).to(tl.float32))
         qs = qt * scale
-        s_base = state + slot * state_slot_stride + h * D * D
-        hv = hist + 2 * stream
+        s_base = state + slot * state_slot + h * state_head
         tiles = tl.arange(0, NT)
         o_all = tl.zeros([NT, BV], dtype=tl.float32)
         for j in tl.range(0, NT, num_stages=STAGES):
             offs_v = j * BV + tl.arange(0, BV)
-            s_ptrs = s_base + offs[:, None] * D + offs_v[None, :]
+            s_ptrs = s_base + offs[:, None] * state_row + offs_v[None, :] * state_col
             if STREAMING:  # the state is touched once per step: keep it from evicting the inputs and taps
                 S = tl.load(s_ptrs, eviction_policy="evict_first") * decay[:, None]
             else:
                 S = tl.load(s_ptrs) * decay[:, None]
-            v3, v2, v1 = _history(v, v, hv, r, b, h, 1, 0, offs_v, H, D, W)
+            v3, v2, v1 = _history(v, v, hv, conv_ch, conv_tap, r, b, h, 1, 0, offs_v, H, D, W)
             vw0, vw1, vw2, vw3 = _taps(taps + 2 * H * D * W, offs_v, W)
-            vt = _conv_silu(v3, v2, v1, _raw_input(v, v, hv, 0, r, b, h, 1, 0, offs_v, H, D, W), vw0, vw1, vw2, vw3)
+            xv = _raw_input(v, v, hv, conv_ch, conv_tap, 0, r, b, h, 1, 0, offs_v, H, D, W)
+            vt = _conv_silu(v3, v2, v1, xv, vw0, vw1, vw2, vw3)
             u = bt * (vt - tl.sum(S * kt[:, None], 0))
             S = S + kt[:, None] * u[None, :]
             if STREAMING:
@@ -80,14 +84,14 @@ if triton is not None:
             else:
                 tl.store(s_ptrs, S)
             o_all = tl.where(tiles[:, None] == j, tl.sum(S * qs[:, None], 0)[None, :], o_all)
-            _write_conv_window(v, v, hv, 1, r, b, h, 1, 0, offs_v, H, D, W, BWM, BV, D)
+            _write_conv_window(v, v, hv, conv_ch, conv_tap, 1, r, b, h, 1, 0, offs_v, H, D, W, BWM, BV, D)
         cols = tiles[:, None] * BV + tl.arange(0, BV)[None, :]
         g = tl.load(gate + (b * H + h) * D + cols).to(tl.float32)
         y = o_all * tl.rsqrt(tl.sum(tl.sum(o_all * o_all, 1), 0) / D + norm_eps)
         y = y * tl.load(norm_w + cols).to(tl.float32) * tl.sigmoid(g)
         tl.store(out + (b * H + h) * D + cols, y.to(out.dtype.element_ty))
-        _write_conv_window(q, q, hist, 1, r, b, h, 1, 0, offs, H, D, W, BWM, D, D)
-        _write_conv_window(k, k, hist + stream, 1, r, b, h, 1, 0, offs, H, D, W, BWM, D, D)
+        _write_conv_window(q, q, hist, conv_ch, conv_tap, 1, r, b, h, 1, 0, offs, H, D, W, BWM, D, D)
+        _write_conv_window(k, k, hk, conv_ch, conv_tap, 1, r, b, h, 1, 0, offs, H, D, W, BWM, D, D)
 
 
 def kda_decode_tiled(
@@ -97,13 +101,14 @@ def kda_decode_tiled(
     lower_bound: float | None, scale: float | None, l2_eps: float, norm_eps: float, tile_v: int,
     num_warps: int, stages: int, streaming: bool = False,
 ) -> torch.Tensor:
-    """Launch on inputs already checked by decode_triton (contiguous [B, H, D], beta [B, H])."""
+    """Launch on inputs already checked by decode_triton (contiguous [B, H, D], beta [B, H]); the pools may be
+    any strided views ([slots, H, D, D] and [slots, 3, H, D, W-1]): their strides go to the kernel."""
     B, H, D = q.shape
     W = conv_pool.shape[-1] + 1
     out = torch.empty_like(q)
     _kda_decode_tiled_kernel[(B, H)](
         q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool, slots, out,
-        state_pool.stride(0), conv_pool.stride(0), D**-0.5 if scale is None else scale,
+        *state_pool.stride(), *conv_pool.stride(), D**-0.5 if scale is None else scale,
         -5.0 if lower_bound is None else lower_bound, l2_eps, norm_eps,
         H=H, D=D, W=W, BWM=next_pow2(W - 1), BV=tile_v, BOUNDED=lower_bound is not None, STAGES=stages,
         STREAMING=streaming, num_warps=num_warps,

@@ -8,6 +8,10 @@ step is one new token; the replay verify prepends the cached projected inputs of
 
 Virtual token positions of one sequence: [conv history (W-1) | replay (r_b) | new (L)]; the conv history is
 the pool's conv state, channel-major [3, H, D, W-1] per slot (k3core.ops.short_conv convention).
+
+The pools are addressed through their element strides (state_pool [slots, H, D, D], conv_pool
+[slots, 3, H, D, W-1], any strides), so one launch covers all heads of a layer also where the heads of a
+slot are not D*D apart: the serving pool's head-interleaved KDA pages (services/engine/pool_views.py).
 """
 
 from __future__ import annotations
@@ -19,11 +23,15 @@ from kernels._triton import next_pow2, require, tl, triton
 if triton is not None:
 
     @triton.jit
-    def _raw_input(new, rep, hist, p, r, b, h, L, R, offs, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr):
-        """Pre-conv input of one stream at virtual position p (< 0: conv history, < r: replay, else new)."""
+    def _raw_input(new, rep, hist, conv_ch, conv_tap, p, r, b, h, L, R, offs, H: tl.constexpr,
+                   D: tl.constexpr, W: tl.constexpr):
+        """Pre-conv input of one stream at virtual position p (< 0: conv history, < r: replay, else new).
+
+        hist: this head's window of the stream, conv_ch / conv_tap: its channel and tap strides."""
         # Masks are `offs < limit` with a scalar limit of D or 0: one comparison, no scalar-vector `&`
         # (which the interpreter mistypes).
-        x = tl.load(hist + offs * (W - 1) + (W - 1 + p), mask=offs < tl.where(p < 0, D, 0), other=0.0)
+        x = tl.load(hist + offs * conv_ch + (W - 1 + p) * conv_tap, mask=offs < tl.where(p < 0, D, 0),
+                    other=0.0)
         in_rep = tl.where(p >= 0, tl.where(p < r, D, 0), 0)
         x = x.to(tl.float32) + tl.load(rep + ((b * R + p) * H + h) * D + offs, mask=offs < in_rep,
                                        other=0.0).to(tl.float32)
@@ -38,11 +46,12 @@ if triton is not None:
                 tl.load(wgt + offs * W + 2).to(tl.float32), tl.load(wgt + offs * W + 3).to(tl.float32))
 
     @triton.jit
-    def _history(new, rep, hist, r, b, h, L, R, offs, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr):
+    def _history(new, rep, hist, conv_ch, conv_tap, r, b, h, L, R, offs, H: tl.constexpr, D: tl.constexpr,
+                 W: tl.constexpr):
         """The pooled conv history: inputs at t = -3, -2, -1."""
-        return (_raw_input(new, rep, hist, -3, r, b, h, L, R, offs, H, D, W),
-                _raw_input(new, rep, hist, -2, r, b, h, L, R, offs, H, D, W),
-                _raw_input(new, rep, hist, -1, r, b, h, L, R, offs, H, D, W))
+        return (_raw_input(new, rep, hist, conv_ch, conv_tap, -3, r, b, h, L, R, offs, H, D, W),
+                _raw_input(new, rep, hist, conv_ch, conv_tap, -2, r, b, h, L, R, offs, H, D, W),
+                _raw_input(new, rep, hist, conv_ch, conv_tap, -1, r, b, h, L, R, offs, H, D, W))
 
     @triton.jit
     def _conv_silu(x3, x2, x1, x, w0, w1, w2, w3):
@@ -51,23 +60,23 @@ if triton is not None:
         return acc * tl.sigmoid(acc)
 
     @triton.jit
-    def _new_conv_window(new, rep, hist, end, r, b, h, L, R, offs, H: tl.constexpr, D: tl.constexpr,
-                         W: tl.constexpr, BWM: tl.constexpr, N: tl.constexpr):
+    def _new_conv_window(new, rep, hist, conv_ch, conv_tap, end, r, b, h, L, R, offs, H: tl.constexpr,
+                         D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, N: tl.constexpr):
         """The last W-1 inputs before virtual position `end` of the N channels `offs`, as [N, BWM]."""
         cols = tl.arange(0, BWM)
         block = tl.zeros([N, BWM], dtype=tl.float32)
         for j in tl.static_range(W - 1):
-            x = _raw_input(new, rep, hist, end - (W - 1) + j, r, b, h, L, R, offs, H, D, W)
+            x = _raw_input(new, rep, hist, conv_ch, conv_tap, end - (W - 1) + j, r, b, h, L, R, offs, H, D, W)
             block = tl.where(cols[None, :] == j, x[:, None], block)
         return block
 
     @triton.jit
-    def _write_conv_window(new, rep, hist, end, r, b, h, L, R, offs, H: tl.constexpr, D: tl.constexpr,
-                           W: tl.constexpr, BWM: tl.constexpr, N: tl.constexpr, lim):
+    def _write_conv_window(new, rep, hist, conv_ch, conv_tap, end, r, b, h, L, R, offs, H: tl.constexpr,
+                           D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, N: tl.constexpr, lim):
         """Store the new conv window of the channels offs < lim (lim = 0: store nothing)."""
-        block = _new_conv_window(new, rep, hist, end, r, b, h, L, R, offs, H, D, W, BWM, N)
+        block = _new_conv_window(new, rep, hist, conv_ch, conv_tap, end, r, b, h, L, R, offs, H, D, W, BWM, N)
         cols = tl.arange(0, BWM)
-        ptrs = hist + offs[:, None] * (W - 1) + cols[None, :]
+        ptrs = hist + offs[:, None] * conv_ch + cols[None, :] * conv_tap
         tl.store(ptrs, block.to(hist.dtype.element_ty), mask=(offs[:, None] < lim) & (cols[None, :] < W - 1))
 
     @triton.jit
@@ -95,7 +104,8 @@ if triton is not None:
         rq, rk, rv, rz, rbeta, n_replay,
         conv_w, A_log, dt_bias, norm_w,
         state, conv_state, slots, out, snapshots, o_scratch, counters,
-        L, R, n_commit, state_slot_stride, conv_slot_stride,
+        L, R, n_commit, state_slot, state_head, state_row, state_col,
+        conv_slot, conv_stream, conv_head, conv_ch, conv_tap,
         scale, lower_bound, l2_eps, norm_eps,
         H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, BV: tl.constexpr,
         BOUNDED: tl.constexpr, HAS_REPLAY: tl.constexpr, SNAPSHOT: tl.constexpr, REGISTER_WINDOW: tl.constexpr,
@@ -116,11 +126,12 @@ if triton is not None:
         r = b * 0  # a tensor, so that masks built from it are tensors under the interpreter too
         if HAS_REPLAY:
             r = tl.load(n_replay + b).to(tl.int64)
-        s_offs = offs[:, None] * D + offs_v[None, :]
-        s_ptrs = state + slot * state_slot_stride + h * D * D + s_offs
+        s_offs = offs[:, None] * D + offs_v[None, :]  # dense [D, D] index: snapshots, store masks
+        s_ptrs = (state + slot * state_slot + h * state_head
+                  + offs[:, None] * state_row + offs_v[None, :] * state_col)
         S = tl.load(s_ptrs)
-        stream = H * D * (W - 1)
-        hist = conv_state + slot * conv_slot_stride + h * D * (W - 1)
+        hist = conv_state + slot * conv_slot + h * conv_head
+        stream = conv_stream
         taps = conv_w + h * D * W
         a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
         g_bias = tl.load(dt_bias + h * D + offs).to(tl.float32)
@@ -130,21 +141,21 @@ if triton is not None:
         hk, hv = hist + stream, hist + 2 * stream
         # The conv window lives in registers (x[t-3], x[t-2], x[t-1] per stream): one input load per
         # token and stream instead of W, so a token step waits on a single round of loads.
-        q3, q2, q1 = _history(q, rq, hist, r, b, h, L, R, offs, H, D, W)
-        k3, k2, k1 = _history(k, rk, hk, r, b, h, L, R, offs, H, D, W)
-        v3, v2, v1 = _history(v, rv, hv, r, b, h, L, R, offs_v, H, D, W)
+        q3, q2, q1 = _history(q, rq, hist, conv_ch, conv_tap, r, b, h, L, R, offs, H, D, W)
+        k3, k2, k1 = _history(k, rk, hk, conv_ch, conv_tap, r, b, h, L, R, offs, H, D, W)
+        v3, v2, v1 = _history(v, rv, hv, conv_ch, conv_tap, r, b, h, L, R, offs_v, H, D, W)
         for t in range(0, r + L):
             # Taps are re-read each token (L1 hits) rather than held live across the loop.
             qw0, qw1, qw2, qw3 = _taps(taps, offs, W)
             kw0, kw1, kw2, kw3 = _taps(taps + H * D * W, offs, W)
             vw0, vw1, vw2, vw3 = _taps(taps + 2 * H * D * W, offs_v, W)
             if not REGISTER_WINDOW:  # one token: re-reading the history costs nothing, and frees registers
-                q3, q2, q1 = _history(q, rq, hist, r, b, h, L, R, offs, H, D, W)
-                k3, k2, k1 = _history(k, rk, hk, r, b, h, L, R, offs, H, D, W)
-                v3, v2, v1 = _history(v, rv, hv, r, b, h, L, R, offs_v, H, D, W)
-            xq = _raw_input(q, rq, hist, t, r, b, h, L, R, offs, H, D, W)
-            xk = _raw_input(k, rk, hk, t, r, b, h, L, R, offs, H, D, W)
-            xv = _raw_input(v, rv, hv, t, r, b, h, L, R, offs_v, H, D, W)
+                q3, q2, q1 = _history(q, rq, hist, conv_ch, conv_tap, r, b, h, L, R, offs, H, D, W)
+                k3, k2, k1 = _history(k, rk, hk, conv_ch, conv_tap, r, b, h, L, R, offs, H, D, W)
+                v3, v2, v1 = _history(v, rv, hv, conv_ch, conv_tap, r, b, h, L, R, offs_v, H, D, W)
+            xq = _raw_input(q, rq, hist, conv_ch, conv_tap, t, r, b, h, L, R, offs, H, D, W)
+            xk = _raw_input(k, rk, hk, conv_ch, conv_tap, t, r, b, h, L, R, offs, H, D, W)
+            xv = _raw_input(v, rv, hv, conv_ch, conv_tap, t, r, b, h, L, R, offs_v, H, D, W)
             qt = _conv_silu(q3, q2, q1, xq, qw0, qw1, qw2, qw3)
             kt = _conv_silu(k3, k2, k1, xk, kw0, kw1, kw2, kw3)
             vt = _conv_silu(v3, v2, v1, xv, vw0, vw1, vw2, vw3)
@@ -153,7 +164,7 @@ if triton is not None:
             v3, v2, v1 = v2, v1, xv
             qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + l2_eps)
             kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + l2_eps)
-            zt = _raw_input(z, rz, hist, t, r, b, h, L, R, offs, H, D, W) + g_bias
+            zt = _raw_input(z, rz, hist, conv_ch, conv_tap, t, r, b, h, L, R, offs, H, D, W) + g_bias
             if BOUNDED:
                 gt = lower_bound * tl.sigmoid(a_scale * zt)
             else:  # Kimi Linear: -exp(A) softplus(z), torch's threshold of 20 kept
@@ -175,14 +186,14 @@ if triton is not None:
                 tl.store(snapshots + tok * D + s_offs, S, mask=s_offs < new_lim * D)
             tl.store(s_ptrs, S, mask=s_offs < tl.where(t == commit - 1, D * D, 0))
         # The conv windows after the committed tokens. Each program owns its v channels.
-        _write_conv_window(v, rv, hist + 2 * stream, commit, r, b, h, L, R, offs_v, H, D, W, BWM, BV, D)
+        _write_conv_window(v, rv, hv, conv_ch, conv_tap, commit, r, b, h, L, R, offs_v, H, D, W, BWM, BV, D)
         lim = D  # channels this program writes below: all of them unless it is not the last sibling
         if NV > 1:
             # acq_rel: the siblings' o slices (and their reads of the q/k history) happen before.
             arrived = tl.atomic_add(counters + b * H + h, 1)
             lim = tl.where(arrived == NV - 1, D, 0)
-        _write_conv_window(q, rq, hist, commit, r, b, h, L, R, offs, H, D, W, BWM, D, lim)
-        _write_conv_window(k, rk, hist + stream, commit, r, b, h, L, R, offs, H, D, W, BWM, D, lim)
+        _write_conv_window(q, rq, hist, conv_ch, conv_tap, commit, r, b, h, L, R, offs, H, D, W, BWM, D, lim)
+        _write_conv_window(k, rk, hk, conv_ch, conv_tap, commit, r, b, h, L, R, offs, H, D, W, BWM, D, lim)
         if NV > 1:
             _norm_parked_rows(o_scratch, gate, out, norm_w, norm_eps, b, h, L, offs, lim, H, D)
             tl.atomic_xchg(counters + b * H + h, 0, mask=lim > 0)  # ready for the next launch
@@ -204,10 +215,8 @@ def _check_pool(state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.
     require(state_pool.dtype == torch.float32, f"state_pool must be float32, got {state_pool.dtype}")
     require(state_pool.dim() == 4 and tuple(state_pool.shape[1:]) == (heads, dim, dim),
             f"state_pool must be [num_slots, {heads}, {dim}, {dim}], got {tuple(state_pool.shape)}")
-    require(state_pool[0].is_contiguous(), "state_pool rows must be contiguous [H, K, V]")
     require(conv_pool.dim() == 5 and tuple(conv_pool.shape[1:4]) == (3, heads, dim),
             f"conv_pool must be [num_slots, 3, {heads}, {dim}, W-1], got {tuple(conv_pool.shape)}")
-    require(conv_pool[0].is_contiguous(), "conv_pool rows must be contiguous [3, H, D, W-1]")
     require(slots.dim() == 1 and not slots.dtype.is_floating_point, "slots must be a 1-D integer tensor")
     return conv_pool.shape[-1] + 1
 
@@ -246,7 +255,8 @@ def fused_kda_recurrent(
 
     replay: optional (q, k, v, z, beta, n_replay) of cached draft inputs [B, R, ...] with n_replay [B]
     tokens to replay first (no output). The state after replay + n_commit new tokens (default all L) is
-    written to the pool, as is the conv window there; snapshots [B, L, H, D, D] (optional) receives the
+    written to the pool, as is the conv window there (the pools may be any strided views, see the module
+    docstring); snapshots [B, L, H, D, D] (optional) receives the
     state after every new token (the one-state-per-draft baseline). block_v < D splits each head's value
     columns over D // block_v programs. Returns y [B, L, H, D] in q's dtype.
     """
@@ -278,7 +288,7 @@ def fused_kda_recurrent(
         rq.contiguous(), rk.contiguous(), rv.contiguous(), rz.contiguous(), rbeta.contiguous(), n_replay,
         conv_weight.contiguous(), A_log, dt_bias.contiguous(), norm_weight,
         state_pool, conv_pool, slots, out, snapshots if snapshots is not None else out, o_scratch, counters,
-        L, R, n_commit, state_pool.stride(0), conv_pool.stride(0),
+        L, R, n_commit, *state_pool.stride(), *conv_pool.stride(),
         D**-0.5 if scale is None else scale, -5.0 if lower_bound is None else lower_bound, l2_eps, norm_eps,
         H=H, D=D, W=W, BWM=next_pow2(W - 1), BV=block_v,
         BOUNDED=lower_bound is not None, HAS_REPLAY=replay is not None, SNAPSHOT=snapshots is not None,
@@ -301,6 +311,9 @@ def kda_decode_step(
     norm_eps: float = 1e-6, num_warps: int = DECODE_WARPS, block_v: int | None = None,
 ) -> torch.Tensor:
     """One decode token per sequence: [B, H, D] inputs (beta [B, H]) -> y [B, H, D]; pool updated in place.
+
+    state_pool [slots, H, D, D] and conv_pool [slots, 3, H, D, W-1] may be any strided views (e.g. an
+    as_strided view of head-interleaved pages): one launch covers all H heads.
 
     Runs decode_step_triton's kernel: one program per (sequence, head) walking its state in block_v-column
     tiles (default DECODE_TILE_V: the whole state, measured fastest)."""
