@@ -9,6 +9,9 @@ import pytest
 # Many torch processes share 2 cores in these tests (the suite, service processes, fleets): one OpenMP
 # thread each avoids spin-waiting threads starving each other. Set before anything imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# CI has no GPU: Triton kernels run in its CPU interpreter, which Triton fixes at its first import (any
+# test module importing services.engine pulls it in), so it is set here, before any of them.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from services.runtime.local_etcd import EtcdServer
 from tests.support.processes import ServiceProcess
