@@ -1,7 +1,7 @@
 """One policy-optimisation step on the model: log-probs of the sampled tokens, the per-token off-policy
-loss, Per-Head Muon (AdamW for embeddings, norms and vectors), then the Quantile-Balancing router-bias
-update from the routing scores seen in the step (the bias only selects experts; it is not trained by
-gradients)."""
+loss, Per-Head Muon (AdamW for embeddings, norms and vectors), the Quantile-Balancing router-bias update
+from the routing scores seen in the step (the bias only selects experts; it is not trained by gradients),
+then QK-Clip of the Gated MLA heads measured on the step's batch (`qk_clip.py`)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from k3core.model.k3model import K3Model
 from k3core.ops.qb import qb_update_histogram
 from services.trainer.loss import group_advantages, per_token_policy_loss
 from services.trainer.muon import PerHeadMuon
+from services.trainer.qk_clip import MLAClip
 
 # Attention projections whose rows split into heads (Per-Head Muon orthogonalises each head's block).
-HEADED = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+HEADED = ("q_proj.weight", "q_b_proj.weight", "k_proj.weight", "v_proj.weight")
 
 
 @dataclasses.dataclass
@@ -36,11 +37,13 @@ class StepStats:
     loss: float
     tokens: int
     max_log_ratio: float
+    max_attention_logit: float = float("-inf")  # largest MLA logit after the update, before QK-Clip
+    clipped_heads: int = 0
 
 
 def _heads_of(config: K3Config, name: str) -> int:
     """The heads a matrix's rows split into for Per-Head Muon; 0 orthogonalises it whole. A KDA layer's
-    q/k/v have the KDA head count, an MLA layer's q_proj (no q LoRA) the MLA one; they need not agree."""
+    q/k/v have the KDA head count, an MLA layer's q_proj / q_b_proj the MLA one; they need not agree."""
     if not name.endswith(HEADED):
         return 0
     layer = int(name.split(".")[2])  # model.layers.<N>.self_attn.<proj>.weight
@@ -56,8 +59,10 @@ def _padded(rows: list) -> torch.Tensor:
 
 class Learner:
     def __init__(self, model: K3Model, lr: float = 2e-3, adam_lr: float = 3e-4, tau: float = 0.1,
-                 max_log_ratio: float = 2.0):
+                 max_log_ratio: float = 2.0, qk_clip_tau: float | None = 100.0):
+        """tau: the loss's log-ratio penalty; qk_clip_tau: the MLA logit cap (K2: 100), None switches it off."""
         self.model, self.tau, self.max_log_ratio = model, tau, max_log_ratio
+        self.qk_clip = MLAClip(model, qk_clip_tau) if qk_clip_tau is not None else None
         by_heads: dict[int, list[torch.nn.Parameter]] = defaultdict(list)
         vectors = []
         for name, p in model.named_parameters():
@@ -77,12 +82,15 @@ class Learner:
     def _record_scores(self, gate: MoEGate, _inputs, logits: torch.Tensor) -> None:
         self._scores.setdefault(id(gate), []).append(torch.sigmoid(logits.detach()))
 
-    def token_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
-        """log p(token_t | tokens_<t) for t >= 1 of each sample, with gradients."""
+    def _logits(self, samples: list[Sample]) -> torch.Tensor:
+        """The model's logits at every token of the samples, packed [sum of lengths, vocab]."""
         caches = [self.model.new_sequence_cache() for _ in samples]
         batch = ContiguousBatchCache(caches, [len(s.tokens) for s in samples])
-        flat = torch.tensor([t for s in samples for t in s.tokens])
-        logp = torch.log_softmax(self.model(flat, batch).float(), dim=-1)
+        return self.model(torch.tensor([t for s in samples for t in s.tokens]), batch)
+
+    def token_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """log p(token_t | tokens_<t) for t >= 1 of each sample, with gradients."""
+        logp = torch.log_softmax(self._logits(samples).float(), dim=-1)
         out, offset = [], 0
         for s in samples:
             n = len(s.tokens)
@@ -110,7 +118,11 @@ class Learner:
         self.adam.step()
         self._update_router_bias()
         ratio = ((logp.detach() - behaviour).abs() * mask).max().item()
-        return StepStats(loss.item(), int(mask.sum().item()), ratio)
+        stats = StepStats(loss.item(), int(mask.sum().item()), ratio)
+        if self.qk_clip is not None:  # last: it measures the weights (router bias included) the step ends with
+            report = self.qk_clip.run(lambda: self._logits(samples))
+            stats.max_attention_logit, stats.clipped_heads = report.max_logit, report.clipped_heads
+        return stats
 
     @torch.no_grad()
     def _update_router_bias(self) -> None:

@@ -74,12 +74,18 @@ class PerHeadMuon(torch.optim.Optimizer):
         return out * (0.2 * max(rows, cols) ** 0.5)
 
 
+def clip_factors(max_logits: torch.Tensor, tau: float) -> torch.Tensor:
+    """gamma_h = min(1, tau / S_max^h); a head whose max logit is <= tau (negative ones too) keeps 1."""
+    s = max_logits.float()
+    return torch.where(s > tau, tau / s, torch.ones_like(s))
+
+
 @torch.no_grad()
 def qk_clip_mha(w_q: torch.Tensor, w_k: torch.Tensor, max_logits: torch.Tensor, tau: float) -> torch.Tensor:
     """Per-head QK-Clip for multi-head attention; w_q, w_k: [heads * head_dim, hidden]. Returns gamma."""
     if w_q.shape != w_k.shape:
         raise ValueError(f"w_q {tuple(w_q.shape)} and w_k {tuple(w_k.shape)} must match (one key head per query head)")
-    gamma = torch.clamp(tau / max_logits.float(), max=1.0)
+    gamma = clip_factors(max_logits, tau)
     scale = gamma.sqrt().repeat_interleave(w_q.shape[0] // max_logits.numel()).to(w_q.dtype)[:, None]
     w_q.mul_(scale)
     w_k.mul_(scale)
@@ -95,7 +101,7 @@ def qk_clip_mla(q_proj: torch.Tensor, kv_b_proj: torch.Tensor, max_logits: torch
     the rope key, is shared by all heads and must not change. Values are untouched.
     """
     heads = max_logits.numel()
-    gamma = torch.clamp(tau / max_logits.float(), max=1.0).to(q_proj.dtype)
+    gamma = clip_factors(max_logits, tau).to(q_proj.dtype)
     q = q_proj.view(heads, qk_nope_dim + qk_rope_dim, -1)
     q[:, :qk_nope_dim].mul_(gamma.sqrt()[:, None, None])
     q[:, qk_nope_dim:].mul_(gamma[:, None, None])

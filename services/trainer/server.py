@@ -35,7 +35,7 @@ def etcd_publisher(config: TrainerConfig) -> Callable[[str, str], int] | None:
 def main(argv: list[str]) -> None:
     config = TrainerConfig.load("trainer", argv)
     model = init_weights(K3Model(preset(config.model)), seed=config.seed)
-    learner = Learner(model, lr=config.lr, tau=config.tau)
+    learner = Learner(model, lr=config.lr, tau=config.tau, qk_clip_tau=config.qk_clip_tau)
     app = ServiceApp("trainer", config)
     servicer = TrainerServicer(learner, config.batch_size, config.model, config.publish_dir, etcd_publisher(config))
     app.add_service(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, servicer, "k3.v1.TrainerService")

@@ -64,7 +64,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 self.step += 1
                 STEPS.inc()
                 log.info("policy step", extra={"step": self.step, "loss": round(stats.loss, 5),
-                                               "tokens": stats.tokens, "max_log_ratio": round(stats.max_log_ratio, 3)})
+                                               "tokens": stats.tokens, "max_log_ratio": round(stats.max_log_ratio, 3),
+                                               "max_attention_logit": round(stats.max_attention_logit, 3),
+                                               "clipped_heads": stats.clipped_heads})
         return trainer_pb2.SubmitTrajectoriesResponse(accepted=len(samples), step=self.step)
 
     async def PublishWeights(self, request, context):

@@ -98,3 +98,11 @@ def test_loss_is_reinforce_on_policy_and_ignores_stale_tokens():
     loss = per_token_policy_loss(logp, stale, adv, mask, tau=0.5, max_log_ratio=2.0)
     (grad2,) = torch.autograd.grad(loss, logits)
     assert torch.allclose(grad2[1], grad[1])
+
+
+def test_qk_clip_leaves_heads_at_or_under_tau_including_negative_max_logits():
+    q_proj, kv_b = torch.randn(3 * 6, 10), torch.randn(3 * 9, 8)
+    q0, kv0 = q_proj.clone(), kv_b.clone()
+    gamma = qk_clip_mla(q_proj, kv_b, torch.tensor([-4.0, 1.0, 8.0]), 2.0, 4, 2, 5)
+    assert gamma.tolist() == [1.0, 1.0, 0.25]
+    assert torch.equal(q_proj[:12], q0[:12]) and torch.equal(kv_b[:18], kv0[:18])
