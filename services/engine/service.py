@@ -13,6 +13,7 @@ from services.engine.params import GenerationOptions, check_prompt
 from services.engine.peers import TransferDirectory
 from services.engine.request import EngineRequest
 from services.engine.streams import RequestStream
+from services.engine.weight_reload import WeightReloader, start_weight_reload
 from services.engine.worker import Worker
 from services.kvtransfer.relayout import rank_layout
 from services.runtime import ServiceApp, errors
@@ -31,6 +32,7 @@ class WorkerService:
         self.transfers = TransferDirectory(config)
         self.model_config = config.model_config()
         self._engine: Engine | None = None
+        self.reloader: WeightReloader | None = None  # follows the trainer's published weights
         app.meta.update(model=config.model, tp_size=config.tp_size, hash_block_tokens=config.hash_block_tokens,
                         kda_heads=self.model_config.kda_num_heads, num_pages=config.num_pages)
         app.on_start(self._start)
@@ -52,6 +54,7 @@ class WorkerService:
 
     async def _start(self) -> None:
         self._engine = await asyncio.to_thread(self.worker.start, self.instance_id())
+        self.reloader = await asyncio.to_thread(start_weight_reload, self._engine, self.config, self.role)
         asyncio.get_running_loop().create_task(self._watch_engine())
 
     async def _watch_engine(self) -> None:
@@ -63,6 +66,8 @@ class WorkerService:
             self.app.request_stop()
 
     async def _stop(self) -> None:
+        if self.reloader is not None:
+            await asyncio.to_thread(self.reloader.close)
         await asyncio.to_thread(self.worker.stop)
         self.transfers.close()
 
