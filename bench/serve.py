@@ -275,8 +275,7 @@ def check_fast_path(rank: Rank, batch: int = 4, prompt_len: int = 96) -> dict:
         return logits, store.data[state_pages].view(torch.float32).clone()
 
     eager = DecodeFastPath(rank.runner.model, manager, max_model_len=rank.runner.max_model_len, graphs=False)
-    one_stream = DecodeFastPath(rank.runner.model, manager, max_model_len=rank.runner.max_model_len, graphs=False,
-                                head_streams=0)
+    one_stream = DecodeFastPath(rank.runner.model, manager, max_model_len=rank.runner.max_model_len, graphs=False)
 
     def dense() -> torch.Tensor:
         for op in one_stream.decoder.ffn:

@@ -27,13 +27,15 @@ if triton is not None:
     @triton.jit
     def _kda_decode_tiled_kernel(
         q, k, v, z, beta, gate, conv_w, A_log, dt_bias, norm_w, state, conv_state, slots, out,
+        q_row, k_row, v_row, z_row, beta_row, gate_row,
         state_slot, state_head, state_row, state_col, conv_slot, conv_stream, conv_head, conv_ch, conv_tap,
         scale, lower_bound, l2_eps, norm_eps,
         H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, BV: tl.constexpr,
         BOUNDED: tl.constexpr, STAGES: tl.constexpr, STREAMING: tl.constexpr,
     ):
-        """Grid (B, H); inputs [B, H, D] (viewed as L = 1 token), beta [B, H]. The pools are addressed by
-        element strides only (state: slot, head, row, column; conv: slot, stream, head, channel, tap), so a
+        """Grid (B, H); inputs [B, H, D] (viewed as L = 1 token), beta [B, H], each with its own row stride
+        (x_row: slices of one projection GEMM's output need no copy). The pools are addressed by element
+        strides only (state: slot, head, row, column; conv: slot, stream, head, channel, tap), so a
         head-interleaved pool page is as good as a dense [slots, H, D, D] tensor."""
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
@@ -41,27 +43,31 @@ if triton is not None:
         offs = tl.arange(0, D)
         slot = tl.load(slots + b).to(tl.int64)
         r = b * 0  # no replay: a tensor zero keeps _raw_input's masks tensors under the interpreter
+        # The shared helpers index [B, L, H, D] inputs from row b; here each input pointer is moved to row b
+        # by its own stride and the helpers are given row 0 (r).
+        q, k, v = q + b * q_row, k + b * k_row, v + b * v_row
         hist = conv_state + slot * conv_slot + h * conv_head
         hk, hv = hist + conv_stream, hist + 2 * conv_stream
         taps = conv_w + h * D * W
-        q3, q2, q1 = _history(q, q, hist, conv_ch, conv_tap, r, b, h, 1, 0, offs, H, D, W)
+        q3, q2, q1 = _history(q, q, hist, conv_ch, conv_tap, r, r, h, 1, 0, offs, H, D, W)
         qw0, qw1, qw2, qw3 = _taps(taps, offs, W)
-        xq = _raw_input(q, q, hist, conv_ch, conv_tap, 0, r, b, h, 1, 0, offs, H, D, W)
+        xq = _raw_input(q, q, hist, conv_ch, conv_tap, 0, r, r, h, 1, 0, offs, H, D, W)
         qt = _conv_silu(q3, q2, q1, xq, qw0, qw1, qw2, qw3)
-        k3, k2, k1 = _history(k, k, hk, conv_ch, conv_tap, r, b, h, 1, 0, offs, H, D, W)
+        k3, k2, k1 = _history(k, k, hk, conv_ch, conv_tap, r, r, h, 1, 0, offs, H, D, W)
         kw0, kw1, kw2, kw3 = _taps(taps + H * D * W, offs, W)
-        xk = _raw_input(k, k, hk, conv_ch, conv_tap, 0, r, b, h, 1, 0, offs, H, D, W)
+        xk = _raw_input(k, k, hk, conv_ch, conv_tap, 0, r, r, h, 1, 0, offs, H, D, W)
         kt = _conv_silu(k3, k2, k1, xk, kw0, kw1, kw2, kw3)
         qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + l2_eps)
         kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + l2_eps)
-        zt = tl.load(z + (b * H + h) * D + offs).to(tl.float32) + tl.load(dt_bias + h * D + offs).to(tl.float32)
+        zt = tl.load(z + b * z_row + h * D + offs).to(tl.float32)
+        zt += tl.load(dt_bias + h * D + offs).to(tl.float32)
         a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
         if BOUNDED:
             gt = lower_bound * tl.sigmoid(a_scale * zt)
         else:  # Kimi Linear: -exp(A) softplus(z), torch's threshold of 20 kept
             gt = -a_scale * tl.where(zt > 20.0, zt, tl.log(1.0 + tl.exp(zt)))
         decay = tl.exp(gt)
-        bt = tl.sigmoid(tl.load(beta + b * H + h).to(tl.float32))
+        bt = tl.sigmoid(tl.load(beta + b * beta_row + h).to(tl.float32))
         qs = qt * scale
         s_base = state + slot * state_slot + h * state_head
         tiles = tl.arange(0, NT)
@@ -73,9 +79,9 @@ if triton is not None:
                 S = tl.load(s_ptrs, eviction_policy="evict_first") * decay[:, None]
             else:
                 S = tl.load(s_ptrs) * decay[:, None]
-            v3, v2, v1 = _history(v, v, hv, conv_ch, conv_tap, r, b, h, 1, 0, offs_v, H, D, W)
+            v3, v2, v1 = _history(v, v, hv, conv_ch, conv_tap, r, r, h, 1, 0, offs_v, H, D, W)
             vw0, vw1, vw2, vw3 = _taps(taps + 2 * H * D * W, offs_v, W)
-            xv = _raw_input(v, v, hv, conv_ch, conv_tap, 0, r, b, h, 1, 0, offs_v, H, D, W)
+            xv = _raw_input(v, v, hv, conv_ch, conv_tap, 0, r, r, h, 1, 0, offs_v, H, D, W)
             vt = _conv_silu(v3, v2, v1, xv, vw0, vw1, vw2, vw3)
             u = bt * (vt - tl.sum(S * kt[:, None], 0))
             S = S + kt[:, None] * u[None, :]
@@ -84,14 +90,14 @@ if triton is not None:
             else:
                 tl.store(s_ptrs, S)
             o_all = tl.where(tiles[:, None] == j, tl.sum(S * qs[:, None], 0)[None, :], o_all)
-            _write_conv_window(v, v, hv, conv_ch, conv_tap, 1, r, b, h, 1, 0, offs_v, H, D, W, BWM, BV, D)
+            _write_conv_window(v, v, hv, conv_ch, conv_tap, 1, r, r, h, 1, 0, offs_v, H, D, W, BWM, BV, D)
         cols = tiles[:, None] * BV + tl.arange(0, BV)[None, :]
-        g = tl.load(gate + (b * H + h) * D + cols).to(tl.float32)
+        g = tl.load(gate + b * gate_row + h * D + cols).to(tl.float32)
         y = o_all * tl.rsqrt(tl.sum(tl.sum(o_all * o_all, 1), 0) / D + norm_eps)
         y = y * tl.load(norm_w + cols).to(tl.float32) * tl.sigmoid(g)
         tl.store(out + (b * H + h) * D + cols, y.to(out.dtype.element_ty))
-        _write_conv_window(q, q, hist, conv_ch, conv_tap, 1, r, b, h, 1, 0, offs, H, D, W, BWM, D, D)
-        _write_conv_window(k, k, hk, conv_ch, conv_tap, 1, r, b, h, 1, 0, offs, H, D, W, BWM, D, D)
+        _write_conv_window(q, q, hist, conv_ch, conv_tap, 1, r, r, h, 1, 0, offs, H, D, W, BWM, D, D)
+        _write_conv_window(k, k, hk, conv_ch, conv_tap, 1, r, r, h, 1, 0, offs, H, D, W, BWM, D, D)
 
 
 def kda_decode_tiled(
@@ -101,14 +107,16 @@ def kda_decode_tiled(
     lower_bound: float | None, scale: float | None, l2_eps: float, norm_eps: float, tile_v: int,
     num_warps: int, stages: int, streaming: bool = False,
 ) -> torch.Tensor:
-    """Launch on inputs already checked by decode_triton (contiguous [B, H, D], beta [B, H]); the pools may be
-    any strided views ([slots, H, D, D] and [slots, 3, H, D, W-1]): their strides go to the kernel."""
+    """Launch on inputs already checked by decode_triton: [B, H, D] (beta [B, H]) with dense rows (any row
+    stride); the pools may be any strided views ([slots, H, D, D] and [slots, 3, H, D, W-1]). All strides
+    go to the kernel."""
     B, H, D = q.shape
     W = conv_pool.shape[-1] + 1
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _kda_decode_tiled_kernel[(B, H)](
         q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool, slots, out,
-        *state_pool.stride(), *conv_pool.stride(), D**-0.5 if scale is None else scale,
+        *(t.stride(0) for t in (q, k, v, z, beta, gate)), *state_pool.stride(), *conv_pool.stride(),
+        D**-0.5 if scale is None else scale,
         -5.0 if lower_bound is None else lower_bound, l2_eps, norm_eps,
         H=H, D=D, W=W, BWM=next_pow2(W - 1), BV=tile_v, BOUNDED=lower_bound is not None, STAGES=stages,
         STREAMING=streaming, num_warps=num_warps,

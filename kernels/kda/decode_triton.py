@@ -303,6 +303,12 @@ def fused_kda_recurrent(
 DECODE_TILE_V, DECODE_WARPS, DECODE_STAGES, DECODE_STREAMING = 128, 4, 1, True
 
 
+def _dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """t itself if all but its row (first) stride are dense (the step takes any row stride), else a copy."""
+    dense = t.new_empty((1, *t.shape[1:])).stride()[1:]
+    return t if t.stride()[1:] == dense else t.contiguous()
+
+
 def kda_decode_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
     gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -324,7 +330,7 @@ def kda_decode_step(
     D = q.shape[-1]
     tile_v = min(block_v or DECODE_TILE_V, D)
     require(D % tile_v == 0 and tile_v == next_pow2(tile_v), f"block_v must divide {D}, got {block_v}")
-    q, k, v, z, beta, gate = (t.contiguous() for t in (q, k, v, z, beta, gate))
+    q, k, v, z, beta, gate = (_dense_rows(t) for t in (q, k, v, z, beta, gate))
     return kda_decode_tiled(q, k, v, z, beta, gate, conv_weight.contiguous(), A_log, dt_bias.contiguous(),
                             norm_weight, state_pool, conv_pool, slots, lower_bound, scale, l2_eps, norm_eps,
                             tile_v, num_warps, DECODE_STAGES, DECODE_STREAMING)

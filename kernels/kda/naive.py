@@ -3,6 +3,8 @@
 Each function has the exact interface of its Triton peer and is composed from k3core.ops (short conv,
 L2Norm, gate, delta rule, gated RMSNorm); nothing of the math is restated here. Everything runs in
 float32 (the kernels keep every intermediate on chip in float32), outputs come back in q's dtype.
+The pools may be strided views (e.g. of head-interleaved pool pages): states are read and written by
+indexing them, so every write lands in the viewed storage (tests/kernels/test_kda_strided.py).
 """
 
 from __future__ import annotations

@@ -36,12 +36,12 @@ def fastpath_wanted(device: torch.device, tp_size: int) -> bool:
 
 class DecodeFastPath:
     def __init__(self, model: K3Model, manager: PrefixCacheManager, *, max_model_len: int = 32768,
-                 max_batch: int = 256, graphs: bool | None = None, head_streams: int = 16) -> None:
+                 max_batch: int = 256, graphs: bool | None = None) -> None:
         if manager.store is None:
             raise ValueError("the decode fast path needs a manager with a page store")
         layout = manager.layout
         self.device = manager.store.data.device
-        self.decoder = FastDecoder(model, PoolViews(manager.store.data, layout), head_streams)
+        self.decoder = FastDecoder(model, PoolViews(manager.store.data, layout))
         scratch_kda = manager.pool.allocate(PageKind.KDA, 0)[0]
         scratch_mla = manager.pool.allocate(PageKind.MLA, 0)[0]
         self.builder = DecodeInputBuilder(layout, math.ceil(max_model_len / layout.tokens_per_block),

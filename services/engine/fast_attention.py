@@ -1,8 +1,8 @@
 """Decode (one new token per sequence) of the two attention kinds through `kernels.dispatch`, on the pool.
 
-KDA: the fused recurrent kernel updates the state and conv window in place in the request's KDA state page
-(one launch per head on the head's `[pages, 1, D, D]` view, see `pool_views`); heads run on side streams on
-CUDA so that the launches overlap. MLA: the new latent row is written straight into its page slot, then the
+KDA: the fused decode step updates the state and conv window in place in the request's KDA state page, one
+launch per layer over all heads on the layer's strided `[pages, H, D, D]` view (see `pool_views`), its
+inputs read straight from the projection GEMM's output (row-strided slices, no re-layout). MLA: the new latent row is written straight into its page slot, then the
 weight-absorbed query attends over the pool's latent pages through the page table (split-KV kernel).
 No host sync and no per-sequence Python: every shape depends on the batch size only.
 """
@@ -39,45 +39,19 @@ def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
     return fused
 
 
-class HeadStreams:
-    """Side streams the per-head launches of one layer are spread over (CUDA only; a no-op elsewhere)."""
-
-    def __init__(self, device: torch.device, count: int) -> None:
-        self.streams = [torch.cuda.Stream(device) for _ in range(count)] if device.type == "cuda" else []
-
-    def run(self, jobs: list) -> list[torch.Tensor]:
-        if not self.streams:
-            return [job() for job in jobs]
-        main = torch.cuda.current_stream()
-        for stream in self.streams:
-            stream.wait_stream(main)
-        outs = []
-        for i, job in enumerate(jobs):
-            with torch.cuda.stream(self.streams[i % len(self.streams)]):
-                outs.append(job())
-        for stream in self.streams:
-            main.wait_stream(stream)
-        return outs
-
-
 class KdaDecode:
-    def __init__(self, attn: KimiDeltaAttention, views: PoolViews, streams: HeadStreams) -> None:
+    def __init__(self, attn: KimiDeltaAttention, views: PoolViews) -> None:
         self.attn = attn
-        self.streams = streams
-        heads, dim = attn.heads, attn.head_dim
         gate = [attn.g_proj] if attn.full_rank_gate else [attn.g_a_proj]
         inputs = [attn.q_proj, attn.k_proj, attn.v_proj, *gate, attn.f_a_proj, attn.b_proj]
         self.weight = fuse_linears(inputs)
         self.splits = [lin.weight.shape[0] for lin in inputs]
-        conv = torch.stack([c.weight[:, 0, :] for c in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d)])
-        # Per-head parameters, each laid out as the kernel wants them for H = 1.
-        self.conv_w = [conv[:, h * dim : (h + 1) * dim].contiguous() for h in range(heads)]
-        a_log = attn.A_log.detach().reshape(heads)
-        self.a_log = [a_log[h : h + 1].contiguous() for h in range(heads)]
-        self.dt_bias = [attn.dt_bias.detach()[h * dim : (h + 1) * dim].contiguous() for h in range(heads)]
-        layer = attn.kda_index
-        self.state = [views.kda_state(layer, h) for h in range(heads)]
-        self.conv = [views.kda_conv(layer, h) for h in range(heads)]
+        self.conv_w = torch.stack([c.weight.detach()[:, 0, :] for c in (attn.q_conv1d, attn.k_conv1d,
+                                                                          attn.v_conv1d)])  # [3, H*D, W]
+        self.a_log = attn.A_log.detach().reshape(attn.heads).contiguous()
+        self.dt_bias = attn.dt_bias.detach().reshape(-1).contiguous()
+        self.state = views.kda_state(attn.kda_index)
+        self.conv = views.kda_conv(attn.kda_index)
 
     def __call__(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """x [B, hidden] (normed) -> [B, hidden]; slots [B]: each sequence's KDA state page of this group."""
@@ -87,18 +61,10 @@ class KdaDecode:
         z = attn.f_b_proj(f_a)
         if not attn.full_rank_gate:
             g = attn.g_b_proj(g)
-        # Head-major [5, H, B, D] so that each head's inputs are contiguous [B, 1, D] slices.
-        per_head = torch.stack([t.reshape(batch, heads, dim).transpose(0, 1) for t in (q, k, v, z, g)])
-        beta = beta.t().contiguous()
-
-        def head(h: int):
-            qh, kh, vh, zh, gh = (per_head[i, h].unsqueeze(1) for i in range(5))
-            return lambda: dispatch.kda_decode_step(
-                qh, kh, vh, zh, beta[h].unsqueeze(1), gh, self.conv_w[h], self.a_log[h], self.dt_bias[h],
-                attn.o_norm.weight, self.state[h], self.conv[h], slots, lower_bound=attn.lower_bound,
-                scale=attn.scale, l2_eps=L2_EPS, norm_eps=attn.eps)
-
-        y = torch.cat(self.streams.run([head(h) for h in range(heads)]), dim=1)  # [B, H, D]
+        q, k, v, z, g = (t.view(batch, heads, dim) for t in (q, k, v, z, g))  # row-strided views, no copy
+        y = dispatch.kda_decode_step(q, k, v, z, beta, g, self.conv_w, self.a_log, self.dt_bias, attn.o_norm.weight,
+                                     self.state, self.conv, slots, lower_bound=attn.lower_bound, scale=attn.scale,
+                                     l2_eps=L2_EPS, norm_eps=attn.eps)  # [B, H, D]
         return attn.o_proj(y.reshape(batch, heads * dim))
 
 

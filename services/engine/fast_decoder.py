@@ -17,25 +17,24 @@ from k3core.model import K3Model
 from k3core.ops.attnres import attnres_direct, attnres_inter
 from kernels import dispatch
 from services.engine.decode_inputs import DecodeInputs
-from services.engine.fast_attention import HeadStreams, KdaDecode, MlaDecode, rms
+from services.engine.fast_attention import KdaDecode, MlaDecode, rms
 from services.engine.fast_ffn import MlpDecode, MoeDecode, grouped_mm_available
 from services.engine.pool_views import PoolViews
 
 
 class FastDecoder:
-    def __init__(self, model: K3Model, views: PoolViews, head_streams: int = 16) -> None:
+    def __init__(self, model: K3Model, views: PoolViews) -> None:
         self.model = model
         self.config = config = model.config
         layout = views.layout
         weight = model.model.embed_tokens.weight
-        streams = HeadStreams(weight.device, min(head_streams, config.kda_num_heads))
         grouped = grouped_mm_available(weight.device, weight.dtype)
         self.attention: list = []
         self.ffn: list = []
         for layer in model.model.layers:
             attn = layer.self_attn
             if isinstance(attn, KimiDeltaAttention):
-                op = KdaDecode(attn, views, streams)
+                op = KdaDecode(attn, views)
                 group = layout.kda_slot(attn.kda_index)[0]
                 self.attention.append(lambda x, inp, op=op, g=group: op(x, inp.kda_slots[g]))
             else:

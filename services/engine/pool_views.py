@@ -1,12 +1,11 @@
 """Zero-copy views of the paged pool's bytes in the layouts the decode kernels take.
 
 The pool's KDA page is head-major, `[head][layer slot][recurrent D*D | conv 3*D*(W-1)]` (k3core.cache.layout),
-so that one head is one contiguous byte range for the KV transfer service. The fused KDA kernel addresses
-its state as `[slots, H, D, D]` with the heads of a slot adjacent (head stride D*D), which that layout
-cannot provide for H > 1 without giving up the per-head ranges. One (layer, head) pair, however, *is* a
-`[slots, 1, D, D]` state and a `[slots, 3, 1, D, W-1]` conv window with the page as the slot (stride: one
-page), so the fast path runs the kernel per head on these views with the request's state page ids as the
-slots: no copy, and the per-head transfer layout stays as it is.
+so that one head is one contiguous byte range for the KV transfer service. One KDA layer of every page is
+then a `[pages, H, D, D]` state with strides (page, head range, D, 1) and a `[pages, 3, H, D, W-1]` conv
+window with strides (page, D*(W-1), head range, W-1, 1): the KDA decode kernels take any strides, so the
+fast path runs one launch per layer over all heads on these views, with the request's state page ids as
+the slots: no copy, and the per-head transfer layout stays as it is.
 
 MLA pages are `[token][layer slot][latent]`: one layer slot is a `[pages, tokens_per_block, R+P]` view with a
 page stride and a row stride, exactly what the paged MLA kernel takes; new rows are written through a
@@ -20,12 +19,17 @@ import torch
 from k3core.cache.layout import PoolLayout
 
 
+def _elements(nbytes: int, dtype: torch.dtype) -> int:
+    """A byte count in elements of `dtype` (layout segments are 16-byte aligned, so it divides)."""
+    if nbytes % dtype.itemsize:
+        raise ValueError(f"{nbytes} bytes (page size, offset or stride) not aligned to {dtype}")
+    return nbytes // dtype.itemsize
+
+
 def _typed(data: torch.Tensor, dtype: torch.dtype, offset_bytes: int) -> tuple[torch.Tensor, int, int]:
     """(the pool as a flat tensor of `dtype`, elements per page, element offset of `offset_bytes`)."""
-    size = dtype.itemsize
-    if data.shape[1] % size or offset_bytes % size:
-        raise ValueError(f"page bytes {data.shape[1]} / offset {offset_bytes} not aligned to {dtype}")
-    return data.view(dtype).view(-1), data.shape[1] // size, offset_bytes // size
+    per_page, offset = _elements(data.shape[1], dtype), _elements(offset_bytes, dtype)
+    return data.view(dtype).view(-1), per_page, offset
 
 
 class PoolViews:
@@ -36,24 +40,25 @@ class PoolViews:
         self.layout = layout
         self.num_pages = data.shape[0]
 
-    def kda_state(self, kda_layer: int, head: int) -> torch.Tensor:
-        """[num_pages, 1, D, D] float32: the recurrent state of one layer and head of every page."""
+    def kda_state(self, kda_layer: int) -> torch.Tensor:
+        """[num_pages, H, D, D] float32 (head stride: one head range): the recurrent states of one layer."""
         lay = self.layout
         d = lay.shape.kda_head_dim
         _, slot = lay.kda_slot(kda_layer)
-        flat, per_page, offset = _typed(self.data, lay.state_dtype, head * lay.kda_head_stride
-                                        + slot * lay.kda_layer_stride)
-        return flat.as_strided((self.num_pages, 1, d, d), (per_page, d * d, d, 1), offset)
+        flat, per_page, offset = _typed(self.data, lay.state_dtype, slot * lay.kda_layer_stride)
+        heads = _elements(lay.kda_head_stride, lay.state_dtype)
+        return flat.as_strided((self.num_pages, lay.heads_per_rank, d, d), (per_page, heads, d, 1), offset)
 
-    def kda_conv(self, kda_layer: int, head: int) -> torch.Tensor:
-        """[num_pages, 3, 1, D, W-1]: the q/k/v conv windows of one layer and head of every page."""
+    def kda_conv(self, kda_layer: int) -> torch.Tensor:
+        """[num_pages, 3, H, D, W-1]: the q/k/v conv windows of one layer, every head, every page."""
         lay = self.layout
         d, w = lay.shape.kda_head_dim, lay.shape.conv_kernel
         _, slot = lay.kda_slot(kda_layer)
-        flat, per_page, offset = _typed(self.data, lay.conv_dtype, head * lay.kda_head_stride
-                                        + slot * lay.kda_layer_stride + lay.kda_recurrent_bytes)
-        window = d * (w - 1)
-        return flat.as_strided((self.num_pages, 3, 1, d, w - 1), (per_page, window, window, w - 1, 1), offset)
+        flat, per_page, offset = _typed(self.data, lay.conv_dtype, slot * lay.kda_layer_stride
+                                        + lay.kda_recurrent_bytes)
+        heads = _elements(lay.kda_head_stride, lay.conv_dtype)
+        return flat.as_strided((self.num_pages, 3, lay.heads_per_rank, d, w - 1),
+                               (per_page, d * (w - 1), heads, w - 1, 1), offset)
 
     def mla_cache(self, mla_layer: int) -> torch.Tensor:
         """[num_pages, tokens_per_block, R+P] (page and row strided) latent rows of one MLA layer."""

@@ -127,3 +127,24 @@ def test_verify_recurrence_on_strided_views(interpreted):
     torch.testing.assert_close(pools.conv, dense[1], rtol=0, atol=0)
     outside = _outside(pools, slots.tolist())
     assert torch.equal(pools.buffer[outside], before[outside])
+
+
+def test_row_strided_inputs_need_no_copy(interpreted):
+    """q, k, v, z, gate, beta as column slices of one projection output (row stride > H*D): the step reads
+    them in place and gives exactly the contiguous launch's result."""
+    gen = torch.Generator().manual_seed(14)
+    params = CASE.params(gen)
+    pools = CASE.pools(gen)
+    dense_pools = tuple(p.clone() for p in pools)
+    b, h, d = 3, CASE.heads, CASE.dim
+    wide = torch.randn(b, 5 * h * d + h + 3, generator=gen)  # + 3: a row stride that is no multiple of D
+    x = [wide[:, i * h * d : (i + 1) * h * d].view(b, h, d) for i in range(5)]
+    beta = wide[:, 5 * h * d : 5 * h * d + h]
+    q, k, v, z, gate = x
+    assert all(decode_triton._dense_rows(t) is t for t in (*x, beta))  # no copy is made
+    slots = torch.tensor([2, 6, 3])
+    y = decode_triton.kda_decode_step(q, k, v, z, beta, gate, *params, *pools, slots)
+    y_dense = decode_triton.kda_decode_step(*(t.contiguous() for t in (q, k, v, z, beta, gate)), *params,
+                                            *dense_pools, slots)
+    assert torch.equal(y, y_dense)
+    assert torch.equal(pools[0], dense_pools[0]) and torch.equal(pools[1], dense_pools[1])

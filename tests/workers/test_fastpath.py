@@ -141,6 +141,33 @@ def test_padded_rows_leave_the_real_rows_alone(nano):
     assert torch.equal(manager.store.data[rest], before[rest])
 
 
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (random bytes read as floats hold NaNs, which torch.equal never calls equal)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def test_kda_pool_views_address_each_heads_byte_range(nano):
+    """One layer's [pages, H, D, D] / [pages, 3, H, D, W-1] views read exactly the bytes the layout gives
+    head h of that layer slot: [head][layer slot][recurrent | conv] per page (k3core.cache.layout)."""
+    from services.engine.pool_views import PoolViews
+
+    layout = plan_layout(shape_from_config(nano.config, "nano"), 1, hash_block_tokens=HASH_BLOCK)
+    data = torch.randint(0, 256, (5, layout.page_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    views = PoolViews(data, layout)
+    d, w = layout.shape.kda_head_dim, layout.shape.conv_kernel
+    for kda_layer in range(layout.shape.num_kda_layers):
+        state, conv = views.kda_state(kda_layer), views.kda_conv(kda_layer)
+        assert state.shape == (5, layout.heads_per_rank, d, d) and conv.shape == (5, 3, layout.heads_per_rank, d, w - 1)
+        slot = layout.kda_slot(kda_layer)[1]
+        for page, head in ((0, 0), (3, layout.heads_per_rank - 1), (4, 1)):
+            start = head * layout.kda_head_stride + slot * layout.kda_layer_stride
+            recurrent = data[page, start : start + d * d * 4].view(torch.float32).view(d, d)
+            conv_bytes = 3 * d * (w - 1) * layout.conv_dtype.itemsize
+            window = data[page, start + layout.kda_recurrent_bytes :][:conv_bytes].view(layout.conv_dtype)
+            assert _same_bytes(state[page, head], recurrent)
+            assert _same_bytes(conv[page, :, head], window.view(3, d, w - 1))
+
+
 @pytest.mark.parametrize(("grouped", "tokens", "dense"), [(True, 3, False), (True, 9, True), (True, 200, False),
                                                         (False, 3, True)])
 def test_batched_moe_equals_the_reference_moe(nano, grouped, tokens, dense):
