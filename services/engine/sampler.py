@@ -7,6 +7,8 @@ worker's first token and a decode worker's continuation are the tokens one offli
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from services.engine.params import GenerationOptions
@@ -25,6 +27,15 @@ def sample_next(logits: torch.Tensor, options: GenerationOptions, index: int) ->
         return int(torch.argmax(logits))
     generator = torch.Generator(device="cpu").manual_seed(token_seed(options.seed, index))
     return int(torch.multinomial(sampling_probs(logits, options).cpu(), 1, generator=generator))
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[tuple[int, GenerationOptions, int]]) -> list[int]:
+    """The tokens `sample_next(logits[row], options, index)` gives for each (row, options, index), with one
+    argmax over the whole batch and one host copy for all greedy rows instead of a sync per row (sampled
+    rows still draw from their own (seed, index) generator, through `sample_next` itself)."""
+    greedy = [] if all(options.temperature != 0 for _, options, _ in rows) else logits.argmax(-1).tolist()
+    return [greedy[row] if options.temperature == 0 else sample_next(logits[row], options, index)
+            for row, options, index in rows]
 
 
 def sampling_probs(logits: torch.Tensor, options: GenerationOptions) -> torch.Tensor:
