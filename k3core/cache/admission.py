@@ -123,7 +123,8 @@ class Admission:
             m.tiering.restore(hit.checkpoint, req.state_pages)
         if isinstance(hit.checkpoint, Checkpoint):
             req.hit_checkpoint = hit.checkpoint
-            req.waypoints = [w for w in hit.checkpoint.waypoints if w.num_tokens <= boundary]
+            started = hit.checkpoint  # a turn end (its conversation's waypoints) or a waypoint itself
+            req.waypoints = [*started.waypoints, started] if started.structural else list(started.waypoints)
         req.num_computed = req.hit_tokens = boundary
         if m.policy.branch_points and hit.mla_tokens > boundary:
             req.branch_point = hit.mla_tokens

@@ -66,6 +66,7 @@ class Checkpoint:
     superseded: bool = False  # a later turn of its conversation ended on top of it (evicted early)
     anchored: list[Block] = field(default_factory=list)  # prefix blocks it keeps worth holding (retention)
     waypoints: list[Checkpoint] = field(default_factory=list)  # a turn end's conversation waypoints
+    structural: bool = False  # a waypoint or a branch point: never superseded by a turn built on it
 
     def evict(self) -> None:
         self.on_evict(self)

@@ -213,7 +213,8 @@ class PrefixCacheManager:
                     for page in checkpoint.pages:
                         self.pool.touch(page)
             started = req.hit_checkpoint
-            if started is not None and started is not latest and started.num_tokens < latest.num_tokens:
+            if (started is not None and started is not latest and started.num_tokens < latest.num_tokens
+                    and not started.structural):  # waypoints and branch points stay what they are
                 self.retention.supersede(started)
         # Tail blocks first, so that under LRU a prefix's end is evicted before its shared head.
         pages = [p for block in reversed(req.blocks) for p in block.pages] + req.state_pages

@@ -39,13 +39,15 @@ class Snapshots:
             checkpoint = self._new(req, key, previous if reclaim else None)
             if checkpoint is None:
                 return
-        checkpoint.keep |= (end == req.prompt_tokens // hb and m.policy.keep_prompt_end
-                            or req.num_computed == req.branch_point)
+        checkpoint.keep |= end == req.prompt_tokens // hb and m.policy.keep_prompt_end
+        if req.num_computed == req.branch_point:
+            checkpoint.keep = checkpoint.structural = True  # a shared prefix ends here
         spacing = m.policy.waypoint_tokens
         if spacing and req.num_computed < req.prompt_tokens:
             last = req.waypoints[-1].num_tokens if req.waypoints else req.hit_tokens
             if req.num_computed - last >= spacing and checkpoint not in req.waypoints:
-                checkpoint.keep = True  # a waypoint of a long prefill: evicted after the turn end
+                checkpoint.keep = checkpoint.structural = True  # a waypoint: evicted after the turn end
+                checkpoint.waypoints = list(req.waypoints)  # a hit here resumes the conversation's lineage
                 req.waypoints.append(checkpoint)
         req.latest = checkpoint
         if reclaim and previous is not None:
@@ -79,5 +81,6 @@ class Snapshots:
             return  # already evicted
         m.checkpoints.remove(checkpoint)
         m.retention.release(checkpoint)
+        checkpoint.waypoints = []  # an evicted turn end no longer keeps its conversation's others alive
         for page in checkpoint.pages:
             m.pool.release(page)

@@ -323,6 +323,11 @@ def test_a_shared_prefix_gets_a_checkpoint_at_its_branch_point() -> None:
     manager.pre_forward()
     oracle.check_private(manager, "c", c)
     assert oracle.check(manager) > 0
+    while manager.requests["c"].num_computed < len(c):
+        step(manager, {"c": 100})
+    manager.finish("c")  # c's turn ended on top of the shared checkpoint, which stays a live entry
+    shared = manager.checkpoints.find(chain_hashes(system, 4)[2])
+    assert shared is not None and shared.structural and not shared.superseded
 
 
 def test_branch_points_can_be_switched_off() -> None:

@@ -178,7 +178,11 @@ def test_waypoints_let_pressure_trim_a_conversation_from_its_tail() -> None:
     manager.pool.evict_one()  # the block past the deepest waypoint (tokens 36-47) is worthless now
     for page in filler:
         manager.pool.decref(page)
-    assert turn(manager, "a2", long + [1, 2, 3]) == 32
+    assert turn(manager, "a2", long + [1, 2, 3]) == 32  # its next turn starts from the waypoint...
+    waypoint = manager.checkpoints.find(chain_hashes(long, 4)[7])
+    assert waypoint is not None and not waypoint.superseded  # ...which stays a waypoint of the conversation
+    (end,) = [c for c in manager.checkpoints.by_key.values() if c.num_tokens == 52]
+    assert [w.num_tokens for w in end.waypoints] == [16, 32]
 
 
 def test_a_conversations_waypoints_follow_its_turns() -> None:
