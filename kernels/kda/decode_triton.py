@@ -305,8 +305,11 @@ DECODE_TILE_V, DECODE_WARPS, DECODE_STAGES, DECODE_STREAMING = 128, 4, 1, True
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
     """t itself if all but its row (first) stride are dense (the step takes any row stride), else a copy."""
-    dense = t.new_empty((1, *t.shape[1:])).stride()[1:]
-    return t if t.stride()[1:] == dense else t.contiguous()
+    dense, step = [], 1
+    for size in reversed(t.shape[1:]):
+        dense.insert(0, step)
+        step *= size
+    return t if list(t.stride()[1:]) == dense else t.contiguous()
 
 
 def kda_decode_step(

@@ -2,8 +2,9 @@
 
 KDA: the fused decode step updates the state and conv window in place in the request's KDA state page, one
 launch per layer over all heads on the layer's strided `[pages, H, D, D]` view (see `pool_views`), its
-inputs read straight from the projection GEMM's output (row-strided slices, no re-layout). MLA: the new latent row is written straight into its page slot, then the
-weight-absorbed query attends over the pool's latent pages through the page table (split-KV kernel).
+inputs read straight from the projection GEMM's output (row-strided slices, no re-layout). MLA: the new
+latent row is written straight into its page slot, then the weight-absorbed query attends over the
+pool's latent pages through the page table (split-KV kernel).
 No host sync and no per-sequence Python: every shape depends on the batch size only.
 """
 
@@ -62,9 +63,10 @@ class KdaDecode:
         if not attn.full_rank_gate:
             g = attn.g_b_proj(g)
         q, k, v, z, g = (t.view(batch, heads, dim) for t in (q, k, v, z, g))  # row-strided views, no copy
-        y = dispatch.kda_decode_step(q, k, v, z, beta, g, self.conv_w, self.a_log, self.dt_bias, attn.o_norm.weight,
-                                     self.state, self.conv, slots, lower_bound=attn.lower_bound, scale=attn.scale,
-                                     l2_eps=L2_EPS, norm_eps=attn.eps)  # [B, H, D]
+        y = dispatch.kda_decode_step(q, k, v, z, beta, g, self.conv_w, self.a_log, self.dt_bias,
+                                     attn.o_norm.weight, self.state, self.conv, slots,
+                                     lower_bound=attn.lower_bound, scale=attn.scale, l2_eps=L2_EPS,
+                                     norm_eps=attn.eps)  # [B, H, D]
         return attn.o_proj(y.reshape(batch, heads * dim))
 
 

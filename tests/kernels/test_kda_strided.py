@@ -120,7 +120,8 @@ def test_verify_recurrence_on_strided_views(interpreted):
     x = CASE.tokens(gen, 2, 3)
     before = pools.buffer.clone()
     dense = (pools.state.contiguous(), pools.conv.contiguous())
-    y = decode_triton.fused_kda_recurrent(*x, *params, pools.state, pools.conv, slots, replay=replay, n_commit=2)
+    y = decode_triton.fused_kda_recurrent(*x, *params, pools.state, pools.conv, slots, replay=replay,
+                                          n_commit=2)
     y_ref = naive.fused_kda_recurrent(*x, *params, *dense, slots, replay=replay, n_commit=2)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pools.state, dense[0], rtol=1e-5, atol=1e-6)

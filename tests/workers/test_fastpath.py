@@ -117,6 +117,24 @@ def test_one_step_writes_the_same_pool_bytes_and_logits(nano):
     assert layout.num_kda_groups > 1 and layout.layers_per_group > 1  # slots and groups are exercised
 
 
+def test_one_kda_decode_call_per_layer_over_all_heads(nano, monkeypatch):
+    """The launch count the docs state: one kda_decode_step per KDA layer per step, with every head in it."""
+    from kernels import dispatch
+
+    driver = _decoding_driver(nano)
+    manager, fast = driver.manager, driver.executor.fastpath
+    rids = sorted(manager.requests)
+    for rid in rids:
+        manager.reserve(rid, 1)
+    calls = []
+    step = dispatch.kda_decode_step
+    monkeypatch.setattr(dispatch, "kda_decode_step",
+                        lambda q, *args, **kw: calls.append(q.shape) or step(q, *args, **kw))
+    fast.forward([manager.requests[r] for r in rids], [3] * len(rids))
+    config = nano.config
+    assert calls == [(len(rids), config.kda_num_heads, config.kda_head_dim)] * len(config.kda_layers)
+
+
 def test_padded_rows_leave_the_real_rows_alone(nano):
     driver = _decoding_driver(nano)
     manager, fast = driver.manager, driver.executor.fastpath
@@ -152,12 +170,14 @@ def test_kda_pool_views_address_each_heads_byte_range(nano):
     from services.engine.pool_views import PoolViews
 
     layout = plan_layout(shape_from_config(nano.config, "nano"), 1, hash_block_tokens=HASH_BLOCK)
-    data = torch.randint(0, 256, (5, layout.page_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    data = torch.randint(0, 256, (5, layout.page_bytes), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(0))
     views = PoolViews(data, layout)
     d, w = layout.shape.kda_head_dim, layout.shape.conv_kernel
     for kda_layer in range(layout.shape.num_kda_layers):
         state, conv = views.kda_state(kda_layer), views.kda_conv(kda_layer)
-        assert state.shape == (5, layout.heads_per_rank, d, d) and conv.shape == (5, 3, layout.heads_per_rank, d, w - 1)
+        heads = layout.heads_per_rank
+        assert state.shape == (5, heads, d, d) and conv.shape == (5, 3, heads, d, w - 1)
         slot = layout.kda_slot(kda_layer)[1]
         for page, head in ((0, 0), (3, layout.heads_per_rank - 1), (4, 1)):
             start = head * layout.kda_head_stride + slot * layout.kda_layer_stride

@@ -13,8 +13,8 @@ VOCAB = 13
 
 
 def _options(temperature: float, top_k: int, top_p: float, seed: int) -> GenerationOptions:
-    return GenerationOptions(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=8, stop=(),
-                             stop_token_ids=frozenset(), ignore_eos=True)
+    return GenerationOptions(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=8,
+                             stop=(), stop_token_ids=frozenset(), ignore_eos=True)
 
 
 ROW_OPTIONS = st.builds(_options, st.sampled_from([0.0, 0.0, 0.7, 1.3]), st.sampled_from([0, 3, VOCAB + 2]),
@@ -36,6 +36,10 @@ def test_sample_rows_equals_sample_next_row_by_row(data, batch):
 def test_greedy_rows_take_one_batched_argmax(monkeypatch):
     """All-greedy batches never reach the per-row path (which syncs once per row on a GPU)."""
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(sampler, "sample_next", lambda *args: (_ for _ in ()).throw(AssertionError("per row")))
+    def per_row(*args):
+        raise AssertionError("a greedy row went through sample_next")
+
+    monkeypatch.setattr(sampler, "sample_next", per_row)
     greedy = _options(0.0, 0, 1.0, 1)
-    assert sampler.sample_rows(logits, [(r, greedy, 0) for r in (2, 0, 3)]) == logits.argmax(-1)[[2, 0, 3]].tolist()
+    want = logits.argmax(-1)[[2, 0, 3]].tolist()
+    assert sampler.sample_rows(logits, [(r, greedy, 0) for r in (2, 0, 3)]) == want
