@@ -96,6 +96,7 @@ class WeightReloader(EtcdFollower):
             log.error("weights not loaded; serving the previous version",
                       extra={"version": version, "location": location, "error": str(exc)[:500]})
             return
+        log.info("weights loaded; swapping once no request holds KV", extra={"version": version})
         try:
             swapped = self._swap_when_idle(self._swap(model, state))
         except Exception as exc:  # noqa: BLE001 - keep following; the next announcement may load
