@@ -6,6 +6,7 @@
     k3 down                        drain and stop the local fleet
     k3 health --address HOST:PORT  grpc.health.v1 check (exit 0 when SERVING; for container probes)
     k3 plan ...                    memory planner for a model preset
+    k3 rollout ...                 rollout driver: partial rollouts on a decode worker feeding the trainer
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         "plan": lambda a: _run("k3core.planner", "main", a),
         "drill": lambda a: _run("services.cli.drill_cmd", "main", a),
         "scale": lambda a: _run("services.cli.scale_cmd", "main", a),
+        "rollout": lambda a: _run("services.trainer.rollout_cli", "main", a),
     }
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
