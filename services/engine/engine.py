@@ -19,7 +19,7 @@ from services.engine.metrics import EngineMetrics
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager, StepPlan
 from services.engine.request import EngineRequest, Phase, StepOutput
-from services.engine.sampler import sample_next
+from services.engine.sampler import sample_rows
 from services.engine.scheduler import Scheduler
 from services.engine.speculative import Speculator
 from services.runtime import errors
@@ -164,17 +164,17 @@ class Engine:
             if req is not None:
                 self._finish(req, common_pb2.FINISH_REASON_ERROR, keep_turn=True)
                 self._fail(req, errors.Unavailable(f"could not export the KV cache: {why}", retry_after_ms=500))
-        sampled = [f for f in plan.forward if f.sample]
-        for row, item in enumerate(sampled):
-            req = self.requests.get(item.rid)
-            if req is None or req.phase is not Phase.RUNNING:
-                continue
+        live = [(row, self.requests.get(item.rid)) for row, item in enumerate(f for f in plan.forward if f.sample)]
+        live = [(row, req) for row, req in live if req is not None and req.phase is Phase.RUNNING]
+        drawn = [(row, req.options, len(req.output)) for row, req in live if not req.forced]
+        if drawn:
+            assert result.logits is not None
+        # One batched draw (a single device sync for all greedy rows), then accept in row order.
+        tokens = iter(sample_rows(result.logits, drawn) if drawn else [])
+        for _, req in live:
             if not req.output and not req.preemptions:
                 self.metrics.prompt_tokens.inc(len(req.prompt) - req.cached_tokens)
-            assert result.logits is not None
-            token = req.forced.pop(0) if req.forced else sample_next(result.logits[row], req.options,
-                                                                    len(req.output))
-            self._accept(req, token)
+            self._accept(req, req.forced.pop(0) if req.forced else next(tokens))
 
     def _verify(self, plan: StepPlan, proposals: dict[str, Proposal]) -> None:
         """Run the step's verify windows before the executor's forward (its step stays open until then):
