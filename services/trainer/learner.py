@@ -121,6 +121,7 @@ class Learner:
         stats = StepStats(loss.item(), int(mask.sum().item()), ratio)
         if self.qk_clip is not None:  # last: it measures the weights (router bias included) the step ends with
             report = self.qk_clip.run(lambda: self._logits(samples))
+            self._scores.clear()  # routing seen by the clip pass is not the step's
             stats.max_attention_logit, stats.clipped_heads = report.max_logit, report.clipped_heads
         return stats
 
