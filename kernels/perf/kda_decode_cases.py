@@ -1,21 +1,30 @@
-"""KDA decode step and replay verify on the H200: ours vs the fla-core 0.6.0 composition (GPU only)."""
+"""KDA decode step and replay verify on the H200: ours vs the fla-core 0.6.0 composition (GPU only).
+
+Also the decode step on the serving pool's head-interleaved pages (`services/engine/pool_views.py`): one
+strided launch over all heads against the per-head launches the fast path ran before, same buffer.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from k3core.cache.layout import PoolLayout, plan_layout, shape_from_config
+from k3core.presets import preset
 from kernels.kda import decode_step_triton, decode_triton, naive
 from kernels.perf.harness import Row, max_err, time_ms
+from services.engine.pool_views import PoolViews
 
 H, D, W = 32, 128, 4
 BF16 = torch.bfloat16
 
 
-def _params(dev: str):
-    conv_w = (torch.randn(3, H * D, W, device=dev) * 0.5).to(BF16)
-    return conv_w, torch.randn(H, device=dev) * 0.3, torch.randn(H * D, device=dev), torch.rand(D, device=dev) + 0.5
+def _params(dev: str, heads: int = H, dim: int = D, dtype: torch.dtype = BF16):
+    conv_w = (torch.randn(3, heads * dim, W, device=dev) * 0.5).to(dtype)
+    return (conv_w, torch.randn(heads, device=dev) * 0.3, torch.randn(heads * dim, device=dev),
+            torch.rand(dim, device=dev) + 0.5)
 
 
 def _tokens(batch: int, length: int, dev: str):
@@ -28,10 +37,10 @@ def _pools(slots: int, dev: str):
             torch.randn(slots, 3, H, D, W - 1, device=dev, dtype=BF16))
 
 
-def decode_bytes(batch: int) -> float:
-    state = 2 * batch * H * D * D * 4
-    conv = 2 * batch * 3 * H * D * (W - 1) * 2
-    io = (6 * batch * H * D + batch * H) * 2  # q, k, v, z, gate in; y out; beta
+def decode_bytes(batch: int, heads: int = H, dim: int = D) -> float:
+    state = 2 * batch * heads * dim * dim * 4
+    conv = 2 * batch * 3 * heads * dim * (W - 1) * 2
+    io = (6 * batch * heads * dim + batch * heads) * 2  # q, k, v, z, gate in; y out; beta
     return state + conv + io
 
 
@@ -109,6 +118,11 @@ def decode_rows(batches: tuple[int, ...] = (1, 64, 256),
             rows.append(Row("kda_decode_step", shape, "fla-core composition", ms, decode_bytes(B), note=how))
         except Exception as e:  # noqa: BLE001 - report, do not abort the whole benchmark
             rows.append(Row("kda_decode_step", shape, "fla-core composition", float("nan"), note=repr(e)[:200]))
+    try:
+        rows += pool_view_rows()
+    except Exception as e:  # noqa: BLE001 - the rows above stay
+        rows.append(Row("kda_decode_pool_view", "mini pool view", "ours: one strided launch, all heads",
+                        float("nan"), note=repr(e)[:200]))
     return rows
 
 
@@ -156,4 +170,109 @@ def verify_rows(batch: int = 64, drafts: tuple[int, ...] = (1, 2, 4, 8),
         except Exception as e:  # noqa: BLE001
             rows.append(Row("kda_verify", shape, "fla state-per-draft (recurrence only)", float("nan"),
                             note=repr(e)[:200]))
+    return rows
+
+
+@dataclass
+class PoolViewCase:
+    """One KDA layer's decode step on a page buffer laid out as the serving pool (`plan_layout` of a preset,
+    state fp32, conv and MLA in `dtype`), inputs as the fast path passes them: row-strided column slices of
+    one projection output."""
+
+    layout: PoolLayout
+    layer: int  # the KDA layer whose slot the views address (the last slot of a group: a non-zero offset)
+    data: torch.Tensor  # [pages, page_bytes] uint8
+    x: tuple[torch.Tensor, ...]  # q, k, v, z, beta, gate
+    params: tuple[torch.Tensor, ...]
+    head_params: list[tuple[torch.Tensor, ...]]  # per head, contiguous (prepared once, as the old fast path)
+    slots: torch.Tensor
+
+    def views(self, data: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """([pages, H, D, D] state, [pages, 3, H, D, W-1] conv) of `data` (default: the case's buffer)."""
+        views = PoolViews(self.data if data is None else data, self.layout)
+        return views.kda_state(self.layer), views.kda_conv(self.layer)
+
+
+def pool_view_case(model: str, batch: int, device: str, dtype: torch.dtype = BF16) -> PoolViewCase:
+    layout = plan_layout(shape_from_config(preset(model), model), state_dtype=torch.float32, conv_dtype=dtype,
+                         mla_dtype=dtype)
+    heads, dim = layout.heads_per_rank, layout.shape.kda_head_dim
+    data = torch.randint(0, 256, (2 * batch, layout.page_bytes), dtype=torch.uint8, device=device)
+    case_layer = layout.layers_per_group - 1
+    wide = torch.randn(batch, 5 * heads * dim + heads + 8, device=device, dtype=dtype)  # + 8: like a fused GEMM
+    q, k, v, z, gate = (wide[:, i * heads * dim : (i + 1) * heads * dim].view(batch, heads, dim) for i in range(5))
+    beta = wide[:, 5 * heads * dim : 5 * heads * dim + heads]
+    params = _params(device, heads, dim, dtype)
+    conv_w, a_log, dt_bias, norm_w = params
+    head_params = [(conv_w[:, h * dim : (h + 1) * dim].contiguous(), a_log[h : h + 1].clone(),
+                    dt_bias[h * dim : (h + 1) * dim].clone(), norm_w) for h in range(heads)]
+    slots = torch.randperm(2 * batch, device=device)[:batch].int()
+    case = PoolViewCase(layout, case_layer, data, (q, k, v, z, beta, gate), params, head_params, slots)
+    state, conv = case.views()
+    state.copy_(torch.randn(state.shape, device=device) * 0.05)  # the other bytes stay random
+    conv.copy_(torch.randn(conv.shape, device=device))
+    return case
+
+
+def strided_step(case: PoolViewCase, state: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
+    """The fast path's form: one launch over all heads on the strided pool views."""
+    return decode_triton.kda_decode_step(*case.x, *case.params, state, conv, case.slots)
+
+
+def per_head_step(case: PoolViewCase, state: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
+    """The former form: one launch per head on [pages, 1, D, D] views of the same buffer, outputs concatenated."""
+    outs = [decode_triton.kda_decode_step(*(t[:, h : h + 1] for t in case.x), *hp, state[:, h : h + 1],
+                                          conv[:, :, h : h + 1], case.slots)
+            for h, hp in enumerate(case.head_params)]
+    return torch.cat(outs, dim=1)
+
+
+def pool_view_errors(case: PoolViewCase, check_n: int) -> dict:
+    """One strided launch against (a) the reference on dense copies of the first `check_n` addressed states
+    and (b) the per-head launches on a copy of the buffer; `outside_unchanged`: no byte of the buffer that
+    the addressed slots' views do not cover was written. The case's buffer is left as it was."""
+    before = case.data.clone()
+    state, conv = case.views()
+    y = strided_step(case, state, conv)
+    ref_state, ref_conv = (t[case.slots[:check_n].long()].clone() for t in case.views(before))
+    y_ref = naive.kda_decode_step(*(t[:check_n] for t in case.x), *case.params, ref_state, ref_conv,
+                                  torch.arange(check_n, device=y.device))
+    sel = case.slots[:check_n].long()
+    result = {"y_max_abs": max_err(y[:check_n], y_ref), "state_max_abs": max_err(state[sel], ref_state),
+              "conv_max_abs": max_err(conv[sel], ref_conv)}
+    heads_data = before.clone()
+    head_state, head_conv = case.views(heads_data)
+    y_heads = per_head_step(case, head_state, head_conv)
+    result["per_head_y_max_abs"] = max_err(y, y_heads)
+    result["per_head_state_max_abs"] = max_err(state, head_state)
+    result["per_head_conv_max_abs"] = max_err(conv, head_conv)
+    restored = case.data.clone()
+    restored_state, restored_conv = case.views(restored)
+    before_state, before_conv = case.views(before)
+    all_slots = case.slots.long()
+    restored_state[all_slots], restored_conv[all_slots] = before_state[all_slots], before_conv[all_slots]
+    result["outside_unchanged"] = bool(torch.equal(restored, before))
+    case.data.copy_(before)
+    return result
+
+
+def pool_view_rows(batches: tuple[int, ...] = (64, 256), model: str = "mini") -> list[Row]:
+    """Decode step on the serving pool's pages: one strided launch vs per-head launches, same buffer."""
+    rows: list[Row] = []
+    for B in batches:
+        case = pool_view_case(model, B, "cuda")
+        heads, dim = case.layout.heads_per_rank, case.layout.shape.kda_head_dim
+        shape = f"B={B},H={heads},K=V={dim},{model} pool view"
+        nbytes = decode_bytes(B, heads, dim)
+        state, conv = case.views()
+        try:
+            err = pool_view_errors(case, min(B, 16))
+            ms, how = time_ms(partial(strided_step, case, state, conv))
+        except Exception as e:  # noqa: BLE001 - the per-head row is still worth having
+            ms, how, err = float("nan"), repr(e)[:200], {}
+        rows.append(Row("kda_decode_pool_view", shape, "ours: one strided launch, all heads", ms, nbytes,
+                        note=how, extra=err))
+        ms, how = time_ms(partial(per_head_step, case, state, conv))
+        rows.append(Row("kda_decode_pool_view", shape, f"baseline: {heads} per-head launches + concat", ms, nbytes,
+                        note=how))
     return rows
