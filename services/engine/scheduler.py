@@ -114,6 +114,10 @@ class Scheduler:
         cached = self.manager.manager.requests[req.rid]
         start = cached.num_computed
         end = start + min(cached.num_tokens - start, budget)
+        if start < cached.branch_point < end:
+            # Where this prompt's cached MLA match ran past its KDA hit: ending a forward there keeps a
+            # checkpoint, so the next prompt sharing that prefix (a system prompt) hits all of it.
+            end = cached.branch_point
         boundary = end // self.hash_block * self.hash_block
         if boundary > start:
             return boundary - start

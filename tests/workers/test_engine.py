@@ -91,3 +91,25 @@ def test_cancel_frees_pages_at_the_next_step(worker_factory):
     assert all(s.reason == common_pb2.FINISH_REASON_CANCELLED for s in sinks)
     assert engine.call(lambda manager: None).result(10) is None  # one loop turn later the pages are free
     assert engine.pool_usage() == 0.0
+
+
+def test_a_shared_prefix_gets_a_checkpoint_at_its_branch_point(worker_factory):
+    # A's prompt is cached with one checkpoint at its own end; B shares only the first 64 tokens, so its
+    # lookup matches 64 MLA tokens but no KDA state there. B's forward must end at 64 and keep the state,
+    # so C (the same 64 tokens, another tail) restores all 64 instead of recomputing them.
+    worker = worker_factory("--num-pages", "96", "--step-token-budget", "256")
+    engine = worker.engine
+    shared = [(7 * j) % 250 + 1 for j in range(4 * HASH_BLOCK)]
+    prompts = {name: shared + [(tail * 13 + j) % 250 + 1 for j in range(2 * HASH_BLOCK + 5)]
+               for tail, name in enumerate("ABC", start=1)}
+    reference = build_reference("nano", OVERRIDES)
+    hits = {}
+    for i, (name, prompt) in enumerate(prompts.items()):
+        sink = Collector()
+        request = EngineRequest(name, prompt, _options(i, 4), sink)
+        engine.submit(request)
+        assert sink.done.wait(120)
+        hits[name] = request.cached_tokens
+        assert sink.tokens == offline_generate(reference, prompt, _options(i, 4)), name
+    assert hits["B"] < len(shared)  # nothing kept a state at the end of the shared part before B
+    assert hits["C"] == len(shared)
