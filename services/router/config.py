@@ -39,6 +39,15 @@ class RouterConfig(ServiceConfig):
     # once per window: a longer window means fewer etcd writes and a looser expiry.
     session_idle_ttl_s: float = 3600.0
     assignment_lease_window_s: float = 300.0
+    # Membership damping (services/router/damping.py): when at least two clusters and more than this fraction
+    # of the healthy ones (or all) leave within one lease TTL, it is taken for etcd-side lease expiry and the
+    # lost clusters stay routable for mass_loss_grace_s (default 2 x lease TTL) or until they re-register.
+    # 0 in either disables damping.
+    mass_loss_fraction: float = 0.5
+    mass_loss_grace_s: float | None = None
+
+    def mass_loss_grace(self) -> float:
+        return 2 * self.lease_ttl_s if self.mass_loss_grace_s is None else self.mass_loss_grace_s
 
     def validate(self) -> list[str]:
         problems = super().validate()
@@ -73,4 +82,8 @@ class RouterConfig(ServiceConfig):
         if not 0 < self.assignment_lease_window_s <= self.session_idle_ttl_s:
             problems.append("assignment_lease_window_s: must be > 0 and <= session_idle_ttl_s, got "
                             f"{self.assignment_lease_window_s}")
+        if not 0 <= self.mass_loss_fraction <= 1:
+            problems.append(f"mass_loss_fraction: must be in [0, 1], got {self.mass_loss_fraction}")
+        if self.mass_loss_grace() < 0:
+            problems.append(f"mass_loss_grace_s: must be >= 0, got {self.mass_loss_grace_s}")
         return problems

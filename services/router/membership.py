@@ -4,6 +4,7 @@ A cluster is any cluster name with data-plane instances (prefill, decode, kvtran
 every required service has at least its minimum number of live instances (live = its lease-bound record is
 in etcd). A cluster whose records all expired stays in the fleet, unhealthy, for `forget_after_s`: its
 sessions keep their (primary, backup) and the router reports them as failed over instead of re-placing them.
+A mass loss (etcd-side lease expiry) is damped: the lost clusters keep their last healthy view (damping.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from services.router.damping import MassLossDamper
 from services.runtime.registry import InstanceRecord
 
 DATA_PLANE = frozenset({"prefill", "decode", "kvtransfer"})
@@ -59,9 +61,13 @@ def derive_clusters(records: Iterable[InstanceRecord], required: Mapping[str, in
 class FleetTracker:
     """Adds memory to derive_clusters: when clusters were last seen, and when they last became healthy."""
 
-    def __init__(self, required: Mapping[str, int], forget_after_s: float):
+    def __init__(self, required: Mapping[str, int], forget_after_s: float, damper: MassLossDamper | None = None):
         self.required = dict(required)
         self.forget_after_s = forget_after_s
+        self.damper = damper
+        # Clusters routed on their last healthy view although not healthy now (a damped mass loss).
+        self.held: frozenset[str] = frozenset()
+        self.last_healthy: dict[str, ClusterView] = {}
         self.clusters: dict[str, ClusterView] = {}
         self.last_seen: dict[str, float] = {}
         self.recovered_at: dict[str, float] = {}
@@ -69,10 +75,16 @@ class FleetTracker:
     def update(self, records: Iterable[InstanceRecord], now: float) -> bool:
         """Fold in a new membership snapshot; True when any cluster's view changed."""
         live = derive_clusters(records, self.required)
+        if self.damper is not None:
+            self.held = self.damper.observe((n for n, v in live.items() if v.healthy), now)
+            # A held cluster is routed on its last healthy view, also when it left just before the loss
+            # was recognised as a mass loss (the first of a cascade of expiries).
+            self.last_healthy.update((n, v) for n, v in live.items() if v.healthy)
+            live.update((name, self.last_healthy[name]) for name in self.held if name in self.last_healthy)
         merged: dict[str, ClusterView] = {}
         for name, view in live.items():
             previous = self.clusters.get(name)
-            if view.healthy and previous is not None and not previous.healthy:
+            if view.healthy and previous is not None and not previous.healthy and name not in self.held:
                 self.recovered_at[name] = now
             self.last_seen[name] = now
             merged[name] = view
@@ -82,6 +94,7 @@ class FleetTracker:
         for name in set(self.last_seen) - set(merged):
             del self.last_seen[name]
             self.recovered_at.pop(name, None)
+            self.last_healthy.pop(name, None)
         changed = merged != self.clusters
         self.clusters = merged
         return changed

@@ -18,6 +18,7 @@ from prometheus_client import Counter, Gauge
 from k3.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.assignment_store import ASSIGNMENTS, AssignmentStore
 from services.router.config import RouterConfig
+from services.router.damping import MassLossDamper
 from services.router.decision import RouteDecision, decide, decide_assigned
 from services.router.membership import ClusterView, FleetTracker, parse_requirements
 from services.router.placement import PlacementTable, rendezvous_rank
@@ -29,6 +30,8 @@ log = logging.getLogger("k3.router")
 ROUTES = Counter("k3_router_routes_total", "Routing decisions", ["outcome"])
 HEALTHY_CLUSTERS = Gauge("k3_router_healthy_clusters", "Clusters currently receiving traffic")
 KNOWN_CLUSTERS = Gauge("k3_router_known_clusters", "Clusters in the placement table")
+MEMBERSHIP_DAMPED = Gauge("k3_router_membership_damped",
+                          "Clusters kept routable on their last healthy view during a damped mass loss")
 
 
 def instance_id(record: InstanceRecord | None) -> common_pb2.InstanceId | None:
@@ -45,7 +48,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         # Bounded mode's etcd-backed session table; None in stateless mode.
         self.assignments = assignments
         self.clock = clock
-        self.fleet = FleetTracker(parse_requirements(config.required_instances), config.forget_after_s)
+        damper = MassLossDamper(config.mass_loss_fraction, config.mass_loss_grace(), config.lease_ttl_s)
+        self.fleet = FleetTracker(parse_requirements(config.required_instances), config.forget_after_s, damper)
         self.table: PlacementTable | None = None
         self.revision = 0
         self.chooser = DecodeChooser(channel_for, config.probe_fanout, config.probe_timeout_ms / 1e3)
@@ -62,6 +66,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if self.fleet.update(self._records, now):
             self.revision += 1
         HEALTHY_CLUSTERS.set(len(self.fleet.routable(now, self.config.failback_hold_s)))
+        MEMBERSHIP_DAMPED.set(len(self.fleet.held))
         wanted = self.weights()
         if wanted and (self.table is None or self.table.weights != wanted) and (
                 self._rebuild is None or self._rebuild.done()):

@@ -1,0 +1,67 @@
+"""Membership damping: a mass loss of clusters is treated as a control-plane fault, not as dead clusters.
+
+When etcd stalls (frozen process, disk stall, leader election) for longer than the lease TTL and returns,
+it expires every lease at once and the router sees most or all clusters leave together although none died;
+instances re-register within a second or two. Like the "full disruption" mode of Kubernetes' node lifecycle
+controller, the router then keeps routing on the last-known healthy set for a grace period.
+
+The rule: clusters that stopped being healthy within the last `window_s` and are still unhealthy are the
+recent losses. When at least two of them are lost and they are more than `fraction` of the clusters that were
+healthy before (or all of them), the loss is damped: those clusters stay routable until each returns or
+`grace_s` after the damping began, whichever is first. A single-cluster loss is never damped (it is the
+normal failover path); so a one-cluster fleet is never damped either.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+log = logging.getLogger("k3.router")
+
+
+def is_mass_loss(lost: int, before: int, fraction: float) -> bool:
+    """`lost` of the `before` clusters healthy before the window left: damp it?"""
+    return lost >= 2 and (lost > fraction * before or lost == before)
+
+
+class MassLossDamper:
+    def __init__(self, fraction: float, grace_s: float, window_s: float):
+        # fraction or grace 0 disables damping.
+        self.enabled = fraction > 0 and grace_s > 0
+        self.fraction, self.grace_s, self.window_s = fraction, grace_s, window_s
+        self._healthy: frozenset[str] = frozenset()
+        self._lost_at: dict[str, float] = {}
+        self._held: set[str] = set()
+        self._held_until = float("-inf")
+
+    @property
+    def held(self) -> frozenset[str]:
+        return frozenset(self._held)
+
+    def observe(self, healthy: Iterable[str], now: float) -> frozenset[str]:
+        """Fold in the clusters healthy now; returns those to keep routing to although they are not."""
+        healthy = frozenset(healthy)
+        for name in self._healthy - healthy:
+            self._lost_at[name] = now
+        self._lost_at = {name: at for name, at in self._lost_at.items()
+                         if name not in healthy and now - at <= self.window_s}
+        self._held -= healthy
+        if self._held and now >= self._held_until:
+            # Grace is over: what has not re-registered by now is lost for real (and must not re-trigger).
+            log.warning("membership damping ended", extra={"event": "membership_damping_ended",
+                                                           "not_returned": sorted(self._held)})
+            for name in self._held:
+                self._lost_at.pop(name, None)
+            self._held = set()
+        lost = set(self._lost_at)
+        if self.enabled and not lost <= self._held and is_mass_loss(len(lost), len(lost | healthy),
+                                                                    self.fraction):
+            if not self._held:
+                self._held_until = now + self.grace_s
+            log.warning("mass loss of clusters damped (etcd-side expiry suspected); routing on the last-known "
+                        "healthy set", extra={"event": "membership_damped", "lost": sorted(lost),
+                                              "healthy": sorted(healthy), "grace_s": self.grace_s})
+            self._held |= lost
+        self._healthy = healthy
+        return self.held

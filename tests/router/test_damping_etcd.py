@@ -1,0 +1,107 @@
+"""Membership damping over a real etcd: the etcd process is frozen (SIGSTOP) past the lease TTL and resumed,
+so it expires every lease at once although no cluster died. A damped router keeps routing every session to
+its original primary throughout; an undamped control router (--mass-loss-fraction 0) sees the same etcd
+drop every cluster, which its failback hold then makes visible. A real single-cluster SIGKILL afterwards
+still fails over on the damped router, as before."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from k3.v1 import router_pb2, router_pb2_grpc
+from services.runtime.client import sync_channel
+from tests.router.test_router_service import route, wait_for
+from tests.support.processes import ServiceProcess
+
+CLUSTERS = ("c0", "c1", "c2")
+SESSIONS = [f"damp-{i}" for i in range(60)]
+FREEZE_S = 4.0  # past the lease TTL: 1 s requested, 2 s effective (etcd's minimum)
+
+
+def fleet_view(stub) -> dict[str, tuple[bool, bool]]:
+    """cluster -> (healthy, held_down)."""
+    return {c.cluster.name: (c.healthy, c.held_down)
+            for c in stub.GetFleet(router_pb2.GetFleetRequest(), timeout=5).clusters}
+
+
+class Recorder:
+    """Routes every session over and over from two threads; keeps each answer's (target, failover) or error."""
+
+    def __init__(self, stub):
+        self.stub, self.stop, self.answers, self.errors = stub, threading.Event(), [], []
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(2)]
+
+    def _run(self, offset: int) -> None:
+        i = offset
+        while not self.stop.is_set():
+            session = SESSIONS[i % len(SESSIONS)]
+            try:
+                answer = route(self.stub, session)
+                self.answers.append((session, answer.target.name, answer.failover))
+            except grpc.RpcError as exc:
+                self.errors.append(exc.code())
+            i += 2
+
+    def __enter__(self) -> Recorder:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+def test_frozen_etcd_is_damped_and_a_real_kill_still_fails_over(etcd_restartable, tmp_path):
+    common = ["--port", "0", "--metrics-port", "-1", "--etcd-endpoints", etcd_restartable.endpoint,
+              "--etcd-prefix", "/k3damp", "--lease-ttl-s", "1"]
+    procs = {c: ServiceProcess(["serve", "tests.router.standin_decode", *common, "--cluster", c,
+                                "--instance", f"{c}-d0"], tmp_path / c) for c in CLUSTERS}
+    # Both routers hold a recovered cluster down for 30 s, so a cluster that left and came back shows.
+    router_args = [*common, "--cluster", "global", "--slot-bits", "10", "--failback-hold-s", "30"]
+    procs["damped"] = ServiceProcess(["serve", "router", *router_args, "--mass-loss-grace-s", "8"],
+                                     tmp_path / "damped")
+    procs["control"] = ServiceProcess(["serve", "router", *router_args, "--mass-loss-fraction", "0"],
+                                      tmp_path / "control")
+    try:
+        with ThreadPoolExecutor(len(procs)) as pool:
+            list(pool.map(lambda p: p.start(), procs.values()))
+        damped, control = (router_pb2_grpc.RouterServiceStub(sync_channel(procs[n].address))
+                           for n in ("damped", "control"))
+        all_up = {c: (True, False) for c in CLUSTERS}
+        wait_for(lambda: fleet_view(damped) == all_up == fleet_view(control), 15, "both routers to see 3")
+        primaries = {s: route(damped, s).primary.name for s in SESSIONS}
+        assert set(primaries.values()) == set(CLUSTERS)
+
+        with Recorder(damped) as load:
+            os.kill(etcd_restartable.proc.pid, signal.SIGSTOP)
+            time.sleep(FREEZE_S)
+            os.kill(etcd_restartable.proc.pid, signal.SIGCONT)
+            # The control router saw every cluster expire and come back (so now holds them down).
+            wait_for(lambda: all(held for _, held in fleet_view(control).values()), 15,
+                     "the undamped router to see the mass expiry")
+            wait_for(lambda: fleet_view(damped) == all_up, 10, "instances to re-register")
+            time.sleep(1.0)
+        assert load.errors == [] and len(load.answers) > 50
+        wrong = [(s, t, f) for s, t, f in load.answers if t != primaries[s] or f]
+        assert wrong == [], f"{len(wrong)} of {len(load.answers)} routes left their primary: {wrong[:5]}"
+        assert fleet_view(damped) == all_up  # nothing was held down: no cluster ever left its view
+
+        # A real single-cluster death takes the normal path: failover within the lease TTL + 1 s.
+        procs["c0"].signal(signal.SIGKILL)
+        noticed = wait_for(lambda: not fleet_view(damped)["c0"][0], 2 + 1 + 1, "c0 to drop out")
+        print(f"damped router saw the SIGKILLed cluster leave after {noticed:.2f} s")
+        for session, primary in primaries.items():
+            answer = route(damped, session)
+            assert answer.failover == (primary == "c0")
+            assert answer.target.name == (answer.backup.name if primary == "c0" else primary)
+    finally:
+        for proc in procs.values():
+            proc.kill()
