@@ -118,7 +118,8 @@ class Executor:
                 log.warning("handle release failed", extra={"handle": item.handle_id, "error": str(exc)})
 
     def _export(self, item) -> None:
-        refs, pages = kv_pages.export_request(self.manager, item.rid)
+        # The replicated MLA pages travel once, from rank 0; the other ranks send their KDA heads only.
+        refs, pages = kv_pages.export_request(self.manager, item.rid, replicated=self.rank == 0)
         req = self.manager.requests[item.rid]
         handle = common_pb2.KVHandle(handle_id=item.handle_id, request_id=item.rid, producer=self.instance,
                                      layout=self.layout, num_tokens=req.num_computed, pages=refs, model=item.model)

@@ -1,8 +1,9 @@
 """A request's cache pages as transfer pages: export on the prefill side, import on the decode side.
 
 Exported per request: one KDA state page per KDA group (the state after the last computed token; each
-page is head-major over this rank's heads) and every MLA page of its block table (replicated latent).
-Only the used bytes of a page travel. Import writes each page into the request's own pages; MLA blocks
+page is head-major over this rank's heads) and, from TP rank 0 only, every MLA page of its block table
+(the latent is replicated, so one rank's copy serves every consumer rank). Only the used bytes of a page
+travel. Import writes each page into the request's own pages; MLA blocks
 that the decode worker already shares through its prefix cache are skipped (same tokens, same bytes).
 """
 
@@ -15,7 +16,9 @@ from k3core.cache.manager import PrefixCacheManager
 from services.runtime import errors
 
 
-def export_request(manager: PrefixCacheManager, rid: str) -> tuple[list[common_pb2.PageRef], list[bytes]]:
+def export_request(manager: PrefixCacheManager, rid: str, *, replicated: bool = True
+                   ) -> tuple[list[common_pb2.PageRef], list[bytes]]:
+    """`rid`'s pages as transfer pages; `replicated=False` leaves out the MLA pages (ranks > 0)."""
     req = manager.requests[rid]
     store, lay = manager.store, manager.layout
     assert store is not None
@@ -26,6 +29,8 @@ def export_request(manager: PrefixCacheManager, rid: str) -> tuple[list[common_p
                                        token_start=req.num_computed, token_count=0, num_bytes=data.numel(),
                                        fingerprint=fp))
         pages.append(data.numpy().tobytes())
+    if not replicated:
+        return refs, pages
     per_block = lay.tokens_per_block
     for index, block in enumerate(req.blocks):
         start = index * per_block

@@ -4,7 +4,9 @@ A KDA page of one TP rank is head-major: the bytes of each of its heads form one
 size. A consumer rank that owns heads [c0, c0 + n) therefore receives, for each KDA page, the concatenation
 of those heads' ranges, taken from whichever producer ranks hold them: the transfer path only slices and
 concatenates bytes, and neither side shuffles anything on the GPU. MLA pages hold the latent, which is
-shared by all heads and replicated on every rank, so any producer's copy is the consumer's page.
+shared by all heads and replicated on every rank, so one copy serves every consumer rank: producer rank 0
+sends the handle's whole page list, ranks > 0 send only their head-major pages (the same pages, in the
+same order, with their own heads' bytes), so (p-1)/p of the replicated bytes never travel.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from k3.v1 import common_pb2
 
@@ -74,6 +77,16 @@ def head_ranges(ref: common_pb2.PageRef, layout: common_pb2.TensorParallelLayout
     return [HeadRange(layout.head_start + i, i * size, size) for i in range(layout.head_count)]
 
 
+def page_key(ref: common_pb2.PageRef) -> tuple[int, int, int]:
+    """What names a page across producer ranks (their lists differ by the replicated pages)."""
+    return ref.kind, ref.group, ref.block_index
+
+
+def head_major_refs(refs: Sequence[common_pb2.PageRef]) -> list[common_pb2.PageRef]:
+    """The pages every producer rank sends (rank 0 sends the replicated ones too)."""
+    return [ref for ref in refs if is_head_major(ref)]
+
+
 @dataclass(frozen=True)
 class ProducerPart:
     """Everything one producer rank delivered: its layout, page refs and verified page bytes."""
@@ -82,19 +95,25 @@ class ProducerPart:
     refs: Sequence[common_pb2.PageRef]
     pages: Sequence[bytes | bytearray]
 
+    @cached_property
+    def index_of(self) -> dict[tuple[int, int, int], int]:
+        """Position of each page in this part's own list."""
+        return {page_key(ref): i for i, ref in enumerate(self.refs)}
+
 
 def relayout_page(parts: Sequence[ProducerPart], page_index: int,
                   consumer: common_pb2.TensorParallelLayout) -> bytes:
-    """The bytes of page `page_index` as the consumer rank must hold them."""
+    """The bytes of page `page_index` (of rank 0's list, the whole handle) as the consumer rank must hold them."""
     ref = parts[0].refs[page_index]
     if not is_head_major(ref):
         return bytes(parts[0].pages[page_index])
     out = bytearray()
     for head in range(consumer.head_start, consumer.head_start + consumer.head_count):
         part = _holder(parts, head)
-        size = head_bytes(part.refs[page_index], part.layout)
+        index = part.index_of[page_key(ref)]
+        size = head_bytes(part.refs[index], part.layout)
         start = (head - part.layout.head_start) * size
-        out += part.pages[page_index][start : start + size]
+        out += part.pages[index][start : start + size]
     return bytes(out)
 
 
@@ -116,7 +135,9 @@ def _holder(parts: Sequence[ProducerPart], head: int) -> ProducerPart:
 
 
 def check_parts_tile(parts: Sequence[ProducerPart]) -> str:
-    """Producer parts must agree on the page list and cover every head exactly once; '' when they do."""
+    """Producer parts (sorted by rank) must cover every head exactly once and agree on the pages: rank 0 sends
+    the whole list, every other rank its head-major pages (or, from older producers, the whole list too);
+    '' when they do."""
     first = parts[0]
     total = first.layout.total_heads
     covered = sorted((p.layout.head_start, p.layout.head_start + p.layout.head_count) for p in parts)
@@ -127,10 +148,11 @@ def check_parts_tile(parts: Sequence[ProducerPart]) -> str:
         position = end
     if position != total:
         return f"producer head ranges cover [0, {position}) of {total} heads"
+    whole = [page_key(ref) for ref in first.refs]
+    head_major = [page_key(ref) for ref in head_major_refs(first.refs)]
     for part in parts[1:]:
-        if len(part.refs) != len(first.refs):
-            return f"rank {part.layout.tp_rank} has {len(part.refs)} pages, rank 0 has {len(first.refs)}"
-        for mine, theirs in zip(part.refs, first.refs, strict=True):
-            if (mine.kind, mine.group, mine.block_index) != (theirs.kind, theirs.group, theirs.block_index):
-                return f"rank {part.layout.tp_rank} page list differs from rank {first.layout.tp_rank}"
+        mine = [page_key(ref) for ref in part.refs]
+        if mine != head_major and mine != whole:
+            return (f"rank {part.layout.tp_rank} sent {len(mine)} pages that are neither rank "
+                    f"{first.layout.tp_rank}'s head-major pages ({len(head_major)}) nor its whole list ({len(whole)})")
     return ""

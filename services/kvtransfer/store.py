@@ -1,7 +1,8 @@
 """Staging store of the transfer service: handles, their producer parts, verification and capacity.
 
-A handle is complete when every producer rank (tp_size of them) delivered every page and each page's
-bytes matched its fingerprint. Pages are verified one by one as their last byte lands; a mismatch wipes
+A handle is complete when every producer rank (tp_size of them) delivered every page of its part and each
+page's bytes matched its fingerprint. Rank 0's part is the whole page list; the other ranks' parts hold only
+the head-major pages (the replicated MLA pages travel once), so nothing waits for pages no rank sends. Pages are verified one by one as their last byte lands; a mismatch wipes
 only that page (pages verified before it stay), so a retried push resumes at the first unverified page
 and earlier state is never overwritten. Capacity is reserved per part when its push starts: a full store
 answers RESOURCE_EXHAUSTED with a retry hint (backpressure) instead of buffering without bound.

@@ -36,12 +36,16 @@ class GlobalCache:
         heads = range(layout.head_start, layout.head_start + layout.head_count)
         return [c if isinstance(c, bytes) else b"".join(c[h] for h in heads) for c in self.content]
 
-    def producer_part(self, handle_id: str, tp_size: int, rank: int) -> tuple[common_pb2.KVHandle, list[bytes]]:
+    def producer_part(self, handle_id: str, tp_size: int, rank: int, *, whole: bool = False
+                      ) -> tuple[common_pb2.KVHandle, list[bytes]]:
+        """What producer `rank` pushes: rank 0 every page, the others their KDA pages only (as the
+        workers do), or every page when `whole` (as producers did before MLA pages were sent once)."""
         layout = rank_layout(self.total_heads, tp_size, rank)
-        pages = self.rank_pages(layout)
+        sent = [(i, kind, data) for i, (kind, data) in enumerate(zip(self.kinds, self.rank_pages(layout), strict=True))
+                if rank == 0 or whole or kind != MLA]
+        pages = [data for _, _, data in sent]
         refs = [common_pb2.PageRef(kind=kind, group=i, block_index=i, num_bytes=len(data),
-                                   fingerprint=page_fingerprint(data))
-                for i, (kind, data) in enumerate(zip(self.kinds, pages, strict=True))]
+                                   fingerprint=page_fingerprint(data)) for i, kind, data in sent]
         handle = common_pb2.KVHandle(handle_id=handle_id, request_id="req-" + handle_id, layout=layout,
                                      num_tokens=100, pages=refs, model="nano")
         return handle, pages

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from k3core.cache.hashing import fingerprint
 from services.kvtransfer import relayout
 from services.kvtransfer.chunks import FingerprintMismatch, PageAssembler, page_chunks
-from tests.kvtransfer.pages import GlobalCache
+from tests.kvtransfer.pages import KDA, GlobalCache
 
 
 def _divisors(n: int) -> list[int]:
@@ -24,13 +24,14 @@ def tp_pair(draw):
 
 
 @settings(max_examples=40, deadline=None)
-@given(tp_pair(), st.integers(0, 2**16), st.integers(1, 700))
-def test_consumer_rank_gets_exactly_its_heads(pair, seed, max_chunk):
+@given(tp_pair(), st.integers(0, 2**16), st.integers(1, 700), st.booleans())
+def test_consumer_rank_gets_exactly_its_heads(pair, seed, max_chunk, whole):
+    """Ranks > 0 send their KDA pages only (or, `whole`, every page as older producers did)."""
     heads, p, q = pair
     cache = GlobalCache.random(heads, seed, head_bytes=48, mla_bytes=100)
     parts = []
     for rank in range(p):
-        handle, pages = cache.producer_part("h", p, rank)
+        handle, pages = cache.producer_part("h", p, rank, whole=whole)
         # Through the wire format: chunked per head, reassembled and verified.
         assembler = PageAssembler(handle)
         for chunk in page_chunks(handle, pages, max_chunk_bytes=max_chunk):
@@ -75,3 +76,16 @@ def test_parts_that_do_not_tile_are_refused():
     h0, p0 = cache.producer_part("h", 2, 0)
     parts = [relayout.ProducerPart(h0.layout, list(h0.pages), p0)] * 2
     assert "tile" in relayout.check_parts_tile(parts)
+
+
+def test_parts_whose_page_lists_disagree_are_refused():
+    cache = GlobalCache.random(4, seed=3)
+    h0, p0 = cache.producer_part("h", 2, 0)
+    h1, p1 = cache.producer_part("h", 2, 1)
+    assert [r.kind for r in h1.pages] == [KDA] * 3  # rank 1 sends its KDA pages only
+    rank0 = relayout.ProducerPart(h0.layout, list(h0.pages), p0)
+    assert relayout.check_parts_tile([rank0, relayout.ProducerPart(h1.layout, list(h1.pages), p1)]) == ""
+    missing = relayout.ProducerPart(h1.layout, list(h1.pages)[:-1], p1[:-1])
+    assert "head-major" in relayout.check_parts_tile([rank0, missing])
+    one_mla = relayout.ProducerPart(h1.layout, [h0.pages[0], *h1.pages], [p0[0], *p1])
+    assert "whole list" in relayout.check_parts_tile([rank0, one_mla])

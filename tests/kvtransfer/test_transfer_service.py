@@ -25,16 +25,26 @@ def kvtransfer(spawn):
                  name="kvtransfer")
 
 
-async def _push_all(transport, cache, handle_id, p):
-    await asyncio.gather(*(transport.push(*cache.producer_part(handle_id, p, r)) for r in range(p)))
+async def _push_all(transport, cache, handle_id, p, whole=False):
+    await asyncio.gather(*(transport.push(*cache.producer_part(handle_id, p, r, whole=whole)) for r in range(p)))
 
 
-@pytest.mark.parametrize(("p", "q"), [(1, 1), (2, 1), (1, 2), (4, 2), (8, 4)])
-async def test_pull_relays_for_every_consumer_rank(kvtransfer, p, q):
+def _wire_bytes(cache: GlobalCache, p: int, whole: bool) -> int:
+    """By hand: every KDA head once, the replicated MLA pages once (p times when every rank sends them)."""
+    mla = sum(len(c) for c in cache.content if isinstance(c, bytes))
+    kda = sum(len(head) for c in cache.content if isinstance(c, list) for head in c)
+    return kda + mla * (p if whole else 1)
+
+
+@pytest.mark.parametrize(("p", "q", "whole"), [(1, 1, False), (2, 1, False), (1, 2, False), (4, 2, False),
+                                               (8, 4, False), (2, 2, True)])
+async def test_pull_relays_for_every_consumer_rank(kvtransfer, p, q, whole):
+    """`whole`: every producer rank sends the MLA pages too (older producers); the service keeps rank 0's."""
     cache = GlobalCache.random(HEADS, seed=p * 10 + q)
     transport = GrpcTransport(kvtransfer.address, max_chunk_bytes=500)
     try:
-        await _push_all(transport, cache, f"h{p}{q}", p)
+        await _push_all(transport, cache, f"h{p}{q}", p, whole)
+        assert (await transport.stats()).bytes_in == _wire_bytes(cache, p, whole)
         for rank in range(q):
             layout = rank_layout(HEADS, q, rank)
             pulled = await transport.pull(f"h{p}{q}", layout)
@@ -43,7 +53,6 @@ async def test_pull_relays_for_every_consumer_rank(kvtransfer, p, q):
         assert await transport.release(f"h{p}{q}")
         assert not await transport.release(f"h{p}{q}")
         stats = await transport.stats()
-        assert stats.bytes_in >= sum(len(b) for b in cache.producer_part("x", 1, 0)[1])
         assert stats.bytes_per_second > 0 and stats.handles_held == 0
     finally:
         await transport.close()
@@ -53,7 +62,7 @@ async def test_pull_relays_for_every_consumer_rank(kvtransfer, p, q):
 async def test_flipped_byte_in_flight_is_caught_and_retried(kvtransfer, downstream):
     cache = GlobalCache.random(HEADS, seed=7)
     handle, pages = cache.producer_part("flip", 2, 1)
-    marker = pages[3][300:332]  # bytes of a KDA head range: flipped inside the payload, framing intact
+    marker = pages[1][300:332]  # bytes of a KDA head range (rank 1 sends KDA pages only): flipped inside the payload, framing intact
     proxy = FaultyProxy(kvtransfer.address, marker=marker, downstream=downstream)
     via_proxy = GrpcTransport(await proxy.start())
     direct = GrpcTransport(kvtransfer.address)
