@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from k3.v1 import common_pb2
+from k3core.cache.hashing import chain_hashes
 from services.engine.acceptance import accept_drafts
 from services.engine.draft_runner import Proposal
 from services.engine.executor import Executor, StepResult
@@ -54,6 +55,7 @@ class Engine:
     def submit(self, req: EngineRequest) -> None:
         if self.failure is not None:
             raise errors.Unavailable(f"engine stopped: {self.failure}", retry_after_ms=1000)
+        req.prompt_chain = chain_hashes(req.prompt, self.scheduler.hash_block)
         self._inbox.put(("add", req))
 
     def cancel(self, rid: str) -> None:

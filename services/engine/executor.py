@@ -49,8 +49,8 @@ class Executor:
 
     def replay(self, plan: StepPlan) -> None:
         """Ranks > 0: apply rank 0's cache-manager calls of this step."""
-        for name, args in plan.manager_calls:
-            getattr(self.manager, name)(*args)
+        for name, args, kwargs in plan.manager_calls:
+            getattr(self.manager, name)(*args, **kwargs)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the step. Logits (identical on every rank) come back for the items that sample."""

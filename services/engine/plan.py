@@ -37,7 +37,7 @@ class ExportItem:
 
 @dataclass
 class StepPlan:
-    manager_calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
+    manager_calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
     forward: list[ForwardItem] = field(default_factory=list)
     imports: list[ImportItem] = field(default_factory=list)
     exports: list[ExportItem] = field(default_factory=list)
@@ -56,13 +56,13 @@ class RecordingManager:
 
     def __init__(self, manager: Any):
         self.manager = manager
-        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
 
-    def call(self, name: str, *args: Any) -> Any:
-        result = getattr(self.manager, name)(*args)
-        self.calls.append((name, args))
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self.manager, name)(*args, **kwargs)
+        self.calls.append((name, args, kwargs))
         return result
 
-    def take_calls(self) -> list[tuple[str, tuple[Any, ...]]]:
+    def take_calls(self) -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
         calls, self.calls = self.calls, []
         return calls

@@ -62,6 +62,9 @@ class EngineRequest:
     last_token_at: float | None = None
     cancelled: bool = False
     preemptions: int = 0
+    # The prompt's chained hash-block hashes, computed on the submitting thread so that admitting a long
+    # prompt does not hash it inside an engine step (see docs/cache.md, scheduler cost per step).
+    prompt_chain: list[int] | None = None
 
     @property
     def tokens(self) -> list[int]:

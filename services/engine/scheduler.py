@@ -163,7 +163,8 @@ class Scheduler:
         if self.running and manager.pool.num_available < manager.layout.num_kda_groups + manager.layout.num_mla_groups:
             return "wait"  # cannot even hold its state and first block: do not churn the lookup
         try:
-            hit = self.manager.call("add_request", req.rid, tokens)
+            fresh = req.prompt_chain is not None and len(tokens) == len(req.prompt)
+            hit = self.manager.call("add_request", req.rid, tokens, chain=req.prompt_chain if fresh else None)
         except OutOfPages:
             if self.running:
                 return "wait"

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from k3.v1 import common_pb2
+from k3core.cache.hashing import chain_hashes
 from services.engine.config import WorkerConfig
 from services.engine.params import GenerationOptions
 from services.engine.request import EngineRequest, StepOutput
@@ -113,3 +114,18 @@ def test_a_shared_prefix_gets_a_checkpoint_at_its_branch_point(worker_factory):
         assert sink.tokens == offline_generate(reference, prompt, _options(i, 4)), name
     assert hits["B"] < len(shared)  # nothing kept a state at the end of the shared part before B
     assert hits["C"] == len(shared)
+
+
+def test_prompts_are_hashed_on_submit_not_inside_the_step(worker_factory):
+    worker = worker_factory("--num-pages", "32")
+    engine = worker.engine
+    plans = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    prompt = [(5 * j) % 250 + 1 for j in range(3 * HASH_BLOCK + 7)]
+    sink = Collector()
+    engine.submit(EngineRequest("h", prompt, _options(0, 2), sink))
+    assert sink.done.wait(60)
+    admissions = [kwargs for p in plans for name, _, kwargs in p.manager_calls if name == "add_request"]
+    # The chain handed to the cache (and replayed by every TP rank) is the prompt's own, independently hashed.
+    assert admissions == [{"chain": chain_hashes(prompt, HASH_BLOCK)}]
