@@ -1,0 +1,99 @@
+"""Decode sweep of bench/serve.py: one row's step time, its memory roofline, and the fast path's kernel profile."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bench.serve_rank import Rank, sync
+from k3core.model import K3Model
+from services.engine import fast_ffn
+
+
+def step_bytes(model: K3Model, batch: int, context: int) -> int:
+    """Bytes one decode step must move at minimum: weights touched, KDA state read+write, MLA latents."""
+    c = model.config
+    expert_bytes = experts = total = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if ".experts." in name:
+            expert_bytes, experts = expert_bytes + nbytes, experts + 1
+        elif "embed_tokens" not in name:
+            total += nbytes
+    if experts:
+        per_expert = expert_bytes / (experts / 3)  # w1, w2, w3 per expert
+        moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+        total += int(moe_layers * min(c.num_experts, batch * c.num_experts_per_token) * per_expert)
+    heads, d, w = c.kda_num_heads, c.kda_head_dim, c.short_conv_kernel_size
+    state = len(c.kda_layers) * heads * (d * d * 4 + 3 * d * (w - 1) * 2)
+    latent = len(c.mla_layers) * c.mla_latent_dim * 2 * context
+    return total + batch * (2 * state + latent)
+
+
+def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str) -> tuple[float, float]:
+    """(wall seconds per step, forward seconds per step) of `batch` requests at `context` tokens."""
+    rids = [f"{tag}-{batch}-{context}-{i}" for i in range(batch)]
+    rank.fill(rids, context)
+    for step in range(3):  # captures this bucket's graph, then warm
+        rank.decode(rids, rank.next_tokens(batch, step))
+    sync()
+    rank.forward_s.clear()
+    started = time.perf_counter()
+    for step in range(steps):
+        rank.decode(rids, rank.next_tokens(batch, step))  # samples (argmax), feeds the row's next token
+    sync()
+    wall = (time.perf_counter() - started) / steps
+    forward = sorted(rank.forward_s)[len(rank.forward_s) // 2]
+    rank.finish(rids)
+    return wall, forward
+
+
+def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps: int, bandwidth: float) -> dict:
+    """One row of the sweep (printed as it is measured): step and forward time against the roofline."""
+    wall, forward = decode_row(rank, batch, context, steps, "d")
+    roof = step_bytes(model, batch, context) / bandwidth
+    print(f"{batch:>6} {context:>8} {1e3 * wall:>9.2f} {1e3 * forward:>8.2f} {batch / wall:>9.1f} "
+          f"{1e3 * roof:>12.3f} {roof / wall:>8.1%}", flush=True)
+    return {"batch": batch, "context": context, "step_s": wall, "forward_s": forward, "tokens_per_s": batch / wall,
+            "roofline_step_s": roof, "fraction_of_roofline": roof / wall, "forward_fraction_of_roofline": roof / forward}
+
+
+SWEEP_HEADER = (f"{'batch':>6} {'context':>8} {'step ms':>9} {'fwd ms':>8} {'tok/s':>9} {'roofline ms':>12} "
+                f"{'of roof':>8}")
+
+
+def profile_forward(rank: Rank, batch: int, context: int) -> None:
+    """Kernel time by name of one eager fast-path forward (printed): where the step's device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rids = [f"prof-{i}" for i in range(batch)]
+    rank.fill(rids, context)
+    tokens = rank.next_tokens(batch, 0)
+    rank.begin_step(rids, tokens)
+    fast = rank.fast
+    cached = [rank.manager.requests[r] for r in rids]
+    inputs = fast.builder.view(torch.from_numpy(fast.builder.build(cached, tokens, batch)).to(fast.device), batch)
+    touched: list[int] = []
+    route = fast_ffn.sigmoid_router
+
+    def counting_router(*a, **k):
+        weights, indices = route(*a, **k)
+        touched.append(int(indices.unique().numel()))
+        return weights, indices
+
+    fast_ffn.sigmoid_router = counting_router  # eager only: count the experts each MoE layer reads
+    fast.decoder.forward(inputs)
+    fast_ffn.sigmoid_router = route
+    print(f"experts touched per MoE layer at batch {batch}: {touched}")
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]) as prof:
+        fast.decoder.forward(inputs)
+        sync()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.device_time_total for e in events)
+    print(f"profile batch {batch} ctx {context}: {sum(e.count for e in events)} kernels, {total / 1e3:.2f} ms device")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:22]:
+        print(f"  {e.device_time_total / 1e3:7.3f} ms {e.count:5d}x  {e.key[:90]}")
+    rank.end_step(rids)
+    rank.finish(rids)
