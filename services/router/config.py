@@ -42,9 +42,11 @@ class RouterConfig(ServiceConfig):
     # Membership damping (services/router/damping.py): when at least two clusters and more than this fraction
     # of the healthy ones (or all) leave within one lease TTL, it is taken for etcd-side lease expiry and the
     # lost clusters stay routable for mass_loss_grace_s (default 2 x lease TTL) or until they re-register.
-    # 0 in either disables damping.
+    # 0 in either disables damping. A loss takes effect once it has lasted mass_loss_settle_s, so a cascade
+    # of expiries is seen whole and a delete-then-re-register is not acted on.
     mass_loss_fraction: float = 0.5
     mass_loss_grace_s: float | None = None
+    mass_loss_settle_s: float = 0.1
 
     def mass_loss_grace(self) -> float:
         return 2 * self.lease_ttl_s if self.mass_loss_grace_s is None else self.mass_loss_grace_s
@@ -84,6 +86,8 @@ class RouterConfig(ServiceConfig):
                             f"{self.assignment_lease_window_s}")
         if not 0 <= self.mass_loss_fraction <= 1:
             problems.append(f"mass_loss_fraction: must be in [0, 1], got {self.mass_loss_fraction}")
+        if not 0 <= self.mass_loss_settle_s <= self.lease_ttl_s:
+            problems.append(f"mass_loss_settle_s: must be in [0, lease_ttl_s], got {self.mass_loss_settle_s}")
         if self.mass_loss_grace() < 0:
             problems.append(f"mass_loss_grace_s: must be >= 0, got {self.mass_loss_grace_s}")
         return problems

@@ -10,6 +10,11 @@ recent losses. When at least two of them are lost and they are more than `fracti
 healthy before (or all of them), the loss is damped: those clusters stay routable until each returns or
 `grace_s` after the damping began, whichever is first. A single-cluster loss is never damped (it is the
 normal failover path); so a one-cluster fleet is never damped either.
+
+Settling: etcd delivers a mass expiry as a cascade of deletes a few milliseconds apart, and an instance that
+re-registered before its old lease was revoked shows as a delete and a put. So every loss takes effect only
+once it has lasted `settle_s`: long enough to see the rest of a cascade, short against the lease TTL (a real
+failure is acted on settle_s later than without damping).
 """
 
 from __future__ import annotations
@@ -26,26 +31,32 @@ def is_mass_loss(lost: int, before: int, fraction: float) -> bool:
 
 
 class MassLossDamper:
-    def __init__(self, fraction: float, grace_s: float, window_s: float):
-        # fraction or grace 0 disables damping.
+    def __init__(self, fraction: float, grace_s: float, window_s: float, settle_s: float):
+        # fraction or grace 0 disables damping (and settling with it: losses act at once, as without it).
         self.enabled = fraction > 0 and grace_s > 0
         self.fraction, self.grace_s, self.window_s = fraction, grace_s, window_s
+        self.settle_s = settle_s if self.enabled else 0.0
         self._healthy: frozenset[str] = frozenset()
         self._lost_at: dict[str, float] = {}
         self._held: set[str] = set()
         self._held_until = float("-inf")
 
     @property
-    def held(self) -> frozenset[str]:
+    def damped(self) -> frozenset[str]:
+        """Clusters kept routable because they left in a mass loss."""
         return frozenset(self._held)
 
     def observe(self, healthy: Iterable[str], now: float) -> frozenset[str]:
-        """Fold in the clusters healthy now; returns those to keep routing to although they are not."""
+        """Fold in the clusters healthy now; returns those to keep routing to although they are not
+        (damped ones and losses still settling)."""
         healthy = frozenset(healthy)
         for name in self._healthy - healthy:
             self._lost_at[name] = now
         self._lost_at = {name: at for name, at in self._lost_at.items()
-                         if name not in healthy and now - at <= self.window_s}
+                         if name not in healthy and now - at <= max(self.window_s, self.settle_s)}
+        if self._held and self._held <= healthy:
+            log.info("membership damping ended: every held cluster re-registered",
+                     extra={"event": "membership_damping_ended", "not_returned": []})
         self._held -= healthy
         if self._held and now >= self._held_until:
             # Grace is over: what has not re-registered by now is lost for real (and must not re-trigger).
@@ -54,7 +65,7 @@ class MassLossDamper:
             for name in self._held:
                 self._lost_at.pop(name, None)
             self._held = set()
-        lost = set(self._lost_at)
+        lost = {name for name, at in self._lost_at.items() if now - at <= self.window_s}
         if self.enabled and not lost <= self._held and is_mass_loss(len(lost), len(lost | healthy),
                                                                     self.fraction):
             if not self._held:
@@ -64,4 +75,14 @@ class MassLossDamper:
                                               "healthy": sorted(healthy), "grace_s": self.grace_s})
             self._held |= lost
         self._healthy = healthy
-        return self.held
+        return frozenset(self._held | self._settling(now))
+
+    def _settling(self, now: float) -> set[str]:
+        return {name for name, at in self._lost_at.items() if now - at < self.settle_s}
+
+    def next_change(self, now: float) -> float | None:
+        """When observe() would answer differently without a new snapshot (a settle or the grace ending)."""
+        deadlines = [at + self.settle_s for name, at in self._lost_at.items() if now - at < self.settle_s]
+        if self._held:
+            deadlines.append(self._held_until)
+        return min(deadlines, default=None)

@@ -65,7 +65,7 @@ class FleetTracker:
         self.required = dict(required)
         self.forget_after_s = forget_after_s
         self.damper = damper
-        # Clusters routed on their last healthy view although not healthy now (a damped mass loss).
+        # Clusters routed on their last healthy view although not healthy now (damped or settling losses).
         self.held: frozenset[str] = frozenset()
         self.last_healthy: dict[str, ClusterView] = {}
         self.clusters: dict[str, ClusterView] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from k3.v1 import router_pb2_grpc
 from services.router.assignment_store import AssignmentStore
@@ -35,9 +36,25 @@ def main(argv: list[str]) -> None:
         endpoints = config.etcd_endpoint_list()
         if not endpoints:
             raise SystemExit("router: etcd_endpoints is required (membership comes from etcd)")
-        # The watcher calls back on its own thread; membership is only ever touched on the loop.
-        watcher = Watcher(endpoints, config.etcd_prefix,
-                          lambda snapshot: loop.call_soon_threadsafe(servicer.apply_membership, snapshot.values()))
+        # The watcher calls back on its own thread; membership is only ever touched on the loop. Snapshots
+        # are coalesced (the loop applies the newest), so a burst of expiries that the watcher has already
+        # folded lands as one change: the damping then sees a mass loss at once, not a cascade.
+        latest: dict[str, dict] = {}
+        lock = threading.Lock()
+
+        def apply_latest() -> None:
+            with lock:
+                snapshot = latest.pop("snapshot")
+            servicer.apply_membership(snapshot.values())
+
+        def on_change(snapshot: dict) -> None:
+            with lock:
+                scheduled = "snapshot" in latest
+                latest["snapshot"] = snapshot
+            if not scheduled:
+                loop.call_soon_threadsafe(apply_latest)
+
+        watcher = Watcher(endpoints, config.etcd_prefix, on_change)
         await asyncio.to_thread(watcher.wait_synced, 10.0)
         if assignments is not None:
             await asyncio.to_thread(assignments.wait_synced, 10.0)

@@ -48,13 +48,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         # Bounded mode's etcd-backed session table; None in stateless mode.
         self.assignments = assignments
         self.clock = clock
-        damper = MassLossDamper(config.mass_loss_fraction, config.mass_loss_grace(), config.lease_ttl_s)
-        self.fleet = FleetTracker(parse_requirements(config.required_instances), config.forget_after_s, damper)
+        self.damper = MassLossDamper(config.mass_loss_fraction, config.mass_loss_grace(), config.lease_ttl_s,
+                                     config.mass_loss_settle_s)
+        self.fleet = FleetTracker(parse_requirements(config.required_instances), config.forget_after_s,
+                                  self.damper)
         self.table: PlacementTable | None = None
         self.revision = 0
         self.chooser = DecodeChooser(channel_for, config.probe_fanout, config.probe_timeout_ms / 1e3)
         self._records: list[InstanceRecord] = []
         self._rebuild: asyncio.Task | None = None
+        self._wakeup: asyncio.TimerHandle | None = None
 
     def weights(self) -> dict[str, float]:
         return {name: float(self.config.cluster_weights.get(name, 1.0)) for name in sorted(self.fleet.clusters)}
@@ -62,15 +65,21 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def apply_membership(self, records: Iterable[InstanceRecord]) -> None:
         """Fold in a membership snapshot (on the event loop); rebuilds the table when the fleet changed."""
         self._records = list(records)
+        loop = asyncio.get_running_loop()
         now = self.clock()
         if self.fleet.update(self._records, now):
             self.revision += 1
         HEALTHY_CLUSTERS.set(len(self.fleet.routable(now, self.config.failback_hold_s)))
-        MEMBERSHIP_DAMPED.set(len(self.fleet.held))
+        MEMBERSHIP_DAMPED.set(len(self.damper.damped))
+        # A settling loss or a damping grace ends with no new snapshot: re-derive right then, not at a tick.
+        if self._wakeup is not None:
+            self._wakeup.cancel()
+        deadline = self.damper.next_change(now)
+        self._wakeup = None if deadline is None else loop.call_later(max(0.0, deadline - now) + 1e-3, self.tick)
         wanted = self.weights()
         if wanted and (self.table is None or self.table.weights != wanted) and (
                 self._rebuild is None or self._rebuild.done()):
-            self._rebuild = asyncio.get_running_loop().create_task(self._build_table())
+            self._rebuild = loop.create_task(self._build_table())
 
     async def _build_table(self) -> None:
         # Building takes ~0.1-2 s (N = 4..64 at 2**20 slots), so it runs off the loop; the old table keeps

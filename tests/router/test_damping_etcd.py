@@ -84,11 +84,15 @@ def test_frozen_etcd_is_damped_and_a_real_kill_still_fails_over(etcd_restartable
             os.kill(etcd_restartable.proc.pid, signal.SIGSTOP)
             time.sleep(FREEZE_S)
             os.kill(etcd_restartable.proc.pid, signal.SIGCONT)
-            # The control router saw every cluster expire and come back (so now holds them down).
-            wait_for(lambda: all(held for _, held in fleet_view(control).values()), 15,
-                     "the undamped router to see the mass expiry")
+            # The control router saw clusters expire and come back (so now holds them down): the fault is
+            # real. (How many: every one whose old lease etcd revoked before its instance re-registered.)
+            wait_for(lambda: any(held for _, held in fleet_view(control).values()), 15,
+                     "the undamped router to see the lease expiry")
             wait_for(lambda: fleet_view(damped) == all_up, 10, "instances to re-register")
             time.sleep(1.0)
+        expired = sorted(c for c, (_, held) in fleet_view(control).items() if held)
+        print(f"etcd frozen {FREEZE_S} s: the undamped router saw {expired} expire; the damped one answered "
+              f"{len(load.answers)} routes meanwhile")
         assert load.errors == [] and len(load.answers) > 50
         wrong = [(s, t, f) for s, t, f in load.answers if t != primaries[s] or f]
         assert wrong == [], f"{len(wrong)} of {len(load.answers)} routes left their primary: {wrong[:5]}"
@@ -96,8 +100,14 @@ def test_frozen_etcd_is_damped_and_a_real_kill_still_fails_over(etcd_restartable
 
         # A real single-cluster death takes the normal path: failover within the lease TTL + 1 s.
         procs["c0"].signal(signal.SIGKILL)
-        noticed = wait_for(lambda: not fleet_view(damped)["c0"][0], 2 + 1 + 1, "c0 to drop out")
-        print(f"damped router saw the SIGKILLed cluster leave after {noticed:.2f} s")
+        killed, noticed = time.monotonic(), {}
+        while len(noticed) < 2 and time.monotonic() - killed < 2 + 1:  # effective TTL + 1 s
+            for name, stub in (("damped", damped), ("undamped", control)):
+                if name not in noticed and not fleet_view(stub)["c0"][0]:
+                    noticed[name] = round(time.monotonic() - killed, 2)
+            time.sleep(0.02)
+        print(f"seconds until the SIGKILLed cluster left: {noticed}")
+        assert noticed.keys() == {"damped", "undamped"}
         for session, primary in primaries.items():
             answer = route(damped, session)
             assert answer.failover == (primary == "c0")

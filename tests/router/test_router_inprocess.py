@@ -50,6 +50,8 @@ async def test_failback_waits_for_the_hold_and_weights_are_reported():
 
     clock.now = 1
     router.apply_membership(records[1:])
+    clock.now = 1 + config.mass_loss_settle_s  # a loss takes effect once it has settled (damping.py)
+    router.tick()
     moved = await router.Route(request(session), None)
     assert moved.failover and moved.target == first.backup and moved.primary.region == "eu"
 
