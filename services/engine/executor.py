@@ -1,10 +1,12 @@
-"""Runs a step on one TP rank: page copies, imports, the forward, exports, and the step commit."""
+"""Runs a step on one TP rank: page copies, the forward (with the step's pulls in flight), imports,
+exports, and the step commit."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -16,9 +18,11 @@ from services.engine.model_runner import ModelRunner
 from services.engine.plan import ForwardItem, StepPlan
 from services.kvtransfer.grpc_transport import GrpcTransport
 from services.kvtransfer.relayout import rank_layout
+from services.kvtransfer.transfer_thread import TransferThread
 from services.kvtransfer.transport import Transport
 
 log = logging.getLogger("k3.engine.executor")
+T = TypeVar("T")
 
 
 @dataclass
@@ -42,9 +46,9 @@ class Executor:
         self.layout = rank_layout(total_heads, tp_size, rank)
         self.instance = instance
         self.auth_token = auth_token
-        # Transfers run on this thread's own event loop (the executor thread is not the server's loop).
-        self._loop = asyncio.new_event_loop()
-        self._transports: dict[str, Transport] = {}
+        # Transfers run on their own thread, so a step's pulls progress while this thread computes.
+        self._transfers = TransferThread()
+        self._transports: dict[str, Transport] = {}  # only touched on the transfer thread
         self.fastpath = runner.decode_fastpath(manager, tp_size)
 
     def replay(self, plan: StepPlan) -> None:
@@ -56,10 +60,18 @@ class Executor:
         """Run the step. Logits (identical on every rank) come back for the items that sample."""
         manager = self.manager
         manager.pre_forward()
+        # The pulls start now and stream into host memory during the forward; only the copies into the pool
+        # wait for them. A request takes no part in the forward of the step that imports it (the scheduler
+        # admits it without tokens), so its pages are free to fill after the forward.
+        pulls = {item.rid: self._transfers.submit(self._with_transport(
+            item.transfer_address, lambda t, item=item: t.pull(item.handle_id, self.layout))) for item in plan.imports}
+        logits = self._forward(plan.forward) if plan.forward else None
+        for item in plan.forward:
+            manager.forward_done(item.rid)
         import_errors: dict[str, str] = {}
         for item in plan.imports:
             try:
-                pulled = self._run(self._transport(item.transfer_address).pull(item.handle_id, self.layout))
+                pulled = pulls[item.rid].result()
                 kv_pages.import_request(manager, item.rid, list(pulled.handle.pages), pulled.pages,
                                         item.shared_tokens)
             except Exception as exc:  # noqa: BLE001 - fails this request only, on every rank alike
@@ -70,9 +82,6 @@ class Executor:
                 manager.finish(item.rid, False)
             elif item.reserved:
                 manager.forward_done(item.rid)
-        logits = self._forward(plan.forward) if plan.forward else None
-        for item in plan.forward:
-            manager.forward_done(item.rid)
         export_errors: dict[str, str] = {}
         for item in plan.exports:
             try:
@@ -113,7 +122,8 @@ class Executor:
         """Rank 0, after every rank imported: the staged pages are no longer needed."""
         for item in plan.imports:
             try:
-                self._run(self._transport(item.transfer_address).release(item.handle_id))
+                self._transfers.run(self._with_transport(item.transfer_address,
+                                                         lambda t, item=item: t.release(item.handle_id)))
             except Exception as exc:  # noqa: BLE001 - the service's TTL frees it anyway
                 log.warning("handle release failed", extra={"handle": item.handle_id, "error": str(exc)})
 
@@ -123,19 +133,17 @@ class Executor:
         req = self.manager.requests[item.rid]
         handle = common_pb2.KVHandle(handle_id=item.handle_id, request_id=item.rid, producer=self.instance,
                                      layout=self.layout, num_tokens=req.num_computed, pages=refs, model=item.model)
-        self._run(self._transport(item.transfer_address).push(handle, pages))
+        self._transfers.run(self._with_transport(item.transfer_address, lambda t: t.push(handle, pages)))
 
-    def _transport(self, address: str) -> Transport:
+    async def _with_transport(self, address: str, call: Callable[[Transport], Awaitable[T]]) -> T:
+        """`call` on the transport to `address` (made on first use, on the transfer thread's loop)."""
         if address not in self._transports:
-            async def make() -> Transport:
-                return GrpcTransport(address, self.auth_token)
-            self._transports[address] = self._run(make())
-        return self._transports[address]
-
-    def _run(self, coro):
-        return self._loop.run_until_complete(coro)
+            self._transports[address] = GrpcTransport(address, self.auth_token)
+        return await call(self._transports[address])
 
     def close(self) -> None:
-        for transport in self._transports.values():
-            self._run(transport.close())
-        self._loop.close()
+        async def close_all() -> None:
+            for transport in self._transports.values():
+                await transport.close()
+        self._transfers.run(close_all())
+        self._transfers.close()
