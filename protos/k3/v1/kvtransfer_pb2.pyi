@@ -292,7 +292,7 @@ class GetHandleStatusResponse(_message.Message):
     NUM_BYTES_FIELD_NUMBER: _builtins.int
     found: _builtins.bool
     complete: _builtins.bool
-    """Every producer rank delivered every page."""
+    """Every producer rank delivered every page of its part."""
     num_bytes: _builtins.int
     @_builtins.property
     def producers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProducerProgress]: ...

@@ -69,7 +69,8 @@ class KVTransferServiceServicer:
     """
 
     def Push(self, request_iterator, context):
-        """Producer side: stream a handle's pages in; the service stores them until the consumer pulls.
+        """Producer side: stream a handle's pages in; the service stores them until the consumer pulls. TP rank 0
+        sends the whole page list; ranks > 0 may leave out the replicated (MLA) pages, which travel once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -36,7 +36,9 @@ class KVTransferServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> KVTransferServiceAsyncStub: ...
     Push: _grpc.StreamUnaryMultiCallable[_kvtransfer_pb2.PushRequest, _kvtransfer_pb2.PushResponse]
-    """Producer side: stream a handle's pages in; the service stores them until the consumer pulls."""
+    """Producer side: stream a handle's pages in; the service stores them until the consumer pulls. TP rank 0
+    sends the whole page list; ranks > 0 may leave out the replicated (MLA) pages, which travel once.
+    """
     Pull: _grpc.UnaryStreamMultiCallable[_kvtransfer_pb2.PullRequest, _kvtransfer_pb2.PullResponse]
     """Consumer side: stream the pages of a handle laid out for the given TP rank."""
     Release: _grpc.UnaryUnaryMultiCallable[_kvtransfer_pb2.ReleaseRequest, _kvtransfer_pb2.ReleaseResponse]
@@ -54,7 +56,9 @@ class KVTransferServiceAsyncStub(KVTransferServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Push: _aio.StreamUnaryMultiCallable[_kvtransfer_pb2.PushRequest, _kvtransfer_pb2.PushResponse]  # type: ignore[assignment]
-    """Producer side: stream a handle's pages in; the service stores them until the consumer pulls."""
+    """Producer side: stream a handle's pages in; the service stores them until the consumer pulls. TP rank 0
+    sends the whole page list; ranks > 0 may leave out the replicated (MLA) pages, which travel once.
+    """
     Pull: _aio.UnaryStreamMultiCallable[_kvtransfer_pb2.PullRequest, _kvtransfer_pb2.PullResponse]  # type: ignore[assignment]
     """Consumer side: stream the pages of a handle laid out for the given TP rank."""
     Release: _aio.UnaryUnaryMultiCallable[_kvtransfer_pb2.ReleaseRequest, _kvtransfer_pb2.ReleaseResponse]  # type: ignore[assignment]
@@ -75,7 +79,9 @@ class KVTransferServiceServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_kvtransfer_pb2.PushRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_kvtransfer_pb2.PushResponse, _abc.Awaitable[_kvtransfer_pb2.PushResponse]]:
-        """Producer side: stream a handle's pages in; the service stores them until the consumer pulls."""
+        """Producer side: stream a handle's pages in; the service stores them until the consumer pulls. TP rank 0
+        sends the whole page list; ranks > 0 may leave out the replicated (MLA) pages, which travel once.
+        """
 
     @_abc_1.abstractmethod
     def Pull(
