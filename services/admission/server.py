@@ -9,10 +9,11 @@ from services.admission.classifier import RequestClassifier
 from services.admission.config import AdmissionConfig
 from services.admission.controller import AdmissionController
 from services.admission.key_watch import KeyWatcher
+from services.admission.replica_view import ReplicaView
 from services.admission.service import AdmissionServicer
 from services.runtime import ServiceApp
 from services.runtime.client import ChannelPool
-from services.runtime.registry import InstanceRecord, Watcher
+from services.runtime.registry import Watcher
 
 SWEEP_S = 5.0
 
@@ -27,11 +28,9 @@ def main(argv: list[str]) -> None:
     members = Watcher(endpoints, config.etcd_prefix) if endpoints else None
     channels = ChannelPool(config.auth_token)
 
-    def replicas() -> list[InstanceRecord]:
-        if members is None:
-            return []
-        return [r for r in members.snapshot().values() if r.service == "admission"]
-
+    replicas = ReplicaView(lambda: members.snapshot().values() if members is not None else (),
+                           config.mass_loss_fraction, config.mass_loss_grace(), config.lease_ttl_s,
+                           config.mass_loss_settle_s)
     servicer = AdmissionServicer(controller, classifier, config.queue_timeout_ms, replicas, channels)
     app.add_service(admission_pb2_grpc.add_AdmissionServiceServicer_to_server, servicer,
                     "k3.v1.AdmissionService")

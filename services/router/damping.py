@@ -15,6 +15,9 @@ Settling: etcd delivers a mass expiry as a cascade of deletes a few milliseconds
 re-registered before its old lease was revoked shows as a delete and a put. So every loss takes effect only
 once it has lasted `settle_s`: long enough to see the rest of a cascade, short against the lease TTL (a real
 failure is acted on settle_s later than without damping).
+
+The rule only sees names, so it damps any etcd-registered set: the admission controller uses it for its
+replicas (budget ownership), with its own `subject` and logger.
 """
 
 from __future__ import annotations
@@ -30,8 +33,21 @@ def is_mass_loss(lost: int, before: int, fraction: float) -> bool:
     return lost >= 2 and (lost > fraction * before or lost == before)
 
 
+def damping_problems(fraction: float, grace_s: float, settle_s: float, lease_ttl_s: float) -> list[str]:
+    """Config validation of the mass_loss_* settings (names as the flags spell them)."""
+    problems = []
+    if not 0 <= fraction <= 1:
+        problems.append(f"mass_loss_fraction: must be in [0, 1], got {fraction}")
+    if not 0 <= settle_s <= lease_ttl_s:
+        problems.append(f"mass_loss_settle_s: must be in [0, lease_ttl_s], got {settle_s}")
+    if grace_s < 0:
+        problems.append(f"mass_loss_grace_s: must be >= 0, got {grace_s}")
+    return problems
+
+
 class MassLossDamper:
-    def __init__(self, fraction: float, grace_s: float, window_s: float, settle_s: float):
+    def __init__(self, fraction: float, grace_s: float, window_s: float, settle_s: float,
+                 subject: str = "clusters", logger: logging.Logger = log):
         # fraction or grace 0 disables damping (and settling with it: losses act at once, as without it).
         self.enabled = fraction > 0 and grace_s > 0
         self.fraction, self.grace_s, self.window_s = fraction, grace_s, window_s
@@ -40,6 +56,8 @@ class MassLossDamper:
         self._lost_at: dict[str, float] = {}
         self._held: set[str] = set()
         self._held_until = float("-inf")
+        # What the names are ("clusters", "admission replicas") in log lines, and where those go.
+        self.subject, self.log = subject, logger
 
     @property
     def damped(self) -> frozenset[str]:
@@ -55,13 +73,13 @@ class MassLossDamper:
         self._lost_at = {name: at for name, at in self._lost_at.items()
                          if name not in healthy and now - at <= max(self.window_s, self.settle_s)}
         if self._held and self._held <= healthy:
-            log.info("membership damping ended: every held cluster re-registered",
-                     extra={"event": "membership_damping_ended", "not_returned": []})
+            self.log.info(f"membership damping ended: all held {self.subject} re-registered",
+                          extra={"event": "membership_damping_ended", "not_returned": []})
         self._held -= healthy
         if self._held and now >= self._held_until:
             # Grace is over: what has not re-registered by now is lost for real (and must not re-trigger).
-            log.warning("membership damping ended", extra={"event": "membership_damping_ended",
-                                                           "not_returned": sorted(self._held)})
+            self.log.warning("membership damping ended", extra={"event": "membership_damping_ended",
+                                                                "not_returned": sorted(self._held)})
             for name in self._held:
                 self._lost_at.pop(name, None)
             self._held = set()
@@ -70,9 +88,9 @@ class MassLossDamper:
                                                                     self.fraction):
             if not self._held:
                 self._held_until = now + self.grace_s
-            log.warning("mass loss of clusters damped (etcd-side expiry suspected); routing on the last-known "
-                        "healthy set", extra={"event": "membership_damped", "lost": sorted(lost),
-                                              "healthy": sorted(healthy), "grace_s": self.grace_s})
+            self.log.warning(f"mass loss of {self.subject} damped (etcd-side expiry suspected); keeping the "
+                             "last-known set", extra={"event": "membership_damped", "lost": sorted(lost),
+                                                      "healthy": sorted(healthy), "grace_s": self.grace_s})
             self._held |= lost
         self._healthy = healthy
         return frozenset(self._held | self._settling(now))
