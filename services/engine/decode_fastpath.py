@@ -52,6 +52,11 @@ class DecodeFastPath:
             else None
         self.max_batch = max_batch
 
+    def reload_weights(self) -> None:
+        """After the model's weights were loaded in place: recompute every tensor derived from them, into the
+        same storage (captured CUDA graphs keep reading it). Views of the weights already see the new values."""
+        self.decoder.derived.refresh()
+
     def supports(self, requests: list[CachedRequest]) -> bool:
         return 0 < len(requests) <= self.max_batch and all(self.builder.fits(r) for r in requests)
 

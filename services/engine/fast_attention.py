@@ -18,6 +18,7 @@ from k3core.layers.kda import KimiDeltaAttention
 from k3core.layers.mla import GatedMLA
 from k3core.ops.mla import sigmoid_output_gate, split_kv_b
 from kernels import dispatch
+from services.engine.derived_weights import DerivedWeights
 from services.engine.pool_views import PoolViews
 
 L2_EPS = 1e-6  # k3core.ops.kda.l2norm's default, what the reference layer uses
@@ -41,16 +42,16 @@ def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
 
 
 class KdaDecode:
-    def __init__(self, attn: KimiDeltaAttention, views: PoolViews) -> None:
+    def __init__(self, attn: KimiDeltaAttention, views: PoolViews, derived: DerivedWeights) -> None:
         self.attn = attn
         gate = [attn.g_proj] if attn.full_rank_gate else [attn.g_a_proj]
         inputs = [attn.q_proj, attn.k_proj, attn.v_proj, *gate, attn.f_a_proj, attn.b_proj]
         self.weight = fuse_linears(inputs)
         self.splits = [lin.weight.shape[0] for lin in inputs]
-        self.conv_w = torch.stack([c.weight.detach()[:, 0, :] for c in (attn.q_conv1d, attn.k_conv1d,
-                                                                          attn.v_conv1d)])  # [3, H*D, W]
-        self.a_log = attn.A_log.detach().reshape(attn.heads).contiguous()
-        self.dt_bias = attn.dt_bias.detach().reshape(-1).contiguous()
+        convs = (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d)
+        self.conv_w = derived.derive(lambda: torch.stack([c.weight[:, 0, :] for c in convs]))  # [3, H*D, W]
+        self.a_log = derived.derive(lambda: attn.A_log.reshape(attn.heads).contiguous())
+        self.dt_bias = derived.derive(lambda: attn.dt_bias.reshape(-1).contiguous())
         self.state = views.kda_state(attn.kda_index)
         self.conv = views.kda_conv(attn.kda_index)
 
@@ -71,15 +72,17 @@ class KdaDecode:
 
 
 class MlaDecode:
-    def __init__(self, attn: GatedMLA, views: PoolViews) -> None:
+    def __init__(self, attn: GatedMLA, views: PoolViews, derived: DerivedWeights) -> None:
         self.attn = attn
         inputs = [attn.q_a_proj if attn.q_lora else attn.q_proj, attn.kv_a_proj_with_mqa]
         inputs += [attn.g_proj] if attn.output_gate else []
         self.weight = fuse_linears(inputs)
         self.splits = [lin.weight.shape[0] for lin in inputs]
-        w_uk, w_uv = split_kv_b(attn.kv_b_proj.weight.detach(), attn.heads, attn.v_dim)
-        self.w_uk = w_uk.contiguous()  # [H, Dn, R]
-        self.w_uv_t = w_uv.transpose(1, 2).contiguous()  # [H, R, Dv]
+        def kv_b() -> tuple[torch.Tensor, torch.Tensor]:
+            return split_kv_b(attn.kv_b_proj.weight, attn.heads, attn.v_dim)
+
+        self.w_uk = derived.derive(lambda: kv_b()[0].contiguous())  # [H, Dn, R]
+        self.w_uv_t = derived.derive(lambda: kv_b()[1].transpose(1, 2).contiguous())  # [H, R, Dv]
         self.cache = views.mla_cache(attn.mla_index)
         self.rows = views.mla_rows()
 

@@ -17,6 +17,7 @@ from k3core.model import K3Model
 from k3core.ops.attnres import attnres_direct, attnres_inter
 from kernels import dispatch
 from services.engine.decode_inputs import DecodeInputs
+from services.engine.derived_weights import DerivedWeights
 from services.engine.fast_attention import KdaDecode, MlaDecode, rms
 from services.engine.fast_ffn import MlpDecode, MoeDecode, grouped_mm_available
 from services.engine.pool_views import PoolViews
@@ -29,27 +30,29 @@ class FastDecoder:
         layout = views.layout
         weight = model.model.embed_tokens.weight
         grouped = grouped_mm_available(weight.device, weight.dtype)
+        self.derived = derived = DerivedWeights()  # what `reload_weights` refreshes
         self.attention: list = []
         self.ffn: list = []
         for layer in model.model.layers:
             attn = layer.self_attn
             if isinstance(attn, KimiDeltaAttention):
-                op = KdaDecode(attn, views)
+                op = KdaDecode(attn, views, derived)
                 group = layout.kda_slot(attn.kda_index)[0]
                 self.attention.append(lambda x, inp, op=op, g=group: op(x, inp.kda_slots[g]))
             else:
-                op = MlaDecode(attn, views)
+                op = MlaDecode(attn, views, derived)
                 group, slot = layout.mla_slot(attn.mla_index)
                 self.attention.append(lambda x, inp, op=op, g=group, s=slot:
                                       op(x, inp.page_table[g], inp.lengths, inp.row_base[g] + s))
-            self.ffn.append(MoeDecode(layer.block_sparse_moe, config, grouped) if layer.is_moe
+            self.ffn.append(MoeDecode(layer.block_sparse_moe, config, grouped, derived) if layer.is_moe
                             else MlpDecode(layer.mlp, config))
         if config.uses_attn_res:
             size, layers = config.attn_res_block_size, model.model.layers
             sites = [[site for lay in layers[i : i + size] for site in (lay.attn_res["attn"], lay.attn_res["mlp"])]
                      for i in range(0, len(layers), size)]
-            self.block_queries = [torch.stack([s.query.detach() for s in block]) for block in sites]
-            self.block_key_norms = [torch.stack([s.norm.weight.detach() for s in block]) for block in sites]
+            self.block_queries = [derived.derive(lambda b=block: torch.stack([s.query for s in b])) for block in sites]
+            self.block_key_norms = [derived.derive(lambda b=block: torch.stack([s.norm.weight for s in b]))
+                                    for block in sites]
 
     @torch.no_grad()
     def forward(self, inp: DecodeInputs) -> torch.Tensor:

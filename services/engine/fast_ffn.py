@@ -19,6 +19,7 @@ from k3core.layers.mlp import GatedMLP
 from k3core.layers.moe import SparseMoE
 from k3core.ops.moe import sigmoid_router, swiglu
 from kernels import dispatch
+from services.engine.derived_weights import DerivedWeights
 from services.engine.fast_attention import fuse_linears, rms
 
 
@@ -53,8 +54,9 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class MoeDecode:
-    def __init__(self, moe: SparseMoE, config: K3Config, grouped: bool) -> None:
+    def __init__(self, moe: SparseMoE, config: K3Config, grouped: bool, derived: DerivedWeights | None = None) -> None:
         self.moe, self.config, self.grouped = moe, config, grouped
+        self.derived = DerivedWeights() if derived is None else derived
         experts = list(moe.experts)
         ffn = experts[0].w1.weight.shape[0]
         self.w13 = torch.stack([torch.cat([e.w1.weight.detach(), e.w3.weight.detach()]) for e in experts])
@@ -63,7 +65,8 @@ class MoeDecode:
             e.w1.weight.data, e.w3.weight.data = self.w13[i, :ffn], self.w13[i, ffn:]
             e.w2.weight.data = self.w2[i]
         self.shared = MlpDecode(moe.shared_experts, config) if moe.shared_experts is not None else None
-        self.router = moe.gate.weight.detach().float()  # routing runs in float32 (MoEGate), cast once here
+        # Routing runs in float32 (MoEGate): cast once here (the weight itself in a float32 model).
+        self.router = self.derived.derive(lambda: moe.gate.weight.float())
 
     def _routed_grouped(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         tokens, top_k = indices.shape

@@ -11,8 +11,9 @@ new weights. Under continuous traffic the swap waits for a gap between requests;
 rollouts before it publishes, so the worker drains at once.
 
 Reported as `k3_<role>_weights_version` (0: the weights the worker started with) and in the log.
-Limits: TP 1 only (ranks > 0 hold shards and follow rank 0's plans, which carry no reload); the CUDA
-decode fast path keeps stacked copies of some weights, so a swap turns it off for this process.
+The decode fast path stays on: its tensors derived from the weights are recomputed into their storage
+(`DecodeFastPath.reload_weights`), so captured CUDA graphs keep running.
+Limits: TP 1 only (ranks > 0 hold shards and follow rank 0's plans, which carry no reload).
 """
 
 from __future__ import annotations
@@ -112,9 +113,11 @@ class WeightReloader(EtcdFollower):
             if manager.requests:
                 return False
             model.load_state_dict(state, strict=True)  # in place: every view of a weight sees the new values
-            if self.engine.executor.fastpath is not None:
-                log.warning("decode fast path turned off: it holds copies of the old weights")
-                self.engine.executor.fastpath = None
+            fastpath = self.engine.executor.fastpath
+            if fastpath is not None:  # its derived copies (stacked, cast) follow, in their captured storage
+                fastpath.reload_weights()
+                log.info("decode fast path refreshed to the new weights",
+                         extra={"derived_tensors": len(fastpath.decoder.derived)})
             invalidate_prefix_cache(manager)
             return True
         return swap
