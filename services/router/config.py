@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from services.router.damping import damping_problems
 from services.router.membership import parse_requirements
 from services.runtime import ServiceConfig
 
@@ -84,10 +85,6 @@ class RouterConfig(ServiceConfig):
         if not 0 < self.assignment_lease_window_s <= self.session_idle_ttl_s:
             problems.append("assignment_lease_window_s: must be > 0 and <= session_idle_ttl_s, got "
                             f"{self.assignment_lease_window_s}")
-        if not 0 <= self.mass_loss_fraction <= 1:
-            problems.append(f"mass_loss_fraction: must be in [0, 1], got {self.mass_loss_fraction}")
-        if not 0 <= self.mass_loss_settle_s <= self.lease_ttl_s:
-            problems.append(f"mass_loss_settle_s: must be in [0, lease_ttl_s], got {self.mass_loss_settle_s}")
-        if self.mass_loss_grace() < 0:
-            problems.append(f"mass_loss_grace_s: must be >= 0, got {self.mass_loss_grace_s}")
+        problems += damping_problems(self.mass_loss_fraction, self.mass_loss_grace(), self.mass_loss_settle_s,
+                                     self.lease_ttl_s)
         return problems
