@@ -38,6 +38,7 @@ class EtcdFollower:
         self._synced = threading.Event()
         self._stop = threading.Event()
         self._cancel: Callable[[], None] | None = None
+        self._cancel_lock = threading.Lock()  # close() may run while the thread is just starting its watch
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
 
     def _start(self) -> None:
@@ -60,7 +61,13 @@ class EtcdFollower:
 
     def _watch(self, start: Callable[..., tuple[Iterator, Callable[[], None]]], *args, **kwargs) -> Iterator:
         """Start a watch (client.watch or client.watch_prefix) and yield its events until close()."""
-        events, self._cancel = start(*args, **kwargs)
+        events, cancel = start(*args, **kwargs)
+        with self._cancel_lock:
+            self._cancel = cancel
+            stopping = self._stop.is_set()
+        if stopping:  # close() ran before the watch existed: it had nothing to cancel
+            cancel()
+            return
         for event in events:
             if self._stop.is_set():
                 return
@@ -82,10 +89,12 @@ class EtcdFollower:
             self._stop.wait(0.5)
 
     def close(self) -> None:
-        self._stop.set()
-        if self._cancel is not None:
+        with self._cancel_lock:
+            self._stop.set()
+            cancel = self._cancel
+        if cancel is not None:
             try:
-                self._cancel()
+                cancel()
             except Exception:  # noqa: BLE001 - the stream is going away either way
                 pass
         self._thread.join(timeout=2)
