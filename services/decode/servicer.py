@@ -34,11 +34,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         if heads and heads != self.service.model_config.kda_num_heads:
             raise errors.FailedPrecondition(f"handle has {heads} KDA heads, this worker's model has "
                                             f"{self.service.model_config.kda_num_heads}")
+        if request.sampling.logprobs and not request.HasField("first_token_logprob"):
+            raise errors.InvalidArgument("first_token_logprob", "must be set when sampling.logprobs is")
+        forced_logprobs = [request.first_token_logprob] if request.sampling.logprobs else []
         address = self.service.transfers.resolve(request.transfer_address)
         source = ImportSource(request.handle.handle_id, address)
         req, stream = self.service.new_request(
             request.request_id, list(request.prompt.ids), request.sampling, request.model,
-            source=source, forced=[request.first_token])
+            source=source, forced=[request.first_token], forced_logprobs=forced_logprobs)
         engine = self.service.engine
         engine.submit(req)
         async for output in stream.outputs(engine, req):

@@ -20,7 +20,7 @@ from services.engine.metrics import EngineMetrics
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager, StepPlan
 from services.engine.request import EngineRequest, Phase, StepOutput
-from services.engine.sampler import sample_rows
+from services.engine.sampler import sample_rows, token_logprobs
 from services.engine.scheduler import Scheduler
 from services.engine.speculative import Speculator
 from services.runtime import errors
@@ -160,7 +160,7 @@ class Engine:
         for item in plan.imports:
             req = self.requests.get(item.rid)
             if req is not None and item.rid not in result.failed_imports and req.forced and not req.output:
-                self._accept(req, req.forced.pop(0))
+                self._accept_forced(req)
         for rid, why in result.failed_exports.items():
             req = self.requests.get(rid)
             if req is not None:
@@ -172,11 +172,18 @@ class Engine:
         if drawn:
             assert result.logits is not None
         # One batched draw (a single device sync for all greedy rows), then accept in row order.
-        tokens = iter(sample_rows(result.logits, drawn) if drawn else [])
+        sampled = sample_rows(result.logits, drawn) if drawn else []
+        asked = [(row, options, token) for (row, options, _), token in zip(drawn, sampled, strict=True)
+                 if options.logprobs]
+        logprobs = iter(token_logprobs(result.logits, asked))
+        tokens = iter(sampled)
         for _, req in live:
             if not req.output and not req.preemptions:
                 self.metrics.prompt_tokens.inc(len(req.prompt) - req.cached_tokens)
-            self._accept(req, req.forced.pop(0) if req.forced else next(tokens))
+            if req.forced:
+                self._accept_forced(req)
+            else:
+                self._accept(req, next(tokens), next(logprobs) if req.options.logprobs else None)
 
     def _verify(self, plan: StepPlan, proposals: dict[str, Proposal]) -> None:
         """Run the step's verify windows before the executor's forward (its step stays open until then):
@@ -196,14 +203,18 @@ class Engine:
             if req is not None and req.phase is Phase.RUNNING:
                 self.manager.call("append_tokens", req.rid, req.output[-1:])  # the new pending token
 
-    def _accept(self, req: EngineRequest, token: int) -> None:
-        self._stream(req, [token])
+    def _accept_forced(self, req: EngineRequest) -> None:
+        self._accept(req, req.forced.pop(0), req.forced_logprobs.pop(0) if req.forced_logprobs else None)
+
+    def _accept(self, req: EngineRequest, token: int, logprob: common_pb2.TokenLogprob | None = None) -> None:
+        self._stream(req, [token], [logprob] if logprob is not None else [])
         if req.phase is Phase.RUNNING:
             self.manager.call("append_tokens", req.rid, [token])
 
-    def _stream(self, req: EngineRequest, tokens: list[int]) -> int:
-        """Hand a step's new tokens to the request's stream in one output; stops at the first token that
-        ends the request (which is then finished). Returns how many tokens it took."""
+    def _stream(self, req: EngineRequest, tokens: list[int], logprobs: list | None = None) -> int:
+        """Hand a step's new tokens (and their logprobs, if any) to the request's stream in one output;
+        stops at the first token that ends the request (which is then finished). Returns how many tokens
+        it took."""
         outs = []
         for token in tokens:
             outs.append(self.output.accept(req, token))
@@ -220,7 +231,7 @@ class Engine:
         req.last_token_at = now
         self.metrics.record_tokens(len(outs))
         req.emit(StepOutput([t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
-                            outs[-1].finish_reason))
+                            outs[-1].finish_reason, logprobs=(logprobs or [])[:len(outs)]))
         return len(outs)
 
     def _finish(self, req: EngineRequest, reason: int, keep_turn: bool) -> None:

@@ -8,6 +8,7 @@ from k3.v1 import common_pb2
 from services.runtime import errors
 
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class GenerationOptions:
     stop: tuple[str, ...]
     stop_token_ids: frozenset[int]
     ignore_eos: bool
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @classmethod
     def from_proto(cls, params: common_pb2.SamplingParams, *, vocab_size: int, max_tokens_limit: int,
@@ -40,9 +43,13 @@ class GenerationOptions:
         bad = [t for t in params.stop_token_ids if t >= vocab_size]
         if bad:
             raise errors.InvalidArgument(f"{field}.stop_token_ids", f"{bad} outside the vocabulary ({vocab_size})")
+        if params.top_logprobs > MAX_TOP_LOGPROBS or (params.top_logprobs and not params.logprobs):
+            raise errors.InvalidArgument(f"{field}.top_logprobs", f"must be 0..{MAX_TOP_LOGPROBS} and needs "
+                                         f"{field}.logprobs, got {params.top_logprobs}")
         return cls(temperature=params.temperature, top_k=params.top_k, top_p=top_p, seed=params.seed,
                    max_tokens=params.max_tokens, stop=tuple(params.stop),
-                   stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos)
+                   stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                   logprobs=params.logprobs, top_logprobs=params.top_logprobs)
 
 
 def check_prompt(ids: list[int], vocab_size: int, max_len: int, field: str = "prompt.ids") -> None:

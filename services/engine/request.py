@@ -41,6 +41,8 @@ class StepOutput:
     text: str = ""
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     error: Exception | None = None
+    # One common_pb2.TokenLogprob per token when the request asked for logprobs.
+    logprobs: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -51,6 +53,8 @@ class EngineRequest:
     emit: Callable[[StepOutput], None]
     # Tokens the engine must not sample again (e.g. the prefill worker's first token, after an import).
     forced: list[int] = field(default_factory=list)
+    # The forced tokens' logprobs (common_pb2.TokenLogprob) as their producer computed them.
+    forced_logprobs: list = field(default_factory=list)
     source: ImportSource | None = None
     export: ExportTarget | None = None
     turn_boundaries: tuple[int, ...] = ()

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from k3.v1 import common_pb2
 from services.engine.params import GenerationOptions
 
 _MIX = 0x9E3779B97F4A7C15
@@ -51,3 +52,35 @@ def sampling_probs(logits: torch.Tensor, options: GenerationOptions) -> torch.Te
         sorted_probs[outside] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return probs
+
+
+def log_distribution(logits: torch.Tensor, options: GenerationOptions) -> torch.Tensor:
+    """Log-probabilities of the distribution a token is actually drawn from: the log-softmax of the raw
+    logits when greedy, else of `sampling_probs` (tokens top-k / top-p removed are -inf)."""
+    if options.temperature == 0:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return torch.log(sampling_probs(logits, options))
+
+
+def token_logprobs(logits: torch.Tensor, rows: Sequence[tuple[int, GenerationOptions, int]]
+                   ) -> list[common_pb2.TokenLogprob]:
+    """For each (row, options, token drawn): the token's log-prob and its options.top_logprobs most likely
+    alternatives, computed on the device for all rows together and copied to the host once."""
+    if not rows:
+        return []
+    dists = torch.stack([log_distribution(logits[row], options) for row, options, _ in rows])
+    drawn = torch.tensor([token for _, _, token in rows], device=dists.device)
+    parts = [dists.gather(1, drawn[:, None])]
+    k = max(options.top_logprobs for _, options, _ in rows)
+    if k:
+        top = torch.topk(dists, k, dim=-1)
+        parts += [top.values, top.indices.to(dists.dtype)]  # ids < 2**24 are exact in float32
+    host = torch.cat(parts, dim=1).tolist()  # the one host copy
+    out = []
+    for (_, options, token), values in zip(rows, host, strict=True):
+        n = options.top_logprobs
+        top_pairs = zip(values[1 + k:1 + k + n], values[1:1 + n], strict=True)
+        out.append(common_pb2.TokenLogprob(token_id=token, logprob=values[0], top=[
+            common_pb2.TokenAlternative(token_id=int(tid), logprob=lp)
+            for tid, lp in top_pairs if lp != float("-inf")]))  # tokens that could not be drawn are no options
+    return out

@@ -41,7 +41,7 @@ class RequestStream:
 
 def token_chunk(req: EngineRequest, output: StepOutput) -> common_pb2.TokenChunk:
     chunk = common_pb2.TokenChunk(request_id=req.rid, token_ids=output.token_ids, text=output.text,
-                                  finish_reason=output.finish_reason)
+                                  finish_reason=output.finish_reason, logprobs=output.logprobs)
     if req.first_token_at is not None and len(req.output) == len(output.token_ids):
         chunk.ttft_ms = 1e3 * (req.first_token_at - req.arrival)
     if output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:

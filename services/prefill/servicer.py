@@ -29,9 +29,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                                           ignore_eos=True)
         engine = self.service.engine
         engine.submit(req)
-        first = None
+        first = first_logprob = None
         async for output in stream.outputs(engine, req):
             first = output.token_ids[0] if output.token_ids else first
+            first_logprob = output.logprobs[0] if output.logprobs else first_logprob
         if first is None:
             raise errors.Internal(f"prefill of {request.request_id} ended without a token")
         config = self.service.config
@@ -40,7 +41,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                                      num_tokens=len(req.prompt), model=config.model)
         return prefill_pb2.PrefillResponse(request_id=request.request_id, first_token=first, handle=handle,
                                            prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens,
-                                           prefill_ms=1e3 * (time.perf_counter() - started))
+                                           prefill_ms=1e3 * (time.perf_counter() - started),
+                                           first_token_logprob=first_logprob)
 
     async def GetPrefillLoad(self, request, context):
         return prefill_pb2.GetPrefillLoadResponse(load=self.service.load())

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12k3/v1/common.proto\x12\x05k3.v1\")\n\tClusterId\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\"Q\n\nInstanceId\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\">\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04turn\x18\x02 \x01(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x9f\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\"u\n\x14TensorParallelLayout\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x12\n\nhead_start\x18\x03 \x01(\r\x12\x12\n\nhead_count\x18\x04 \x01(\r\x12\x13\n\x0btotal_heads\x18\x05 \x01(\r\"\x9f\x01\n\x07PageRef\x12\x1e\n\x04kind\x18\x01 \x01(\x0e\x32\x10.k3.v1.CacheKind\x12\r\n\x05group\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_index\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\x04\x12\x13\n\x0btoken_count\x18\x05 \x01(\x04\x12\x11\n\tnum_bytes\x18\x06 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\x06\"\xc5\x01\n\x08KVHandle\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12#\n\x08producer\x18\x03 \x01(\x0b\x32\x11.k3.v1.InstanceId\x12+\n\x06layout\x18\x04 \x01(\x0b\x32\x1b.k3.v1.TensorParallelLayout\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x1d\n\x05pages\x18\x06 \x03(\x0b\x32\x0e.k3.v1.PageRef\x12\r\n\x05model\x18\x07 \x01(\t\"f\n\x0b\x45rrorDetail\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\x12\x11\n\tretriable\x18\x05 \x01(\x08\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\x9b\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x13.k3.v1.FinishReason\x12\x1b\n\x05usage\x18\x05 \x01(\x0b\x32\x0c.k3.v1.Usage\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\"\x82\x01\n\nWorkerLoad\x12#\n\x08instance\x18\x01 \x01(\x0b\x32\x11.k3.v1.InstanceId\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x12\n\npool_usage\x18\x04 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01*\xaf\x01\n\x0cRequestClass\x12\x1d\n\x19REQUEST_CLASS_UNSPECIFIED\x10\x00\x12\x17\n\x13REQUEST_CLASS_SHORT\x10\x01\x12\x18\n\x14REQUEST_CLASS_MEDIUM\x10\x02\x12\x16\n\x12REQUEST_CLASS_LONG\x10\x03\x12\x1a\n\x16REQUEST_CLASS_FAILOVER\x10\x04\x12\x19\n\x15REQUEST_CLASS_ROLLOUT\x10\x05*u\n\tCacheKind\x12\x1a\n\x16\x43\x41\x43HE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43\x41\x43HE_KIND_MLA_LATENT\x10\x01\x12\x18\n\x14\x43\x41\x43HE_KIND_KDA_STATE\x10\x02\x12\x17\n\x13\x43\x41\x43HE_KIND_KDA_CONV\x10\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12k3/v1/common.proto\x12\x05k3.v1\")\n\tClusterId\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\"Q\n\nInstanceId\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\">\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04turn\x18\x02 \x01(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc7\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\"5\n\x10TokenAlternative\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.k3.v1.TokenAlternative\"u\n\x14TensorParallelLayout\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x12\n\nhead_start\x18\x03 \x01(\r\x12\x12\n\nhead_count\x18\x04 \x01(\r\x12\x13\n\x0btotal_heads\x18\x05 \x01(\r\"\x9f\x01\n\x07PageRef\x12\x1e\n\x04kind\x18\x01 \x01(\x0e\x32\x10.k3.v1.CacheKind\x12\r\n\x05group\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_index\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\x04\x12\x13\n\x0btoken_count\x18\x05 \x01(\x04\x12\x11\n\tnum_bytes\x18\x06 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\x06\"\xc5\x01\n\x08KVHandle\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12#\n\x08producer\x18\x03 \x01(\x0b\x32\x11.k3.v1.InstanceId\x12+\n\x06layout\x18\x04 \x01(\x0b\x32\x1b.k3.v1.TensorParallelLayout\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x1d\n\x05pages\x18\x06 \x03(\x0b\x32\x0e.k3.v1.PageRef\x12\r\n\x05model\x18\x07 \x01(\t\"f\n\x0b\x45rrorDetail\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\x12\x11\n\tretriable\x18\x05 \x01(\x08\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\xc2\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x13.k3.v1.FinishReason\x12\x1b\n\x05usage\x18\x05 \x01(\x0b\x32\x0c.k3.v1.Usage\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12%\n\x08logprobs\x18\x07 \x03(\x0b\x32\x13.k3.v1.TokenLogprob\"\x82\x01\n\nWorkerLoad\x12#\n\x08instance\x18\x01 \x01(\x0b\x32\x11.k3.v1.InstanceId\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x12\n\npool_usage\x18\x04 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01*\xaf\x01\n\x0cRequestClass\x12\x1d\n\x19REQUEST_CLASS_UNSPECIFIED\x10\x00\x12\x17\n\x13REQUEST_CLASS_SHORT\x10\x01\x12\x18\n\x14REQUEST_CLASS_MEDIUM\x10\x02\x12\x16\n\x12REQUEST_CLASS_LONG\x10\x03\x12\x1a\n\x16REQUEST_CLASS_FAILOVER\x10\x04\x12\x19\n\x15REQUEST_CLASS_ROLLOUT\x10\x05*u\n\tCacheKind\x12\x1a\n\x16\x43\x41\x43HE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43\x41\x43HE_KIND_MLA_LATENT\x10\x01\x12\x18\n\x14\x43\x41\x43HE_KIND_KDA_STATE\x10\x02\x12\x17\n\x13\x43\x41\x43HE_KIND_KDA_CONV\x10\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'k3.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REQUESTCLASS']._serialized_start=1365
-  _globals['_REQUESTCLASS']._serialized_end=1540
-  _globals['_CACHEKIND']._serialized_start=1542
-  _globals['_CACHEKIND']._serialized_end=1659
-  _globals['_FINISHREASON']._serialized_start=1662
-  _globals['_FINISHREASON']._serialized_end=1811
+  _globals['_REQUESTCLASS']._serialized_start=1588
+  _globals['_REQUESTCLASS']._serialized_end=1763
+  _globals['_CACHEKIND']._serialized_start=1765
+  _globals['_CACHEKIND']._serialized_end=1882
+  _globals['_FINISHREASON']._serialized_start=1885
+  _globals['_FINISHREASON']._serialized_end=2034
   _globals['_CLUSTERID']._serialized_start=29
   _globals['_CLUSTERID']._serialized_end=70
   _globals['_INSTANCEID']._serialized_start=72
@@ -46,19 +46,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=219
   _globals['_TOKENIDS']._serialized_end=242
   _globals['_SAMPLINGPARAMS']._serialized_start=245
-  _globals['_SAMPLINGPARAMS']._serialized_end=404
-  _globals['_TENSORPARALLELLAYOUT']._serialized_start=406
-  _globals['_TENSORPARALLELLAYOUT']._serialized_end=523
-  _globals['_PAGEREF']._serialized_start=526
-  _globals['_PAGEREF']._serialized_end=685
-  _globals['_KVHANDLE']._serialized_start=688
-  _globals['_KVHANDLE']._serialized_end=885
-  _globals['_ERRORDETAIL']._serialized_start=887
-  _globals['_ERRORDETAIL']._serialized_end=989
-  _globals['_USAGE']._serialized_start=991
-  _globals['_USAGE']._serialized_end=1071
-  _globals['_TOKENCHUNK']._serialized_start=1074
-  _globals['_TOKENCHUNK']._serialized_end=1229
-  _globals['_WORKERLOAD']._serialized_start=1232
-  _globals['_WORKERLOAD']._serialized_end=1362
+  _globals['_SAMPLINGPARAMS']._serialized_end=444
+  _globals['_TOKENALTERNATIVE']._serialized_start=446
+  _globals['_TOKENALTERNATIVE']._serialized_end=499
+  _globals['_TOKENLOGPROB']._serialized_start=501
+  _globals['_TOKENLOGPROB']._serialized_end=588
+  _globals['_TENSORPARALLELLAYOUT']._serialized_start=590
+  _globals['_TENSORPARALLELLAYOUT']._serialized_end=707
+  _globals['_PAGEREF']._serialized_start=710
+  _globals['_PAGEREF']._serialized_end=869
+  _globals['_KVHANDLE']._serialized_start=872
+  _globals['_KVHANDLE']._serialized_end=1069
+  _globals['_ERRORDETAIL']._serialized_start=1071
+  _globals['_ERRORDETAIL']._serialized_end=1173
+  _globals['_USAGE']._serialized_start=1175
+  _globals['_USAGE']._serialized_end=1255
+  _globals['_TOKENCHUNK']._serialized_start=1258
+  _globals['_TOKENCHUNK']._serialized_end=1452
+  _globals['_WORKERLOAD']._serialized_start=1455
+  _globals['_WORKERLOAD']._serialized_end=1585
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from k3.v1 import common_pb2 as k3_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12k3/v1/decode.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\"\xbb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07session\x18\x02 \x01(\x0b\x32\x11.k3.v1.SessionRef\x12\x1f\n\x06prompt\x18\x03 \x01(\x0b\x32\x0f.k3.v1.TokenIds\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.k3.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x17\n\x0fturn_boundaries\x18\x06 \x03(\x04\"\xfa\x01\n\x17\x44\x65\x63odeFromHandleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07session\x18\x02 \x01(\x0b\x32\x11.k3.v1.SessionRef\x12\x1f\n\x06prompt\x18\x03 \x01(\x0b\x32\x0f.k3.v1.TokenIds\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.k3.v1.SamplingParams\x12\x1f\n\x06handle\x18\x05 \x01(\x0b\x32\x0f.k3.v1.KVHandle\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x18\n\x10transfer_address\x18\x08 \x01(\t\"4\n\x10GenerateResponse\x12 \n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.k3.v1.TokenChunk\"<\n\x18\x44\x65\x63odeFromHandleResponse\x12 \n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.k3.v1.TokenChunk\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"E\n\x12ProbePrefixRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x19\n\x11hash_block_tokens\x18\x02 \x01(\r\")\n\x13ProbePrefixResponse\x12\x12\n\nhit_tokens\x18\x01 \x01(\x04\"\x16\n\x14GetDecodeLoadRequest\"8\n\x15GetDecodeLoadResponse\x12\x1f\n\x04load\x18\x01 \x01(\x0b\x32\x11.k3.v1.WorkerLoad2\xee\x02\n\rDecodeService\x12=\n\x08Generate\x12\x16.k3.v1.GenerateRequest\x1a\x17.k3.v1.GenerateResponse0\x01\x12U\n\x10\x44\x65\x63odeFromHandle\x12\x1e.k3.v1.DecodeFromHandleRequest\x1a\x1f.k3.v1.DecodeFromHandleResponse0\x01\x12\x35\n\x06\x43\x61ncel\x12\x14.k3.v1.CancelRequest\x1a\x15.k3.v1.CancelResponse\x12\x44\n\x0bProbePrefix\x12\x19.k3.v1.ProbePrefixRequest\x1a\x1a.k3.v1.ProbePrefixResponse\x12J\n\rGetDecodeLoad\x12\x1b.k3.v1.GetDecodeLoadRequest\x1a\x1c.k3.v1.GetDecodeLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12k3/v1/decode.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\"\xbb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07session\x18\x02 \x01(\x0b\x32\x11.k3.v1.SessionRef\x12\x1f\n\x06prompt\x18\x03 \x01(\x0b\x32\x0f.k3.v1.TokenIds\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.k3.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x17\n\x0fturn_boundaries\x18\x06 \x03(\x04\"\xac\x02\n\x17\x44\x65\x63odeFromHandleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07session\x18\x02 \x01(\x0b\x32\x11.k3.v1.SessionRef\x12\x1f\n\x06prompt\x18\x03 \x01(\x0b\x32\x0f.k3.v1.TokenIds\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.k3.v1.SamplingParams\x12\x1f\n\x06handle\x18\x05 \x01(\x0b\x32\x0f.k3.v1.KVHandle\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x18\n\x10transfer_address\x18\x08 \x01(\t\x12\x30\n\x13\x66irst_token_logprob\x18\t \x01(\x0b\x32\x13.k3.v1.TokenLogprob\"4\n\x10GenerateResponse\x12 \n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.k3.v1.TokenChunk\"<\n\x18\x44\x65\x63odeFromHandleResponse\x12 \n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.k3.v1.TokenChunk\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"E\n\x12ProbePrefixRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x19\n\x11hash_block_tokens\x18\x02 \x01(\r\")\n\x13ProbePrefixResponse\x12\x12\n\nhit_tokens\x18\x01 \x01(\x04\"\x16\n\x14GetDecodeLoadRequest\"8\n\x15GetDecodeLoadResponse\x12\x1f\n\x04load\x18\x01 \x01(\x0b\x32\x11.k3.v1.WorkerLoad2\xee\x02\n\rDecodeService\x12=\n\x08Generate\x12\x16.k3.v1.GenerateRequest\x1a\x17.k3.v1.GenerateResponse0\x01\x12U\n\x10\x44\x65\x63odeFromHandle\x12\x1e.k3.v1.DecodeFromHandleRequest\x1a\x1f.k3.v1.DecodeFromHandleResponse0\x01\x12\x35\n\x06\x43\x61ncel\x12\x14.k3.v1.CancelRequest\x1a\x15.k3.v1.CancelResponse\x12\x44\n\x0bProbePrefix\x12\x19.k3.v1.ProbePrefixRequest\x1a\x1a.k3.v1.ProbePrefixResponse\x12J\n\rGetDecodeLoad\x12\x1b.k3.v1.GetDecodeLoadRequest\x1a\x1c.k3.v1.GetDecodeLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=50
   _globals['_GENERATEREQUEST']._serialized_end=237
   _globals['_DECODEFROMHANDLEREQUEST']._serialized_start=240
-  _globals['_DECODEFROMHANDLEREQUEST']._serialized_end=490
-  _globals['_GENERATERESPONSE']._serialized_start=492
-  _globals['_GENERATERESPONSE']._serialized_end=544
-  _globals['_DECODEFROMHANDLERESPONSE']._serialized_start=546
-  _globals['_DECODEFROMHANDLERESPONSE']._serialized_end=606
-  _globals['_CANCELREQUEST']._serialized_start=608
-  _globals['_CANCELREQUEST']._serialized_end=643
-  _globals['_CANCELRESPONSE']._serialized_start=645
-  _globals['_CANCELRESPONSE']._serialized_end=676
-  _globals['_PROBEPREFIXREQUEST']._serialized_start=678
-  _globals['_PROBEPREFIXREQUEST']._serialized_end=747
-  _globals['_PROBEPREFIXRESPONSE']._serialized_start=749
-  _globals['_PROBEPREFIXRESPONSE']._serialized_end=790
-  _globals['_GETDECODELOADREQUEST']._serialized_start=792
-  _globals['_GETDECODELOADREQUEST']._serialized_end=814
-  _globals['_GETDECODELOADRESPONSE']._serialized_start=816
-  _globals['_GETDECODELOADRESPONSE']._serialized_end=872
-  _globals['_DECODESERVICE']._serialized_start=875
-  _globals['_DECODESERVICE']._serialized_end=1241
+  _globals['_DECODEFROMHANDLEREQUEST']._serialized_end=540
+  _globals['_GENERATERESPONSE']._serialized_start=542
+  _globals['_GENERATERESPONSE']._serialized_end=594
+  _globals['_DECODEFROMHANDLERESPONSE']._serialized_start=596
+  _globals['_DECODEFROMHANDLERESPONSE']._serialized_end=656
+  _globals['_CANCELREQUEST']._serialized_start=658
+  _globals['_CANCELREQUEST']._serialized_end=693
+  _globals['_CANCELRESPONSE']._serialized_start=695
+  _globals['_CANCELRESPONSE']._serialized_end=726
+  _globals['_PROBEPREFIXREQUEST']._serialized_start=728
+  _globals['_PROBEPREFIXREQUEST']._serialized_end=797
+  _globals['_PROBEPREFIXRESPONSE']._serialized_start=799
+  _globals['_PROBEPREFIXRESPONSE']._serialized_end=840
+  _globals['_GETDECODELOADREQUEST']._serialized_start=842
+  _globals['_GETDECODELOADREQUEST']._serialized_end=864
+  _globals['_GETDECODELOADRESPONSE']._serialized_start=866
+  _globals['_GETDECODELOADRESPONSE']._serialized_end=922
+  _globals['_DECODESERVICE']._serialized_start=925
+  _globals['_DECODESERVICE']._serialized_end=1291
 # @@protoc_insertion_point(module_scope)

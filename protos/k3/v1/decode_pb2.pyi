@@ -71,6 +71,7 @@ class DecodeFromHandleRequest(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     TRANSFER_ADDRESS_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token: _builtins.int
     """The token sampled by the prefill worker; decoding continues after it."""
@@ -85,6 +86,10 @@ class DecodeFromHandleRequest(_message.Message):
     def sampling(self) -> _common_pb2.SamplingParams: ...
     @_builtins.property
     def handle(self) -> _common_pb2.KVHandle: ...
+    @_builtins.property
+    def first_token_logprob(self) -> _common_pb2.TokenLogprob:
+        """The prefill worker's logprob of first_token (streamed back with it when sampling.logprobs is set)."""
+
     def __init__(
         self,
         *,
@@ -96,10 +101,11 @@ class DecodeFromHandleRequest(_message.Message):
         first_token: _builtins.int = ...,
         model: _builtins.str = ...,
         transfer_address: _builtins.str = ...,
+        first_token_logprob: _common_pb2.TokenLogprob | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["handle", b"handle", "prompt", b"prompt", "sampling", b"sampling", "session", b"session"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_token_logprob", b"first_token_logprob", "handle", b"handle", "prompt", b"prompt", "sampling", b"sampling", "session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token", b"first_token", "handle", b"handle", "model", b"model", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "session", b"session", "transfer_address", b"transfer_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token", b"first_token", "first_token_logprob", b"first_token_logprob", "handle", b"handle", "model", b"model", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "session", b"session", "transfer_address", b"transfer_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from k3.v1 import common_pb2 as k3_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13k3/v1/prefill.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\"\xb2\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07session\x18\x02 \x01(\x0b\x32\x11.k3.v1.SessionRef\x12\x1f\n\x06prompt\x18\x03 \x01(\x0b\x32\x0f.k3.v1.TokenIds\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.k3.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x17\n\x0fturn_boundaries\x18\x06 \x03(\x04\x12\x18\n\x10transfer_address\x18\x07 \x01(\t\x12(\n\rdecode_target\x18\x08 \x01(\x0b\x32\x11.k3.v1.InstanceId\x12\x32\n\rdecode_layout\x18\t \x01(\x0b\x32\x1b.k3.v1.TensorParallelLayout\"\x9d\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x1f\n\x06handle\x18\x03 \x01(\x0b\x32\x0f.k3.v1.KVHandle\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\"\x17\n\x15GetPrefillLoadRequest\"9\n\x16GetPrefillLoadResponse\x12\x1f\n\x04load\x18\x01 \x01(\x0b\x32\x11.k3.v1.WorkerLoad2\x99\x01\n\x0ePrefillService\x12\x38\n\x07Prefill\x12\x15.k3.v1.PrefillRequest\x1a\x16.k3.v1.PrefillResponse\x12M\n\x0eGetPrefillLoad\x12\x1c.k3.v1.GetPrefillLoadRequest\x1a\x1d.k3.v1.GetPrefillLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13k3/v1/prefill.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\"\xb2\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07session\x18\x02 \x01(\x0b\x32\x11.k3.v1.SessionRef\x12\x1f\n\x06prompt\x18\x03 \x01(\x0b\x32\x0f.k3.v1.TokenIds\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.k3.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x17\n\x0fturn_boundaries\x18\x06 \x03(\x04\x12\x18\n\x10transfer_address\x18\x07 \x01(\t\x12(\n\rdecode_target\x18\x08 \x01(\x0b\x32\x11.k3.v1.InstanceId\x12\x32\n\rdecode_layout\x18\t \x01(\x0b\x32\x1b.k3.v1.TensorParallelLayout\"\xcf\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x1f\n\x06handle\x18\x03 \x01(\x0b\x32\x0f.k3.v1.KVHandle\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12\x30\n\x13\x66irst_token_logprob\x18\x07 \x01(\x0b\x32\x13.k3.v1.TokenLogprob\"\x17\n\x15GetPrefillLoadRequest\"9\n\x16GetPrefillLoadResponse\x12\x1f\n\x04load\x18\x01 \x01(\x0b\x32\x11.k3.v1.WorkerLoad2\x99\x01\n\x0ePrefillService\x12\x38\n\x07Prefill\x12\x15.k3.v1.PrefillRequest\x1a\x16.k3.v1.PrefillResponse\x12M\n\x0eGetPrefillLoad\x12\x1c.k3.v1.GetPrefillLoadRequest\x1a\x1d.k3.v1.GetPrefillLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=51
   _globals['_PREFILLREQUEST']._serialized_end=357
   _globals['_PREFILLRESPONSE']._serialized_start=360
-  _globals['_PREFILLRESPONSE']._serialized_end=517
-  _globals['_GETPREFILLLOADREQUEST']._serialized_start=519
-  _globals['_GETPREFILLLOADREQUEST']._serialized_end=542
-  _globals['_GETPREFILLLOADRESPONSE']._serialized_start=544
-  _globals['_GETPREFILLLOADRESPONSE']._serialized_end=601
-  _globals['_PREFILLSERVICE']._serialized_start=604
-  _globals['_PREFILLSERVICE']._serialized_end=757
+  _globals['_PREFILLRESPONSE']._serialized_end=567
+  _globals['_GETPREFILLLOADREQUEST']._serialized_start=569
+  _globals['_GETPREFILLLOADREQUEST']._serialized_end=592
+  _globals['_GETPREFILLLOADRESPONSE']._serialized_start=594
+  _globals['_GETPREFILLLOADRESPONSE']._serialized_end=651
+  _globals['_PREFILLSERVICE']._serialized_start=654
+  _globals['_PREFILLSERVICE']._serialized_end=807
 # @@protoc_insertion_point(module_scope)

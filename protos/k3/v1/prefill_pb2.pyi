@@ -79,6 +79,7 @@ class PrefillResponse(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     PREFILL_MS_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token: _builtins.int
     prompt_tokens: _builtins.int
@@ -86,6 +87,10 @@ class PrefillResponse(_message.Message):
     prefill_ms: _builtins.float
     @_builtins.property
     def handle(self) -> _common_pb2.KVHandle: ...
+    @_builtins.property
+    def first_token_logprob(self) -> _common_pb2.TokenLogprob:
+        """Set when the request asked for logprobs: the first token's."""
+
     def __init__(
         self,
         *,
@@ -95,10 +100,11 @@ class PrefillResponse(_message.Message):
         prompt_tokens: _builtins.int = ...,
         cached_tokens: _builtins.int = ...,
         prefill_ms: _builtins.float = ...,
+        first_token_logprob: _common_pb2.TokenLogprob | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["handle", b"handle"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_token_logprob", b"first_token_logprob", "handle", b"handle"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "first_token", b"first_token", "handle", b"handle", "prefill_ms", b"prefill_ms", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "first_token", b"first_token", "first_token_logprob", b"first_token_logprob", "handle", b"handle", "prefill_ms", b"prefill_ms", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
