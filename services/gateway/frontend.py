@@ -27,6 +27,8 @@ class Delta:
     cached_tokens: int = 0
     reasoning: str = ""
     tool_calls: list[dict] = dataclasses.field(default_factory=list)
+    # The workers' log-probs of token_ids (when the request asked).
+    logprobs: list[common_pb2.TokenLogprob] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -68,7 +70,8 @@ class Frontend:
                                "context_length_exceeded")
         sampling = common_pb2.SamplingParams(
             temperature=request.temperature, top_k=request.top_k, top_p=request.top_p, seed=request.seed,
-            max_tokens=request.max_tokens, stop=request.stop)
+            max_tokens=request.max_tokens, stop=request.stop, logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs)
         job = Job(new_request_id(), common_pb2.SessionRef(session_id=request.session_id), prompt, sampling,
                   request.model, turn_boundaries)
         return Prepared(job, request.messages is not None, thinking, tools)
@@ -80,7 +83,8 @@ class Frontend:
             decoder = StreamDecoder(self.tokenizer, skip_special=True)
         async for event in self.pipeline.run(prepared.job):
             finish = FINISH_NAMES.get(event.finish_reason)
-            delta = Delta("", event.token_ids, finish, event.cluster, event.cached_tokens)
+            delta = Delta("", event.token_ids, finish, event.cluster, event.cached_tokens,
+                          logprobs=event.logprobs)
             if not prepared.chat:
                 delta.text = "".join(decoder.push(t) for t in event.token_ids) + (decoder.flush() if finish else "")
                 yield delta

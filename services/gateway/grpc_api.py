@@ -35,7 +35,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 tools=json.loads(request.tools_json) if request.tools_json else None,
                 tool_choice=request.tool_choice or None,
                 response_format=json.loads(request.response_format_json) if request.response_format_json else None,
-                reasoning_effort=request.reasoning_effort or None)
+                reasoning_effort=request.reasoning_effort or None, logprobs=sampling.logprobs,
+                top_logprobs=sampling.top_logprobs)
         except json.JSONDecodeError as exc:
             raise errors.InvalidArgument("tools_json", f"not valid JSON: {exc.msg}") from exc
         parsed.session_id = request.session.session_id or derive_session_id(parsed)
@@ -57,7 +58,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     channel="think", cluster=delta.cluster)
             yield gateway_pb2.CompleteResponse(
                 chunk=common_pb2.TokenChunk(request_id=job.request_id, token_ids=delta.token_ids, text=delta.text,
-                                            finish_reason=finish),
+                                            finish_reason=finish, logprobs=delta.logprobs),
                 channel="response", cluster=delta.cluster,
                 tool_calls_json=json.dumps(delta.tool_calls) if delta.tool_calls else "")
 

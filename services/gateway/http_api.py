@@ -10,6 +10,7 @@ import time
 from aiohttp import web
 
 from services.gateway.frontend import Frontend
+from services.gateway.logprobs import openai_content
 from services.gateway.openai_request import RequestError, parse
 from services.runtime import errors
 from services.runtime.interceptors import CallTracker
@@ -86,7 +87,7 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     kind = "chat.completion" if chat else "text_completion"
     base = {"id": job.request_id, "created": created, "model": frontend.model}
     if not parsed.stream:
-        return await _whole(frontend, prepared, base, kind, chat)
+        return await _whole(frontend, prepared, base, kind, chat, parsed.logprobs)
 
     response = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
                                            "x-session-id": parsed.session_id})
@@ -105,6 +106,8 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
             cached = max(cached, delta.cached_tokens)
             choice = ({"index": 0, "delta": _chat_delta(delta), "finish_reason": delta.finish_reason} if chat else
                       {"index": 0, "text": delta.text, "finish_reason": delta.finish_reason})
+            if parsed.logprobs:
+                choice["logprobs"] = {"content": openai_content(frontend.tokenizer, delta.logprobs), "refusal": None}
             # system_fingerprint names the cluster that produced the chunk (it changes on failover).
             await _sse(response, {**base, "object": "chat.completion.chunk" if chat else kind, "choices": [choice],
                                   "system_fingerprint": f"k3:{delta.cluster}"})
@@ -132,9 +135,11 @@ def _chat_delta(delta) -> dict:
     return out
 
 
-async def _whole(frontend: Frontend, prepared, base: dict, kind: str, chat: bool) -> web.Response:
+async def _whole(frontend: Frontend, prepared, base: dict, kind: str, chat: bool, logprobs: bool) -> web.Response:
     text, reasoning, calls, finish, tokens, cached, cluster = [], [], [], None, 0, 0, ""
+    content_logprobs: list[dict] = []
     async for delta in frontend.stream(prepared):
+        content_logprobs += openai_content(frontend.tokenizer, delta.logprobs)
         text.append(delta.text)
         reasoning.append(delta.reasoning)
         calls.extend(delta.tool_calls)
@@ -149,6 +154,8 @@ async def _whole(frontend: Frontend, prepared, base: dict, kind: str, chat: bool
         message["tool_calls"] = calls
     choice = ({"index": 0, "message": message, "finish_reason": finish}
               if chat else {"index": 0, "text": content, "finish_reason": finish})
+    if logprobs:
+        choice["logprobs"] = {"content": content_logprobs, "refusal": None}
     job = prepared.job
     return web.json_response({**base, "object": kind, "choices": [choice], "usage": _usage(job, tokens, cached),
                               "system_fingerprint": f"k3:{cluster}"},

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 EFFORTS = ("low", "medium", "high")
+MAX_TOP_LOGPROBS = 20
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -44,6 +45,9 @@ class InferenceRequest:
     reasoning_effort: str | None = None
     session_id: str = ""
     include_usage: bool = False
+    # Chat only: stream each token's log-prob (and the top_logprobs alternatives).
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -116,7 +120,11 @@ def parse(body: Any, *, chat: bool, served_model: str, max_output_tokens: int,
             raise RequestError(400, f"'reasoning_effort' must be one of {', '.join(EFFORTS)}",
                                "reasoning_effort", "invalid_value")
         request.reasoning_effort = effort
+        request.logprobs, request.top_logprobs = parse_logprobs(body)
     else:
+        if body.get("logprobs") not in (None, False, 0):
+            raise RequestError(400, "'logprobs' is supported on /v1/chat/completions only", "logprobs",
+                               "unsupported_parameter")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -125,6 +133,22 @@ def parse(body: Any, *, chat: bool, served_model: str, max_output_tokens: int,
         request.prompt = prompt
     request.session_id = session_header or derive_session_id(request)
     return request
+
+
+def parse_logprobs(body: dict) -> tuple[bool, int]:
+    """OpenAI chat's `logprobs` (bool) and `top_logprobs` (0..20, only with logprobs)."""
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise RequestError(400, "'logprobs' must be a boolean", "logprobs", "invalid_type")
+    top = body.get("top_logprobs")
+    if top is None:
+        return bool(wanted), 0
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise RequestError(400, f"'top_logprobs' must be an integer between 0 and {MAX_TOP_LOGPROBS}, got {top!r}",
+                           "top_logprobs", "invalid_value")
+    if not wanted:
+        raise RequestError(400, "'top_logprobs' needs 'logprobs' to be true", "top_logprobs", "invalid_value")
+    return True, top
 
 
 def derive_session_id(request: InferenceRequest) -> str:

@@ -60,6 +60,7 @@ class Event:
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     cluster: str = ""
     cached_tokens: int = 0
+    logprobs: list[common_pb2.TokenLogprob] = dataclasses.field(default_factory=list)
 
 
 class AttemptFailed(Exception):
@@ -225,10 +226,12 @@ class Pipeline:
         stream = decode.DecodeFromHandle(decode_pb2.DecodeFromHandleRequest(
             request_id=job.request_id, session=job.session, prompt=common_pb2.TokenIds(ids=job.prompt),
             sampling=job.sampling, handle=result.handle, first_token=result.first_token, model=job.model,
-            transfer_address=route.transfer.address), timeout=self.timeout_s)
+            transfer_address=route.transfer.address,
+            first_token_logprob=result.first_token_logprob if result.HasField("first_token_logprob") else None),
+            timeout=self.timeout_s)
         async for reply in stream:
             yield Event(list(reply.chunk.token_ids), reply.chunk.finish_reason,
-                        cached_tokens=result.cached_tokens)
+                        cached_tokens=result.cached_tokens, logprobs=list(reply.chunk.logprobs))
 
     async def _colocated(self, job: Job, route: router_pb2.RouteResponse) -> AsyncIterator[Event]:
         if not route.decode.address:
@@ -239,7 +242,8 @@ class Pipeline:
             sampling=job.sampling, model=job.model, turn_boundaries=job.turn_boundaries), timeout=self.timeout_s)
         async for reply in stream:
             chunk = reply.chunk
-            yield Event(list(chunk.token_ids), chunk.finish_reason, cached_tokens=chunk.usage.cached_tokens)
+            yield Event(list(chunk.token_ids), chunk.finish_reason, cached_tokens=chunk.usage.cached_tokens,
+                        logprobs=list(chunk.logprobs))
 
 
 def _client_error(exc: grpc.aio.AioRpcError) -> errors.ServiceError:
