@@ -1,10 +1,11 @@
 """The behaviour policy's log-probabilities, computed by the rollout driver.
 
-The serving path does not return per-token log-probs (no `logprobs` field in the decode or gateway
-protos yet), so the driver keeps a k3core model at the weight version the workers serve and scores each
-generated segment itself, under the exact distribution the engine samples from (`sampling_probs`:
-temperature, top-k, top-p). Its forward is the contiguous reference path, so values agree with the
-worker's paged computation up to float rounding.
+The driver takes sampled tokens' log-probs from the worker's stream (`SamplingParams.logprobs`); this
+model, kept at the weight version the workers serve, scores a segment only when the stream has none
+(greedy decoding, or `DriverConfig.serving_logprobs` off for workers that refuse logprobs), and scores
+it under the exact distribution the engine samples from (`sampling_probs`: temperature, top-k, top-p).
+Its forward is the contiguous reference path, so values agree with the worker's paged computation up to
+float rounding.
 """
 
 from __future__ import annotations

@@ -48,6 +48,9 @@ class DriverConfig:
     sampling: common_pb2.SamplingParams = dataclasses.field(
         default_factory=lambda: common_pb2.SamplingParams(temperature=1.0))
     seed: int = 0
+    # Take each token's behaviour log-prob from the worker's stream (sampling.logprobs) instead of scoring
+    # it with the driver's own model; off for workers that refuse logprobs (speculative decoding).
+    serving_logprobs: bool = True
 
 
 @dataclasses.dataclass
@@ -89,19 +92,20 @@ class RolloutDriver:
 
     async def _iteration(self, batch: list[Trajectory]) -> None:
         todo = deque(batch)  # resumed ones first, as the scheduler ordered them
-        running: dict[asyncio.Task, tuple[Trajectory, list[int]]] = {}
+        running: dict[asyncio.Task, tuple[Trajectory, list[int], list[float]]] = {}
         submissions: list[asyncio.Task] = []
         try:
             while todo or running:
                 concurrency = self.throttle.update(await self.backend.signals())
                 while todo and len(running) < concurrency:
-                    trajectory, segment = todo.popleft(), []
-                    running[asyncio.create_task(self._generate(trajectory, segment))] = trajectory, segment
+                    trajectory, segment, served = todo.popleft(), [], []
+                    task = asyncio.create_task(self._generate(trajectory, segment, served))
+                    running[task] = trajectory, segment, served
                 done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    trajectory, segment = running.pop(task)
+                    trajectory, segment, served = running.pop(task)
                     task.result()  # a failed generation ends the run (the trainer keeps what it got)
-                    self._finish(trajectory, segment, submissions)
+                    self._finish(trajectory, segment, served, submissions)
                 if self.scheduler.should_pause():
                     break
         finally:
@@ -109,30 +113,37 @@ class RolloutDriver:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
             await asyncio.gather(*submissions)  # a policy step runs while generation goes on
-        for trajectory, segment in running.values():
-            self._record(trajectory, segment)
+        for trajectory, segment, served in running.values():
+            self._record(trajectory, segment, served)
         self.stats.paused += len(self.scheduler.pause_rest())
 
-    async def _generate(self, t: Trajectory, segment: list[int]) -> None:
+    async def _generate(self, t: Trajectory, segment: list[int], served: list[float]) -> None:
         prompt = self.prompts[t.prompt_id]
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(self.config.sampling)
         sampling.max_tokens = prompt.max_new_tokens - len(t.tokens)
+        # Greedy keeps the policy's convention (a deterministic policy: log-prob 0), so only sampled ask.
+        sampling.logprobs = self.config.serving_logprobs and sampling.temperature > 0
         if sampling.max_tokens <= 0:
             return
         # A resumed segment draws from a fresh stream (the engine seeds token i from (seed, i)).
         key = f"{self.config.seed}/{t.prompt_id}/{t.sample}/{len(t.tokens)}".encode()
         sampling.seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & _MASK
         rid = f"rollout-{t.prompt_id}-{t.sample}-{len(t.tokens)}"
-        await self.backend.generate(rid, prompt.tokens + t.tokens, sampling, segment)
+        await self.backend.generate(rid, prompt.tokens + t.tokens, sampling, segment,
+                                    served if sampling.logprobs else None)
 
-    def _record(self, t: Trajectory, segment: list[int]) -> None:
+    def _record(self, t: Trajectory, segment: list[int], served: list[float]) -> None:
+        """The segment's behaviour log-probs: the worker's when it streamed one per token, else scored by
+        the driver's own model (greedy, or serving_logprobs off)."""
         if segment:
-            logprobs = self.policy.logprobs(self.prompts[t.prompt_id].tokens + t.tokens, segment)
+            logprobs = served if len(served) == len(segment) else self.policy.logprobs(
+                self.prompts[t.prompt_id].tokens + t.tokens, segment)
             self.scheduler.record_tokens(t.key, segment, logprobs, self.stats.version)
 
-    def _finish(self, t: Trajectory, segment: list[int], submissions: list[asyncio.Task]) -> None:
-        self._record(t, segment)
+    def _finish(self, t: Trajectory, segment: list[int], served: list[float],
+                submissions: list[asyncio.Task]) -> None:
+        self._record(t, segment, served)
         prompt = self.prompts[t.prompt_id]
         group = self.scheduler.finish(t.key, self.reward(prompt, list(t.tokens)))
         if group is not None:

@@ -27,14 +27,17 @@ class DecodeBackend:
         self.model = model
 
     async def generate(self, rid: str, tokens: list[int], sampling: common_pb2.SamplingParams,
-                       out: list[int]) -> int:
-        """Stream a continuation of `tokens` into `out` (kept if the task is cancelled: a pause); returns
-        the finish reason."""
+                       out: list[int], logprobs: list[float] | None = None) -> int:
+        """Stream a continuation of `tokens` into `out` (kept if the task is cancelled: a pause), and the
+        worker's per-token log-probs into `logprobs` when given (sampling.logprobs set); returns the finish
+        reason."""
         call = self.stub.Generate(decode_pb2.GenerateRequest(
             request_id=rid, prompt=common_pb2.TokenIds(ids=tokens), sampling=sampling, model=self.model))
         try:
             async for reply in call:
                 out.extend(reply.chunk.token_ids)
+                if logprobs is not None:
+                    logprobs.extend(lp.logprob for lp in reply.chunk.logprobs)
                 if reply.chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     return reply.chunk.finish_reason
         finally:
