@@ -3,6 +3,7 @@ real prefill/decode worker processes against the offline reference model's logit
 
 from __future__ import annotations
 
+import json
 import math
 
 import grpc
@@ -14,7 +15,7 @@ from services.engine.params import GenerationOptions
 from services.engine.sampler import token_logprobs
 from services.runtime.client import aio_channel
 from tests.workers.client import generate
-from tests.workers.cluster import OVERRIDES
+from tests.workers.cluster import OVERRIDES, make, start_all, worker_args
 from tests.workers.oracle import build_reference, offline_generate
 
 
@@ -137,3 +138,26 @@ async def test_decode_from_handle_without_the_first_logprob_is_refused(workers):
                 handle=common_pb2.KVHandle(handle_id="h"), first_token=3), timeout=30).read()
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "first_token_logprob" in caught.value.details()
+
+
+@pytest.fixture(scope="module")
+def speculative_decode(tmp_path_factory, transfer):
+    draft = ["--draft-model", "nano", "--draft-model-overrides", json.dumps(OVERRIDES), "--num-speculative-tokens", "2"]
+    proc = make(tmp_path_factory.mktemp("lp-spec"), "decode", worker_args("decode", 1, transfer.address, *draft))
+    try:
+        start_all([proc])
+        yield proc
+    finally:
+        proc.kill()
+
+
+async def test_logprobs_with_speculative_decoding_is_a_failed_precondition(speculative_decode):
+    """Not supported yet (the verify path does not compute them): refused clearly, not silently dropped."""
+    sampling = common_pb2.SamplingParams(max_tokens=4, logprobs=True)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await generate(speculative_decode.address, "lp-spec", [1, 2, 3], sampling)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "sampling.logprobs" in caught.value.details()
+    # Without logprobs the same worker serves the request.
+    chunks = await generate(speculative_decode.address, "lp-spec-ok", [1, 2, 3], common_pb2.SamplingParams(max_tokens=4))
+    assert sum(len(c.token_ids) for c in chunks) >= 1 and not any(c.logprobs for c in chunks)
