@@ -3,7 +3,7 @@ for token-id prompts, Cancel ends a paused request, GetDecodeLoad feeds the auto
 endpoint for the weight version it serves (`k3_decode_weights_version`).
 
 The gateway is not used yet: its CompleteRequest takes text (a paused trajectory resumes from token ids
-that need not be valid UTF-8) and its replies carry no log-probs; see docs/trainer.md.
+that need not be valid UTF-8); see docs/trainer.md.
 """
 
 from __future__ import annotations
