@@ -196,7 +196,11 @@ class Engine:
             proposal = proposals[item.rid]
             tokens = accept_drafts(logits, proposal.tokens, proposal.probs, req.options, len(req.output))
             self.speculator.record(len(proposal.tokens), len(tokens) - 1)
-            kept.append(self._stream(req, tokens))
+            # Token j of the window sits at logit row j: its log-prob under the target's distribution there
+            # (a residual-drawn correction too: the model's probability of the token, docs/serving.md).
+            logprobs = token_logprobs(logits, [(j, req.options, t) for j, t in enumerate(tokens)]
+                                      ) if req.options.logprobs else None
+            kept.append(self._stream(req, tokens, logprobs))
         self.speculator.verifier.commit(verification, kept)
         for item in verification.items:
             req = self.requests.get(item.rid)

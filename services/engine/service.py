@@ -88,9 +88,6 @@ class WorkerService:
         options = GenerationOptions.from_proto(sampling, vocab_size=vocab, max_tokens_limit=self.config.max_tokens_limit)
         if options.stop and self.worker.engine is not None and self.worker.engine.output.tokenizer is None:
             raise errors.InvalidArgument("sampling.stop", "stop strings need a tokenizer this model lacks here")
-        if options.logprobs and self.worker.engine is not None and self.worker.engine.speculator is not None:
-            raise errors.FailedPrecondition("sampling.logprobs is not supported on a worker that runs "
-                                            "speculative decoding yet")
         if len(prompt) + options.max_tokens > self.config.max_model_len:
             raise errors.InvalidArgument("sampling.max_tokens", f"prompt + max_tokens exceed max_model_len "
                                          f"{self.config.max_model_len}")

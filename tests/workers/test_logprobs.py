@@ -151,13 +151,17 @@ def speculative_decode(tmp_path_factory, transfer):
         proc.kill()
 
 
-async def test_logprobs_with_speculative_decoding_is_a_failed_precondition(speculative_decode):
-    """Not supported yet (the verify path does not compute them): refused clearly, not silently dropped."""
-    sampling = common_pb2.SamplingParams(max_tokens=4, logprobs=True)
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await generate(speculative_decode.address, "lp-spec", [1, 2, 3], sampling)
-    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "sampling.logprobs" in caught.value.details()
-    # Without logprobs the same worker serves the request.
-    chunks = await generate(speculative_decode.address, "lp-spec-ok", [1, 2, 3], common_pb2.SamplingParams(max_tokens=4))
-    assert sum(len(c.token_ids) for c in chunks) >= 1 and not any(c.logprobs for c in chunks)
+@pytest.mark.parametrize("case", range(len(CASES)))
+async def test_speculative_decode_worker_streams_logprobs_of_the_target(speculative_decode, reference, case):
+    """Through gRPC on a worker with a draft model: every emitted token (accepted draft or the target's own)
+    carries its log-prob under the target's distribution. Greedy tokens equal the reference's; sampled ones
+    differ in draws (tests/workers/test_speculative_logprobs.py checks those in process)."""
+    sampling, prompt = CASES[case], list(range(5, 30))
+    chunks = await generate(speculative_decode.address, f"lp-spec-{case}", prompt, sampling)
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
+    logits = reference_logits(reference, prompt, tokens)
+    if sampling.temperature == 0:
+        assert tokens == expected(reference, prompt, sampling)[0]
+    for lp, row, token in zip([lp for c in chunks for lp in c.logprobs], logits, tokens, strict=True):
+        check(lp, oracle_logprobs(row, sampling.temperature, sampling.top_k), token, sampling.top_logprobs, 1e-4)

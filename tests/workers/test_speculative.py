@@ -78,8 +78,8 @@ def run_engine(*flags: str, opts: list[GenerationOptions] | None = None, prompts
     windows: list[tuple[int, int]] = []
     stream = engine._stream
 
-    def observed(req, tokens):  # (tokens offered, tokens taken) per streamed step
-        windows.append((len(tokens), stream(req, tokens)))
+    def observed(req, tokens, logprobs=None):  # (tokens offered, tokens taken) per streamed step
+        windows.append((len(tokens), stream(req, tokens, logprobs)))
         return windows[-1][1]
 
     engine._stream = observed
