@@ -2,7 +2,7 @@
 
 The driver takes sampled tokens' log-probs from the worker's stream (`SamplingParams.logprobs`); this
 model, kept at the weight version the workers serve, scores a segment only when the stream has none
-(greedy decoding, or `DriverConfig.serving_logprobs` off for workers that refuse logprobs), and scores
+(greedy decoding, or `DriverConfig.serving_logprobs` off), and scores
 it under the exact distribution the engine samples from (`sampling_probs`: temperature, top-k, top-p).
 Its forward is the contiguous reference path, so values agree with the worker's paged computation up to
 float rounding.

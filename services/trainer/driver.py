@@ -49,7 +49,7 @@ class DriverConfig:
         default_factory=lambda: common_pb2.SamplingParams(temperature=1.0))
     seed: int = 0
     # Take each token's behaviour log-prob from the worker's stream (sampling.logprobs) instead of scoring
-    # it with the driver's own model; off for workers that refuse logprobs (speculative decoding).
+    # it with the driver's own model; off to score everything locally (e.g. as a cross-check).
     serving_logprobs: bool = True
 
 
