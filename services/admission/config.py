@@ -6,7 +6,7 @@ import dataclasses
 
 from services.admission.cost_model import CostModel
 from services.admission.ledger import check_budgets
-from services.router.damping import damping_problems
+from services.router.damping import MassLossSettings
 from services.runtime import ServiceConfig
 
 # In-flight cost (GPU-ms, see cost_model.py) each class may hold per cluster. Sized for a 16-node x 8-GPU
@@ -18,7 +18,7 @@ DEFAULT_BUDGETS = {"SHORT": 2_000_000, "MEDIUM": 1_000_000, "LONG": 11_200_000, 
 
 
 @dataclasses.dataclass
-class AdmissionConfig(ServiceConfig):
+class AdmissionConfig(ServiceConfig, MassLossSettings):
     port: int = 50062
     # Per-cluster budgets by class; the etcd key below overrides them live.
     budgets: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_BUDGETS))
@@ -34,18 +34,6 @@ class AdmissionConfig(ServiceConfig):
     # Class edges in cost units; 0 keeps the defaults (8K-prompt and 128K-prompt requests).
     short_max_cost: float = 0.0
     medium_max_cost: float = 0.0
-    # Membership damping of the admission replicas (as the router's, services/router/damping.py): when at
-    # least two replicas and more than this fraction (or all) leave within one lease TTL, it is taken for an
-    # etcd-side lease expiry and budget ownership stays on the last-known replica set for mass_loss_grace_s
-    # (default 2 x lease TTL) or until they re-register. 0 in either disables it. Any loss takes effect once
-    # it has lasted mass_loss_settle_s.
-    mass_loss_fraction: float = 0.5
-    mass_loss_grace_s: float | None = None
-    mass_loss_settle_s: float = 0.1
-
-    def mass_loss_grace(self) -> float:
-        return 2 * self.lease_ttl_s if self.mass_loss_grace_s is None else self.mass_loss_grace_s
-
     def model(self) -> CostModel:
         return dataclasses.replace(CostModel.k3_h200(), **self.cost_model)
 
@@ -68,6 +56,5 @@ class AdmissionConfig(ServiceConfig):
             problems.append(f"ticket_ttl_s: must be > 0, got {self.ticket_ttl_s}")
         if self.short_max_cost < 0 or self.medium_max_cost < 0:
             problems.append("short_max_cost/medium_max_cost: must be >= 0")
-        problems += damping_problems(self.mass_loss_fraction, self.mass_loss_grace(), self.mass_loss_settle_s,
-                                     self.lease_ttl_s)
+        problems += self.mass_loss_problems()
         return problems

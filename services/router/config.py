@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from services.router.damping import damping_problems
+from services.router.damping import MassLossSettings
 from services.router.membership import parse_requirements
 from services.runtime import ServiceConfig
 
@@ -13,7 +13,7 @@ PLACEMENT_MODES = ("stateless", "bounded")
 
 
 @dataclasses.dataclass
-class RouterConfig(ServiceConfig):
+class RouterConfig(ServiceConfig, MassLossSettings):
     port: int = 50061
     # A cluster is healthy while each named data-plane service has at least this many live instances.
     required_instances: str = "decode:1"
@@ -40,18 +40,6 @@ class RouterConfig(ServiceConfig):
     # once per window: a longer window means fewer etcd writes and a looser expiry.
     session_idle_ttl_s: float = 3600.0
     assignment_lease_window_s: float = 300.0
-    # Membership damping (services/router/damping.py): when at least two clusters and more than this fraction
-    # of the healthy ones (or all) leave within one lease TTL, it is taken for etcd-side lease expiry and the
-    # lost clusters stay routable for mass_loss_grace_s (default 2 x lease TTL) or until they re-register.
-    # 0 in either disables damping. A loss takes effect once it has lasted mass_loss_settle_s, so a cascade
-    # of expiries is seen whole and a delete-then-re-register is not acted on.
-    mass_loss_fraction: float = 0.5
-    mass_loss_grace_s: float | None = None
-    mass_loss_settle_s: float = 0.1
-
-    def mass_loss_grace(self) -> float:
-        return 2 * self.lease_ttl_s if self.mass_loss_grace_s is None else self.mass_loss_grace_s
-
     def validate(self) -> list[str]:
         problems = super().validate()
         try:
@@ -85,6 +73,5 @@ class RouterConfig(ServiceConfig):
         if not 0 < self.assignment_lease_window_s <= self.session_idle_ttl_s:
             problems.append("assignment_lease_window_s: must be > 0 and <= session_idle_ttl_s, got "
                             f"{self.assignment_lease_window_s}")
-        problems += damping_problems(self.mass_loss_fraction, self.mass_loss_grace(), self.mass_loss_settle_s,
-                                     self.lease_ttl_s)
+        problems += self.mass_loss_problems()
         return problems

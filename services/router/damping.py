@@ -22,6 +22,7 @@ replicas (budget ownership), with its own `subject` and logger.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -33,16 +34,34 @@ def is_mass_loss(lost: int, before: int, fraction: float) -> bool:
     return lost >= 2 and (lost > fraction * before or lost == before)
 
 
-def damping_problems(fraction: float, grace_s: float, settle_s: float, lease_ttl_s: float) -> list[str]:
-    """Config validation of the mass_loss_* settings (names as the flags spell them)."""
-    problems = []
-    if not 0 <= fraction <= 1:
-        problems.append(f"mass_loss_fraction: must be in [0, 1], got {fraction}")
-    if not 0 <= settle_s <= lease_ttl_s:
-        problems.append(f"mass_loss_settle_s: must be in [0, lease_ttl_s], got {settle_s}")
-    if grace_s < 0:
-        problems.append(f"mass_loss_grace_s: must be >= 0, got {grace_s}")
-    return problems
+@dataclasses.dataclass
+class MassLossSettings:
+    """The damping settings of a service config (router: clusters; admission: its replicas). When at least two
+    members and more than `mass_loss_fraction` of the healthy ones (or all) leave within one lease TTL, it is
+    taken for an etcd-side lease expiry and they stay on their last-known records for `mass_loss_grace_s`
+    (default 2 x lease TTL) or until they re-register; 0 in either disables damping. Any loss takes effect
+    once it has lasted `mass_loss_settle_s`. Mixed into a ServiceConfig (which supplies lease_ttl_s)."""
+
+    mass_loss_fraction: float = 0.5
+    mass_loss_grace_s: float | None = None
+    mass_loss_settle_s: float = 0.1
+
+    def mass_loss_grace(self) -> float:
+        return 2 * self.lease_ttl_s if self.mass_loss_grace_s is None else self.mass_loss_grace_s
+
+    def mass_loss_problems(self) -> list[str]:
+        problems = []
+        if not 0 <= self.mass_loss_fraction <= 1:
+            problems.append(f"mass_loss_fraction: must be in [0, 1], got {self.mass_loss_fraction}")
+        if not 0 <= self.mass_loss_settle_s <= self.lease_ttl_s:
+            problems.append(f"mass_loss_settle_s: must be in [0, lease_ttl_s], got {self.mass_loss_settle_s}")
+        if self.mass_loss_grace() < 0:
+            problems.append(f"mass_loss_grace_s: must be >= 0, got {self.mass_loss_grace_s}")
+        return problems
+
+    def damper(self, subject: str = "clusters", logger: logging.Logger | None = None) -> MassLossDamper:
+        return MassLossDamper(self.mass_loss_fraction, self.mass_loss_grace(), self.lease_ttl_s,
+                              self.mass_loss_settle_s, subject, logger or log)
 
 
 class MassLossDamper:

@@ -18,7 +18,6 @@ from prometheus_client import Counter, Gauge
 from k3.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.assignment_store import ASSIGNMENTS, AssignmentStore
 from services.router.config import RouterConfig
-from services.router.damping import MassLossDamper
 from services.router.decision import RouteDecision, decide, decide_assigned
 from services.router.membership import ClusterView, FleetTracker, parse_requirements
 from services.router.placement import PlacementTable, rendezvous_rank
@@ -48,8 +47,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         # Bounded mode's etcd-backed session table; None in stateless mode.
         self.assignments = assignments
         self.clock = clock
-        self.damper = MassLossDamper(config.mass_loss_fraction, config.mass_loss_grace(), config.lease_ttl_s,
-                                     config.mass_loss_settle_s)
+        self.damper = config.damper()
         self.fleet = FleetTracker(parse_requirements(config.required_instances), config.forget_after_s,
                                   self.damper)
         self.table: PlacementTable | None = None
