@@ -72,6 +72,13 @@ class Driver:
                     self.recording.call("append_tokens", req.rid, [token])
         return [r.output[:new_tokens] for r in reqs]
 
+    def reserve_step(self, limit: int | None = None) -> tuple[list[str], list]:
+        """Pages for one more token of every request (of the first `limit`, by id): (rids, cached requests)."""
+        rids = sorted(self.manager.requests)[:limit]
+        for rid in rids:
+            self.manager.reserve(rid, 1)
+        return rids, [self.manager.requests[r] for r in rids]
+
 
 @pytest.fixture(scope="module")
 def nano():
@@ -95,10 +102,7 @@ def _decoding_driver(nano) -> Driver:
 def test_one_step_writes_the_same_pool_bytes_and_logits(nano):
     driver = _decoding_driver(nano)
     manager, fast = driver.manager, driver.executor.fastpath
-    rids = sorted(manager.requests)
-    for rid in rids:
-        manager.reserve(rid, 1)
-    cached = [manager.requests[r] for r in rids]
+    rids, cached = driver.reserve_step()
     tokens = [11 * i + 4 for i in range(len(rids))]
     before = manager.store.data.clone()
     fast_logits = fast.forward(cached, tokens)
@@ -122,15 +126,13 @@ def test_one_kda_decode_call_per_layer_over_all_heads(nano, monkeypatch):
     from kernels import dispatch
 
     driver = _decoding_driver(nano)
-    manager, fast = driver.manager, driver.executor.fastpath
-    rids = sorted(manager.requests)
-    for rid in rids:
-        manager.reserve(rid, 1)
+    fast = driver.executor.fastpath
+    rids, cached = driver.reserve_step()
     calls = []
     step = dispatch.kda_decode_step
     monkeypatch.setattr(dispatch, "kda_decode_step",
                         lambda q, *args, **kw: calls.append(q.shape) or step(q, *args, **kw))
-    fast.forward([manager.requests[r] for r in rids], [3] * len(rids))
+    fast.forward(cached, [3] * len(rids))
     config = nano.config
     assert calls == [(len(rids), config.kda_num_heads, config.kda_head_dim)] * len(config.kda_layers)
 
@@ -138,10 +140,7 @@ def test_one_kda_decode_call_per_layer_over_all_heads(nano, monkeypatch):
 def test_padded_rows_leave_the_real_rows_alone(nano):
     driver = _decoding_driver(nano)
     manager, fast = driver.manager, driver.executor.fastpath
-    rids = sorted(manager.requests)
-    for rid in rids:
-        manager.reserve(rid, 1)
-    cached = [manager.requests[r] for r in rids]
+    rids, cached = driver.reserve_step()
     tokens = [5] * len(rids)
     before = manager.store.data.clone()
     plain = fast.decoder.forward(fast.builder.view(torch.from_numpy(fast.builder.build(cached, tokens, 5)), 5))
@@ -212,10 +211,7 @@ from tests.workers.oracle import build_reference
 from tests.workers.test_fastpath import _decoding_driver
 driver = _decoding_driver(build_reference("nano", seed=3))
 manager, fast = driver.manager, driver.executor.fastpath
-rids = sorted(manager.requests)[:2]
-for rid in rids:
-    manager.reserve(rid, 1)
-cached = [manager.requests[r] for r in rids]
+rids, cached = driver.reserve_step(2)
 tokens = [9 * i + 2 for i in range(len(rids))]
 before = manager.store.data.clone()
 dispatch.use_triton = lambda *tensors: True  # CPU tensors to the Triton launchers, run by the interpreter

@@ -38,10 +38,7 @@ def _derived(driver: Driver) -> list[torch.Tensor]:
 def _one_step(driver: Driver) -> tuple[torch.Tensor, torch.Tensor]:
     """Fast and reference logits of one decode step of every request, both from the same pool bytes."""
     manager, fast = driver.manager, driver.executor.fastpath
-    rids = sorted(manager.requests)
-    for rid in rids:
-        manager.reserve(rid, 1)
-    cached = [manager.requests[r] for r in rids]
+    rids, cached = driver.reserve_step()
     tokens = [13 * i + 2 for i in range(len(rids))]
     before = manager.store.data.clone()
     fast_logits = fast.forward(cached, tokens)
