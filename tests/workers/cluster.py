@@ -4,6 +4,7 @@ TP degrees, all on loopback, started in parallel (each rank is its own OS proces
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,3 +36,13 @@ def children(pid: int) -> list[int]:
     """Direct child processes (the worker's TP ranks > 0), whichever thread started them."""
     return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
             for child in (task / "children").read_text().split()]
+
+
+def running(procs: dict) -> Iterator[dict]:
+    """Start every process of `procs` in parallel, yield the dict, kill them all afterwards (fixture body)."""
+    try:
+        start_all(list(procs.values()))
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.kill()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.processes import ServiceProcess
-from tests.workers.cluster import make, start_all, worker_args
+from tests.workers.cluster import make, running, worker_args
 
 
 @pytest.fixture(scope="package")
@@ -19,13 +19,8 @@ def transfer(tmp_path_factory):
 
 def _workers(tmp_path_factory, transfer, wanted):
     root = tmp_path_factory.mktemp("workers")
-    procs = {(role, tp): make(root, f"{role}{tp}", worker_args(role, tp, transfer.address)) for role, tp in wanted}
-    try:
-        start_all(list(procs.values()))
-        yield procs
-    finally:
-        for proc in procs.values():
-            proc.kill()
+    yield from running({(role, tp): make(root, f"{role}{tp}", worker_args(role, tp, transfer.address))
+                        for role, tp in wanted})
 
 
 @pytest.fixture(scope="package")

@@ -13,7 +13,7 @@ import pytest
 from k3.v1 import common_pb2
 from services.engine.params import GenerationOptions
 from tests.workers.client import generate, prefill_then_decode
-from tests.workers.cluster import OVERRIDES, make, start_all, worker_args
+from tests.workers.cluster import OVERRIDES, make, running, worker_args
 from tests.workers.oracle import build_reference, offline_generate
 
 GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -23,15 +23,9 @@ GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True
 def spec_workers(tmp_path_factory, transfer):
     root = tmp_path_factory.mktemp("spec")
     draft = ["--draft-model", "nano", "--draft-model-overrides", json.dumps(OVERRIDES), "--num-speculative-tokens", "4"]
-    procs = {"prefill": make(root, "prefill", worker_args("prefill", 1, transfer.address)),
-             1: make(root, "decode1", worker_args("decode", 1, transfer.address, *draft)),
-             2: make(root, "decode2", worker_args("decode", 2, transfer.address, *draft))}
-    try:
-        start_all(list(procs.values()))
-        yield procs
-    finally:
-        for proc in procs.values():
-            proc.kill()
+    yield from running({"prefill": make(root, "prefill", worker_args("prefill", 1, transfer.address)),
+                        1: make(root, "decode1", worker_args("decode", 1, transfer.address, *draft)),
+                        2: make(root, "decode2", worker_args("decode", 2, transfer.address, *draft))})
 
 
 def _metrics(proc) -> dict[str, float]:
