@@ -38,6 +38,7 @@ import math
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -115,6 +116,28 @@ GRID = Scheme("block grid 1536 (vLLM-align-like)", 1536,
 GRID_BRANCH = Scheme("block grid 1536 + branch points", 1536, replace(GRID.policy, branch_points=True))
 
 
+def turn_order(sessions: list[Session], concurrent: int, seed: int) -> Iterator[tuple[Session, int, int, int]]:
+    """The trace's turns in the order both replays take them: up to `concurrent` conversations open at once
+    (the next waiting one opens when one ends), each turn drawn from a random open conversation. Yields
+    (session, turn, context length, tokens decoded (at least 1))."""
+    rng = random.Random(seed)
+    waiting = list(sessions)
+    active: list[tuple[Session, int, int]] = []  # (session, next turn, context length)
+    while waiting or active:
+        while waiting and len(active) < concurrent:
+            session = waiting.pop(0)
+            active.append((session, 0, session.first_prompt))
+        i = rng.randrange(len(active))
+        session, turn, context = active[i]
+        decoded, tool = session.turns[turn] if turn < len(session.turns) else (0, 0)
+        decoded = max(decoded, 1)
+        yield session, turn, context, decoded
+        if turn + 1 >= len(session.turns):
+            active.pop(i)
+        else:
+            active[i] = (session, turn + 1, context + decoded + tool)
+
+
 def _forward(manager: PrefixCacheManager, rid: str, tokens: int) -> None:
     manager.reserve(rid, tokens)
     manager.forward_done(rid)
@@ -148,31 +171,18 @@ def replay(scheme: Scheme, pool_gib: float, sessions: list[Session], concurrent:
     cpu = CpuTier(int(cpu_gib * GIB)) if cpu_gib else None
     registry = CollectorRegistry()
     manager = PrefixCacheManager(layout, pages, policy=scheme.policy, cpu_tier=cpu, metrics=CacheMetrics(registry))
-    rng = random.Random(seed)
-    waiting = list(sessions)
-    active: list[tuple[Session, int, int]] = []  # (session, next turn, context length)
     prompt_tokens = reused = turns = peak_checkpoint_pages = 0
     split = {"mla": 0, "checkpoint": 0, "free": 0}  # pool pages at turn starts, summed over turns
     start = time.perf_counter()
-    while waiting or active:
-        while waiting and len(active) < concurrent:
-            session = waiting.pop(0)
-            active.append((session, 0, session.first_prompt))
-        i = rng.randrange(len(active))
-        session, turn, context = active[i]
-        decoded, tool = session.turns[turn] if turn < len(session.turns) else (0, 0)
+    for session, turn, context, decoded in turn_order(sessions, concurrent, seed):
         split["mla"] += manager.pool.kind.count(PageKind.MLA)
         split["checkpoint"] += manager.checkpoints.num_pages  # between turns every KDA page is a checkpoint
         split["free"] += manager.pool.num_free
-        hit = run_turn(manager, session, f"{session.sid}:{turn}", context, max(decoded, 1))
+        hit = run_turn(manager, session, f"{session.sid}:{turn}", context, decoded)
         prompt_tokens += context
         reused += hit
         turns += 1
         peak_checkpoint_pages = max(peak_checkpoint_pages, manager.checkpoints.num_pages)
-        if turn + 1 >= len(session.turns):
-            active.pop(i)
-        else:
-            active[i] = (session, turn + 1, context + max(decoded, 1) + tool)
     return {
         "scheme": scheme.name, "pool_gib": pool_gib, "cpu_gib": cpu_gib, "hash_block": layout.hash_block_tokens,
         "tokens_per_block": layout.tokens_per_block, "page_mib": layout.page_bytes / 2**20, "pages": pages,
@@ -201,21 +211,13 @@ def recency_ceiling(layout: PoolLayout, pool_gib: float, sessions: list[Session]
     capacity = int(pool_gib * GIB // layout.page_bytes)
     resident: OrderedDict[int, int] = OrderedDict()  # session -> tokens held, least recently used first
     used = 0  # pages held by `resident`
-    rng = random.Random(seed)
-    waiting, active = list(sessions), []
     reused = shared = 0
-    while waiting or active:
-        while waiting and len(active) < concurrent:
-            session = waiting.pop(0)
-            active.append((session, 0, session.first_prompt))
-        i = rng.randrange(len(active))
-        session, turn, context = active[i]
-        decoded, tool = session.turns[turn] if turn < len(session.turns) else (0, 0)
+    for session, _, context, decoded in turn_order(sessions, concurrent, seed):
         held = resident.pop(session.sid, 0)
         used -= -(-held // per_block) + ckpt if held else 0
         reused += max(min(held, context - 1), shared) // hb * hb
         shared = SYSTEM_PROMPT  # from the first turn on, the system prompt is always held (hit by every miss)
-        end = context + max(decoded, 1)
+        end = context + decoded
         need = -(-end // per_block) + ckpt
         while used + need > capacity and resident:
             sid, tokens = next(iter(resident.items()))
@@ -230,10 +232,6 @@ def recency_ceiling(layout: PoolLayout, pool_gib: float, sessions: list[Session]
                 del resident[sid]
         resident[session.sid] = end
         used += need
-        if turn + 1 >= len(session.turns):
-            active.pop(i)
-        else:
-            active[i] = (session, turn + 1, end + tool)
     return reused
 
 
