@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-
-import grpc
 
 from k3.v1 import admission_pb2, admission_pb2_grpc
 from services.runtime.client import sync_channel
 from services.runtime.etcd_follow import connect
 from tests.router.test_router_service import wait_for
 from tests.support.processes import ServiceProcess
+from tests.support.repeated_calls import RepeatedCalls
 
 PREFIX = "/k3admdamp"
 CLUSTERS = [f"c{i}" for i in range(12)]
@@ -40,29 +38,6 @@ def record_revisions(endpoint: str) -> dict[str, int]:
         client.close()
 
 
-class Recorder:
-    """Asks one replica for every cluster's owner over and over; keeps each answer or error."""
-
-    def __init__(self, stub):
-        self.stub, self.stop, self.answers, self.errors = stub, threading.Event(), [], []
-        self.thread = threading.Thread(target=self._run)
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                self.answers.append(owners(self.stub))
-            except grpc.RpcError as exc:
-                self.errors.append(exc.code())
-
-    def __enter__(self) -> Recorder:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
-
-
 def test_frozen_etcd_keeps_budget_ownership_on_damped_replicas(etcd_restartable, tmp_path):
     common = ["serve", "admission", "--port", "0", "--metrics-port", "-1", "--cluster", "global",
               "--etcd-endpoints", etcd_restartable.endpoint, "--etcd-prefix", PREFIX, "--lease-ttl-s", "1",
@@ -81,7 +56,7 @@ def test_frozen_etcd_keeps_budget_ownership_on_damped_replicas(etcd_restartable,
         revisions = record_revisions(etcd_restartable.endpoint)
         assert len(revisions) == len(NAMES)
 
-        recorders = {n: Recorder(s) for n, s in stubs.items()}
+        recorders = {n: RepeatedCalls(lambda _, s=s: owners(s)) for n, s in stubs.items()}
         for r in recorders.values():
             r.__enter__()
         try:

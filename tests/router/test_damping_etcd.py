@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-
-import grpc
+from functools import partial
 
 from k3.v1 import router_pb2, router_pb2_grpc
 from services.runtime.client import sync_channel
 from tests.router.test_router_service import route, wait_for
 from tests.support.processes import ServiceProcess
+from tests.support.repeated_calls import RepeatedCalls
 
 CLUSTERS = ("c0", "c1", "c2")
 SESSIONS = [f"damp-{i}" for i in range(60)]
@@ -30,33 +29,10 @@ def fleet_view(stub) -> dict[str, tuple[bool, bool]]:
             for c in stub.GetFleet(router_pb2.GetFleetRequest(), timeout=5).clusters}
 
 
-class Recorder:
-    """Routes every session over and over from two threads; keeps each answer's (target, failover) or error."""
-
-    def __init__(self, stub):
-        self.stub, self.stop, self.answers, self.errors = stub, threading.Event(), [], []
-        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(2)]
-
-    def _run(self, offset: int) -> None:
-        i = offset
-        while not self.stop.is_set():
-            session = SESSIONS[i % len(SESSIONS)]
-            try:
-                answer = route(self.stub, session)
-                self.answers.append((session, answer.target.name, answer.failover))
-            except grpc.RpcError as exc:
-                self.errors.append(exc.code())
-            i += 2
-
-    def __enter__(self) -> Recorder:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join()
+def route_answer(stub, i: int) -> tuple[str, str, bool]:
+    session = SESSIONS[i % len(SESSIONS)]
+    answer = route(stub, session)
+    return session, answer.target.name, answer.failover
 
 
 def test_frozen_etcd_is_damped_and_a_real_kill_still_fails_over(etcd_restartable, tmp_path):
@@ -80,7 +56,7 @@ def test_frozen_etcd_is_damped_and_a_real_kill_still_fails_over(etcd_restartable
         primaries = {s: route(damped, s).primary.name for s in SESSIONS}
         assert set(primaries.values()) == set(CLUSTERS)
 
-        with Recorder(damped) as load:
+        with RepeatedCalls(partial(route_answer, damped), threads=2) as load:
             os.kill(etcd_restartable.proc.pid, signal.SIGSTOP)
             time.sleep(FREEZE_S)
             os.kill(etcd_restartable.proc.pid, signal.SIGCONT)
