@@ -3,17 +3,25 @@
 For each token row, the N completed block sums are scored by all Q pseudo-queries of the block's sites:
 logits = q_eff . RMSNorm(block) (q_eff = query * key-norm weight); per site the online-softmax statistics
 (max, denominator, accumulator) follow, which phase 2 (`merge_norm_triton`) folds the intra-block partial
-sum into. The accumulators (Q float32 rows per token) are most of the bytes, so the work is split in two
-kernels that each stream well:
-- scores: a skinny GEMM [Q, D] x [D, rows * N] per program of `score_rows` rows (the queries are read
-  once for all of them) and the blocks' sums of squares; at decode the D axis is also cut into chunks
-  whose partial sums the next kernel adds, so that a few rows still occupy every SM;
-- apply: one program per (row, D chunk) turns the scores into softmax weights and writes the row's Q
-  accumulators for its chunk, [Q, N] x [N, chunk], re-reading the block vectors but never the queries.
-All products run on the tensor cores in 3xTF32 (float32-accurate).
+sum into. The Q float32 accumulator rows per token are most of the bytes (at N=8, Q=24: 6x the block
+reads), so everything is arranged around writing them at full speed:
+- the softmax needs full-D dot products before any accumulator column can be written. Where the rows alone
+  fill the GPU (prefill) one program per `apply_rows` rows does both passes ("fused"): it streams the rows'
+  blocks once for the scores (kept in L2: `evict_last`), then re-reads them from L2 to write the
+  accumulators, so HBM sees the blocks once;
+- at decode (few rows) a scores kernel first cuts D into chunks (partial dot products and sums of squares,
+  added up by the next kernel) so that a few rows still occupy every SM, then the apply kernel runs one
+  program per (rows, D chunk).
+The accumulator of `apply_rows` rows is one product [Q * rows, rows * N] x [rows * N, D tile] with a
+block-diagonal weight matrix (each row's sites see only that row's blocks). Both products multiply a
+float32 matrix (queries, weights) by the blocks: bf16 blocks are exact in bf16, so the float32 side is cut
+into three bf16 parts (24 mantissa bits) and three bf16 MMAs give the float32-accurate result (half the
+tensor-core time of 3xTF32, which other dtypes take).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -23,74 +31,131 @@ from kernels._triton import next_pow2, require, tl, triton
 if triton is not None:
 
     @triton.jit
+    def _block_tile(blocks, m0, d, N, M, D, BM: tl.constexpr, BN: tl.constexpr, REREAD: tl.constexpr):
+        """blocks[n, m0 + r, d] as a [BM * BN, BD] tile, tile row j = r * BN + n (zeros outside)."""
+        j = tl.arange(0, BM * BN)
+        r, n = j // BN, j % BN
+        ok = ((n < N) & (m0 + r < M))[:, None] & (d < D)[None, :]
+        ptrs = blocks + (n[:, None] * M + m0 + r[:, None]) * D + d[None, :]
+        if REREAD:  # the second (apply) pass: its last use
+            return tl.load(ptrs, mask=ok, other=0.0, eviction_policy="evict_first")
+        return tl.load(ptrs, mask=ok, other=0.0, eviction_policy="evict_last")
+
+    @triton.jit
+    def _partial_scores(queries, norm_w, blocks, m0, d_lo, d_hi, N, Q, M, D, HAS_NORM_W: tl.constexpr,
+                        SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
+                        BD: tl.constexpr):
+        """q_eff . blocks[:, m0 + r] [BQ, BM * BN] and the blocks' sums of squares [BM * BN] over d_lo..d_hi."""
+        qs = tl.arange(0, BQ)
+        dots = tl.zeros([BQ, BM * BN], dtype=tl.float32)
+        sq = tl.zeros([BM * BN], dtype=tl.float32)
+        for d0 in range(d_lo, d_hi, BD):
+            d = d0 + tl.arange(0, BD)
+            q_ok = (qs < Q)[:, None] & (d < D)[None, :]
+            blk = _block_tile(blocks, m0, d, N, M, D, BM, BN, False)
+            q = tl.load(queries + qs[:, None] * D + d[None, :], mask=q_ok, other=0.0).to(tl.float32)
+            if HAS_NORM_W:
+                q = q * tl.load(norm_w + qs[:, None] * D + d[None, :], mask=q_ok, other=0.0).to(tl.float32)
+            sq += tl.sum(blk.to(tl.float32) * blk.to(tl.float32), 1)
+            dots = _dot_exact(q, tl.trans(blk), dots, SPLIT)
+        return dots, sq
+
+    @triton.jit
+    def _dot_exact(a, b, acc, SPLIT: tl.constexpr):
+        """acc + a @ b, a float32, to float32 accuracy. SPLIT 1: b is bf16 (exact there), a is cut into three
+        bf16 parts (24 mantissa bits) for three bf16 MMAs; 2: the same parts as float32 (the interpreter's
+        bf16 dot is wrong); 0: 3xTF32 (other dtypes)."""
+        if SPLIT == 0:
+            return tl.dot(a, b.to(tl.float32), acc, input_precision="tf32x3")
+        hi = a.to(tl.bfloat16)
+        rest = a - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        if SPLIT == 1:
+            acc = tl.dot(lo, b, acc)
+            acc = tl.dot(mid, b, acc)
+            return tl.dot(hi, b, acc)
+        bf = b.to(tl.float32)
+        acc = tl.dot(lo.to(tl.float32), bf, acc, input_precision="ieee")
+        acc = tl.dot(mid.to(tl.float32), bf, acc, input_precision="ieee")
+        return tl.dot(hi.to(tl.float32), bf, acc, input_precision="ieee")
+
+    @triton.jit
     def _scores_kernel(queries, norm_w, blocks, scores, squares, N, Q, M, D, CHUNK,
-                       HAS_NORM_W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
-                       BD: tl.constexpr):
+                       HAS_NORM_W: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BQ: tl.constexpr, BD: tl.constexpr):
         """scores[c, m, q, n] = q_eff[q] . blocks[n, m] and squares[c, m, n] over D chunk c."""
         m0 = tl.program_id(0).to(tl.int64) * BM
         c = tl.program_id(1).to(tl.int64)
-        qs = tl.arange(0, BQ)
-        j = tl.arange(0, BM * BN)  # (row, block) pairs flattened as j = r * BN + n
+        dots, sq = _partial_scores(queries, norm_w, blocks, m0, c * CHUNK, tl.minimum(c * CHUNK + CHUNK, D),
+                                   N, Q, M, D, HAS_NORM_W, SPLIT, BM, BN, BQ, BD)
+        j = tl.arange(0, BM * BN)
         r, n = j // BN, j % BN
-        j_ok = (n < N) & (m0 + r < M)
-        q_ok = qs < Q
-        dots = tl.zeros([BQ, BM * BN], dtype=tl.float32)
-        sq = tl.zeros([BM * BN], dtype=tl.float32)
-        for d0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, D), BD):
-            d = d0 + tl.arange(0, BD)
-            d_ok = d < D
-            blk = tl.load(blocks + (n[:, None] * M + m0 + r[:, None]) * D + d[None, :],
-                          mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            q = tl.load(queries + qs[:, None] * D + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
-                        other=0.0).to(tl.float32)
-            if HAS_NORM_W:
-                q = q * tl.load(norm_w + qs[:, None] * D + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
-                                other=0.0).to(tl.float32)
-            sq += tl.sum(blk * blk, 1)
-            dots = tl.dot(q, tl.trans(blk), dots, input_precision="tf32x3")
         base = c * M + m0 + r  # [BM * BN]: the (chunk, row) of each column
+        qs = tl.arange(0, BQ)
         tl.store(scores + (base[None, :] * BQ + qs[:, None]) * BN + n[None, :], dots, mask=(m0 + r < M)[None, :])
         tl.store(squares + base * BN + n, sq, mask=m0 + r < M)
 
     @triton.jit
-    def _apply_kernel(blocks, scores, squares, acc_out, max_out, denom_out, N, Q, M, D, CHUNK, eps,
-                      CHUNKS: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr):
-        m = tl.program_id(0).to(tl.int64)
+    def _apply_kernel(queries, norm_w, blocks, scores, squares, acc_out, max_out, denom_out, N, Q, M, D, CHUNK,
+                      eps, FUSED: tl.constexpr, CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr,
+                      SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
+                      BD_SCORES: tl.constexpr, BD: tl.constexpr):
+        m0 = tl.program_id(0).to(tl.int64) * BM
         c = tl.program_id(1)
-        qs, nb = tl.arange(0, BQ), tl.arange(0, BN)
-        dots = tl.zeros([BQ, BN], dtype=tl.float32)
-        sq = tl.zeros([BN], dtype=tl.float32)
-        for part in tl.static_range(CHUNKS):
-            dots += tl.load(scores + ((part * M + m) * BQ + qs[:, None]) * BN + nb[None, :])
-            sq += tl.load(squares + (part * M + m) * BN + nb)
-        logits = tl.where((nb < N)[None, :], dots * tl.rsqrt(sq / D + eps)[None, :], float("-inf"))
+        qs, j = tl.arange(0, BQ), tl.arange(0, BM * BN)
+        r, n = j // BN, j % BN
+        if FUSED:
+            dots, sq = _partial_scores(queries, norm_w, blocks, m0, 0, D, N, Q, M, D, HAS_NORM_W, SPLIT, BM, BN,
+                                       BQ, BD_SCORES)
+        else:
+            dots = tl.zeros([BQ, BM * BN], dtype=tl.float32)
+            sq = tl.zeros([BM * BN], dtype=tl.float32)
+            for part in tl.static_range(CHUNKS):
+                base = part * M + m0 + r
+                dots += tl.load(scores + (base[None, :] * BQ + qs[:, None]) * BN + n[None, :],
+                                mask=(m0 + r < M)[None, :], other=0.0)
+                sq += tl.load(squares + base * BN + n, mask=m0 + r < M, other=0.0)
+        logits = dots * tl.rsqrt(sq / D + eps)[None, :]
+        # Block-diagonal expansion: output row (q, r) weighs only row r's blocks.
+        own = (r[None, None, :] == tl.arange(0, BM)[None, :, None]) & (n < N)[None, None, :]
+        logits = tl.reshape(tl.where(own, logits[:, None, :], float("-inf")), (BQ * BM, BM * BN))
         top = tl.max(logits, 1)
+        top = tl.where(top == float("-inf"), 0.0, top)  # padding rows: no NaN from -inf - -inf
         weights = tl.exp(logits - top[:, None])
-        q_ok = qs < Q
+        i = tl.arange(0, BQ * BM)
+        row_ok = (i // BM < Q) & (m0 + i % BM < M)
+        out_row = (i // BM) * M + m0 + i % BM  # [Q, M] position of output row (q, r)
         if c == 0:
-            tl.store(max_out + qs * M + m, top, mask=q_ok)
-            tl.store(denom_out + qs * M + m, tl.sum(weights, 1), mask=q_ok)
+            tl.store(max_out + out_row, top, mask=row_ok)
+            tl.store(denom_out + out_row, tl.sum(weights, 1), mask=row_ok)
         for d0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, D), BD):
             d = d0 + tl.arange(0, BD)
-            d_ok = d < D
-            blk = tl.load(blocks + (nb[:, None] * M + m) * D + d[None, :], mask=(nb < N)[:, None] & d_ok[None, :],
-                          other=0.0).to(tl.float32)
-            acc = tl.dot(weights, blk, input_precision="tf32x3")
-            tl.store(acc_out + (qs[:, None] * M + m) * D + d[None, :], acc, mask=q_ok[:, None] & d_ok[None, :])
+            blk = _block_tile(blocks, m0, d, N, M, D, BM, BN, True)
+            acc = _dot_exact(weights, blk, tl.zeros([BQ * BM, BD], dtype=tl.float32), SPLIT)
+            tl.store(acc_out + out_row[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & (d < D)[None, :])
 
 
-def _chunks(programs: int, D: int, block_d: int, sms: int = 132) -> int:
+def _chunks(programs: int, D: int, block_d: int, sms: int) -> int:
     """D chunks that give about two programs per SM (1 when the rows alone do), each >= 4 column blocks."""
     wanted = max(1, -(-2 * sms // programs))
     return max(1, min(wanted, D // (4 * block_d)))
 
 
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None,
                   eps: float = 1e-6, block_d: int = 64, score_rows: int = 8, num_warps: int = 4,
-                  chunks: tuple[int, int] | None = None) -> OnlineSoftmax:
+                  chunks: tuple[int, int] | None = None, apply_rows: int = 1, apply_block_d: int = 128,
+                  fused: bool | None = None) -> OnlineSoftmax:
     """queries [Q, D] of all sites of a block, blocks [N, ..., D] -> float32 statistics [Q, ...] (max,
-    denominator) and [Q, ..., D] (accumulator), as k3core.ops.attnres.attnres_inter. `chunks`: the D
-    chunks of the scores and of the apply kernel (None: enough for about two programs per SM)."""
+    denominator) and [Q, ..., D] (accumulator), as k3core.ops.attnres.attnres_inter.
+    Tuning: `block_d` / `apply_block_d` the D tiles of the scores / accumulators, `score_rows` /
+    `apply_rows` the rows per program of the scores kernel / apply kernel, `chunks` the D chunks of the
+    two-kernel form (None: about two programs per SM), `fused` the one-kernel form (None: when the rows
+    alone give two programs per SM)."""
     N, D = blocks.shape[0], blocks.shape[-1]
     Q = queries.shape[0]
     require(queries.dim() == 2 and queries.shape[1] == D, f"queries must be [Q, {D}], got {tuple(queries.shape)}")
@@ -98,26 +163,39 @@ def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: tor
             f"norm_weights must be [{Q}, {D}] like queries")
     require(blocks.dtype != torch.float64 and queries.dtype != torch.float64, "float64 takes the reference")
     require(N >= 1, "blocks must hold at least one completed block")
-    require(score_rows == next_pow2(score_rows), f"score_rows must be a power of two, got {score_rows}")
+    for name, value in (("score_rows", score_rows), ("apply_rows", apply_rows)):
+        require(value >= 1 and value == next_pow2(value), f"{name} must be a power of two, got {value}")
     rows = blocks.shape[1:-1]
     M = blocks[0, ..., 0].numel()
     flat = blocks.reshape(N, M, D).contiguous()
     q = queries.contiguous()
-    BN, BQ, BD = max(16, next_pow2(N)), max(16, next_pow2(Q)), min(block_d, next_pow2(D))
-    row_blocks = triton.cdiv(M, score_rows)
-    score_chunks, apply_chunks = chunks or (_chunks(row_blocks, D, BD), _chunks(M, D, BD))
-    score_chunk = triton.cdiv(triton.cdiv(D, score_chunks), BD) * BD
-    scores = torch.empty(score_chunks, M, BQ, BN, dtype=torch.float32, device=blocks.device)
-    squares = torch.empty(score_chunks, M, BN, dtype=torch.float32, device=blocks.device)
-    _scores_kernel[(row_blocks, score_chunks)](
-        q, norm_weights.contiguous() if norm_weights is not None else q, flat, scores, squares, N, Q, M, D,
-        score_chunk, HAS_NORM_W=norm_weights is not None, BM=score_rows, BN=BN, BQ=BQ, BD=BD, num_warps=num_warps,
-    )
+    w = norm_weights.contiguous() if norm_weights is not None else q
+    sms = _sm_count(blocks.device)
+    split = 0 if flat.dtype != torch.bfloat16 else 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+    apply_programs = triton.cdiv(M, apply_rows)
+    if fused is None:
+        fused = chunks is None and apply_programs >= 2 * sms
+    # Every tl.dot operand needs >= 16 along K: pad the block axis so that rows * blocks >= 16.
+    BN = max(next_pow2(N), 16 // apply_rows, 1 if fused else 16 // score_rows)
+    BQ, BD, BDA = max(16, next_pow2(Q)), min(block_d, next_pow2(D)), min(apply_block_d, next_pow2(D))
     acc = torch.empty(Q, M, D, dtype=torch.float32, device=blocks.device)
     top = torch.empty(Q, M, dtype=torch.float32, device=blocks.device)
     denom = torch.empty_like(top)
-    _apply_kernel[(M, apply_chunks)](
-        flat, scores, squares, acc, top, denom, N, Q, M, D, triton.cdiv(triton.cdiv(D, apply_chunks), BD) * BD, eps,
-        CHUNKS=score_chunks, BN=BN, BQ=BQ, BD=BD, num_warps=num_warps,
+    if fused:
+        score_chunks, apply_chunks, scores, squares = 1, 1, acc, acc  # scores unused: computed in place
+    else:
+        row_blocks = triton.cdiv(M, score_rows)
+        score_chunks, apply_chunks = chunks or (_chunks(row_blocks, D, BD, sms), _chunks(apply_programs, D, BDA, sms))
+        scores = torch.empty(score_chunks, M, BQ, BN, dtype=torch.float32, device=blocks.device)
+        squares = torch.empty(score_chunks, M, BN, dtype=torch.float32, device=blocks.device)
+        _scores_kernel[(row_blocks, score_chunks)](
+            q, w, flat, scores, squares, N, Q, M, D, triton.cdiv(triton.cdiv(D, score_chunks), BD) * BD,
+            HAS_NORM_W=norm_weights is not None, SPLIT=split, BM=score_rows, BN=BN, BQ=BQ, BD=BD, num_warps=num_warps,
+        )
+    _apply_kernel[(apply_programs, apply_chunks)](
+        q, w, flat, scores, squares, acc, top, denom, N, Q, M, D,
+        triton.cdiv(triton.cdiv(D, apply_chunks), BDA) * BDA, eps, FUSED=fused, CHUNKS=score_chunks,
+        HAS_NORM_W=norm_weights is not None, SPLIT=split, BM=apply_rows, BN=BN,
+        BQ=BQ, BD_SCORES=BD, BD=BDA, num_warps=num_warps,
     )
     return OnlineSoftmax(top.reshape(Q, *rows), denom.reshape(Q, *rows), acc.reshape(Q, *rows, D))

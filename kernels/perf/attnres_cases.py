@@ -19,7 +19,12 @@ BF16 = torch.bfloat16
 
 
 MERGE_VARIANTS = (4,)  # num_warps (8: same at decode, 93 vs 98 % at prefill)
-INTER_VARIANTS = ((64, 8, 4),)  # (block_d, score_rows, num_warps)
+# Phase 1 launcher arguments timed per shape (decode: M=64; prefill: the rest); the first is the default.
+INTER_VARIANTS = {
+    "decode": ({}, {"apply_block_d": 64}, {"apply_rows": 2}, {"chunks": (16, 14)}, {"chunks": (8, 28)}),
+    "prefill": ({}, {"apply_rows": 2}, {"num_warps": 8, "apply_block_d": 256}, {"fused": False},
+                {"fused": False, "apply_rows": 2}),
+}
 
 
 @triton.jit
@@ -35,7 +40,7 @@ def launch_floor_rows() -> list[Row]:
 
 
 def attnres_rows(tokens: tuple[int, ...] = (64, 8192), variants: tuple = MERGE_VARIANTS,
-                 inter_variants: tuple = INTER_VARIANTS) -> list[Row]:
+                 inter_variants: dict = INTER_VARIANTS) -> list[Row]:
     rows: list[Row] = launch_floor_rows()
     for M in tokens:
         blocks = torch.randn(BLOCKS, M, D, device="cuda", dtype=BF16)
@@ -54,7 +59,7 @@ def attnres_rows(tokens: tuple[int, ...] = (64, 8192), variants: tuple = MERGE_V
             rows.append(Row("attnres_merge_norm", shape, f"ours(w={nw})", ms, moved, note=how, extra=err))
         ms, how = time_ms(partial(attnres_naive.attnres_merge_norm, *args))
         rows.append(Row("attnres_merge_norm", shape, "torch k3core.ops composition", ms, moved, note=how))
-        rows += _inter_rows(blocks, queries, inter_variants)
+        rows += _inter_rows(blocks, queries, inter_variants["decode" if M <= 64 else "prefill"])
         del blocks, args, stats
         torch.cuda.empty_cache()
     rows += _situ_rows()
@@ -69,14 +74,15 @@ def _inter_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple) ->
     ref = attnres_inter(queries, blocks, norm_w)
     moved = N * M * D * 2 + SITES * M * (D + 2) * 4 + SITES * D * 2 * 2
     shape = f"M={M},D={D},N={N},Q={SITES}"
-    for block_d, score_rows, nw in variants:
-        run = partial(inter_triton.attnres_inter, queries, blocks, norm_w, block_d=block_d, score_rows=score_rows,
-                      num_warps=nw)
+    for kwargs in variants:
+        run = partial(inter_triton.attnres_inter, queries, blocks, norm_w, **kwargs)
         ours = run()
-        err = {"acc_rel": rel_err(ours.acc, ref.acc), "max_abs": max_err(ours.max, ref.max)}
+        err = {"acc_rel": rel_err(ours.acc, ref.acc), "max_abs": max_err(ours.max, ref.max),
+               "denom_rel": rel_err(ours.denom, ref.denom)}
         ms, how = time_ms(run)
-        rows.append(Row("attnres_inter", shape, f"ours(block_d={block_d},score_rows={score_rows},w={nw})", ms, moved,
-                        note=how, extra=err))
+        label = ",".join(f"{k}={v}" for k, v in kwargs.items()) or "default"
+        rows.append(Row("attnres_inter", shape, f"ours({label})", ms, moved, note=how, extra=err))
+        del ours
     ms, how = time_ms(partial(attnres_inter, queries, blocks, norm_w))
     rows.append(Row("attnres_inter", shape, "torch k3core.ops.attnres_inter", ms, moved, note=how))
     return rows

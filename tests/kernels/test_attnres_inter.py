@@ -1,0 +1,89 @@
+"""Block AttnRes phase 1 (kernels/attnres/inter_triton.py) in the Triton interpreter against float64 math.
+
+Both forms of the launcher (one fused kernel per row tile; scores kernel over D chunks + apply kernel) and
+the block-diagonal multi-row tiles are held to a float64 evaluation of eq.9's batched statistics, over
+block counts that are not powers of two, a single block, row counts that leave partial tiles, bf16 and
+float32 blocks, with and without key-norm weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3core.ops.attnres import attnres_direct
+from kernels.attnres import inter_triton
+
+
+def _float64_stats(queries: torch.Tensor, blocks: torch.Tensor, norm_w: torch.Tensor | None, eps: float = 1e-6):
+    """max, denominator, accumulator of softmax_n(q_eff . RMSNorm(b_n)) over the blocks, in float64."""
+    b = blocks.double()
+    q = queries.double() * (norm_w.double() if norm_w is not None else 1.0)
+    keys = b / b.square().mean(-1, keepdim=True).add(eps).sqrt()
+    logits = torch.einsum("n...d,qd->qn...", keys, q)
+    top = logits.max(1).values
+    weights = (logits - top.unsqueeze(1)).exp()
+    return top, weights.sum(1), torch.einsum("qn...,n...d->q...d", weights, b)
+
+
+CASES = [  # (blocks N, rows shape, D, sites Q, dtype, key-norm weights, launcher arguments)
+    (3, (5,), 40, 4, torch.bfloat16, True, {"fused": True}),
+    (3, (5,), 40, 4, torch.bfloat16, True, {"fused": True, "apply_rows": 4}),  # one partial 4-row tile + 1
+    (1, (2, 3), 40, 3, torch.bfloat16, False, {"fused": True, "apply_rows": 2}),  # a layer with one block
+    (5, (6,), 48, 5, torch.float32, True, {"fused": True, "apply_rows": 2}),  # 3xTF32 path
+    (3, (5,), 40, 4, torch.bfloat16, True, {"chunks": (2, 3), "score_rows": 2, "apply_rows": 2}),
+    (6, (7,), 56, 6, torch.bfloat16, True, {"chunks": (3, 2), "score_rows": 4}),
+    (2, (3,), 40, 2, torch.float32, False, {"chunks": (1, 1)}),
+]
+
+
+@pytest.mark.parametrize(("n_blocks", "rows", "dim", "sites", "dtype", "with_norm_w", "kwargs"), CASES)
+def test_inter_matches_float64(interpreted, n_blocks, rows, dim, sites, dtype, with_norm_w, kwargs):
+    gen = torch.Generator().manual_seed(n_blocks * 100 + dim)
+    blocks = (torch.randn(n_blocks, *rows, dim, generator=gen) * 3).to(dtype)
+    queries = torch.randn(sites, dim, generator=gen)
+    norm_w = torch.rand(sites, dim, generator=gen) + 0.5 if with_norm_w else None
+    ours = inter_triton.attnres_inter(queries, blocks, norm_w, block_d=16, apply_block_d=16, **kwargs)
+    expected = _float64_stats(queries, blocks, norm_w)
+    for got, want in zip((ours.max, ours.denom, ours.acc), expected, strict=True):
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-5)
+    # The statistics are a valid online softmax: each site's result is eq.9 over the blocks alone.
+    site = sites - 1
+    direct = attnres_direct(queries[site].double(), blocks.double(), norm_w[site].double() if with_norm_w else None)
+    torch.testing.assert_close(ours.row(site).result().double(), direct, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_and_split_forms_agree(interpreted):
+    """The auto choice between forms must not change the numbers: both against each other, tightly."""
+    gen = torch.Generator().manual_seed(11)
+    blocks = torch.randn(4, 9, 64, generator=gen).bfloat16()
+    queries, norm_w = torch.randn(6, 64, generator=gen), torch.rand(6, 64, generator=gen) + 0.5
+    fused = inter_triton.attnres_inter(queries, blocks, norm_w, block_d=32, apply_block_d=32, fused=True)
+    split = inter_triton.attnres_inter(queries, blocks, norm_w, block_d=32, apply_block_d=32, chunks=(2, 2))
+    for a, b in ((fused.max, split.max), (fused.denom, split.denom), (fused.acc, split.acc)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_dominant_block_takes_the_weight(interpreted):
+    """Hand-made case: a block aligned with the query wins the softmax; the accumulator/denominator is it."""
+    dim = 32
+    query = torch.ones(1, dim) * 4.0
+    blocks = torch.stack([torch.ones(1, dim), -torch.ones(1, dim), torch.zeros(1, dim)]).bfloat16()
+    ours = inter_triton.attnres_inter(query, blocks, block_d=16, apply_block_d=16, fused=True)
+    # logits: +4*32, -4*32, 0 (RMSNorm(0) = 0): exp(-128) of the others vanish next to exp(0) at the top.
+    assert ours.max.item() == pytest.approx(4.0 * dim / (1 + 1e-6) ** 0.5, rel=1e-6)
+    torch.testing.assert_close(ours.row(0).result(), torch.ones(1, dim))
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"apply_rows": 3}, "apply_rows"), ({"score_rows": 0}, "score_rows")])
+def test_bad_tuning_names_the_argument(interpreted, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        inter_triton.attnres_inter(torch.randn(2, 16), torch.randn(2, 3, 16), **kwargs)
+
+
+def test_bad_shapes_name_the_argument(interpreted):
+    with pytest.raises(ValueError, match="queries"):
+        inter_triton.attnres_inter(torch.randn(2, 15), torch.randn(2, 3, 16))
+    with pytest.raises(ValueError, match="norm_weights"):
+        inter_triton.attnres_inter(torch.randn(2, 16), torch.randn(2, 3, 16), torch.randn(3, 16))
