@@ -75,16 +75,16 @@ def profile_forward(rank: Rank, batch: int, context: int) -> None:
     cached = [rank.manager.requests[r] for r in rids]
     inputs = fast.builder.view(torch.from_numpy(fast.builder.build(cached, tokens, batch)).to(fast.device), batch)
     touched: list[int] = []
-    route = fast_ffn.sigmoid_router
+    route = fast_ffn.dispatch.moe_router
 
     def counting_router(*a, **k):
         weights, indices = route(*a, **k)
         touched.append(int(indices.unique().numel()))
         return weights, indices
 
-    fast_ffn.sigmoid_router = counting_router  # eager only: count the experts each MoE layer reads
+    fast_ffn.dispatch.moe_router = counting_router  # eager only: count the experts each MoE layer reads
     fast.decoder.forward(inputs)
-    fast_ffn.sigmoid_router = route
+    fast_ffn.dispatch.moe_router = route
     print(f"experts touched per MoE layer at batch {batch}: {touched}")
     sync()
     with profile(activities=[ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]) as prof:
@@ -93,7 +93,7 @@ def profile_forward(rank: Rank, batch: int, context: int) -> None:
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total = sum(e.device_time_total for e in events)
     print(f"profile batch {batch} ctx {context}: {sum(e.count for e in events)} kernels, {total / 1e3:.2f} ms device")
-    for e in sorted(events, key=lambda e: -e.device_time_total)[:22]:
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:40]:
         print(f"  {e.device_time_total / 1e3:7.3f} ms {e.count:5d}x  {e.key[:90]}")
     rank.end_step(rids)
     rank.finish(rids)

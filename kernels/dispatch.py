@@ -47,6 +47,8 @@ attnres_merge_norm = _dispatcher("kernels.attnres.naive", "kernels.attnres.merge
 attnres_inter = _dispatcher("kernels.attnres.naive", "kernels.attnres.inter_triton", "attnres_inter")
 situ_glu_fused = _dispatcher("kernels.moe.naive", "kernels.moe.situ_glu_triton", "situ_glu_fused")
 latent_moe_decode = _dispatcher("kernels.moe.naive", "kernels.moe.latent_moe_decode_triton", "latent_moe_decode")
+moe_router = _dispatcher("kernels.fused.naive", "kernels.fused.moe_router_triton", "moe_router")
+moe_combine = _dispatcher("kernels.fused.naive", "kernels.fused.moe_combine_triton", "moe_combine")
 
 
 def kda_verify_replay(*args: Any, **kwargs: Any) -> Any:

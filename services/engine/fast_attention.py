@@ -29,6 +29,13 @@ def rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
 
 
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T, plus `residual` added in the GEMM's epilogue (one launch instead of a GEMM and an add)."""
+    if residual is None:
+        return F.linear(x, weight)
+    return torch.addmm(residual, x, weight.t())
+
+
 def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
     """One weight for several projections of the same input (one GEMM instead of several). The modules'
     weights become views of it, so nothing is duplicated and the reference path sees the same numbers."""
@@ -55,8 +62,9 @@ class KdaDecode:
         self.state = views.kda_state(attn.kda_index)
         self.conv = views.kda_conv(attn.kda_index)
 
-    def __call__(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """x [B, hidden] (normed) -> [B, hidden]; slots [B]: each sequence's KDA state page of this group."""
+    def __call__(self, x: torch.Tensor, slots: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, hidden] (normed) -> [B, hidden] (+ residual); slots [B]: each sequence's KDA state page of
+        this group."""
         attn, batch = self.attn, x.shape[0]
         heads, dim = attn.heads, attn.head_dim
         q, k, v, g, f_a, beta = F.linear(x, self.weight).split(self.splits, dim=-1)
@@ -68,7 +76,7 @@ class KdaDecode:
                                      attn.o_norm.weight, self.state, self.conv, slots,
                                      lower_bound=attn.lower_bound, scale=attn.scale, l2_eps=L2_EPS,
                                      norm_eps=attn.eps)  # [B, H, D]
-        return attn.o_proj(y.reshape(batch, heads * dim))
+        return linear_add(y.reshape(batch, heads * dim), attn.o_proj.weight, residual)
 
 
 class MlaDecode:
@@ -87,9 +95,9 @@ class MlaDecode:
         self.rows = views.mla_rows()
 
     def __call__(self, x: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
-                 write_rows: torch.Tensor) -> torch.Tensor:
-        """x [B, hidden] (normed); page_table [B, max_pages]; lengths [B] (tokens incl. the new one);
-        write_rows [B]: where each new latent row goes in `views.mla_rows()`."""
+                 write_rows: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, hidden] (normed) -> [B, hidden] (+ residual); page_table [B, max_pages]; lengths [B] (tokens
+        incl. the new one); write_rows [B]: where each new latent row goes in `views.mla_rows()`."""
         attn, batch = self.attn, x.shape[0]
         parts = F.linear(x, self.weight).split(self.splits, dim=-1)
         q = attn.q_b_proj(rms(attn.q_a_layernorm, parts[0])) if attn.q_lora else parts[0]
@@ -104,4 +112,4 @@ class MlaDecode:
         o = torch.bmm(o_latent.transpose(0, 1).to(x.dtype), self.w_uv_t.to(x.dtype)).transpose(0, 1)
         if attn.output_gate:
             o = sigmoid_output_gate(o, parts[2].reshape(o.shape))
-        return attn.o_proj(o.reshape(batch, -1))
+        return linear_add(o.reshape(batch, -1), attn.o_proj.weight, residual)

@@ -8,8 +8,6 @@ shapes depend on the batch size only, so one forward can be captured in a CUDA g
 
 from __future__ import annotations
 
-from functools import partial as partial_fn
-
 import torch
 
 from k3core.layers.kda import KimiDeltaAttention
@@ -38,14 +36,18 @@ class FastDecoder:
             if isinstance(attn, KimiDeltaAttention):
                 op = KdaDecode(attn, views, derived)
                 group = layout.kda_slot(attn.kda_index)[0]
-                self.attention.append(lambda x, inp, op=op, g=group: op(x, inp.kda_slots[g]))
+                self.attention.append(lambda x, inp, residual=None, op=op, g=group:
+                                      op(x, inp.kda_slots[g], residual))
             else:
                 op = MlaDecode(attn, views, derived)
                 group, slot = layout.mla_slot(attn.mla_index)
-                self.attention.append(lambda x, inp, op=op, g=group, s=slot:
-                                      op(x, inp.page_table[g], inp.lengths, inp.row_base[g] + s))
+                self.attention.append(lambda x, inp, residual=None, op=op, g=group, s=slot:
+                                      op(x, inp.page_table[g], inp.lengths, inp.row_base[g] + s, residual))
             self.ffn.append(MoeDecode(layer.block_sparse_moe, config, grouped, derived) if layer.is_moe
                             else MlpDecode(layer.mlp, config))
+        # The forms built here add the residual in their last GEMM's epilogue; one replaced later (wrapped in
+        # a collective by a tensor-parallel rank) returns its own output and gets a separate add.
+        self._built = list(self.attention), list(self.ffn)
         if config.uses_attn_res:
             size, layers = config.attn_res_block_size, model.model.layers
             sites = [[site for lay in layers[i : i + size] for site in (lay.attn_res["attn"], lay.attn_res["mlp"])]
@@ -62,10 +64,19 @@ class FastDecoder:
         h = self._attn_res(h, inp) if self.config.uses_attn_res else self._residual(h, inp)
         return self.model.lm_head(rms(backbone.norm, h))
 
+    def _sublayer(self, kind: int, i: int, x: torch.Tensor, residual: torch.Tensor | None,
+                  *args: DecodeInputs) -> torch.Tensor:
+        """Sublayer i of `kind` (0 attention, 1 feed-forward) on x, plus `residual` when given."""
+        run = (self.attention, self.ffn)[kind][i]
+        if run is self._built[kind][i]:
+            return run(x, *args, residual=residual)
+        out = run(x, *args)
+        return out if residual is None else residual + out
+
     def _residual(self, h: torch.Tensor, inp: DecodeInputs) -> torch.Tensor:
         for i, layer in enumerate(self.model.model.layers):
-            h = h + self.attention[i](rms(layer.input_layernorm, h), inp)
-            h = h + self.ffn[i](rms(layer.post_attention_layernorm, h))
+            h = self._sublayer(0, i, rms(layer.input_layernorm, h), h, inp)
+            h = self._sublayer(1, i, rms(layer.post_attention_layernorm, h), h)
         return h
 
     def _attn_res(self, h: torch.Tensor, inp: DecodeInputs) -> torch.Tensor:
@@ -77,15 +88,14 @@ class FastDecoder:
                 inter = attnres_inter(self.block_queries[i // size], torch.stack(blocks),
                                       self.block_key_norms[i // size], eps)
                 inter.acc = inter.acc.contiguous()  # the merge kernel reads each site's rows densely
-            sublayers = ((layer.attn_res["attn"], layer.input_layernorm, partial_fn(self.attention[i], inp=inp)),
-                         (layer.attn_res["mlp"], layer.post_attention_layernorm, self.ffn[i]))
-            for j, (site, norm, run) in enumerate(sublayers):
+            sublayers = ((layer.attn_res["attn"], layer.input_layernorm, (inp,)),
+                         (layer.attn_res["mlp"], layer.post_attention_layernorm, ()))
+            for j, (site, norm, args) in enumerate(sublayers):
                 row = inter.row(2 * (i % size) + j)
                 _, normed = dispatch.attnres_merge_norm(
                     row.max, row.denom, row.acc, site.query, partial, norm.weight,
                     key_norm_weight=site.norm.weight, key_eps=eps, out_eps=norm.eps, out_dtype=h.dtype)
-                out = run(normed)
-                partial = out if partial is None else partial + out
+                partial = self._sublayer(j, i, normed, partial, *args)
             if (i + 1) % size == 0:
                 blocks.append(partial)
                 partial = None

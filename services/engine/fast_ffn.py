@@ -1,12 +1,17 @@
-"""Feed-forward of the decode fast path: gated MLPs with one gate|up GEMM, and the latent MoE as grouped
-GEMMs over the routed (token, expert) pairs sorted by expert (no per-expert loop, no host sync).
+"""Feed-forward of the decode fast path: gated MLPs with one gate|up GEMM, and the latent MoE in a handful of
+launches (no per-expert loop, no host sync).
 
-Routed experts: pairs are sorted by expert id, the tokens' latent rows gathered once, and
-`torch._grouped_mm` runs every expert's gate|up and down matmul over its contiguous run of rows (the
-expert weights are stacked once into [E, 2F, l] and [E, l, F]; the modules' weights become views of
-them). Where grouped matmul is not available, the same pairs run as a dense batched matmul over all
-experts (exact too, more FLOPs): also the choice where nearly every expert is read anyway and the
-extra FLOPs stay under the weight reads (a mid-size batch), because it is a handful of large kernels.
+Latent MoE at one step (`MoeDecode`): the router in one kernel (`dispatch.moe_router`: float32 logits,
+sigmoid, bias, top-k, renormalise, scale); one GEMM for everything that reads x (the routed down projection
+and the shared experts' gate|up); the routed experts (below); one kernel for the tail
+(`dispatch.moe_combine`: the picked expert rows weighted and summed, the latent RMSNorm, the shared experts'
+activation beside it); one GEMM of that against [W_up | W_shared_down] (a derived, refreshable copy), with
+the residual added in the GEMM's epilogue.
+Routed experts: the weights are stacked once into [E, 2F, l] and [E, l, F] (the modules' weights become
+views of them). Few tokens (few experts read) or many: pairs sorted by expert and `torch._grouped_mm` over
+each expert's run of rows. Mid-size batches where every expert is read anyway: one GEMM of the latent rows
+against every expert's gate|up, the activation, one batched GEMM per expert for the down projection; the
+combine then reads only the picked (expert, token) rows.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import torch.nn.functional as F
 from k3core.config import K3Config
 from k3core.layers.mlp import GatedMLP
 from k3core.layers.moe import SparseMoE
-from k3core.ops.moe import sigmoid_router, swiglu
+from k3core.ops.moe import swiglu
 from kernels import dispatch
 from services.engine.derived_weights import DerivedWeights
-from services.engine.fast_attention import fuse_linears, rms
+from services.engine.fast_attention import fuse_linears, linear_add, rms
+
+ExpertRows = tuple[torch.Tensor, torch.Tensor, int, int]  # rows, index, index_stride, token_stride (moe_combine)
 
 
 def glu_activation(config: K3Config, gate_up: torch.Tensor) -> torch.Tensor:
@@ -36,8 +43,9 @@ class MlpDecode:
         self.mlp, self.config = mlp, config
         self.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp.down_proj(glu_activation(self.config, F.linear(x, self.gate_up)))
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        act = glu_activation(self.config, F.linear(x, self.gate_up))
+        return linear_add(act, self.mlp.down_proj.weight, residual)
 
 
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -64,34 +72,57 @@ class MoeDecode:
         for i, e in enumerate(experts):  # the modules now view the stacked weights: no second copy
             e.w1.weight.data, e.w3.weight.data = self.w13[i, :ffn], self.w13[i, ffn:]
             e.w2.weight.data = self.w2[i]
-        self.shared = MlpDecode(moe.shared_experts, config) if moe.shared_experts is not None else None
+        shared = moe.shared_experts
+        self.shared_down = shared.down_proj.weight if shared is not None else None
+        readers = ([moe.routed_expert_down_proj] if moe.latent else []) + \
+            ([shared.gate_proj, shared.up_proj] if shared is not None else [])
+        self.in_weight = fuse_linears(readers) if readers else None  # one GEMM for every reader of x
+        self.width = moe.routed_expert_down_proj.weight.shape[0] if moe.latent else config.hidden_size
+        self.out_weight = None
+        if moe.latent:  # [normed routed | shared activation] @ [W_up | W_shared_down]^T: one GEMM, no add
+            up = moe.routed_expert_up_proj.weight
+            self.out_weight = up if shared is None else \
+                self.derived.derive(lambda: torch.cat([up, shared.down_proj.weight], dim=1))
         # Routing runs in float32 (MoEGate): cast once here (the weight itself in a float32 model).
         self.router = self.derived.derive(lambda: moe.gate.weight.float())
+        self.activation = "situ" if config.hidden_act == "situ" else "swiglu"
 
-    def _routed_grouped(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def _expert_rows_dense(self, z: torch.Tensor, indices: torch.Tensor) -> ExpertRows:
+        """Every expert on every token: [E*T, l] rows, token t's pick of expert e at row e*T + t."""
+        experts, two_f, width = self.w13.shape
+        tokens = z.shape[0]
+        gate_up = F.linear(z, self.w13.view(experts * two_f, width))  # [T, E*2F]: one GEMM
+        act = glu_activation(self.config, gate_up.view(tokens * experts, two_f)).view(tokens, experts, -1)
+        out = torch.bmm(act.transpose(0, 1), self.w2.transpose(1, 2))  # [E, T, l]
+        return out.view(experts * tokens, out.shape[-1]), indices, tokens, 1
+
+    def _expert_rows_grouped(self, z: torch.Tensor, indices: torch.Tensor) -> ExpertRows:
+        """Each (token, expert) pair once: rows sorted by expert, token t's j-th pick at row position[t, j]."""
         tokens, top_k = indices.shape
-        experts = self.w13.shape[0]
         flat = indices.reshape(-1)
+        pairs = torch.arange(flat.numel(), device=z.device)
         # A unique key per pair keeps the order deterministic without a stable (radix) sort: the plain sort
         # of a few thousand keys is one bitonic pass.
-        keys = flat * flat.numel() + torch.arange(flat.numel(), device=z.device)
-        order = torch.sort(keys).indices
-        counts = torch.zeros(experts, dtype=torch.int32, device=z.device)
+        order = torch.sort(flat * flat.numel() + pairs).indices
+        counts = torch.zeros(self.w13.shape[0], dtype=torch.int32, device=z.device)
         counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        token_of = order // top_k
-        rows = z[token_of]
-        gate_up = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=offsets)
+        gate_up = torch._grouped_mm(z[order // top_k], self.w13.transpose(1, 2), offs=offsets)
         out = torch._grouped_mm(glu_activation(self.config, gate_up), self.w2.transpose(1, 2), offs=offsets)
-        out = out.to(weights.dtype) * weights.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros(tokens, z.shape[1], dtype=weights.dtype, device=z.device).index_add_(0, token_of, out)
+        position = torch.empty_like(order).scatter_(0, order, pairs)
+        return out, position.view(tokens, top_k), 1, 0
 
     def _routed_dense(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        experts = self.w13.shape[0]
-        gate_up = torch.matmul(z.unsqueeze(0), self.w13.transpose(1, 2))  # [E, T, 2F]
-        out = torch.matmul(glu_activation(self.config, gate_up), self.w2.transpose(1, 2))  # [E, T, l]
-        dense = torch.zeros(z.shape[0], experts, dtype=weights.dtype, device=z.device).scatter_(1, indices, weights)
-        return torch.einsum("te,etl->tl", dense, out.to(weights.dtype))
+        """The routed sum [T, l] in float32 (the tensor a tensor-parallel rank all-reduces)."""
+        return self._routed_sum(self._expert_rows_dense(z, indices), weights)
+
+    def _routed_grouped(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return self._routed_sum(self._expert_rows_grouped(z, indices), weights)
+
+    @staticmethod
+    def _routed_sum(expert_rows: ExpertRows, weights: torch.Tensor) -> torch.Tensor:
+        rows, index, index_stride, token_stride = expert_rows
+        return dispatch.moe_combine(rows, index, weights, index_stride, token_stride, out_dtype=weights.dtype)
 
     def _dense(self, tokens: int) -> bool:
         """Dense over all experts when every expert is likely touched anyway and the extra FLOPs stay under
@@ -99,18 +130,43 @@ class MoeDecode:
         experts = self.w13.shape[0]
         return not self.grouped or (tokens * self.moe.top_k >= 2 * experts and tokens <= 128)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def _split_tail(self) -> bool:
+        """Whether someone wrapped the routed sum (a tensor-parallel rank all-reduces it between the sum and
+        the latent norm): then the tail runs unfused, through `_routed_dense` / `_routed_grouped`."""
+        return "_routed_dense" in vars(self) or "_routed_grouped" in vars(self)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         moe = self.moe
-        logits = F.linear(x.float(), self.router)
-        weights, indices = sigmoid_router(logits, moe.top_k, moe.gate.e_score_correction_bias, moe.renormalize,
-                                          moe.scaling)
-        z = moe.routed_expert_down_proj(x) if moe.latent else x
-        routed = (self._routed_dense if self._dense(x.shape[0]) else self._routed_grouped)(z, weights, indices)
-        routed = routed.to(x.dtype)
+        weights, indices = dispatch.moe_router(x, self.router, moe.gate.e_score_correction_bias, moe.top_k,
+                                               moe.renormalize, moe.scaling)
+        h = F.linear(x, self.in_weight) if self.in_weight is not None else None
+        z = h[:, : self.width] if moe.latent else x
+        shared_gate_up = h[:, self.width if moe.latent else 0 :] if self.shared_down is not None else None
+        dense = self._dense(x.shape[0])
+        if self._split_tail():
+            out = self._unfused_tail(x, z, shared_gate_up, weights, indices, dense)
+            return out if residual is None else residual + out
+        rows, index, index_stride, token_stride = (self._expert_rows_dense if dense else self._expert_rows_grouped)(
+            z, indices)
+        norm = moe.routed_expert_norm if moe.latent else None
+        tail = dispatch.moe_combine(rows, index, weights, index_stride, token_stride,
+                                    None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps,
+                                    shared_gate_up, self.activation, self.config.situ_beta,
+                                    self.config.situ_linear_beta, out_dtype=x.dtype)
+        if moe.latent:
+            return linear_add(tail, self.out_weight, residual)
+        out = tail if self.shared_down is None else \
+            linear_add(tail[:, self.width :], self.shared_down, tail[:, : self.width])
+        return out if residual is None else residual + out
+
+    def _unfused_tail(self, x: torch.Tensor, z: torch.Tensor, shared_gate_up: torch.Tensor | None,
+                      weights: torch.Tensor, indices: torch.Tensor, dense: bool) -> torch.Tensor:
+        moe = self.moe
+        routed = (self._routed_dense if dense else self._routed_grouped)(z, weights, indices).to(x.dtype)
         if moe.latent:
             if moe.routed_expert_norm is not None:
                 routed = rms(moe.routed_expert_norm, routed)
             routed = moe.routed_expert_up_proj(routed)
-        if self.shared is not None:
-            routed = routed + self.shared(x)
+        if shared_gate_up is not None:
+            routed = linear_add(glu_activation(self.config, shared_gate_up), self.shared_down, routed)
         return routed

@@ -1,0 +1,2 @@
+"""Fused glue kernels of the decode fast path (router, routed-output combine): each replaces a chain of small
+torch ops by one launch; `naive.py` holds the plain-torch references they are tested against."""

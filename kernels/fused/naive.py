@@ -1,0 +1,61 @@
+"""Plain-torch references of the fused decode-glue kernels (what `kernels.dispatch` runs off CUDA)."""
+
+from __future__ import annotations
+
+import torch
+
+from k3core.ops.moe import sigmoid_router, situ_glu, swiglu
+from k3core.ops.norm import rms_norm
+
+ACTIVATIONS = ("situ", "swiglu")
+
+
+def moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+               renormalize: bool = True, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (weights [T, k] float32+, expert ids [T, k] int64): MoEGate's logits in float32 (or wider)
+    then `sigmoid_router` (sigmoid, + selection bias, top-k, weights from the unbiased scores, renormalise,
+    scale)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    logits = x.to(dtype) @ weight.to(dtype).T
+    return sigmoid_router(logits, top_k, bias, renormalize, scaling)
+
+
+def picked_rows(index: torch.Tensor, index_stride: int, token_stride: int) -> torch.Tensor:
+    """Row ids [T, K] of `rows` that `moe_combine` reads: index * index_stride + token * token_stride."""
+    tokens = torch.arange(index.shape[0], device=index.device).unsqueeze(1)
+    return index.to(torch.int64) * index_stride + tokens * token_stride
+
+
+def glu(gate_up: torch.Tensor, activation: str, beta1: float, beta2: float) -> torch.Tensor:
+    """[..., 2F] (gate | up) -> [..., F] with the named activation."""
+    require_activation(activation)
+    width = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :width], gate_up[..., width:]
+    return situ_glu(gate, up, beta1, beta2) if activation == "situ" else swiglu(gate, up)
+
+
+def require_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def moe_combine(rows: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, index_stride: int,
+                token_stride: int, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                shared_gate_up: torch.Tensor | None = None, activation: str = "situ", beta1: float = 4.0,
+                beta2: float = 25.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The routed experts' outputs summed per token, then the latent RMSNorm, then the shared experts' GLU.
+
+    rows [R, l]: expert output rows; token t's j-th pick is row index[t, j] * index_stride + t * token_stride,
+    weighted by weight[t, j] (float32) and summed in float32, rounded to `out_dtype` (default rows.dtype),
+    RMS-normalised with `norm_weight` if given. With `shared_gate_up` [T, 2F] the result is [T, l + F]: the
+    normalised sum, then the shared experts' activation (the input of one GEMM against the concatenated
+    up-projection and shared down-projection weights)."""
+    out_dtype = rows.dtype if out_dtype is None else out_dtype
+    picked = rows[picked_rows(index, index_stride, token_stride)]  # [T, K, l]
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    routed = (picked.to(acc) * weight.to(acc).unsqueeze(-1)).sum(1).to(out_dtype)
+    if norm_weight is not None:
+        routed = rms_norm(routed, norm_weight, eps)
+    if shared_gate_up is None:
+        return routed
+    return torch.cat([routed, glu(shared_gate_up, activation, beta1, beta2).to(out_dtype)], dim=-1)

@@ -1,0 +1,103 @@
+"""Fused MoE glue (kernels/fused): the references against float64 loops, the Triton launchers (interpreted)
+against the references, on tiny shapes with non-power-of-two sizes and row-strided inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.fused import moe_combine_triton, moe_router_triton
+from kernels.fused import naive as fused_naive
+
+T, H, E, K = 7, 40, 12, 3  # T not a multiple of the token block, E and H not powers of two
+
+
+def _router_case(seed: int, dtype: torch.dtype = torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(T, H + 5, generator=gen).to(dtype)
+    return wide[:, :H], torch.randn(E, H, generator=gen) / math.sqrt(H), torch.randn(E, generator=gen) * 0.3
+
+
+def test_router_reference_matches_float64_by_hand():
+    x, w, bias = _router_case(0)
+    weights, indices = fused_naive.moe_router(x, w, bias, K, renormalize=True, scaling=2.5)
+    for t in range(T):
+        scores = [1 / (1 + math.exp(-sum(float(x[t, h]) * float(w[e, h]) for h in range(H)))) for e in range(E)]
+        order = sorted(range(E), key=lambda e: -(scores[e] + float(bias[e])))[:K]
+        total = sum(scores[e] for e in order)
+        assert indices[t].tolist() == order
+        torch.testing.assert_close(weights[t].double(), torch.tensor([2.5 * scores[e] / total for e in order],
+                                                                     dtype=torch.float64), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("dtype", "with_bias", "renormalize", "top_k"),
+                         [(torch.float32, True, True, K), (torch.bfloat16, False, False, 1),
+                          (torch.bfloat16, True, True, E)])
+def test_triton_router_matches_reference(interpreted, dtype, with_bias, renormalize, top_k):
+    x, w, bias = _router_case(1, dtype)
+    bias = bias if with_bias else None
+    want_w, want_i = fused_naive.moe_router(x, w, bias, top_k, renormalize, 1.5)
+    got_w, got_i = moe_router_triton.moe_router(x, w, bias, top_k, renormalize, 1.5, block_t=4, block_h=16)
+    assert got_i.dtype == torch.int64 and torch.equal(got_i, want_i)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_router_refuses_a_wrong_width():
+    x, w, bias = _router_case(2)
+    with pytest.raises(ValueError, match="features"):
+        moe_router_triton.moe_router(x[:, :-1], w, bias, K)
+
+
+L, F = 24, 10  # latent width and shared-expert width, not powers of two
+
+
+def _combine_case(seed: int, dtype: torch.dtype = torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.randn(E, T, L + 3, generator=gen).to(dtype)[..., :L]  # [E, T, l], row-strided
+    index = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    weight = torch.rand(T, K, generator=gen)
+    shared = torch.randn(T, 2 * F + 6, generator=gen).to(dtype)[:, 3 : 3 + 2 * F]  # a column slice of a GEMM
+    return dense, index, weight, 1 + torch.rand(L, generator=gen), shared
+
+
+def test_combine_reference_matches_float64_loop():
+    dense, index, weight, norm_w, shared = _combine_case(0)
+    rows = dense.reshape(E * T, L)  # copies: the strided view has no [E*T, l] view
+    got = fused_naive.moe_combine(rows, index, weight, T, 1, norm_w, 1e-5, shared, "situ", 4.0, 25.0)
+    for t in range(T):
+        routed = sum(float(weight[t, j]) * dense[int(index[t, j]), t].double() for j in range(K))
+        normed = routed / torch.sqrt(routed.square().mean() + 1e-5) * norm_w.double()
+        g, u = shared[t, :F].double(), shared[t, F:].double()
+        act = 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
+        torch.testing.assert_close(got[t].double(), torch.cat([normed, act]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "layout", "norm", "activation"),
+                         [(torch.float32, "dense", True, "situ"), (torch.bfloat16, "dense", True, "swiglu"),
+                          (torch.float32, "grouped", False, None), (torch.bfloat16, "grouped", True, "situ")])
+def test_triton_combine_matches_reference(interpreted, dtype, layout, norm, activation):
+    dense, index, weight, norm_w, shared = _combine_case(1, dtype)
+    if layout == "dense":  # [E, T, l] read in place: row = expert * T + token
+        rows, index_stride, token_stride = dense.contiguous().view(E * T, L), T, 1
+    else:  # [T*K, l] in some permuted order, index = each pick's row
+        perm = torch.randperm(T * K, generator=torch.Generator().manual_seed(5))
+        picked = torch.stack([dense[int(index[t, j]), t] for t in range(T) for j in range(K)])
+        rows = torch.empty(T * K, L + 2, dtype=dtype)[:, :L]
+        rows[perm] = picked
+        index, index_stride, token_stride = perm.view(T, K), 1, 0
+    kwargs = {"norm_weight": norm_w if norm else None, "eps": 1e-5, "activation": activation or "situ",
+              "shared_gate_up": shared if activation else None}
+    want = fused_naive.moe_combine(rows, index, weight, index_stride, token_stride, **kwargs)
+    got = moe_combine_triton.moe_combine(rows, index, weight, index_stride, token_stride, block_f=4, **kwargs)
+    assert got.shape == want.shape == (T, L + (F if activation else 0)) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_combine_refuses_an_unknown_activation():
+    dense, index, weight, _, shared = _combine_case(2)
+    with pytest.raises(ValueError, match="activation"):
+        moe_combine_triton.moe_combine(dense.reshape(E * T, L), index, weight, T, 1, shared_gate_up=shared,
+                                       activation="gelu")
