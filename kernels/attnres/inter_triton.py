@@ -5,13 +5,13 @@ logits = q_eff . RMSNorm(block) (q_eff = query * key-norm weight); per site the 
 (max, denominator, accumulator) follow, which phase 2 (`merge_norm_triton`) folds the intra-block partial
 sum into. The Q float32 accumulator rows per token are most of the bytes (at N=8, Q=24: 6x the block
 reads), so everything is arranged around writing them at full speed:
-- the softmax needs full-D dot products before any accumulator column can be written. Where the rows alone
-  fill the GPU (prefill) one program per `apply_rows` rows does both passes ("fused"): it streams the rows'
-  blocks once for the scores (kept in L2: `evict_last`), then re-reads them from L2 to write the
-  accumulators, so HBM sees the blocks once;
-- at decode (few rows) a scores kernel first cuts D into chunks (partial dot products and sums of squares,
-  added up by the next kernel) so that a few rows still occupy every SM, then the apply kernel runs one
-  program per (rows, D chunk).
+- the softmax needs full-D dot products before any accumulator column can be written, so a scores kernel
+  (partial dot products and sums of squares over D chunks, so that a few decode rows still occupy every
+  SM) runs first, then an apply kernel per (`apply_rows` rows, D chunk) adds the chunks up, takes the
+  softmax and writes the accumulators;
+- `fused=True`: one program per row tile does both passes, re-reading its rows' blocks from L2 (HBM sees
+  the blocks once). Measured slower on the H200 (docs/kernels.md): L2 does not keep the blocks against
+  the accumulator stream, and every row tile re-reads all Q queries.
 The accumulator of `apply_rows` rows is one product [Q * rows, rows * N] x [rows * N, D tile] with a
 block-diagonal weight matrix (each row's sites see only that row's blocks). Both products multiply a
 float32 matrix (queries, weights) by the blocks: bf16 blocks are exact in bf16, so the float32 side is cut
@@ -22,6 +22,7 @@ tensor-core time of 3xTF32, which other dtypes take).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -100,7 +101,7 @@ if triton is not None:
     def _apply_kernel(queries, norm_w, blocks, scores, squares, acc_out, max_out, denom_out, N, Q, M, D, CHUNK,
                       eps, FUSED: tl.constexpr, CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr,
                       SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
-                      BD_SCORES: tl.constexpr, BD: tl.constexpr):
+                      BD_SCORES: tl.constexpr, BD: tl.constexpr, STREAM_STORES: tl.constexpr):
         m0 = tl.program_id(0).to(tl.int64) * BM
         c = tl.program_id(1)
         qs, j = tl.arange(0, BQ), tl.arange(0, BM * BN)
@@ -133,7 +134,11 @@ if triton is not None:
             d = d0 + tl.arange(0, BD)
             blk = _block_tile(blocks, m0, d, N, M, D, BM, BN, True)
             acc = _dot_exact(weights, blk, tl.zeros([BQ * BM, BD], dtype=tl.float32), SPLIT)
-            tl.store(acc_out + out_row[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & (d < D)[None, :])
+            ptrs, ok = acc_out + out_row[:, None] * D + d[None, :], row_ok[:, None] & (d < D)[None, :]
+            if STREAM_STORES:  # written once, read by the next kernel: keep them from evicting the blocks
+                tl.store(ptrs, acc, mask=ok, cache_modifier=".cs")
+            else:
+                tl.store(ptrs, acc, mask=ok)
 
 
 def _chunks(programs: int, D: int, block_d: int, sms: int) -> int:
@@ -146,16 +151,63 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None,
-                  eps: float = 1e-6, block_d: int = 64, score_rows: int = 8, num_warps: int = 4,
-                  chunks: tuple[int, int] | None = None, apply_rows: int = 1, apply_block_d: int = 128,
-                  fused: bool | None = None) -> OnlineSoftmax:
-    """queries [Q, D] of all sites of a block, blocks [N, ..., D] -> float32 statistics [Q, ...] (max,
-    denominator) and [Q, ..., D] (accumulator), as k3core.ops.attnres.attnres_inter.
-    Tuning: `block_d` / `apply_block_d` the D tiles of the scores / accumulators, `score_rows` /
-    `apply_rows` the rows per program of the scores kernel / apply kernel, `chunks` the D chunks of the
-    two-kernel form (None: about two programs per SM), `fused` the one-kernel form (None: when the rows
-    alone give two programs per SM)."""
+@dataclass
+class InterLaunch:
+    """One phase-1 call, planned: its buffers and launch shapes. `run()` = `scores()` then `apply()` (the
+    benchmark times the two kernels apart); in the fused form `scores()` does nothing."""
+
+    q: torch.Tensor
+    w: torch.Tensor
+    blocks: torch.Tensor  # [N, M, D]
+    has_norm_w: bool
+    eps: float
+    rows: tuple
+    fused: bool
+    score_grid: tuple[int, int]
+    apply_grid: tuple[int, int]
+    score_chunk: int
+    apply_chunk: int
+    consts: dict  # constexprs shared by both kernels
+    num_warps: int
+    stream_stores: bool
+    scores_buf: torch.Tensor
+    squares_buf: torch.Tensor
+
+    def scores(self) -> None:
+        if self.fused:
+            return
+        N, M, D = self.blocks.shape
+        c = self.consts
+        _scores_kernel[self.score_grid](
+            self.q, self.w, self.blocks, self.scores_buf, self.squares_buf, N, self.q.shape[0], M, D,
+            self.score_chunk, HAS_NORM_W=self.has_norm_w, SPLIT=c["SPLIT"], BM=c["BM_SCORES"], BN=c["BN"],
+            BQ=c["BQ"], BD=c["BD_SCORES"], num_warps=self.num_warps,
+        )
+
+    def apply(self) -> OnlineSoftmax:
+        N, M, D = self.blocks.shape
+        Q, c = self.q.shape[0], self.consts
+        acc = torch.empty(Q, M, D, dtype=torch.float32, device=self.blocks.device)
+        top = torch.empty(Q, M, dtype=torch.float32, device=self.blocks.device)
+        denom = torch.empty_like(top)
+        _apply_kernel[self.apply_grid](
+            self.q, self.w, self.blocks, self.scores_buf, self.squares_buf, acc, top, denom, N, Q, M, D,
+            self.apply_chunk, self.eps, FUSED=self.fused, CHUNKS=self.score_grid[1], HAS_NORM_W=self.has_norm_w,
+            SPLIT=c["SPLIT"], BM=c["BM"], BN=c["BN"], BQ=c["BQ"], BD_SCORES=c["BD_SCORES"], BD=c["BD"],
+            STREAM_STORES=self.stream_stores, num_warps=self.num_warps,
+        )
+        return OnlineSoftmax(top.reshape(Q, *self.rows), denom.reshape(Q, *self.rows), acc.reshape(Q, *self.rows, D))
+
+    def run(self) -> OnlineSoftmax:
+        self.scores()
+        return self.apply()
+
+
+def plan_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None,
+               eps: float = 1e-6, block_d: int = 64, score_rows: int = 8, num_warps: int = 4,
+               chunks: tuple[int, int] | None = None, apply_rows: int = 2, apply_block_d: int = 128,
+               fused: bool = False, stream_stores: bool = False) -> InterLaunch:
+    """Checks the arguments of `attnres_inter` and plans its launches."""
     N, D = blocks.shape[0], blocks.shape[-1]
     Q = queries.shape[0]
     require(queries.dim() == 2 and queries.shape[1] == D, f"queries must be [Q, {D}], got {tuple(queries.shape)}")
@@ -165,37 +217,40 @@ def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: tor
     require(N >= 1, "blocks must hold at least one completed block")
     for name, value in (("score_rows", score_rows), ("apply_rows", apply_rows)):
         require(value >= 1 and value == next_pow2(value), f"{name} must be a power of two, got {value}")
-    rows = blocks.shape[1:-1]
     M = blocks[0, ..., 0].numel()
     flat = blocks.reshape(N, M, D).contiguous()
     q = queries.contiguous()
-    w = norm_weights.contiguous() if norm_weights is not None else q
     sms = _sm_count(blocks.device)
-    split = 0 if flat.dtype != torch.bfloat16 else 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
-    apply_programs = triton.cdiv(M, apply_rows)
-    if fused is None:
-        fused = chunks is None and apply_programs >= 2 * sms
     # Every tl.dot operand needs >= 16 along K: pad the block axis so that rows * blocks >= 16.
     BN = max(next_pow2(N), 16 // apply_rows, 1 if fused else 16 // score_rows)
     BQ, BD, BDA = max(16, next_pow2(Q)), min(block_d, next_pow2(D)), min(apply_block_d, next_pow2(D))
-    acc = torch.empty(Q, M, D, dtype=torch.float32, device=blocks.device)
-    top = torch.empty(Q, M, dtype=torch.float32, device=blocks.device)
-    denom = torch.empty_like(top)
+    split = 0 if flat.dtype != torch.bfloat16 else 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+    apply_programs, row_blocks = triton.cdiv(M, apply_rows), triton.cdiv(M, score_rows)
     if fused:
-        score_chunks, apply_chunks, scores, squares = 1, 1, acc, acc  # scores unused: computed in place
+        score_chunks, apply_chunks = 1, 1
+        scores = squares = torch.empty(0, dtype=torch.float32, device=blocks.device)  # computed in registers
     else:
-        row_blocks = triton.cdiv(M, score_rows)
         score_chunks, apply_chunks = chunks or (_chunks(row_blocks, D, BD, sms), _chunks(apply_programs, D, BDA, sms))
         scores = torch.empty(score_chunks, M, BQ, BN, dtype=torch.float32, device=blocks.device)
         squares = torch.empty(score_chunks, M, BN, dtype=torch.float32, device=blocks.device)
-        _scores_kernel[(row_blocks, score_chunks)](
-            q, w, flat, scores, squares, N, Q, M, D, triton.cdiv(triton.cdiv(D, score_chunks), BD) * BD,
-            HAS_NORM_W=norm_weights is not None, SPLIT=split, BM=score_rows, BN=BN, BQ=BQ, BD=BD, num_warps=num_warps,
-        )
-    _apply_kernel[(apply_programs, apply_chunks)](
-        q, w, flat, scores, squares, acc, top, denom, N, Q, M, D,
-        triton.cdiv(triton.cdiv(D, apply_chunks), BDA) * BDA, eps, FUSED=fused, CHUNKS=score_chunks,
-        HAS_NORM_W=norm_weights is not None, SPLIT=split, BM=apply_rows, BN=BN,
-        BQ=BQ, BD_SCORES=BD, BD=BDA, num_warps=num_warps,
+    return InterLaunch(
+        q, norm_weights.contiguous() if norm_weights is not None else q, flat, norm_weights is not None, eps,
+        tuple(blocks.shape[1:-1]), fused, (row_blocks, score_chunks), (apply_programs, apply_chunks),
+        triton.cdiv(triton.cdiv(D, score_chunks), BD) * BD, triton.cdiv(triton.cdiv(D, apply_chunks), BDA) * BDA,
+        {"SPLIT": split, "BM": apply_rows, "BM_SCORES": score_rows, "BN": BN, "BQ": BQ, "BD_SCORES": BD, "BD": BDA},
+        num_warps, stream_stores, scores, squares,
     )
-    return OnlineSoftmax(top.reshape(Q, *rows), denom.reshape(Q, *rows), acc.reshape(Q, *rows, D))
+
+
+def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None,
+                  eps: float = 1e-6, block_d: int = 64, score_rows: int = 8, num_warps: int = 4,
+                  chunks: tuple[int, int] | None = None, apply_rows: int = 2, apply_block_d: int = 128,
+                  fused: bool = False, stream_stores: bool = False) -> OnlineSoftmax:
+    """queries [Q, D] of all sites of a block, blocks [N, ..., D] -> float32 statistics [Q, ...] (max,
+    denominator) and [Q, ..., D] (accumulator), as k3core.ops.attnres.attnres_inter.
+    Tuning: `block_d` / `apply_block_d` the D tiles of the scores / accumulators, `score_rows` /
+    `apply_rows` the rows per program of the scores / apply kernel, `chunks` the D chunks of the two
+    kernels (None: about two programs per SM), `fused` one kernel per row tile that computes its own scores
+    (measured slower: see docs/kernels.md), `stream_stores` streaming (.cs) stores of the accumulators."""
+    return plan_inter(queries, blocks, norm_weights, eps, block_d, score_rows, num_warps, chunks, apply_rows,
+                      apply_block_d, fused, stream_stores).run()

@@ -19,11 +19,12 @@ BF16 = torch.bfloat16
 
 
 MERGE_VARIANTS = (4,)  # num_warps (8: same at decode, 93 vs 98 % at prefill)
-# Phase 1 launcher arguments timed per shape (decode: M=64; prefill: the rest); the first is the default.
+# Phase 1 launcher arguments timed per shape (decode: M=64; prefill: the rest); {} is the default.
 INTER_VARIANTS = {
-    "decode": ({}, {"apply_block_d": 64}, {"apply_rows": 2}, {"chunks": (16, 14)}, {"chunks": (8, 28)}),
-    "prefill": ({}, {"apply_rows": 2}, {"num_warps": 8, "apply_block_d": 256}, {"fused": False},
-                {"fused": False, "apply_rows": 2}),
+    "decode": ({}, {"stream_stores": True}, {"apply_rows": 4, "apply_block_d": 64}, {"chunks": (14, 9)},
+               {"chunks": (28, 14)}, {"score_rows": 4}),
+    "prefill": ({}, {"stream_stores": True}, {"apply_rows": 4, "apply_block_d": 64}, {"apply_rows": 4, "num_warps": 8},
+                {"score_rows": 16}, {"fused": True, "stream_stores": True}),
 }
 
 
@@ -85,6 +86,12 @@ def _inter_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple) ->
         del ours
     ms, how = time_ms(partial(attnres_inter, queries, blocks, norm_w))
     rows.append(Row("attnres_inter", shape, "torch k3core.ops.attnres_inter", ms, moved, note=how))
+    plan = inter_triton.plan_inter(queries, blocks, norm_w)  # the default's two kernels, timed apart
+    block_bytes = N * M * D * 2
+    for kernel, run, nbytes in (("attnres_inter_scores", plan.scores, block_bytes + SITES * D * 2 * 2),
+                                ("attnres_inter_apply", plan.apply, block_bytes + SITES * M * (D + 2) * 4)):
+        ms, how = time_ms(run)
+        rows.append(Row(kernel, shape, "ours(default), this kernel alone", ms, nbytes, note=how))
     return rows
 
 
