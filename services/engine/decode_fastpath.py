@@ -18,7 +18,7 @@ from k3core.cache.request import CachedRequest
 from k3core.model import K3Model
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.decode_inputs import DecodeInputBuilder
-from services.engine.fast_decoder import FastDecoder
+from services.engine.fast_tensor_parallel import rank_decoder
 from services.engine.pool_views import PoolViews
 
 ENV = "K3_DECODE_FASTPATH"  # "0": never; "1": also on CPU (eager); unset: on CUDA
@@ -26,10 +26,10 @@ GRAPHS_ENV = "K3_DECODE_CUDA_GRAPHS"  # "0": eager fast path on CUDA too
 
 
 def fastpath_wanted(device: torch.device, tp_size: int) -> bool:
-    """On CUDA at TP 1 by default (the fast path has no tensor-parallel collectives); K3_DECODE_FASTPATH
-    overrides (1: also on CPU, 0: never)."""
+    """On CUDA by default, at any TP degree (`tp_size` > 1: the sharded form of `fast_tensor_parallel` runs
+    the reference TP forward's all-reduces); K3_DECODE_FASTPATH overrides (1: also on CPU, 0: never)."""
     setting = os.environ.get(ENV, "")
-    if setting == "0" or tp_size != 1:
+    if setting == "0":
         return False
     return setting == "1" or device.type == "cuda"
 
@@ -41,7 +41,7 @@ class DecodeFastPath:
             raise ValueError("the decode fast path needs a manager with a page store")
         layout = manager.layout
         self.device = manager.store.data.device
-        self.decoder = FastDecoder(model, PoolViews(manager.store.data, layout))
+        self.decoder = rank_decoder(model, PoolViews(manager.store.data, layout))  # sharded at TP > 1
         scratch_kda = manager.pool.allocate(PageKind.KDA, 0)[0]
         scratch_mla = manager.pool.allocate(PageKind.MLA, 0)[0]
         self.builder = DecodeInputBuilder(layout, math.ceil(max_model_len / layout.tokens_per_block),

@@ -1,0 +1,143 @@
+"""The decode fast path at tensor-parallel degree > 1 (services/engine/fast_tensor_parallel.py), on the CPU with
+gloo, every rank its own OS process.
+
+Oracles: (1) one decode step from the same pool bytes on every rank of a TP group: the fast step writes the
+bytes the reference TP step writes (and no others) and gives its logits; the rank's KDA heads equal the
+matching heads of the TP 1 model's step on its own pool, its MLA latents the TP 1 latents, its logits the
+TP 1 logits. (2) Real decode worker processes at TP 2 and 4 with K3_DECODE_FASTPATH=1 stream k3core's
+offline greedy tokens through the whole engine.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from k3.v1 import common_pb2
+from k3core.cache.manager import PrefixCacheManager
+from services.engine.config import WorkerConfig
+from services.engine.fast_tensor_parallel import ShardedMoe
+from services.engine.model_runner import ModelRunner, build_model
+from services.engine.params import GenerationOptions
+from services.runtime.ports import free_port
+from tests.workers.client import generate
+from tests.workers.cluster import HASH_BLOCK, OVERRIDES, make, running, worker_args
+from tests.workers.oracle import build_reference, offline_generate
+
+# Prompt lengths around the 16-token hash block: the step's token lands first, mid and last in a block.
+PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 15, 16, 31, 1))]
+STEP_TOKENS = [11 * i + 4 for i in range(len(PROMPTS))]
+
+
+class RankPool:
+    """One rank's model (sharded when tp > 1), pool and reference runner, with PROMPTS prefilled by the
+    reference layers and one more token reserved for each."""
+
+    def __init__(self, tp: int, rank: int):
+        config = WorkerConfig.load("decode", ["--model-overrides", json.dumps(OVERRIDES), "--tp-size", str(tp),
+                                              "--hash-block-tokens", str(HASH_BLOCK), "--num-pages", "64"], env={})
+        self.model = build_model(config, rank)
+        self.manager = PrefixCacheManager(config.pool_layout(), config.num_pages, device="cpu")
+        self.runner = ModelRunner(self.model, "cpu", max_model_len=256)
+        self.fastpath = self.runner.decode_fastpath(self.manager, tp)  # K3_DECODE_FASTPATH=1 in the test env
+        self.rids = [f"r{i}" for i in range(len(PROMPTS))]
+        for rid, prompt in zip(self.rids, PROMPTS, strict=True):
+            self.manager.add_request(rid, prompt + [0])
+            self.manager.reserve(rid, len(prompt))
+            self.manager.pre_forward()
+            self.runner.forward([prompt], self.manager.batch_view([rid]))
+            self.manager.forward_done(rid)
+            self.manager.commit_step()
+            self.manager.reserve(rid, 1)
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.manager.store.data
+
+    def reference_step(self) -> torch.Tensor:
+        return self.runner.forward([[t] for t in STEP_TOKENS], self.manager.batch_view(self.rids))
+
+    def fast_step(self) -> torch.Tensor:
+        return self.fastpath.forward([self.manager.requests[r] for r in self.rids], STEP_TOKENS)
+
+    def pages(self) -> list[int]:
+        reqs = [self.manager.requests[r] for r in self.rids]
+        return sorted({p for r in reqs for p in r.state_pages} | {p for r in reqs for b in r.blocks for p in b.pages})
+
+
+def _check_one_step(rank: int, tp: int, port: int) -> None:
+    """Runs in each rank's process (raises on a mismatch; the parent re-raises it)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    try:
+        ours = RankPool(tp, rank)
+        moe_forms = [f for f in ours.fastpath.decoder.ffn if isinstance(f, ShardedMoe)]
+        assert len(moe_forms) == sum(layer.is_moe for layer in ours.model.model.layers) > 0
+        before = ours.data.clone()
+        fast_logits = ours.fast_step()
+        fast_bytes = ours.data.clone()
+        ours.data.copy_(before)
+        ref_logits = ours.reference_step()
+        torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-4, atol=1e-4)
+        touched = ours.pages()
+        torch.testing.assert_close(fast_bytes[touched].view(torch.float32), ours.data[touched].view(torch.float32),
+                                   rtol=1e-4, atol=1e-4)
+        scratch = {ours.fastpath.builder.scratch_kda, ours.fastpath.builder.scratch_mla}
+        rest = [p for p in range(ours.manager.pool.num_pages) if p not in touched and p not in scratch]
+        assert torch.equal(fast_bytes[rest], before[rest])  # no other page (another rank's heads: none here)
+        ours.data.copy_(fast_bytes)
+        _check_against_tp1(ours, fast_logits, rank, tp)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_against_tp1(ours: RankPool, fast_logits: torch.Tensor, rank: int, tp: int) -> None:
+    """The rank's shard of the fast step equals the unsharded model's reference step (its own TP 1 pool), up to
+    the rounding of differently split GEMMs and sums (the residual stream differs in the last bits)."""
+    full = RankPool(1, 0)
+    torch.testing.assert_close(fast_logits, full.reference_step(), rtol=1e-4, atol=1e-4)
+    view, full_view = ours.manager.batch_view(ours.rids), full.manager.batch_view(full.rids)
+    config = ours.model.config
+    heads = config.kda_num_heads // tp
+    mine = slice(rank * heads, (rank + 1) * heads)
+    for layer in range(len(config.kda_layers)):
+        (conv, state), (full_conv, full_state) = view.kda_read(layer), full_view.kda_read(layer)
+        assert state.shape[1] == heads
+        torch.testing.assert_close(state, full_state[:, mine], rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(conv, full_conv[:, :, mine], rtol=1e-3, atol=1e-4)
+    for layer in range(len(config.mla_layers)):
+        for seq in range(len(ours.rids)):
+            torch.testing.assert_close(view.mla_read(layer, seq), full_view.mla_read(layer, seq),
+                                       rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: ~35 s on the shared 2 cores
+def test_one_fast_step_writes_the_reference_tp_steps_bytes(tp, monkeypatch):
+    monkeypatch.setenv("K3_DECODE_FASTPATH", "1")
+    mp.spawn(_check_one_step, args=(tp, free_port()), nprocs=tp)
+
+
+GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def fast_workers(tmp_path_factory, transfer):
+    root = tmp_path_factory.mktemp("fast_tp")
+    env = {"K3_DECODE_FASTPATH": "1"}
+    procs = {tp: make(root, f"decode{tp}", worker_args("decode", tp, transfer.address)) for tp in (2, 4)}
+    for proc in procs.values():
+        proc.env.update(env)
+    yield from running(procs)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+async def test_fast_path_worker_streams_the_offline_greedy_tokens(fast_workers, tp):
+    reference = build_reference("nano", OVERRIDES)
+    options = GenerationOptions.from_proto(GREEDY, vocab_size=reference.config.vocab_size, max_tokens_limit=999)
+    prompt = [(5 * j + tp) % 250 + 1 for j in range(21)]
+    chunks = await generate(fast_workers[tp].address, f"fast{tp}", prompt, GREEDY)
+    assert [t for c in chunks for t in c.token_ids] == offline_generate(reference, prompt, options)
