@@ -19,12 +19,11 @@ BF16 = torch.bfloat16
 
 
 MERGE_VARIANTS = (4,)  # num_warps (8: same at decode, 93 vs 98 % at prefill)
-# Phase 1 launcher arguments timed per shape (decode: M=64; prefill: the rest); {} is the default.
+# Phase 1 launcher arguments timed per shape (decode: M=64; prefill: the rest); {} is the default. The
+# defaults combine the winners of the last run's variants (docs/kernels.md, AttnRes history).
 INTER_VARIANTS = {
-    "decode": ({}, {"stream_stores": True}, {"apply_rows": 4, "apply_block_d": 64}, {"chunks": (14, 9)},
-               {"chunks": (28, 14)}, {"score_rows": 4}),
-    "prefill": ({}, {"stream_stores": True}, {"apply_rows": 4, "apply_block_d": 64}, {"apply_rows": 4, "num_warps": 8},
-                {"score_rows": 16}, {"fused": True, "stream_stores": True}),
+    "decode": ({}, {"stream_stores": False}, {"score_rows": 16}, {"chunks": (14, 9)}),
+    "prefill": ({}, {"stream_stores": False, "score_rows": 8}, {"score_rows": 32}, {"fused": True}),
 }
 
 

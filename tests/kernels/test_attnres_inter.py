@@ -87,3 +87,16 @@ def test_bad_shapes_name_the_argument(interpreted):
         inter_triton.attnres_inter(torch.randn(2, 15), torch.randn(2, 3, 16))
     with pytest.raises(ValueError, match="norm_weights"):
         inter_triton.attnres_inter(torch.randn(2, 16), torch.randn(2, 3, 16), torch.randn(3, 16))
+
+
+def test_prefill_sized_rows_take_wider_score_tiles(interpreted, monkeypatch):
+    """score_rows=None picks 16-row score tiles once the rows fill the GPU (faked here by one SM), and the
+    numbers stay those of float64 math."""
+    monkeypatch.setattr(inter_triton, "_sm_count", lambda device: 1)
+    gen = torch.Generator().manual_seed(5)
+    blocks, queries = torch.randn(3, 40, 32, generator=gen).bfloat16(), torch.randn(4, 32, generator=gen)
+    plan = inter_triton.plan_inter(queries, blocks, block_d=16, apply_block_d=16)
+    assert plan.consts["BM_SCORES"] == 16 and plan.score_grid[0] == 3
+    ours = plan.run()
+    for got, want in zip((ours.max, ours.denom, ours.acc), _float64_stats(queries, blocks, None), strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-5)
