@@ -1,12 +1,20 @@
-"""KDA decode step (one token per sequence): one program per (sequence, head), state walked in value tiles.
+"""KDA decode step (one token per sequence): programs per (sequence, head, value-column block).
 
-The delta rule acts on every value column of the state S [K, V] independently (u_j = beta (v_j - S_j^T k)),
-so a program can walk its state in [K, BV] tiles: load, decay, update, store and read out each tile in
-turn (tl.range stages keep the next tile's load in flight); only the output RMSNorm needs the whole row,
-so the tiles' outputs stay on chip ([V / BV, BV]) and are normalised at the end. q/k conv + L2Norm once.
-Measured on the H200 (docs/kernels.md): smaller tiles lose (32 columns 65-67 % of copy at B=64); the whole
-state as one tile wins (76 %), and streaming cache hints on the state (read and written once per step)
-take it to 83 %. Unlike decode_triton.py's recurrent kernel, there is no replay, snapshot or commit logic.
+The step streams each head's fp32 state S [K, V] from HBM and back once; everything else (inputs, conv
+windows, taps) is a few hundred bytes. So the kernel is shaped around keeping that stream busy:
+- the state tile's load is issued first, before the conv / L2Norm / gate prologue is computed, so the
+  prologue's loads and arithmetic run while the state is in flight (they no longer sit between the slot
+  lookup and the state load);
+- the state's row and column strides are compile-time constants (one build per pool layout: the dense
+  pool and the serving pool's pages share (D, 1)), so one base address serves the whole tile instead of a
+  64-bit pointer per row held in registers across the compute;
+- the delta rule acts on every value column independently (u_j = beta (v_j - S_j^T k)), so a head's
+  columns can be split over D // BV programs (more, smaller programs resident per SM). Only the output
+  RMSNorm needs the whole row: each program parks its o slice and the last to arrive (an atomic counter per
+  (sequence, head)) normalises the row and writes the q/k conv windows, which every sibling reads until it
+  is done (the scheme of decode_triton's split recurrent kernel, reused from there).
+The state is touched once per step: streaming cache hints (`evict_first` load, `.cs` store) keep it from
+evicting the inputs and taps. Measured variants and numbers: docs/kernels.md (KDA decode history).
 """
 
 from __future__ import annotations
@@ -16,32 +24,51 @@ import torch
 from kernels._triton import next_pow2, tl, triton
 from kernels.kda.decode_triton import (
     _conv_silu,
+    _gated_norm_store,
     _history,
+    _norm_parked_rows,
     _raw_input,
     _taps,
     _write_conv_window,
+    _zeroed_counters,
 )
 
 if triton is not None:
 
     @triton.jit
-    def _kda_decode_tiled_kernel(
-        q, k, v, z, beta, gate, conv_w, A_log, dt_bias, norm_w, state, conv_state, slots, out,
+    def _conv_stream(x, hist, conv_ch, conv_tap, taps, r, h, offs, H: tl.constexpr, D: tl.constexpr,
+                     W: tl.constexpr):
+        """Swish(ShortConv) of one stream's new token (row 0 of x) for the channels offs."""
+        x3, x2, x1 = _history(x, x, hist, conv_ch, conv_tap, r, r, h, 1, 0, offs, H, D, W)
+        w0, w1, w2, w3 = _taps(taps, offs, W)
+        xt = _raw_input(x, x, hist, conv_ch, conv_tap, 0, r, r, h, 1, 0, offs, H, D, W)
+        return _conv_silu(x3, x2, x1, xt, w0, w1, w2, w3)
+
+    @triton.jit
+    def _load_state(state, slot, h, state_slot, state_head, offs, offs_v, STATE_ROW: tl.constexpr,
+                    STATE_COL: tl.constexpr, STREAMING: tl.constexpr):
+        """(pointers, values) of one head's state tile [D, BV]; issued before anything else of its step."""
+        s_ptrs = (state + slot * state_slot + h * state_head
+                  + offs[:, None] * STATE_ROW + offs_v[None, :] * STATE_COL)
+        if STREAMING:  # touched once per step: keep it from evicting the inputs and taps
+            S = tl.load(s_ptrs, eviction_policy="evict_first")
+        else:
+            S = tl.load(s_ptrs)
+        return s_ptrs, S
+
+    @triton.jit
+    def _step_tile(
+        S, s_ptrs, b, h, slot, offs, offs_v,
+        q, k, v, z, beta, gate, conv_w, A_log, dt_bias, norm_w, conv_state, out, o_scratch, counters,
         q_row, k_row, v_row, z_row, beta_row, gate_row,
-        state_slot, state_head, state_row, state_col, conv_slot, conv_stream, conv_head, conv_ch, conv_tap,
+        conv_slot, conv_stream, conv_head, conv_ch, conv_tap,
         scale, lower_bound, l2_eps, norm_eps,
         H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, BV: tl.constexpr,
-        BOUNDED: tl.constexpr, STAGES: tl.constexpr, STREAMING: tl.constexpr,
+        BOUNDED: tl.constexpr, STREAMING: tl.constexpr,
     ):
-        """Grid (B, H); inputs [B, H, D] (viewed as L = 1 token), beta [B, H], each with its own row stride
-        (x_row: slices of one projection GEMM's output need no copy). The pools are addressed by element
-        strides only (state: slot, head, row, column; conv: slot, stream, head, channel, tap), so a
-        head-interleaved pool page is as good as a dense [slots, H, D, D] tensor."""
-        b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
-        NT: tl.constexpr = D // BV
-        offs = tl.arange(0, D)
-        slot = tl.load(slots + b).to(tl.int64)
+        """Everything of one (sequence b, head h, value block) step after its state tile S was loaded:
+        the prologue (conv, L2Norm, gate, beta), the delta rule, the state store, the output and the windows."""
+        NV: tl.constexpr = D // BV
         r = b * 0  # no replay: a tensor zero keeps _raw_input's masks tensors under the interpreter
         # The shared helpers index [B, L, H, D] inputs from row b; here each input pointer is moved to row b
         # by its own stride and the helpers are given row 0 (r).
@@ -49,15 +76,10 @@ if triton is not None:
         hist = conv_state + slot * conv_slot + h * conv_head
         hk, hv = hist + conv_stream, hist + 2 * conv_stream
         taps = conv_w + h * D * W
-        q3, q2, q1 = _history(q, q, hist, conv_ch, conv_tap, r, r, h, 1, 0, offs, H, D, W)
-        qw0, qw1, qw2, qw3 = _taps(taps, offs, W)
-        xq = _raw_input(q, q, hist, conv_ch, conv_tap, 0, r, r, h, 1, 0, offs, H, D, W)
-        qt = _conv_silu(q3, q2, q1, xq, qw0, qw1, qw2, qw3)
-        k3, k2, k1 = _history(k, k, hk, conv_ch, conv_tap, r, r, h, 1, 0, offs, H, D, W)
-        kw0, kw1, kw2, kw3 = _taps(taps + H * D * W, offs, W)
-        xk = _raw_input(k, k, hk, conv_ch, conv_tap, 0, r, r, h, 1, 0, offs, H, D, W)
-        kt = _conv_silu(k3, k2, k1, xk, kw0, kw1, kw2, kw3)
-        qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + l2_eps)
+        qt = _conv_stream(q, hist, conv_ch, conv_tap, taps, r, h, offs, H, D, W)
+        kt = _conv_stream(k, hk, conv_ch, conv_tap, taps + H * D * W, r, h, offs, H, D, W)
+        vt = _conv_stream(v, hv, conv_ch, conv_tap, taps + 2 * H * D * W, r, h, offs_v, H, D, W)
+        qs = qt * (tl.rsqrt(tl.sum(qt * qt, 0) + l2_eps) * scale)
         kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + l2_eps)
         zt = tl.load(z + b * z_row + h * D + offs).to(tl.float32)
         zt += tl.load(dt_bias + h * D + offs).to(tl.float32)
@@ -66,59 +88,148 @@ if triton is not None:
             gt = lower_bound * tl.sigmoid(a_scale * zt)
         else:  # Kimi Linear: -exp(A) softplus(z), torch's threshold of 20 kept
             gt = -a_scale * tl.where(zt > 20.0, zt, tl.log(1.0 + tl.exp(zt)))
-        decay = tl.exp(gt)
         bt = tl.sigmoid(tl.load(beta + b * beta_row + h).to(tl.float32))
-        qs = qt * scale
-        s_base = state + slot * state_slot + h * state_head
-        tiles = tl.arange(0, NT)
-        o_all = tl.zeros([NT, BV], dtype=tl.float32)
-        for j in tl.range(0, NT, num_stages=STAGES):
-            offs_v = j * BV + tl.arange(0, BV)
-            s_ptrs = s_base + offs[:, None] * state_row + offs_v[None, :] * state_col
-            if STREAMING:  # the state is touched once per step: keep it from evicting the inputs and taps
-                S = tl.load(s_ptrs, eviction_policy="evict_first") * decay[:, None]
-            else:
-                S = tl.load(s_ptrs) * decay[:, None]
-            v3, v2, v1 = _history(v, v, hv, conv_ch, conv_tap, r, r, h, 1, 0, offs_v, H, D, W)
-            vw0, vw1, vw2, vw3 = _taps(taps + 2 * H * D * W, offs_v, W)
-            xv = _raw_input(v, v, hv, conv_ch, conv_tap, 0, r, r, h, 1, 0, offs_v, H, D, W)
-            vt = _conv_silu(v3, v2, v1, xv, vw0, vw1, vw2, vw3)
-            u = bt * (vt - tl.sum(S * kt[:, None], 0))
-            S = S + kt[:, None] * u[None, :]
-            if STREAMING:
-                tl.store(s_ptrs, S, cache_modifier=".cs")
-            else:
-                tl.store(s_ptrs, S)
-            o_all = tl.where(tiles[:, None] == j, tl.sum(S * qs[:, None], 0)[None, :], o_all)
-            _write_conv_window(v, v, hv, conv_ch, conv_tap, 1, r, r, h, 1, 0, offs_v, H, D, W, BWM, BV, D)
-        cols = tiles[:, None] * BV + tl.arange(0, BV)[None, :]
-        g = tl.load(gate + b * gate_row + h * D + cols).to(tl.float32)
-        y = o_all * tl.rsqrt(tl.sum(tl.sum(o_all * o_all, 1), 0) / D + norm_eps)
-        y = y * tl.load(norm_w + cols).to(tl.float32) * tl.sigmoid(g)
-        tl.store(out + (b * H + h) * D + cols, y.to(out.dtype.element_ty))
-        _write_conv_window(q, q, hist, conv_ch, conv_tap, 1, r, r, h, 1, 0, offs, H, D, W, BWM, D, D)
-        _write_conv_window(k, k, hk, conv_ch, conv_tap, 1, r, r, h, 1, 0, offs, H, D, W, BWM, D, D)
+        S = S * tl.exp(gt)[:, None]
+        u = bt * (vt - tl.sum(S * kt[:, None], 0))
+        S = S + kt[:, None] * u[None, :]
+        if STREAMING:
+            tl.store(s_ptrs, S, cache_modifier=".cs")
+        else:
+            tl.store(s_ptrs, S)
+        o = tl.sum(S * qs[:, None], 0)
+        _write_conv_window(v, v, hv, conv_ch, conv_tap, 1, r, r, h, 1, 0, offs_v, H, D, W, BWM, BV, D)
+        row = (b * H + h) * D  # out's (dense) row; gate_rows + row is this row of gate (its own row stride)
+        gate_rows = gate + b * (gate_row - H * D)
+        lim = D  # the q/k windows: written by the one program that has seen every sibling read them
+        if NV == 1:
+            _gated_norm_store(o, gate_rows, out, row, offs, tl.load(norm_w + offs).to(tl.float32), norm_eps,
+                              D, D)
+        else:
+            tl.store(o_scratch + row + offs_v, o)
+            # acq_rel: the siblings' o slices (and their reads of the q/k history) happen before.
+            arrived = tl.atomic_add(counters + b * H + h, 1)
+            lim = tl.where(arrived == NV - 1, D, 0)
+        _write_conv_window(q, q, hist, conv_ch, conv_tap, 1, r, r, h, 1, 0, offs, H, D, W, BWM, D, lim)
+        _write_conv_window(k, k, hk, conv_ch, conv_tap, 1, r, r, h, 1, 0, offs, H, D, W, BWM, D, lim)
+        if NV > 1:
+            _norm_parked_rows(o_scratch, gate_rows, out, norm_w, norm_eps, b, h, 1, offs, lim, H, D)
+            tl.atomic_xchg(counters + b * H + h, 0, mask=lim > 0)  # ready for the next launch
+
+    @triton.jit
+    def _kda_decode_step_kernel(
+        q, k, v, z, beta, gate, conv_w, A_log, dt_bias, norm_w, state, conv_state, slots, out,
+        o_scratch, counters,
+        q_row, k_row, v_row, z_row, beta_row, gate_row,
+        state_slot, state_head, conv_slot, conv_stream, conv_head, conv_ch, conv_tap,
+        scale, lower_bound, l2_eps, norm_eps,
+        STATE_ROW: tl.constexpr, STATE_COL: tl.constexpr,
+        H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, BV: tl.constexpr,
+        BOUNDED: tl.constexpr, STREAMING: tl.constexpr,
+    ):
+        """Grid (B, H, D // BV): program (b, h, j) owns value columns j*BV.. of head h's state.
+
+        Inputs [B, H, D] (viewed as L = 1 token), beta [B, H], each with its own row stride (x_row: slices
+        of one projection GEMM's output need no copy). The pools are addressed by element strides only
+        (state: slot, head, then the constant row / column strides; conv: slot, stream, head, channel, tap),
+        so a head-interleaved pool page is as good as a dense [slots, H, D, D] tensor."""
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        offs = tl.arange(0, D)
+        offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+        slot = tl.load(slots + b).to(tl.int64)
+        s_ptrs, S = _load_state(state, slot, h, state_slot, state_head, offs, offs_v, STATE_ROW, STATE_COL,
+                                STREAMING)
+        _step_tile(S, s_ptrs, b, h, slot, offs, offs_v, q, k, v, z, beta, gate, conv_w, A_log, dt_bias, norm_w,
+                   conv_state, out, o_scratch, counters, q_row, k_row, v_row, z_row, beta_row, gate_row,
+                   conv_slot, conv_stream, conv_head, conv_ch, conv_tap, scale, lower_bound, l2_eps, norm_eps,
+                   H, D, W, BWM, BV, BOUNDED, STREAMING)
+
+    @triton.jit
+    def _kda_decode_persistent_kernel(
+        q, k, v, z, beta, gate, conv_w, A_log, dt_bias, norm_w, state, conv_state, slots, out,
+        q_row, k_row, v_row, z_row, beta_row, gate_row,
+        state_slot, state_head, conv_slot, conv_stream, conv_head, conv_ch, conv_tap,
+        scale, lower_bound, l2_eps, norm_eps, n_tiles,
+        STATE_ROW: tl.constexpr, STATE_COL: tl.constexpr,
+        H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr,
+        BOUNDED: tl.constexpr, STREAMING: tl.constexpr, STAGES: tl.constexpr,
+    ):
+        """Grid (P,): program p steps the (sequence, head) tiles p, p + P, ... (tile = b * H + h, whole state).
+
+        The next tile's slot index is loaded while the current tile computes, so each state load is issued
+        at the top of its iteration with no dependent lookup in front of it."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        wide = pid.to(tl.int64) * 0  # loop indices are made int64 by adding it (interpreter: plain ints)
+        offs = tl.arange(0, D)
+        slot_next = tl.load(slots + pid // H)
+        for t in tl.range(pid, n_tiles, nprog, num_stages=STAGES):
+            tile = t + wide
+            b = tile // H
+            h = tile % H
+            slot = slot_next.to(tl.int64)
+            s_ptrs, S = _load_state(state, slot, h, state_slot, state_head, offs, offs, STATE_ROW, STATE_COL,
+                                    STREAMING)
+            following = tile + nprog
+            slot_next = tl.load(slots + following // H, mask=following < n_tiles, other=0)
+            _step_tile(S, s_ptrs, b, h, slot, offs, offs, q, k, v, z, beta, gate, conv_w, A_log, dt_bias,
+                       norm_w, conv_state, out, out, slots, q_row, k_row, v_row, z_row, beta_row, gate_row,
+                       conv_slot, conv_stream, conv_head, conv_ch, conv_tap, scale, lower_bound, l2_eps,
+                       norm_eps, H, D, W, BWM, D, BOUNDED, STREAMING)
 
 
-def kda_decode_tiled(
+def kda_decode_split(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
     gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
-    lower_bound: float | None, scale: float | None, l2_eps: float, norm_eps: float, tile_v: int,
-    num_warps: int, stages: int, streaming: bool = False,
+    lower_bound: float | None, scale: float | None, l2_eps: float, norm_eps: float, block_v: int,
+    num_warps: int, streaming: bool = True,
 ) -> torch.Tensor:
     """Launch on inputs already checked by decode_triton: [B, H, D] (beta [B, H]) with dense rows (any row
     stride); the pools may be any strided views ([slots, H, D, D] and [slots, 3, H, D, W-1]). All strides
-    go to the kernel."""
+    go to the kernel (the state's row / column strides as build constants)."""
     B, H, D = q.shape
     W = conv_pool.shape[-1] + 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _kda_decode_tiled_kernel[(B, H)](
+    split = block_v < D
+    o_scratch = torch.empty(q.shape, dtype=torch.float32, device=q.device) if split else out
+    counters = _zeroed_counters(B * H, q.device) if split else slots
+    slot_stride, head_stride, row_stride, col_stride = state_pool.stride()
+    _kda_decode_step_kernel[(B, H, D // block_v)](
         q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool, slots, out,
-        *(t.stride(0) for t in (q, k, v, z, beta, gate)), *state_pool.stride(), *conv_pool.stride(),
+        o_scratch, counters,
+        *(t.stride(0) for t in (q, k, v, z, beta, gate)), slot_stride, head_stride, *conv_pool.stride(),
         D**-0.5 if scale is None else scale,
         -5.0 if lower_bound is None else lower_bound, l2_eps, norm_eps,
-        H=H, D=D, W=W, BWM=next_pow2(W - 1), BV=tile_v, BOUNDED=lower_bound is not None, STAGES=stages,
-        STREAMING=streaming, num_warps=num_warps,
+        STATE_ROW=row_stride, STATE_COL=col_stride,
+        H=H, D=D, W=W, BWM=next_pow2(W - 1), BV=block_v, BOUNDED=lower_bound is not None, STREAMING=streaming,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def kda_decode_persistent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
+    gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
+    lower_bound: float | None, scale: float | None, l2_eps: float, norm_eps: float, programs_per_sm: int,
+    num_warps: int, stages: int, streaming: bool = True,
+) -> torch.Tensor:
+    """kda_decode_split's contract with programs_per_sm x SMs programs looping over the (sequence, head)
+    tiles (on the CPU: 4 programs, so that the interpreter runs the loop)."""
+    B, H, D = q.shape
+    W = conv_pool.shape[-1] + 1
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 2
+    programs = min(B * H, programs_per_sm * sms)
+    slot_stride, head_stride, row_stride, col_stride = state_pool.stride()
+    _kda_decode_persistent_kernel[(programs,)](
+        q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool, slots, out,
+        *(t.stride(0) for t in (q, k, v, z, beta, gate)), slot_stride, head_stride, *conv_pool.stride(),
+        D**-0.5 if scale is None else scale,
+        -5.0 if lower_bound is None else lower_bound, l2_eps, norm_eps, B * H,
+        STATE_ROW=row_stride, STATE_COL=col_stride,
+        H=H, D=D, W=W, BWM=next_pow2(W - 1), BOUNDED=lower_bound is not None, STREAMING=streaming,
+        STAGES=stages, num_warps=num_warps,
     )
     return out

@@ -298,9 +298,9 @@ def fused_kda_recurrent(
     return out
 
 
-# Decode-step tuning (bench/kernels.py sweeps these): value-column tile streamed per program, warps, stages,
-# streaming cache hints on the state. Measured best on the H200: the whole state per program, 4 warps, hints.
-DECODE_TILE_V, DECODE_WARPS, DECODE_STAGES, DECODE_STREAMING = 128, 4, 1, True
+# Decode-step tuning (kernels/perf/kda_decode_cases.py sweeps these): value columns per program (D: the whole
+# state in one program), warps, streaming cache hints on the state. Measured on the H200: docs/kernels.md.
+DECODE_BLOCK_V, DECODE_WARPS, DECODE_STREAMING = 128, 4, True
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
@@ -324,16 +324,16 @@ def kda_decode_step(
     state_pool [slots, H, D, D] and conv_pool [slots, 3, H, D, W-1] may be any strided views (e.g. an
     as_strided view of head-interleaved pages): one launch covers all H heads.
 
-    Runs decode_step_triton's kernel: one program per (sequence, head) walking its state in block_v-column
-    tiles (default DECODE_TILE_V: the whole state, measured fastest)."""
-    from kernels.kda.decode_step_triton import kda_decode_tiled  # it imports this module's helpers
+    Runs decode_step_triton's kernel: programs per (sequence, head, block_v value columns), default
+    DECODE_BLOCK_V (capped at D)."""
+    from kernels.kda.decode_step_triton import kda_decode_split  # it imports this module's helpers
 
     tokens = [t.unsqueeze(1) for t in (q, k, v, z, beta, gate)]
     _check_tokens(*tokens, conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool, slots)
     D = q.shape[-1]
-    tile_v = min(block_v or DECODE_TILE_V, D)
-    require(D % tile_v == 0 and tile_v == next_pow2(tile_v), f"block_v must divide {D}, got {block_v}")
+    block_v = min(block_v or DECODE_BLOCK_V, D)
+    require(D % block_v == 0 and block_v == next_pow2(block_v), f"block_v must divide {D}, got {block_v}")
     q, k, v, z, beta, gate = (_dense_rows(t) for t in (q, k, v, z, beta, gate))
-    return kda_decode_tiled(q, k, v, z, beta, gate, conv_weight.contiguous(), A_log, dt_bias.contiguous(),
+    return kda_decode_split(q, k, v, z, beta, gate, conv_weight.contiguous(), A_log, dt_bias.contiguous(),
                             norm_weight, state_pool, conv_pool, slots, lower_bound, scale, l2_eps, norm_eps,
-                            tile_v, num_warps, DECODE_STAGES, DECODE_STREAMING)
+                            block_v, num_warps, DECODE_STREAMING)

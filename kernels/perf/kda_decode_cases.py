@@ -63,9 +63,41 @@ def _fla_decode(params, x, pool, conv_dense, slots):
     return rms_norm_gated(o.reshape(B * H, D), gate.reshape(B * H, D), norm_w, None, activation="sigmoid")
 
 
-# (tile_v, num_warps, stages, streaming cache hints) of the value-tile kernel (decode_step_triton.py).
-# Measured: smaller tiles lose (B=64: 65 % at 32, 61 % at 64, 53 % at 16 columns; 8 warps 33-46 %).
-DECODE_VARIANTS = ((128, 4, 1, False), (128, 4, 1, True), (128, 8, 1, False), (32, 4, 3, False))
+@dataclass(frozen=True)
+class DecodeVariant:
+    """One build of the decode-step kernels (decode_step_triton.py): `programs_per_sm` 0 launches one program
+    per (sequence, head, block_v value columns); > 0 that many persistent programs per SM looping over the
+    (sequence, head) tiles with `stages` pipeline stages (2+: Triton stages the next tile's state in shared
+    memory)."""
+
+    warps: int = 4
+    block_v: int = 128
+    programs_per_sm: int = 0
+    stages: int = 1
+    streaming: bool = True
+
+    @property
+    def label(self) -> str:
+        hints = ",streaming" if self.streaming else ""
+        if self.programs_per_sm:
+            return f"ours(persistent {self.programs_per_sm}/SM,stages={self.stages},w={self.warps}{hints})"
+        return f"ours(block_v={self.block_v},w={self.warps}{hints})"
+
+    def launch(self, x, params, pool, conv, slots) -> torch.Tensor:
+        numerics = (-5.0, None, 1e-6, 1e-6)
+        if self.programs_per_sm:
+            return decode_step_triton.kda_decode_persistent(*x, *params, pool, conv, slots, *numerics,
+                                                            self.programs_per_sm, self.warps, self.stages,
+                                                            self.streaming)
+        return decode_step_triton.kda_decode_split(*x, *params, pool, conv, slots, *numerics, self.block_v,
+                                                   self.warps, self.streaming)
+
+
+# Run 1 of this round measured the splits (block_v 64 / 32 / 16 at 4 and 8 warps, 42-72 % at B=64): dropped.
+DECODE_VARIANTS = (DecodeVariant(), DecodeVariant(streaming=False), DecodeVariant(programs_per_sm=2),
+                   DecodeVariant(programs_per_sm=2, stages=2), DecodeVariant(programs_per_sm=2, stages=2,
+                                                                            streaming=False),
+                   DecodeVariant(programs_per_sm=1, stages=3), DecodeVariant(programs_per_sm=2, streaming=False))
 
 
 def _full_state_step(x, params, pool, conv, slots):
@@ -86,7 +118,7 @@ def _step_errors(step, x, params, pool, conv, slots, check_n: int) -> dict:
 
 
 def decode_rows(batches: tuple[int, ...] = (1, 64, 256),
-                variants: tuple[tuple[int, int, int, bool], ...] = DECODE_VARIANTS) -> list[Row]:
+                variants: tuple[DecodeVariant, ...] = DECODE_VARIANTS) -> list[Row]:
     rows: list[Row] = []
     params = _params("cuda")
     for B in batches:
@@ -100,16 +132,14 @@ def decode_rows(batches: tuple[int, ...] = (1, 64, 256),
         ms, how = time_ms(partial(full, pool, conv, slots))
         rows.append(Row("kda_decode_step", shape, "ours v1 (full state per program, w=4)", ms, decode_bytes(B),
                         note=how, extra=err))
-        for tv, nw, st, streaming in variants:
-            tuning = (-5.0, None, 1e-6, 1e-6, tv, nw, st, streaming)
-            tiled = partial(decode_step_triton.kda_decode_tiled, *x, *params)
+        for variant in variants:
             try:
-                err = _step_errors(lambda p, c, f=tiled, s=slots, t=tuning: f(p, c, s, *t), x, params, pool, conv,
-                                   slots, check_n)
-                ms, how = time_ms(partial(tiled, pool, conv, slots, *tuning))
+                err = _step_errors(partial(variant.launch, x, params, slots=slots), x, params, pool, conv, slots,
+                                   check_n)
+                ms, how = time_ms(partial(variant.launch, x, params, pool, conv, slots))
             except Exception as e:  # noqa: BLE001 - a variant that does not build must not hide the others
                 ms, how, err = float("nan"), repr(e)[:200], {}
-            label = f"ours(tile_v={tv},w={nw},stages={st}{',streaming' if streaming else ''})"
+            label = variant.label
             rows.append(Row("kda_decode_step", shape, label, ms, decode_bytes(B),
                             note=how, extra=err))
         try:

@@ -83,6 +83,23 @@ def test_triton_decode_step_matches_reference(interpreted, lower_bound, block_v)
     torch.testing.assert_close(conv_pool, ref_pools[1], rtol=0, atol=0)
 
 
+def test_split_decode_steps_in_a_row_match_reference(interpreted):
+    """Value columns split over programs (block_v=4 of 16): the last program to arrive normalises and resets
+    its (sequence, head) counter, so a second launch on the same counters is right again."""
+    gen = torch.Generator().manual_seed(8)
+    params = CASE.params(gen)
+    pools = CASE.pools(gen)
+    ref_pools = tuple(p.clone() for p in pools)
+    slots = torch.tensor([1, 5, 3])
+    for _ in range(2):
+        x = [t[:, 0] for t in CASE.tokens(gen, 3, 1)]
+        y = decode_triton.kda_decode_step(*x, *params, *pools, slots, block_v=4)
+        y_ref = naive.kda_decode_step(*x, *params, *ref_pools, slots)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pools[0], ref_pools[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(pools[1], ref_pools[1], rtol=0, atol=0)
+
+
 def test_triton_decode_leaves_other_slots_alone(interpreted):
     gen = torch.Generator().manual_seed(3)
     params = CASE.params(gen)
