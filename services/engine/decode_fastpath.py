@@ -18,7 +18,7 @@ from k3core.cache.request import CachedRequest
 from k3core.model import K3Model
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.decode_inputs import DecodeInputBuilder
-from services.engine.fast_tensor_parallel import rank_decoder
+from services.engine.fast_tensor_parallel import graph_capturable, rank_decoder
 from services.engine.pool_views import PoolViews
 
 ENV = "K3_DECODE_FASTPATH"  # "0": never; "1": also on CPU (eager); unset: on CUDA
@@ -47,7 +47,7 @@ class DecodeFastPath:
         self.builder = DecodeInputBuilder(layout, math.ceil(max_model_len / layout.tokens_per_block),
                                           scratch_kda, scratch_mla)
         use_graphs = self.device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0" \
-            if graphs is None else graphs
+            and graph_capturable(model) if graphs is None else graphs
         self.graphs = DecodeGraphs(self.decoder.forward, self.builder, self.device, max_batch) if use_graphs \
             else None
         self.max_batch = max_batch

@@ -40,12 +40,24 @@ from services.engine.tensor_parallel import AllReduceInput, AllReduceOutput, Rem
 _COLLECTIVES = (AllReduceOutput, AllReduceInput)
 
 
+def _collective(model: nn.Module) -> AllReduceOutput | AllReduceInput | None:
+    """A collective wrapper of a sharded model (every one holds the rank's group); None at TP 1."""
+    return next((m for m in model.modules() if isinstance(m, _COLLECTIVES)), None)
+
+
 def rank_decoder(model: K3Model, views: PoolViews) -> FastDecoder:
     """The fast decoder of this rank's model: the plain one at TP 1, the sharded one after `shard_model`."""
-    collective = next((m for m in model.modules() if isinstance(m, _COLLECTIVES)), None)
+    collective = _collective(model)
     if collective is None:
         return FastDecoder(model, views)
     return sharded_decoder(model, views, collective.group)
+
+
+def graph_capturable(model: K3Model) -> bool:
+    """Whether this rank's decode forward may be captured in a CUDA graph: no collectives, or NCCL ones
+    (a gloo collective on CUDA tensors waits on the host, which a capture forbids)."""
+    collective = _collective(model)
+    return collective is None or dist.get_backend(collective.group) == dist.Backend.NCCL
 
 
 def sharded_decoder(model: K3Model, views: PoolViews, group: dist.ProcessGroup | None) -> FastDecoder:

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from k3.v1 import common_pb2
 from k3core.cache.manager import PrefixCacheManager
 from services.engine.config import WorkerConfig
-from services.engine.fast_tensor_parallel import ShardedMoe
+from services.engine.fast_tensor_parallel import ShardedMoe, graph_capturable
 from services.engine.model_runner import ModelRunner, build_model
 from services.engine.params import GenerationOptions
 from services.runtime.ports import free_port
@@ -77,6 +77,7 @@ def _check_one_step(rank: int, tp: int, port: int) -> None:
         ours = RankPool(tp, rank)
         moe_forms = [f for f in ours.fastpath.decoder.ffn if isinstance(f, ShardedMoe)]
         assert len(moe_forms) == sum(layer.is_moe for layer in ours.model.model.layers) > 0
+        assert not graph_capturable(ours.model)  # gloo collectives: never inside a CUDA graph
         before = ours.data.clone()
         fast_logits = ours.fast_step()
         fast_bytes = ours.data.clone()
