@@ -21,99 +21,33 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import next_pow2, tl, triton
+from kernels._triton import tl, triton
 from kernels.kda.decode_triton import (
     _conv_silu,
-    _gated_norm_store,
     _history,
     _norm_parked_rows,
     _raw_input,
     _taps,
-    _write_conv_window,
     _zeroed_counters,
 )
 
 if triton is not None:
 
     @triton.jit
-    def _conv_stream(x, hist, conv_ch, conv_tap, taps, r, h, offs, H: tl.constexpr, D: tl.constexpr,
-                     W: tl.constexpr):
-        """Swish(ShortConv) of one stream's new token (row 0 of x) for the channels offs."""
+    def _stream_inputs(x, hist, conv_ch, conv_tap, r, h, offs, H: tl.constexpr, D: tl.constexpr,
+                       W: tl.constexpr):
+        """One stream's pre-conv inputs at t-3, t-2, t-1 (the pooled window) and t (row 0 of x)."""
         x3, x2, x1 = _history(x, x, hist, conv_ch, conv_tap, r, r, h, 1, 0, offs, H, D, W)
-        w0, w1, w2, w3 = _taps(taps, offs, W)
-        xt = _raw_input(x, x, hist, conv_ch, conv_tap, 0, r, r, h, 1, 0, offs, H, D, W)
-        return _conv_silu(x3, x2, x1, xt, w0, w1, w2, w3)
+        return x3, x2, x1, _raw_input(x, x, hist, conv_ch, conv_tap, 0, r, r, h, 1, 0, offs, H, D, W)
 
     @triton.jit
-    def _load_state(state, slot, h, state_slot, state_head, offs, offs_v, STATE_ROW: tl.constexpr,
-                    STATE_COL: tl.constexpr, STREAMING: tl.constexpr):
-        """(pointers, values) of one head's state tile [D, BV]; issued before anything else of its step."""
-        s_ptrs = (state + slot * state_slot + h * state_head
-                  + offs[:, None] * STATE_ROW + offs_v[None, :] * STATE_COL)
-        if STREAMING:  # touched once per step: keep it from evicting the inputs and taps
-            S = tl.load(s_ptrs, eviction_policy="evict_first")
-        else:
-            S = tl.load(s_ptrs)
-        return s_ptrs, S
-
-    @triton.jit
-    def _step_tile(
-        S, s_ptrs, b, h, slot, offs, offs_v,
-        q, k, v, z, beta, gate, conv_w, A_log, dt_bias, norm_w, conv_state, out, o_scratch, counters,
-        q_row, k_row, v_row, z_row, beta_row, gate_row,
-        conv_slot, conv_stream, conv_head, conv_ch, conv_tap,
-        scale, lower_bound, l2_eps, norm_eps,
-        H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, BV: tl.constexpr,
-        BOUNDED: tl.constexpr, STREAMING: tl.constexpr,
-    ):
-        """Everything of one (sequence b, head h, value block) step after its state tile S was loaded:
-        the prologue (conv, L2Norm, gate, beta), the delta rule, the state store, the output and the windows."""
-        NV: tl.constexpr = D // BV
-        r = b * 0  # no replay: a tensor zero keeps _raw_input's masks tensors under the interpreter
-        # The shared helpers index [B, L, H, D] inputs from row b; here each input pointer is moved to row b
-        # by its own stride and the helpers are given row 0 (r).
-        q, k, v = q + b * q_row, k + b * k_row, v + b * v_row
-        hist = conv_state + slot * conv_slot + h * conv_head
-        hk, hv = hist + conv_stream, hist + 2 * conv_stream
-        taps = conv_w + h * D * W
-        qt = _conv_stream(q, hist, conv_ch, conv_tap, taps, r, h, offs, H, D, W)
-        kt = _conv_stream(k, hk, conv_ch, conv_tap, taps + H * D * W, r, h, offs, H, D, W)
-        vt = _conv_stream(v, hv, conv_ch, conv_tap, taps + 2 * H * D * W, r, h, offs_v, H, D, W)
-        qs = qt * (tl.rsqrt(tl.sum(qt * qt, 0) + l2_eps) * scale)
-        kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + l2_eps)
-        zt = tl.load(z + b * z_row + h * D + offs).to(tl.float32)
-        zt += tl.load(dt_bias + h * D + offs).to(tl.float32)
-        a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
-        if BOUNDED:
-            gt = lower_bound * tl.sigmoid(a_scale * zt)
-        else:  # Kimi Linear: -exp(A) softplus(z), torch's threshold of 20 kept
-            gt = -a_scale * tl.where(zt > 20.0, zt, tl.log(1.0 + tl.exp(zt)))
-        bt = tl.sigmoid(tl.load(beta + b * beta_row + h).to(tl.float32))
-        S = S * tl.exp(gt)[:, None]
-        u = bt * (vt - tl.sum(S * kt[:, None], 0))
-        S = S + kt[:, None] * u[None, :]
-        if STREAMING:
-            tl.store(s_ptrs, S, cache_modifier=".cs")
-        else:
-            tl.store(s_ptrs, S)
-        o = tl.sum(S * qs[:, None], 0)
-        _write_conv_window(v, v, hv, conv_ch, conv_tap, 1, r, r, h, 1, 0, offs_v, H, D, W, BWM, BV, D)
-        row = (b * H + h) * D  # out's (dense) row; gate_rows + row is this row of gate (its own row stride)
-        gate_rows = gate + b * (gate_row - H * D)
-        lim = D  # the q/k windows: written by the one program that has seen every sibling read them
-        if NV == 1:
-            _gated_norm_store(o, gate_rows, out, row, offs, tl.load(norm_w + offs).to(tl.float32), norm_eps,
-                              D, D)
-        else:
-            tl.store(o_scratch + row + offs_v, o)
-            # acq_rel: the siblings' o slices (and their reads of the q/k history) happen before.
-            arrived = tl.atomic_add(counters + b * H + h, 1)
-            lim = tl.where(arrived == NV - 1, D, 0)
-        _write_conv_window(q, q, hist, conv_ch, conv_tap, 1, r, r, h, 1, 0, offs, H, D, W, BWM, D, lim)
-        _write_conv_window(k, k, hk, conv_ch, conv_tap, 1, r, r, h, 1, 0, offs, H, D, W, BWM, D, lim)
-        if NV > 1:
-            _norm_parked_rows(o_scratch, gate_rows, out, norm_w, norm_eps, b, h, 1, offs, lim, H, D)
-            tl.atomic_xchg(counters + b * H + h, 0, mask=lim > 0)  # ready for the next launch
+    def _store_window(hist, conv_ch, conv_tap, x2, x1, x0, offs, lim):
+        """The new conv window of the channels offs < lim: the inputs at t-2, t-1, t, from registers."""
+        mask = offs < lim
+        ptrs = hist + offs * conv_ch
+        tl.store(ptrs, x2.to(hist.dtype.element_ty), mask=mask)
+        tl.store(ptrs + conv_tap, x1.to(hist.dtype.element_ty), mask=mask)
+        tl.store(ptrs + 2 * conv_tap, x0.to(hist.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _kda_decode_step_kernel(
@@ -123,8 +57,8 @@ if triton is not None:
         state_slot, state_head, conv_slot, conv_stream, conv_head, conv_ch, conv_tap,
         scale, lower_bound, l2_eps, norm_eps,
         STATE_ROW: tl.constexpr, STATE_COL: tl.constexpr,
-        H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, BV: tl.constexpr,
-        BOUNDED: tl.constexpr, STREAMING: tl.constexpr,
+        H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr,
+        BOUNDED: tl.constexpr, EVICT_FIRST: tl.constexpr, STREAM_STORE: tl.constexpr,
     ):
         """Grid (B, H, D // BV): program (b, h, j) owns value columns j*BV.. of head h's state.
 
@@ -132,50 +66,75 @@ if triton is not None:
         of one projection GEMM's output need no copy). The pools are addressed by element strides only
         (state: slot, head, then the constant row / column strides; conv: slot, stream, head, channel, tap),
         so a head-interleaved pool page is as good as a dense [slots, H, D, D] tensor."""
+        tl.static_assert(W == 4, "the conv window is kept as three registers (4-tap ShortConv)")
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
+        NV: tl.constexpr = D // BV
         offs = tl.arange(0, D)
         offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
         slot = tl.load(slots + b).to(tl.int64)
-        s_ptrs, S = _load_state(state, slot, h, state_slot, state_head, offs, offs_v, STATE_ROW, STATE_COL,
-                                STREAMING)
-        _step_tile(S, s_ptrs, b, h, slot, offs, offs_v, q, k, v, z, beta, gate, conv_w, A_log, dt_bias, norm_w,
-                   conv_state, out, o_scratch, counters, q_row, k_row, v_row, z_row, beta_row, gate_row,
-                   conv_slot, conv_stream, conv_head, conv_ch, conv_tap, scale, lower_bound, l2_eps, norm_eps,
-                   H, D, W, BWM, BV, BOUNDED, STREAMING)
-
-    @triton.jit
-    def _kda_decode_persistent_kernel(
-        q, k, v, z, beta, gate, conv_w, A_log, dt_bias, norm_w, state, conv_state, slots, out,
-        q_row, k_row, v_row, z_row, beta_row, gate_row,
-        state_slot, state_head, conv_slot, conv_stream, conv_head, conv_ch, conv_tap,
-        scale, lower_bound, l2_eps, norm_eps, n_tiles,
-        STATE_ROW: tl.constexpr, STATE_COL: tl.constexpr,
-        H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr,
-        BOUNDED: tl.constexpr, STREAMING: tl.constexpr, STAGES: tl.constexpr,
-    ):
-        """Grid (P,): program p steps the (sequence, head) tiles p, p + P, ... (tile = b * H + h, whole state).
-
-        The next tile's slot index is loaded while the current tile computes, so each state load is issued
-        at the top of its iteration with no dependent lookup in front of it."""
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        wide = pid.to(tl.int64) * 0  # loop indices are made int64 by adding it (interpreter: plain ints)
-        offs = tl.arange(0, D)
-        slot_next = tl.load(slots + pid // H)
-        for t in tl.range(pid, n_tiles, nprog, num_stages=STAGES):
-            tile = t + wide
-            b = tile // H
-            h = tile % H
-            slot = slot_next.to(tl.int64)
-            s_ptrs, S = _load_state(state, slot, h, state_slot, state_head, offs, offs, STATE_ROW, STATE_COL,
-                                    STREAMING)
-            following = tile + nprog
-            slot_next = tl.load(slots + following // H, mask=following < n_tiles, other=0)
-            _step_tile(S, s_ptrs, b, h, slot, offs, offs, q, k, v, z, beta, gate, conv_w, A_log, dt_bias,
-                       norm_w, conv_state, out, out, slots, q_row, k_row, v_row, z_row, beta_row, gate_row,
-                       conv_slot, conv_stream, conv_head, conv_ch, conv_tap, scale, lower_bound, l2_eps,
-                       norm_eps, H, D, W, BWM, D, BOUNDED, STREAMING)
+        s_ptrs = (state + slot * state_slot + h * state_head
+                  + offs[:, None] * STATE_ROW + offs_v[None, :] * STATE_COL)
+        if EVICT_FIRST:  # touched once per step: keep it from evicting the inputs and taps
+            S = tl.load(s_ptrs, eviction_policy="evict_first")
+        else:
+            S = tl.load(s_ptrs)
+        # Everything else the step reads is loaded now, while the state is in flight, so that nothing after
+        # the state's arrival waits on memory again (the program's registers are freed sooner).
+        r = b * 0  # no replay: a tensor zero keeps _raw_input's masks tensors under the interpreter
+        # The shared helpers index [B, L, H, D] inputs from row b; here each input pointer is moved to row b
+        # by its own stride and the helpers are given row 0 (r).
+        q, k, v = q + b * q_row, k + b * k_row, v + b * v_row
+        hist = conv_state + slot * conv_slot + h * conv_head
+        hk, hv = hist + conv_stream, hist + 2 * conv_stream
+        taps = conv_w + h * D * W
+        q3, q2, q1, q0 = _stream_inputs(q, hist, conv_ch, conv_tap, r, h, offs, H, D, W)
+        k3, k2, k1, k0 = _stream_inputs(k, hk, conv_ch, conv_tap, r, h, offs, H, D, W)
+        v3, v2, v1, v0 = _stream_inputs(v, hv, conv_ch, conv_tap, r, h, offs_v, H, D, W)
+        qw0, qw1, qw2, qw3 = _taps(taps, offs, W)
+        kw0, kw1, kw2, kw3 = _taps(taps + H * D * W, offs, W)
+        vw0, vw1, vw2, vw3 = _taps(taps + 2 * H * D * W, offs_v, W)
+        zt = tl.load(z + b * z_row + h * D + offs).to(tl.float32)
+        zt += tl.load(dt_bias + h * D + offs).to(tl.float32)
+        a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
+        bt = tl.sigmoid(tl.load(beta + b * beta_row + h).to(tl.float32))
+        row = (b * H + h) * D  # out's (dense) row; gate_rows + row is this row of gate (its own row stride)
+        gate_rows = gate + b * (gate_row - H * D)
+        if NV == 1:
+            g_out = tl.load(gate_rows + row + offs).to(tl.float32)
+            w_out = tl.load(norm_w + offs).to(tl.float32)
+        qt = _conv_silu(q3, q2, q1, q0, qw0, qw1, qw2, qw3)
+        kt = _conv_silu(k3, k2, k1, k0, kw0, kw1, kw2, kw3)
+        vt = _conv_silu(v3, v2, v1, v0, vw0, vw1, vw2, vw3)
+        qs = qt * (tl.rsqrt(tl.sum(qt * qt, 0) + l2_eps) * scale)
+        kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + l2_eps)
+        if BOUNDED:
+            gt = lower_bound * tl.sigmoid(a_scale * zt)
+        else:  # Kimi Linear: -exp(A) softplus(z), torch's threshold of 20 kept
+            gt = -a_scale * tl.where(zt > 20.0, zt, tl.log(1.0 + tl.exp(zt)))
+        S = S * tl.exp(gt)[:, None]
+        u = bt * (vt - tl.sum(S * kt[:, None], 0))
+        S = S + kt[:, None] * u[None, :]
+        if STREAM_STORE:
+            tl.store(s_ptrs, S, cache_modifier=".cs")
+        else:
+            tl.store(s_ptrs, S)
+        o = tl.sum(S * qs[:, None], 0)
+        _store_window(hv, conv_ch, conv_tap, v2, v1, v0, offs_v, D)
+        lim = D  # the q/k windows: written by the one program that has seen every sibling read them
+        if NV == 1:
+            y = o * tl.rsqrt(tl.sum(o * o, 0) / D + norm_eps) * w_out * tl.sigmoid(g_out)
+            tl.store(out + row + offs, y.to(out.dtype.element_ty))
+        else:
+            tl.store(o_scratch + row + offs_v, o)
+            # acq_rel: the siblings' o slices (and their reads of the q/k history) happen before.
+            arrived = tl.atomic_add(counters + b * H + h, 1)
+            lim = tl.where(arrived == NV - 1, D, 0)
+        _store_window(hist, conv_ch, conv_tap, q2, q1, q0, offs, lim)
+        _store_window(hk, conv_ch, conv_tap, k2, k1, k0, offs, lim)
+        if NV > 1:
+            _norm_parked_rows(o_scratch, gate_rows, out, norm_w, norm_eps, b, h, 1, offs, lim, H, D)
+            tl.atomic_xchg(counters + b * H + h, 0, mask=lim > 0)  # ready for the next launch
 
 
 def kda_decode_split(
@@ -183,11 +142,12 @@ def kda_decode_split(
     gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
     lower_bound: float | None, scale: float | None, l2_eps: float, norm_eps: float, block_v: int,
-    num_warps: int, streaming: bool = True,
+    num_warps: int, evict_first: bool = True, stream_store: bool = True,
 ) -> torch.Tensor:
     """Launch on inputs already checked by decode_triton: [B, H, D] (beta [B, H]) with dense rows (any row
     stride); the pools may be any strided views ([slots, H, D, D] and [slots, 3, H, D, W-1]). All strides
-    go to the kernel (the state's row / column strides as build constants)."""
+    go to the kernel (the state's row / column strides as build constants). evict_first / stream_store: the
+    cache hints on the state's load / store."""
     B, H, D = q.shape
     W = conv_pool.shape[-1] + 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -201,35 +161,7 @@ def kda_decode_split(
         *(t.stride(0) for t in (q, k, v, z, beta, gate)), slot_stride, head_stride, *conv_pool.stride(),
         D**-0.5 if scale is None else scale,
         -5.0 if lower_bound is None else lower_bound, l2_eps, norm_eps,
-        STATE_ROW=row_stride, STATE_COL=col_stride,
-        H=H, D=D, W=W, BWM=next_pow2(W - 1), BV=block_v, BOUNDED=lower_bound is not None, STREAMING=streaming,
-        num_warps=num_warps,
-    )
-    return out
-
-
-def kda_decode_persistent(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
-    gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-    norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
-    lower_bound: float | None, scale: float | None, l2_eps: float, norm_eps: float, programs_per_sm: int,
-    num_warps: int, stages: int, streaming: bool = True,
-) -> torch.Tensor:
-    """kda_decode_split's contract with programs_per_sm x SMs programs looping over the (sequence, head)
-    tiles (on the CPU: 4 programs, so that the interpreter runs the loop)."""
-    B, H, D = q.shape
-    W = conv_pool.shape[-1] + 1
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 2
-    programs = min(B * H, programs_per_sm * sms)
-    slot_stride, head_stride, row_stride, col_stride = state_pool.stride()
-    _kda_decode_persistent_kernel[(programs,)](
-        q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool, slots, out,
-        *(t.stride(0) for t in (q, k, v, z, beta, gate)), slot_stride, head_stride, *conv_pool.stride(),
-        D**-0.5 if scale is None else scale,
-        -5.0 if lower_bound is None else lower_bound, l2_eps, norm_eps, B * H,
-        STATE_ROW=row_stride, STATE_COL=col_stride,
-        H=H, D=D, W=W, BWM=next_pow2(W - 1), BOUNDED=lower_bound is not None, STREAMING=streaming,
-        STAGES=stages, num_warps=num_warps,
+        STATE_ROW=row_stride, STATE_COL=col_stride, H=H, D=D, W=W, BV=block_v, BOUNDED=lower_bound is not None,
+        EVICT_FIRST=evict_first, STREAM_STORE=stream_store, num_warps=num_warps,
     )
     return out

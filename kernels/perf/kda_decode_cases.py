@@ -65,39 +65,30 @@ def _fla_decode(params, x, pool, conv_dense, slots):
 
 @dataclass(frozen=True)
 class DecodeVariant:
-    """One build of the decode-step kernels (decode_step_triton.py): `programs_per_sm` 0 launches one program
-    per (sequence, head, block_v value columns); > 0 that many persistent programs per SM looping over the
-    (sequence, head) tiles with `stages` pipeline stages (2+: Triton stages the next tile's state in shared
-    memory)."""
+    """One build of the decode-step kernel (decode_step_triton.py): block_v value columns per program (128:
+    the whole state; fewer: D // block_v programs per head, the last to arrive normalises), warps, and the
+    cache hints on the state's load (evict_first) and store (.cs)."""
 
     warps: int = 4
     block_v: int = 128
-    programs_per_sm: int = 0
-    stages: int = 1
-    streaming: bool = True
+    evict_first: bool = True
+    stream_store: bool = True
 
     @property
     def label(self) -> str:
-        hints = ",streaming" if self.streaming else ""
-        if self.programs_per_sm:
-            return f"ours(persistent {self.programs_per_sm}/SM,stages={self.stages},w={self.warps}{hints})"
-        return f"ours(block_v={self.block_v},w={self.warps}{hints})"
+        hints = ",".join(h for h, on in (("evict_first", self.evict_first), (".cs", self.stream_store)) if on)
+        return f"ours(block_v={self.block_v},w={self.warps}{',' + hints if hints else ''})"
 
     def launch(self, x, params, pool, conv, slots) -> torch.Tensor:
-        numerics = (-5.0, None, 1e-6, 1e-6)
-        if self.programs_per_sm:
-            return decode_step_triton.kda_decode_persistent(*x, *params, pool, conv, slots, *numerics,
-                                                            self.programs_per_sm, self.warps, self.stages,
-                                                            self.streaming)
-        return decode_step_triton.kda_decode_split(*x, *params, pool, conv, slots, *numerics, self.block_v,
-                                                   self.warps, self.streaming)
+        return decode_step_triton.kda_decode_split(*x, *params, pool, conv, slots, -5.0, None, 1e-6, 1e-6,
+                                                   self.block_v, self.warps, self.evict_first, self.stream_store)
 
 
-# Run 1 of this round measured the splits (block_v 64 / 32 / 16 at 4 and 8 warps, 42-72 % at B=64): dropped.
-DECODE_VARIANTS = (DecodeVariant(), DecodeVariant(streaming=False), DecodeVariant(programs_per_sm=2),
-                   DecodeVariant(programs_per_sm=2, stages=2), DecodeVariant(programs_per_sm=2, stages=2,
-                                                                            streaming=False),
-                   DecodeVariant(programs_per_sm=1, stages=3), DecodeVariant(programs_per_sm=2, streaming=False))
+# This round's earlier runs measured (B=64 / 256, % copy): value splits block_v 64 / 32 / 16 (4 and 8 warps)
+# 41-72 / 39-71, 8 warps 43 / 42, persistent programs (2 per SM, next slot prefetched) 81 / 78, with
+# Triton-staged states (2-3 stages in shared memory) 34-54 / 35-56: dropped from the sweep.
+DECODE_VARIANTS = (DecodeVariant(), DecodeVariant(evict_first=False, stream_store=False),
+                   DecodeVariant(stream_store=False), DecodeVariant(evict_first=False))
 
 
 def _full_state_step(x, params, pool, conv, slots):

@@ -64,9 +64,9 @@ def _outside(pools: PagedPools, slots: list[int]) -> torch.Tensor:
     return marker == 0
 
 
-@pytest.mark.parametrize(("transposed", "lower_bound", "block_v"),
-                         [(False, -5.0, None), (True, None, None), (True, -5.0, 4)])
-def test_one_strided_launch_equals_reference_and_per_head_launches(interpreted, transposed, lower_bound, block_v):
+@pytest.mark.parametrize(("transposed", "lower_bound", "tuning"),
+                         [(False, -5.0, {}), (True, None, {}), (True, -5.0, {"block_v": 4})])
+def test_one_strided_launch_equals_reference_and_per_head_launches(interpreted, transposed, lower_bound, tuning):
     """block_v=4: each head's value columns split over 4 programs (the last to arrive normalises)."""
     gen = torch.Generator().manual_seed(11)
     pools = PagedPools.build(gen, transposed)
@@ -79,7 +79,7 @@ def test_one_strided_launch_equals_reference_and_per_head_launches(interpreted, 
     per_head.buffer.copy_(before)
 
     y = decode_triton.kda_decode_step(*x, *params, pools.state, pools.conv, slots, lower_bound=lower_bound,
-                                      block_v=block_v)
+                                      **tuning)
 
     y_ref = naive.kda_decode_step(*x, *params, *dense, slots, lower_bound=lower_bound)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
@@ -133,8 +133,8 @@ def test_verify_recurrence_on_strided_views(interpreted):
     assert torch.equal(pools.buffer[outside], before[outside])
 
 
-@pytest.mark.parametrize("block_v", [None, 8])
-def test_row_strided_inputs_need_no_copy(interpreted, block_v):
+@pytest.mark.parametrize("tuning", [{}, {"block_v": 8}])
+def test_row_strided_inputs_need_no_copy(interpreted, tuning):
     """q, k, v, z, gate, beta as column slices of one projection output (row stride > H*D): the step reads
     them in place and gives exactly the contiguous launch's result (also with split value columns)."""
     gen = torch.Generator().manual_seed(14)
@@ -148,8 +148,8 @@ def test_row_strided_inputs_need_no_copy(interpreted, block_v):
     q, k, v, z, gate = x
     assert all(decode_triton._dense_rows(t) is t for t in (*x, beta))  # no copy is made
     slots = torch.tensor([2, 6, 3])
-    y = decode_triton.kda_decode_step(q, k, v, z, beta, gate, *params, *pools, slots, block_v=block_v)
+    y = decode_triton.kda_decode_step(q, k, v, z, beta, gate, *params, *pools, slots, **tuning)
     y_dense = decode_triton.kda_decode_step(*(t.contiguous() for t in (q, k, v, z, beta, gate)), *params,
-                                            *dense_pools, slots, block_v=block_v)
+                                            *dense_pools, slots, **tuning)
     assert torch.equal(y, y_dense)
     assert torch.equal(pools[0], dense_pools[0]) and torch.equal(pools[1], dense_pools[1])
