@@ -31,8 +31,9 @@ def step_bytes(model: K3Model, batch: int, context: int) -> int:
     return total + batch * (2 * state + latent)
 
 
-def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str) -> tuple[float, float]:
-    """(wall seconds per step, forward seconds per step) of `batch` requests at `context` tokens."""
+def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str) -> tuple[float, float, float]:
+    """(wall seconds per step, forward seconds per step, graph replay seconds) of `batch` requests at
+    `context` tokens."""
     rids = [f"{tag}-{batch}-{context}-{i}" for i in range(batch)]
     rank.fill(rids, context)
     for step in range(3):  # captures this bucket's graph, then warm
@@ -45,22 +46,41 @@ def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str) -> tu
     sync()
     wall = (time.perf_counter() - started) / steps
     forward = sorted(rank.forward_s)[len(rank.forward_s) // 2]
+    replay = replay_seconds(rank, batch, steps)
     rank.finish(rids)
-    return wall, forward
+    return wall, forward, replay
+
+
+def replay_seconds(rank: Rank, batch: int, reps: int) -> float:
+    """Device seconds of one graph replay alone, back to back (no host work in between: the forward's own
+    cost, launch gaps included); NaN without CUDA graphs. It rewrites the rows' state pages (the cost is
+    what matters here)."""
+    graphs = rank.fast.graphs if rank.fast is not None else None
+    if graphs is None:
+        return float("nan")
+    graph = graphs._get(graphs.bucket(batch)).graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
 
 
 def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps: int, bandwidth: float) -> dict:
     """One row of the sweep (printed as it is measured): step and forward time against the roofline."""
-    wall, forward = decode_row(rank, batch, context, steps, "d")
+    wall, forward, replay = decode_row(rank, batch, context, steps, "d")
     roof = step_bytes(model, batch, context) / bandwidth
     print(f"{batch:>6} {context:>8} {1e3 * wall:>9.2f} {1e3 * forward:>8.2f} {batch / wall:>9.1f} "
-          f"{1e3 * roof:>12.3f} {roof / wall:>8.1%}", flush=True)
+          f"{1e3 * roof:>12.3f} {roof / wall:>8.1%} {1e3 * replay:>10.2f} {roof / replay:>10.1%}", flush=True)
     return {"batch": batch, "context": context, "step_s": wall, "forward_s": forward, "tokens_per_s": batch / wall,
-            "roofline_step_s": roof, "fraction_of_roofline": roof / wall, "forward_fraction_of_roofline": roof / forward}
+            "roofline_step_s": roof, "fraction_of_roofline": roof / wall, "forward_fraction_of_roofline": roof / forward,
+            "replay_s": replay, "replay_fraction_of_roofline": roof / replay}
 
 
 SWEEP_HEADER = (f"{'batch':>6} {'context':>8} {'step ms':>9} {'fwd ms':>8} {'tok/s':>9} {'roofline ms':>12} "
-                f"{'of roof':>8}")
+                f"{'of roof':>8} {'replay ms':>10} {'replay/roof':>10}")
 
 
 def profile_forward(rank: Rank, batch: int, context: int) -> None:
@@ -75,16 +95,16 @@ def profile_forward(rank: Rank, batch: int, context: int) -> None:
     cached = [rank.manager.requests[r] for r in rids]
     inputs = fast.builder.view(torch.from_numpy(fast.builder.build(cached, tokens, batch)).to(fast.device), batch)
     touched: list[int] = []
-    route = fast_ffn.dispatch.moe_router
+    route = fast_ffn.MoeDecode._route
 
-    def counting_router(*a, **k):
-        weights, indices = route(*a, **k)
+    def counting_route(self, x):
+        weights, indices = route(self, x)
         touched.append(int(indices.unique().numel()))
         return weights, indices
 
-    fast_ffn.dispatch.moe_router = counting_router  # eager only: count the experts each MoE layer reads
+    fast_ffn.MoeDecode._route = counting_route  # eager only: count the experts each MoE layer reads
     fast.decoder.forward(inputs)
-    fast_ffn.dispatch.moe_router = route
+    fast_ffn.MoeDecode._route = route
     print(f"experts touched per MoE layer at batch {batch}: {touched}")
     sync()
     with profile(activities=[ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]) as prof:

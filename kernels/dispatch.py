@@ -48,7 +48,9 @@ attnres_inter = _dispatcher("kernels.attnres.naive", "kernels.attnres.inter_trit
 situ_glu_fused = _dispatcher("kernels.moe.naive", "kernels.moe.situ_glu_triton", "situ_glu_fused")
 latent_moe_decode = _dispatcher("kernels.moe.naive", "kernels.moe.latent_moe_decode_triton", "latent_moe_decode")
 moe_router = _dispatcher("kernels.fused.naive", "kernels.fused.moe_router_triton", "moe_router")
+moe_route_logits = _dispatcher("kernels.fused.naive", "kernels.fused.moe_router_triton", "moe_route_logits")
 moe_combine = _dispatcher("kernels.fused.naive", "kernels.fused.moe_combine_triton", "moe_combine")
+moe_align = _dispatcher("kernels.fused.naive", "kernels.fused.moe_align_triton", "moe_align")
 
 
 def kda_verify_replay(*args: Any, **kwargs: Any) -> Any:

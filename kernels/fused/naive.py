@@ -20,6 +20,25 @@ def moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return sigmoid_router(logits, top_k, bias, renormalize, scaling)
 
 
+def moe_route_logits(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool = True,
+                     scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_router`'s selection on logits [T, E] computed elsewhere (float32)."""
+    return sigmoid_router(logits, top_k, bias, renormalize, scaling)
+
+
+def moe_align(indices: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs of indices [T, k] sorted by expert, ties by pair id (t*k + j): (token of each
+    sorted row [T*k] int64, cumulative row count per expert [E] int32: grouped-GEMM offsets, sorted row of
+    each pair [T, k] int64)."""
+    flat = indices.reshape(-1).to(torch.int64)
+    pairs = torch.arange(flat.numel(), device=indices.device)
+    order = torch.sort(flat * flat.numel() + pairs).indices  # unique keys: the sort is stable by construction
+    counts = torch.zeros(experts, dtype=torch.int32, device=indices.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    position = torch.empty_like(order).scatter_(0, order, pairs)
+    return order // indices.shape[1], torch.cumsum(counts, 0, dtype=torch.int32), position.view(indices.shape)
+
+
 def picked_rows(index: torch.Tensor, index_stride: int, token_stride: int) -> torch.Tensor:
     """Row ids [T, K] of `rows` that `moe_combine` reads: index * index_stride + token * token_stride."""
     tokens = torch.arange(index.shape[0], device=index.device).unsqueeze(1)

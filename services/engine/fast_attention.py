@@ -30,10 +30,11 @@ def rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T, plus `residual` added in the GEMM's epilogue (one launch instead of a GEMM and an add)."""
+    """x @ weight.T, or `residual` += x @ weight.T in the GEMM's epilogue, in place (one launch; the
+    out-of-place addmm copies the residual first). `residual` must be the forward's own running sum."""
     if residual is None:
         return F.linear(x, weight)
-    return torch.addmm(residual, x, weight.t())
+    return residual.addmm_(x, weight.t())
 
 
 def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:

@@ -45,8 +45,8 @@ class FastDecoder:
                                       op(x, inp.page_table[g], inp.lengths, inp.row_base[g] + s, residual))
             self.ffn.append(MoeDecode(layer.block_sparse_moe, config, grouped, derived) if layer.is_moe
                             else MlpDecode(layer.mlp, config))
-        # The forms built here add the residual in their last GEMM's epilogue; one replaced later (wrapped in
-        # a collective by a tensor-parallel rank) returns its own output and gets a separate add.
+        # The forms built here add into the residual (in place) in their last GEMM's epilogue; one replaced
+        # later (wrapped in a collective by a tensor-parallel rank) returns its own output: a separate add.
         self._built = list(self.attention), list(self.ffn)
         if config.uses_attn_res:
             size, layers = config.attn_res_block_size, model.model.layers
@@ -66,7 +66,8 @@ class FastDecoder:
 
     def _sublayer(self, kind: int, i: int, x: torch.Tensor, residual: torch.Tensor | None,
                   *args: DecodeInputs) -> torch.Tensor:
-        """Sublayer i of `kind` (0 attention, 1 feed-forward) on x, plus `residual` when given."""
+        """Sublayer i of `kind` (0 attention, 1 feed-forward) on x, added into `residual` when given (the
+        forward's own running sum: updated in place)."""
         run = (self.attention, self.ffn)[kind][i]
         if run is self._built[kind][i]:
             return run(x, *args, residual=residual)

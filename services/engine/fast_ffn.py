@@ -16,6 +16,8 @@ combine then reads only the picked (expert, token) rows.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +29,7 @@ from kernels import dispatch
 from services.engine.derived_weights import DerivedWeights
 from services.engine.fast_attention import fuse_linears, linear_add, rms
 
+ROUTER_ENV = "K3_DECODE_ROUTER"  # "fused" (default): logits inside the router kernel; "gemm": cuBLAS logits
 ExpertRows = tuple[torch.Tensor, torch.Tensor, int, int]  # rows, index, index_stride, token_stride (moe_combine)
 
 
@@ -86,6 +89,7 @@ class MoeDecode:
         # Routing runs in float32 (MoEGate): cast once here (the weight itself in a float32 model).
         self.router = self.derived.derive(lambda: moe.gate.weight.float())
         self.activation = "situ" if config.hidden_act == "situ" else "swiglu"
+        self.router_gemm = os.environ.get(ROUTER_ENV, "fused") == "gemm"
 
     def _expert_rows_dense(self, z: torch.Tensor, indices: torch.Tensor) -> ExpertRows:
         """Every expert on every token: [E*T, l] rows, token t's pick of expert e at row e*T + t."""
@@ -98,19 +102,10 @@ class MoeDecode:
 
     def _expert_rows_grouped(self, z: torch.Tensor, indices: torch.Tensor) -> ExpertRows:
         """Each (token, expert) pair once: rows sorted by expert, token t's j-th pick at row position[t, j]."""
-        tokens, top_k = indices.shape
-        flat = indices.reshape(-1)
-        pairs = torch.arange(flat.numel(), device=z.device)
-        # A unique key per pair keeps the order deterministic without a stable (radix) sort: the plain sort
-        # of a few thousand keys is one bitonic pass.
-        order = torch.sort(flat * flat.numel() + pairs).indices
-        counts = torch.zeros(self.w13.shape[0], dtype=torch.int32, device=z.device)
-        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        gate_up = torch._grouped_mm(z[order // top_k], self.w13.transpose(1, 2), offs=offsets)
+        tokens, offsets, position = dispatch.moe_align(indices, self.w13.shape[0])
+        gate_up = torch._grouped_mm(z[tokens], self.w13.transpose(1, 2), offs=offsets)
         out = torch._grouped_mm(glu_activation(self.config, gate_up), self.w2.transpose(1, 2), offs=offsets)
-        position = torch.empty_like(order).scatter_(0, order, pairs)
-        return out, position.view(tokens, top_k), 1, 0
+        return out, position, 1, 0
 
     def _routed_dense(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The routed sum [T, l] in float32 (the tensor a tensor-parallel rank all-reduces)."""
@@ -123,6 +118,15 @@ class MoeDecode:
     def _routed_sum(expert_rows: ExpertRows, weights: torch.Tensor) -> torch.Tensor:
         rows, index, index_stride, token_stride = expert_rows
         return dispatch.moe_combine(rows, index, weights, index_stride, token_stride, out_dtype=weights.dtype)
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]): one fused kernel, or a cuBLAS float32 GEMM and the
+        fused selection (K3_DECODE_ROUTER=gemm; bench/serve.py measures both)."""
+        moe = self.moe
+        args = (moe.gate.e_score_correction_bias, moe.top_k, moe.renormalize, moe.scaling)
+        if self.router_gemm:
+            return dispatch.moe_route_logits(F.linear(x.float(), self.router), *args)
+        return dispatch.moe_router(x, self.router, *args)
 
     def _dense(self, tokens: int) -> bool:
         """Dense over all experts when every expert is likely touched anyway and the extra FLOPs stay under
@@ -137,8 +141,7 @@ class MoeDecode:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         moe = self.moe
-        weights, indices = dispatch.moe_router(x, self.router, moe.gate.e_score_correction_bias, moe.top_k,
-                                               moe.renormalize, moe.scaling)
+        weights, indices = self._route(x)
         h = F.linear(x, self.in_weight) if self.in_weight is not None else None
         z = h[:, : self.width] if moe.latent else x
         shared_gate_up = h[:, self.width if moe.latent else 0 :] if self.shared_down is not None else None

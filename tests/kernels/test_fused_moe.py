@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kernels.fused import moe_combine_triton, moe_router_triton
+from kernels.fused import moe_align_triton, moe_combine_triton, moe_router_triton
 from kernels.fused import naive as fused_naive
 
 T, H, E, K = 7, 40, 12, 3  # T not a multiple of the token block, E and H not powers of two
@@ -39,9 +39,18 @@ def test_triton_router_matches_reference(interpreted, dtype, with_bias, renormal
     x, w, bias = _router_case(1, dtype)
     bias = bias if with_bias else None
     want_w, want_i = fused_naive.moe_router(x, w, bias, top_k, renormalize, 1.5)
-    got_w, got_i = moe_router_triton.moe_router(x, w, bias, top_k, renormalize, 1.5, block_t=4, block_h=16)
+    got_w, got_i = moe_router_triton.moe_router(x, w, bias, top_k, renormalize, 1.5, block_t=16, block_h=16)
     assert got_i.dtype == torch.int64 and torch.equal(got_i, want_i)
     torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_triton_selection_on_given_logits_matches_reference(interpreted):
+    x, w, bias = _router_case(3)
+    logits = x @ w.T
+    want_w, want_i = fused_naive.moe_route_logits(logits, bias, K, True, 1.0)
+    got_w, got_i = moe_router_triton.moe_route_logits(logits, bias, K, True, 1.0)
+    assert torch.equal(got_i, want_i)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
 
 
 def test_router_refuses_a_wrong_width():
@@ -101,3 +110,23 @@ def test_combine_refuses_an_unknown_activation():
     with pytest.raises(ValueError, match="activation"):
         moe_combine_triton.moe_combine(dense.reshape(E * T, L), index, weight, T, 1, shared_gate_up=shared,
                                        activation="gelu")
+
+
+def test_align_reference_by_hand():
+    indices = torch.tensor([[2, 0], [0, 1], [2, 1]])
+    tokens, offsets, position = fused_naive.moe_align(indices, 4)
+    # pairs by expert then pair id: (0,0)->e2 (0,1)->e0 (1,0)->e0 (1,1)->e1 (2,0)->e2 (2,1)->e1
+    # sorted: e0: pairs 1, 2; e1: pairs 3, 5; e2: pairs 0, 4; e3: none
+    assert tokens.tolist() == [0, 1, 1, 2, 0, 2]
+    assert offsets.tolist() == [2, 4, 6, 6]
+    assert position.tolist() == [[4, 0], [1, 2], [5, 3]]
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "experts", "chunk"), [(1, 4, 32, 256), (7, 3, 12, 8), (50, 4, 16, 64)])
+def test_triton_align_matches_reference(interpreted, tokens, top_k, experts, chunk):
+    gen = torch.Generator().manual_seed(tokens)
+    indices = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    want = fused_naive.moe_align(indices, experts)
+    got = moe_align_triton.moe_align(indices, experts, chunk=chunk)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w)
