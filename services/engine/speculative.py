@@ -93,7 +93,7 @@ def build_verifier(config: WorkerConfig, role: str, executor: Executor) -> Verif
     prefill worker emits one token per request: nothing to speculate)."""
     if not config.draft_model or role != "decode":
         return None
-    return Verifier(executor.runner.model, executor.manager, config.device, config.tp_size)
+    return Verifier(executor.runner.model, executor.manager, config.device, config.tp_size, executor.fastpath)
 
 
 def build_speculator(config: WorkerConfig, role: str, executor: Executor) -> Speculator | None:

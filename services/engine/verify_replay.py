@@ -28,6 +28,8 @@ from k3core.cache.manager import PrefixCacheManager
 from k3core.cache.paged_view import PagedBatchCache
 from k3core.layers.kda import KimiDeltaAttention
 from kernels import dispatch
+from services.engine.decode_fastpath import DecodeFastPath
+from services.engine.fast_verify import FastVerify
 from services.engine.plan import ForwardItem
 
 # Projections a KDA layer's state depends on, in the kernel's argument order (q, k, v, z, beta).
@@ -161,23 +163,29 @@ class Verifier:
     """The target side on one TP rank: every rank runs the verify forward (its collectives) and the commit
     of the kept tokens over its own KDA heads; rank 0 decides the counts and sends them to the others."""
 
-    def __init__(self, target: torch.nn.Module, manager: PrefixCacheManager, device: str, tp_size: int):
+    def __init__(self, target: torch.nn.Module, manager: PrefixCacheManager, device: str, tp_size: int,
+                 fastpath: DecodeFastPath | None = None):
         self.target = target
         self.manager = manager
         self.device = torch.device(device)
         self.tp_size = tp_size
         self.capture = ProjectionCapture(target)
+        self.fast = FastVerify(fastpath, target) if fastpath is not None else None  # the decode fast path's forms
 
     @torch.no_grad()
     def verify(self, items: list[ForwardItem]) -> Verification:
         """The target's forward over the windows (pages reserved by the scheduler), logits at every token."""
         self.manager.pre_forward()  # copies of this step land before any forward (idempotent)
         view = VerifyBatchCache(self.manager.batch_view([f.rid for f in items]))
-        tokens = torch.tensor([t for f in items for t in f.token_ids], dtype=torch.long, device=self.device)
-        with self.capture.capturing():
-            logits = self.target(tokens, view, logits_for="all").float()
-        return Verification(items, list(logits.split([len(f.token_ids) for f in items])), view,
-                            self.capture.inputs)
+        requests = [self.manager.requests[f.rid] for f in items]
+        if self.fast is not None and self.fast.supports(requests):
+            logits, inputs = self.fast.forward(requests, [f.token_ids for f in items])
+        else:
+            tokens = torch.tensor([t for f in items for t in f.token_ids], dtype=torch.long, device=self.device)
+            with self.capture.capturing():
+                logits = self.target(tokens, view, logits_for="all").float()
+            inputs = self.capture.inputs
+        return Verification(items, list(logits.split([len(f.token_ids) for f in items])), view, inputs)
 
     def commit(self, verification: Verification, counts: list[int] | None) -> None:
         """counts (rank 0; None on the others, which receive them): window tokens each request keeps, the

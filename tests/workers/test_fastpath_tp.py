@@ -4,13 +4,15 @@ gloo, every rank its own OS process.
 Oracles: (1) one decode step from the same pool bytes on every rank of a TP group: the fast step writes the
 bytes the reference TP step writes (and no others) and gives its logits; the rank's KDA heads equal the
 matching heads of the TP 1 model's step on its own pool, its MLA latents the TP 1 latents, its logits the
-TP 1 logits. (2) Real decode worker processes at TP 2 and 4 with K3_DECODE_FASTPATH=1 stream k3core's
-offline greedy tokens through the whole engine.
+TP 1 logits. (2) Real decode worker processes at TP 2 (with the target as its own draft: speculative verify
+windows through `fast_verify` too) and TP 4 with K3_DECODE_FASTPATH=1 stream k3core's offline greedy
+tokens through the whole engine.
 """
 
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import pytest
 import torch
@@ -123,13 +125,15 @@ def test_one_fast_step_writes_the_reference_tp_steps_bytes(tp, monkeypatch):
 
 
 GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SELF_DRAFT = ("--draft-model", "nano", "--draft-model-overrides", json.dumps(OVERRIDES), "--num-speculative-tokens", "3")
 
 
 @pytest.fixture(scope="module")
 def fast_workers(tmp_path_factory, transfer):
     root = tmp_path_factory.mktemp("fast_tp")
     env = {"K3_DECODE_FASTPATH": "1"}
-    procs = {tp: make(root, f"decode{tp}", worker_args("decode", tp, transfer.address)) for tp in (2, 4)}
+    procs = {tp: make(root, f"decode{tp}", worker_args("decode", tp, transfer.address, *extra))
+             for tp, extra in ((2, SELF_DRAFT), (4, ()))}
     for proc in procs.values():
         proc.env.update(env)
     yield from running(procs)
@@ -142,3 +146,7 @@ async def test_fast_path_worker_streams_the_offline_greedy_tokens(fast_workers, 
     prompt = [(5 * j + tp) % 250 + 1 for j in range(21)]
     chunks = await generate(fast_workers[tp].address, f"fast{tp}", prompt, GREEDY)
     assert [t for c in chunks for t in c.token_ids] == offline_generate(reference, prompt, options)
+    if tp == 2:  # with a draft: verify windows (fast_verify) between the plain decode steps
+        text = urllib.request.urlopen(f"http://{fast_workers[tp].info['metrics_address']}/metrics").read().decode()
+        assert "k3_decode_spec_acceptance_rate 1.0" in text  # the target is its own draft
+        assert any(len(c.token_ids) > 1 for c in chunks)
