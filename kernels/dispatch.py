@@ -51,6 +51,8 @@ moe_router = _dispatcher("kernels.fused.naive", "kernels.fused.moe_router_triton
 moe_route_logits = _dispatcher("kernels.fused.naive", "kernels.fused.moe_router_triton", "moe_route_logits")
 moe_combine = _dispatcher("kernels.fused.naive", "kernels.fused.moe_combine_triton", "moe_combine")
 moe_align = _dispatcher("kernels.fused.naive", "kernels.fused.moe_align_triton", "moe_align")
+mla_latent_write = _dispatcher("kernels.fused.naive", "kernels.fused.mla_latent_write_triton", "mla_latent_write")
+gated_heads = _dispatcher("kernels.fused.naive", "kernels.fused.gated_heads_triton", "gated_heads")
 
 
 def kda_verify_replay(*args: Any, **kwargs: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from k3core.ops.mla import sigmoid_output_gate
 from k3core.ops.moe import sigmoid_router, situ_glu, swiglu
 from k3core.ops.norm import rms_norm
 
@@ -78,3 +79,19 @@ def moe_combine(rows: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, i
     if shared_gate_up is None:
         return routed
     return torch.cat([routed, glu(shared_gate_up, activation, beta1, beta2).to(out_dtype)], dim=-1)
+
+
+def mla_latent_write(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, rows: torch.Tensor,
+                     write_rows: torch.Tensor) -> None:
+    """Gated MLA's new latent rows into the pool, in place: kv [B, R+P] (the compressed KV projection, latent
+    R then rope P) -> rows[write_rows[b]] = [RMSNorm(kv[b, :R]) | kv[b, R:]] in rows' dtype."""
+    rank = norm_weight.shape[0]
+    latent = torch.cat([rms_norm(kv[:, :rank], norm_weight, eps), kv[:, rank:]], dim=-1)
+    rows.index_copy_(0, write_rows, latent.to(rows.dtype))
+
+
+def gated_heads(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Gated MLA's output gate on head-major values: o [H, B, Dv], gate [B, H*Dv] -> [B, H*Dv] =
+    o (token-major) * sigmoid(gate), computed in float32+, in o's dtype (k3core's sigmoid_output_gate)."""
+    heads, batch, width = o.shape
+    return sigmoid_output_gate(o.transpose(0, 1), gate.reshape(batch, heads, width)).reshape(batch, heads * width)

@@ -3,8 +3,10 @@
 KDA: the fused decode step updates the state and conv window in place in the request's KDA state page, one
 launch per layer over all heads on the layer's strided `[pages, H, D, D]` view (see `pool_views`), its
 inputs read straight from the projection GEMM's output (row-strided slices, no re-layout). MLA: the new
-latent row is written straight into its page slot, then the weight-absorbed query attends over the
-pool's latent pages through the page table (split-KV kernel).
+latent row is normalised and written straight into its page slot (`dispatch.mla_latent_write`), then the
+weight-absorbed query attends over the pool's latent pages through the page table (split-KV kernel), and
+the output gate reads the head-major values in place (`dispatch.gated_heads`). Every output projection
+adds into the residual in its GEMM's epilogue (`linear_add`).
 No host sync and no per-sequence Python: every shape depends on the batch size only.
 """
 
@@ -16,7 +18,7 @@ from torch import nn
 
 from k3core.layers.kda import KimiDeltaAttention
 from k3core.layers.mla import GatedMLA
-from k3core.ops.mla import sigmoid_output_gate, split_kv_b
+from k3core.ops.mla import split_kv_b
 from kernels import dispatch
 from services.engine.derived_weights import DerivedWeights
 from services.engine.pool_views import PoolViews
@@ -103,14 +105,12 @@ class MlaDecode:
         parts = F.linear(x, self.weight).split(self.splits, dim=-1)
         q = attn.q_b_proj(rms(attn.q_a_layernorm, parts[0])) if attn.q_lora else parts[0]
         q = q.reshape(batch, attn.heads, attn.nope + attn.rope)
-        kv = parts[1]
-        latent = torch.cat([rms(attn.kv_a_layernorm, kv[:, : attn.rank]), kv[:, attn.rank :]], dim=-1)
-        self.rows.index_copy_(0, write_rows, latent.to(self.rows.dtype))
+        norm = attn.kv_a_layernorm
+        dispatch.mla_latent_write(parts[1], norm.weight, norm.eps, self.rows, write_rows)  # [RMSNorm(c) | rope]
         q_latent = torch.bmm(q[..., : attn.nope].transpose(0, 1), self.w_uk.to(q.dtype))  # [H, B, R]
         absorbed = torch.cat([q_latent.transpose(0, 1), q[..., attn.nope :]], dim=-1).to(self.cache.dtype)
         o_latent = dispatch.mla_decode_paged(absorbed, self.cache, page_table, lengths, attn.scale,
                                              latent_dim=attn.rank)
-        o = torch.bmm(o_latent.transpose(0, 1).to(x.dtype), self.w_uv_t.to(x.dtype)).transpose(0, 1)
-        if attn.output_gate:
-            o = sigmoid_output_gate(o, parts[2].reshape(o.shape))
-        return linear_add(o.reshape(batch, -1), attn.o_proj.weight, residual)
+        o = torch.bmm(o_latent.transpose(0, 1).to(x.dtype), self.w_uv_t.to(x.dtype))  # [H, B, Dv]
+        o = dispatch.gated_heads(o, parts[2]) if attn.output_gate else o.transpose(0, 1).reshape(batch, -1)
+        return linear_add(o, attn.o_proj.weight, residual)
