@@ -15,8 +15,9 @@ reads), so everything is arranged around writing them at full speed:
 The accumulator of `apply_rows` rows is one product [Q * rows, rows * N] x [rows * N, D tile] with a
 block-diagonal weight matrix (each row's sites see only that row's blocks). Both products multiply a
 float32 matrix (queries, weights) by the blocks: bf16 blocks are exact in bf16, so the float32 side is cut
-into three bf16 parts (24 mantissa bits) and three bf16 MMAs give the float32-accurate result (half the
-tensor-core time of 3xTF32, which other dtypes take).
+into three bf16 parts (24 mantissa bits) and three bf16 MMAs give float32 products (half the tensor-core
+time of 3xTF32, which other dtypes take). On the H200 one scores accumulation chain over all of D=7168
+measured 1.1e-5 relative in the accumulators (5e-7 with D cut into 28 chunks at decode).
 """
 
 from __future__ import annotations
@@ -251,8 +252,8 @@ def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: tor
     denominator) and [Q, ..., D] (accumulator), as k3core.ops.attnres.attnres_inter.
     Tuning: `block_d` / `apply_block_d` the D tiles of the scores / accumulators, `score_rows` /
     `apply_rows` the rows per program of the scores / apply kernel (score_rows None: 16 for prefill-sized
-    M, else 8), `chunks` the D chunks of the two
-    kernels (None: about two programs per SM), `fused` one kernel per row tile that computes its own scores
-    (measured slower: see docs/kernels.md), `stream_stores` streaming (.cs) stores of the accumulators."""
+    M, else 8), `chunks` the D chunks of the two kernels (None: about two programs per SM), `fused` one
+    kernel per row tile that computes its own scores (measured slower: see docs/kernels.md),
+    `stream_stores` streaming (.cs) stores of the accumulators."""
     return plan_inter(queries, blocks, norm_weights, eps, block_d, score_rows, num_warps, chunks, apply_rows,
                       apply_block_d, fused, stream_stores).run()
