@@ -39,8 +39,9 @@ class RankPool:
     """One rank's model (sharded when tp > 1), pool and reference runner, with PROMPTS prefilled by the
     reference layers and one more token reserved for each."""
 
-    def __init__(self, tp: int, rank: int):
-        config = WorkerConfig.load("decode", ["--model-overrides", json.dumps(OVERRIDES), "--tp-size", str(tp),
+    def __init__(self, tp: int, rank: int, model: str = "nano"):
+        config = WorkerConfig.load("decode", ["--model", model, "--model-overrides", json.dumps(OVERRIDES),
+                                              "--tp-size", str(tp),
                                               "--hash-block-tokens", str(HASH_BLOCK), "--num-pages", "64"], env={})
         self.model = build_model(config, rank)
         self.manager = PrefixCacheManager(config.pool_layout(), config.num_pages, device="cpu")
@@ -71,37 +72,47 @@ class RankPool:
         return sorted({p for r in reqs for p in r.state_pages} | {p for r in reqs for b in r.blocks for p in b.pages})
 
 
+# nano: latent MoE with its norm, Block AttnRes, full-rank KDA gate, gated MLA with q LoRA; nano-kl (the Kimi
+# Linear form): plain MoE (one all-reduce after routed + shared), plain residual, low-rank gate, no LoRA.
+MODELS = ("nano", "nano-kl")
+
+
 def _check_one_step(rank: int, tp: int, port: int) -> None:
     """Runs in each rank's process (raises on a mismatch; the parent re-raises it)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     try:
-        ours = RankPool(tp, rank)
-        moe_forms = [f for f in ours.fastpath.decoder.ffn if isinstance(f, ShardedMoe)]
-        assert len(moe_forms) == sum(layer.is_moe for layer in ours.model.model.layers) > 0
-        assert not graph_capturable(ours.model)  # gloo collectives: never inside a CUDA graph
-        before = ours.data.clone()
-        fast_logits = ours.fast_step()
-        fast_bytes = ours.data.clone()
-        ours.data.copy_(before)
-        ref_logits = ours.reference_step()
-        torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-4, atol=1e-4)
-        touched = ours.pages()
-        torch.testing.assert_close(fast_bytes[touched].view(torch.float32), ours.data[touched].view(torch.float32),
-                                   rtol=1e-4, atol=1e-4)
-        scratch = {ours.fastpath.builder.scratch_kda, ours.fastpath.builder.scratch_mla}
-        rest = [p for p in range(ours.manager.pool.num_pages) if p not in touched and p not in scratch]
-        assert torch.equal(fast_bytes[rest], before[rest])  # no other page (another rank's heads: none here)
-        ours.data.copy_(fast_bytes)
-        _check_against_tp1(ours, fast_logits, rank, tp)
+        for model in MODELS:
+            _check_model(model, rank, tp)
     finally:
         dist.destroy_process_group()
 
 
-def _check_against_tp1(ours: RankPool, fast_logits: torch.Tensor, rank: int, tp: int) -> None:
+def _check_model(model: str, rank: int, tp: int) -> None:
+    ours = RankPool(tp, rank, model)
+    moe_forms = [f for f in ours.fastpath.decoder.ffn if isinstance(f, ShardedMoe)]
+    assert len(moe_forms) == sum(layer.is_moe for layer in ours.model.model.layers) > 0
+    assert not graph_capturable(ours.model)  # gloo collectives: never inside a CUDA graph
+    before = ours.data.clone()
+    fast_logits = ours.fast_step()
+    fast_bytes = ours.data.clone()
+    ours.data.copy_(before)
+    ref_logits = ours.reference_step()
+    torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-4, atol=1e-4)
+    touched = ours.pages()
+    torch.testing.assert_close(fast_bytes[touched].view(torch.float32), ours.data[touched].view(torch.float32),
+                               rtol=1e-4, atol=1e-4)
+    scratch = {ours.fastpath.builder.scratch_kda, ours.fastpath.builder.scratch_mla}
+    rest = [p for p in range(ours.manager.pool.num_pages) if p not in touched and p not in scratch]
+    assert torch.equal(fast_bytes[rest], before[rest])  # no other page (another rank's heads: none here)
+    ours.data.copy_(fast_bytes)
+    _check_against_tp1(ours, fast_logits, rank, tp, model)
+
+
+def _check_against_tp1(ours: RankPool, fast_logits: torch.Tensor, rank: int, tp: int, model: str) -> None:
     """The rank's shard of the fast step equals the unsharded model's reference step (its own TP 1 pool), up to
     the rounding of differently split GEMMs and sums (the residual stream differs in the last bits)."""
-    full = RankPool(1, 0)
+    full = RankPool(1, 0, model)
     torch.testing.assert_close(fast_logits, full.reference_step(), rtol=1e-4, atol=1e-4)
     view, full_view = ours.manager.batch_view(ours.rids), full.manager.batch_view(full.rids)
     config = ours.model.config
