@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--hash-block", type=int, default=512)
     parser.add_argument("--budget", type=int, default=8192, help="prefill tokens per forward")
     parser.add_argument("--check", action="store_true", help="compare one fast-path step with the reference")
-    parser.add_argument("--profile", type=int, default=0, help="print the kernel profile at this batch size")
+    parser.add_argument("--profile", type=int, nargs="*", default=[], help="print the kernel profile at these batches")
     parser.add_argument("--time-limit", type=float, default=420.0, help="skip what would start after this")
     parser.add_argument("--out", default="bench/results/serve.json")
     args = parser.parse_args()
@@ -73,8 +73,8 @@ def main() -> None:
     print(SWEEP_HEADER)
     if args.check and rank.fast is not None:
         result["fast_path_check"] = check_fast_path(rank)
-    if args.profile and rank.fast is not None:
-        profile_forward(rank, args.profile, args.contexts[0])
+    for batch in args.profile if rank.fast is not None else []:
+        profile_forward(rank, batch, args.contexts[0])
     for context in args.contexts:
         for batch in args.batches:
             if time.perf_counter() - began > args.time_limit:
