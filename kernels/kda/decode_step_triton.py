@@ -1,20 +1,23 @@
 """KDA decode step (one token per sequence): programs per (sequence, head, value-column block).
 
 The step streams each head's fp32 state S [K, V] from HBM and back once; everything else (inputs, conv
-windows, taps) is a few hundred bytes. So the kernel is shaped around keeping that stream busy:
-- the state tile's load is issued first, before the conv / L2Norm / gate prologue is computed, so the
-  prologue's loads and arithmetic run while the state is in flight (they no longer sit between the slot
-  lookup and the state load);
+windows, taps) is a few hundred bytes. With the whole state in one program (4 warps, ~224 registers) two
+programs fit on an SM, so the kernel is shaped around keeping their state stream busy:
+- the state tile's load is issued first, right after the slot lookup, and every other read of the step
+  (inputs, conv history, taps, gate, norm weight) follows it, so they are in flight together and nothing
+  after the state's arrival waits on memory: the program ends (and frees its registers for the next one)
+  as soon as its arithmetic and stores are issued. The new conv windows are stored from registers;
 - the state's row and column strides are compile-time constants (one build per pool layout: the dense
   pool and the serving pool's pages share (D, 1)), so one base address serves the whole tile instead of a
-  64-bit pointer per row held in registers across the compute;
-- the delta rule acts on every value column independently (u_j = beta (v_j - S_j^T k)), so a head's
-  columns can be split over D // BV programs (more, smaller programs resident per SM). Only the output
-  RMSNorm needs the whole row: each program parks its o slice and the last to arrive (an atomic counter per
-  (sequence, head)) normalises the row and writes the q/k conv windows, which every sibling reads until it
-  is done (the scheme of decode_triton's split recurrent kernel, reused from there).
-The state is touched once per step: streaming cache hints (`evict_first` load, `.cs` store) keep it from
-evicting the inputs and taps. Measured variants and numbers: docs/kernels.md (KDA decode history).
+  64-bit pointer per row held in registers (254 registers + spills before, 224 and none now);
+- heads first in the grid: the H programs of one sequence run together (one slot lookup, one input row);
+- streaming cache hints on the state (`evict_first` load, `.cs` store: read and written once per step).
+The delta rule acts on every value column independently (u_j = beta (v_j - S_j^T k)), so a head's columns
+can also be split over D // BV programs; only the output RMSNorm needs the whole row: each program parks
+its o slice and the last to arrive (an atomic counter per (sequence, head)) normalises the row and writes
+the q/k conv windows, which every sibling reads until it is done (decode_triton's split scheme). Measured
+slower (more, smaller programs: 42-72 % of copy at B=64 against 83-85 %), kept as the block_v option.
+Numbers and everything tried: docs/kernels.md (KDA decode history).
 """
 
 from __future__ import annotations
@@ -58,17 +61,18 @@ if triton is not None:
         scale, lower_bound, l2_eps, norm_eps,
         STATE_ROW: tl.constexpr, STATE_COL: tl.constexpr,
         H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr,
-        BOUNDED: tl.constexpr, EVICT_FIRST: tl.constexpr, STREAM_STORE: tl.constexpr,
+        BOUNDED: tl.constexpr, EVICT_FIRST: tl.constexpr, STREAM_STORE: tl.constexpr, HEADS_FIRST: tl.constexpr,
     ):
-        """Grid (B, H, D // BV): program (b, h, j) owns value columns j*BV.. of head h's state.
+        """Grid (B, H, D // BV), or (H, B, D // BV) with HEADS_FIRST (the programs of one sequence launched
+        together): program (b, h, j) owns value columns j*BV.. of head h's state.
 
         Inputs [B, H, D] (viewed as L = 1 token), beta [B, H], each with its own row stride (x_row: slices
         of one projection GEMM's output need no copy). The pools are addressed by element strides only
         (state: slot, head, then the constant row / column strides; conv: slot, stream, head, channel, tap),
         so a head-interleaved pool page is as good as a dense [slots, H, D, D] tensor."""
         tl.static_assert(W == 4, "the conv window is kept as three registers (4-tap ShortConv)")
-        b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
+        b = tl.program_id(1 if HEADS_FIRST else 0).to(tl.int64)
+        h = tl.program_id(0 if HEADS_FIRST else 1).to(tl.int64)
         NV: tl.constexpr = D // BV
         offs = tl.arange(0, D)
         offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -142,12 +146,12 @@ def kda_decode_split(
     gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
     lower_bound: float | None, scale: float | None, l2_eps: float, norm_eps: float, block_v: int,
-    num_warps: int, evict_first: bool = True, stream_store: bool = True,
+    num_warps: int, evict_first: bool = True, stream_store: bool = True, heads_first: bool = False,
 ) -> torch.Tensor:
     """Launch on inputs already checked by decode_triton: [B, H, D] (beta [B, H]) with dense rows (any row
     stride); the pools may be any strided views ([slots, H, D, D] and [slots, 3, H, D, W-1]). All strides
     go to the kernel (the state's row / column strides as build constants). evict_first / stream_store: the
-    cache hints on the state's load / store."""
+    cache hints on the state's load / store; heads_first: grid order (H, B) instead of (B, H)."""
     B, H, D = q.shape
     W = conv_pool.shape[-1] + 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -155,13 +159,13 @@ def kda_decode_split(
     o_scratch = torch.empty(q.shape, dtype=torch.float32, device=q.device) if split else out
     counters = _zeroed_counters(B * H, q.device) if split else slots
     slot_stride, head_stride, row_stride, col_stride = state_pool.stride()
-    _kda_decode_step_kernel[(B, H, D // block_v)](
+    _kda_decode_step_kernel[(H, B, D // block_v) if heads_first else (B, H, D // block_v)](
         q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool, slots, out,
         o_scratch, counters,
         *(t.stride(0) for t in (q, k, v, z, beta, gate)), slot_stride, head_stride, *conv_pool.stride(),
         D**-0.5 if scale is None else scale,
         -5.0 if lower_bound is None else lower_bound, l2_eps, norm_eps,
         STATE_ROW=row_stride, STATE_COL=col_stride, H=H, D=D, W=W, BV=block_v, BOUNDED=lower_bound is not None,
-        EVICT_FIRST=evict_first, STREAM_STORE=stream_store, num_warps=num_warps,
+        EVICT_FIRST=evict_first, STREAM_STORE=stream_store, HEADS_FIRST=heads_first, num_warps=num_warps,
     )
     return out

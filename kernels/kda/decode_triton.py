@@ -299,9 +299,11 @@ def fused_kda_recurrent(
 
 
 # Decode-step tuning (kernels/perf/kda_decode_cases.py sweeps these): value columns per program (D: the whole
-# state in one program), warps, cache hints on the state's load (evict_first) and store (.cs, streaming).
+# state in one program), warps, cache hints on the state's load (evict_first) and store (.cs, streaming), grid
+# order (heads first: the programs of one sequence launched together).
 # Measured on the H200: docs/kernels.md.
-DECODE_BLOCK_V, DECODE_WARPS, DECODE_EVICT_FIRST, DECODE_STREAM_STORE = 128, 4, True, True
+DECODE_BLOCK_V, DECODE_WARPS = 128, 4
+DECODE_EVICT_FIRST, DECODE_STREAM_STORE, DECODE_HEADS_FIRST = True, True, True
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
@@ -337,4 +339,4 @@ def kda_decode_step(
     q, k, v, z, beta, gate = (_dense_rows(t) for t in (q, k, v, z, beta, gate))
     return kda_decode_split(q, k, v, z, beta, gate, conv_weight.contiguous(), A_log, dt_bias.contiguous(),
                             norm_weight, state_pool, conv_pool, slots, lower_bound, scale, l2_eps, norm_eps,
-                            block_v, num_warps, DECODE_EVICT_FIRST, DECODE_STREAM_STORE)
+                            block_v, num_warps, DECODE_EVICT_FIRST, DECODE_STREAM_STORE, DECODE_HEADS_FIRST)

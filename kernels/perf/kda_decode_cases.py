@@ -73,22 +73,26 @@ class DecodeVariant:
     block_v: int = 128
     evict_first: bool = True
     stream_store: bool = True
+    heads_first: bool = False
 
     @property
     def label(self) -> str:
-        hints = ",".join(h for h, on in (("evict_first", self.evict_first), (".cs", self.stream_store)) if on)
+        flags = (("evict_first", self.evict_first), (".cs", self.stream_store), ("heads first", self.heads_first))
+        hints = ",".join(h for h, on in flags if on)
         return f"ours(block_v={self.block_v},w={self.warps}{',' + hints if hints else ''})"
 
     def launch(self, x, params, pool, conv, slots) -> torch.Tensor:
         return decode_step_triton.kda_decode_split(*x, *params, pool, conv, slots, -5.0, None, 1e-6, 1e-6,
-                                                   self.block_v, self.warps, self.evict_first, self.stream_store)
+                                                   self.block_v, self.warps, self.evict_first, self.stream_store,
+                                                   self.heads_first)
 
 
 # This round's earlier runs measured (B=64 / 256, % copy): value splits block_v 64 / 32 / 16 (4 and 8 warps)
 # 41-72 / 39-71, 8 warps 43 / 42, persistent programs (2 per SM, next slot prefetched) 81 / 78, with
 # Triton-staged states (2-3 stages in shared memory) 34-54 / 35-56: dropped from the sweep.
 DECODE_VARIANTS = (DecodeVariant(), DecodeVariant(evict_first=False, stream_store=False),
-                   DecodeVariant(stream_store=False), DecodeVariant(evict_first=False))
+                   DecodeVariant(stream_store=False), DecodeVariant(evict_first=False), DecodeVariant(heads_first=True),
+                   DecodeVariant(heads_first=True, evict_first=False, stream_store=False))
 
 
 def _full_state_step(x, params, pool, conv, slots):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels.kda import decode_triton, naive
+from kernels.kda import decode_step_triton, decode_triton, naive
 from kernels.kda.verify_triton import kda_verify_replay
 from tests.kernels.kda_inputs import KdaCase
 
@@ -98,6 +98,23 @@ def test_split_decode_steps_in_a_row_match_reference(interpreted):
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(pools[0], ref_pools[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(pools[1], ref_pools[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_decode_kernel_grid_orders_and_cache_hints_match_reference(interpreted, heads_first):
+    """The launch's tuning switches (grid order, no cache hints) change nothing in the results."""
+    gen = torch.Generator().manual_seed(9)
+    params = CASE.params(gen)
+    pools = CASE.pools(gen)
+    ref_pools = tuple(p.clone() for p in pools)
+    slots = torch.tensor([6, 2])
+    x = [t[:, 0] for t in CASE.tokens(gen, 2, 1)]
+    y = decode_step_triton.kda_decode_split(*x, *params, *pools, slots, -5.0, None, 1e-6, 1e-6, CASE.dim, 4,
+                                            evict_first=False, stream_store=False, heads_first=heads_first)
+    y_ref = naive.kda_decode_step(*x, *params, *ref_pools, slots)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pools[0], ref_pools[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pools[1], ref_pools[1], rtol=0, atol=0)
 
 
 def test_triton_decode_leaves_other_slots_alone(interpreted):
