@@ -10,11 +10,17 @@ when the target is its own draft, and the verify forwards did run on the fast pa
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kernels import dispatch
 from services.engine import fast_verify
 from services.engine.plan import ForwardItem
 from services.engine.verify_replay import Verifier, replay_accepted
@@ -23,11 +29,13 @@ from tests.workers.oracle import offline_generate
 from tests.workers.test_fastpath_tp import RankPool
 from tests.workers.test_speculative import PROMPTS, SELF_DRAFT, options, reference, run_engine
 
+ROOT = Path(__file__).resolve().parents[2]
 WINDOWS = [4, 1, 5, 1, 3]  # within each request's hash block (prompt lengths 5, 15, 16, 31, 1)
 COUNTS = [2, 1, 5, 1, 1]  # tokens each window keeps: partial, whole and none of the drafts
 
 
-def _check_one_verify(rank: int, tp: int, port: int) -> None:
+def _check_one_verify(rank: int, tp: int, port: int, triton: bool = False) -> None:
+    """triton: the fast verify through the Triton launchers (CPU tensors: under TRITON_INTERPRET=1)."""
     torch.set_num_threads(1)
     if tp > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
@@ -42,7 +50,10 @@ def _check_one_verify(rank: int, tp: int, port: int) -> None:
             items.append(ForwardItem(rid, manager.requests[rid].tokens[-window:], True))
         fast, plain = Verifier(model, manager, "cpu", tp, pool.fastpath), Verifier(model, manager, "cpu", tp)
         before = pool.data.clone()
-        fast_run = fast.verify(items)
+        with pytest.MonkeyPatch.context() as patch:
+            if triton:
+                patch.setattr(dispatch, "use_triton", lambda *tensors: True)
+            fast_run = fast.verify(items)
         fast_bytes = pool.data.clone()
         pool.data.copy_(before)
         plain_run = plain.verify(items)
@@ -74,6 +85,17 @@ def test_one_fast_verify_equals_the_reference_verify(tp, monkeypatch):
         _check_one_verify(0, 1, 0)
     else:
         mp.spawn(_check_one_verify, args=(tp, free_port()), nprocs=tp)
+
+
+@pytest.mark.slow  # ~30 s: the interpreter runs every Triton program of the forward
+def test_one_fast_verify_through_the_triton_launchers_under_the_interpreter():
+    """The GPU form (fused recurrence with n_commit=0, paged MLA per row, fused MoE and glue kernels)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "K3_DECODE_FASTPATH": "1", "PYTHONPATH": str(ROOT)}
+    code = "from tests.workers.test_fastpath_tp_verify import _check_one_verify; _check_one_verify(0, 1, 0, True)"
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_engine_with_a_draft_verifies_on_the_fast_path(monkeypatch):
