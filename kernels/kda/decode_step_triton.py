@@ -11,7 +11,8 @@ programs fit on an SM, so the kernel is shaped around keeping their state stream
   pool and the serving pool's pages share (D, 1)), so one base address serves the whole tile instead of a
   64-bit pointer per row held in registers (254 registers + spills before, 224 and none now);
 - heads first in the grid: the H programs of one sequence run together (one slot lookup, one input row);
-- streaming cache hints on the state (`evict_first` load, `.cs` store: read and written once per step).
+- streaming cache hints on the state (`evict_first` load, `.cs` store: read and written once per step),
+  chosen by the launcher (decode_triton.DECODE_UNHINTED_TILES: they help at B=64, hurt at B=256).
 The delta rule acts on every value column independently (u_j = beta (v_j - S_j^T k)), so a head's columns
 can also be split over D // BV programs; only the output RMSNorm needs the whole row: each program parks
 its o slice and the last to arrive (an atomic counter per (sequence, head)) normalises the row and writes

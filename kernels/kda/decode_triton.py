@@ -299,11 +299,12 @@ def fused_kda_recurrent(
 
 
 # Decode-step tuning (kernels/perf/kda_decode_cases.py sweeps these): value columns per program (D: the whole
-# state in one program), warps, cache hints on the state's load (evict_first) and store (.cs, streaming), grid
-# order (heads first: the programs of one sequence launched together).
-# Measured on the H200: docs/kernels.md.
-DECODE_BLOCK_V, DECODE_WARPS = 128, 4
-DECODE_EVICT_FIRST, DECODE_STREAM_STORE, DECODE_HEADS_FIRST = True, True, True
+# state in one program), warps, grid order (heads first: the programs of one sequence launched together), and
+# the cache hints on the state's load (evict_first) and store (.cs): on below DECODE_UNHINTED_TILES
+# (sequence, head) tiles, off from there. Measured on the H200 (docs/kernels.md): the hints win at B=64 x 32
+# heads in every run (85.3 against 84.5 % of copy), lose at B=256 x 32 in every run (86.4 against 90.7 %).
+DECODE_BLOCK_V, DECODE_WARPS, DECODE_HEADS_FIRST = 128, 4, True
+DECODE_UNHINTED_TILES = 256 * 32
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
@@ -328,7 +329,7 @@ def kda_decode_step(
     as_strided view of head-interleaved pages): one launch covers all H heads.
 
     Runs decode_step_triton's kernel: programs per (sequence, head, block_v value columns), default
-    DECODE_BLOCK_V (capped at D)."""
+    DECODE_BLOCK_V (capped at D); streaming cache hints on the state below DECODE_UNHINTED_TILES."""
     from kernels.kda.decode_step_triton import kda_decode_split  # it imports this module's helpers
 
     tokens = [t.unsqueeze(1) for t in (q, k, v, z, beta, gate)]
@@ -337,6 +338,7 @@ def kda_decode_step(
     block_v = min(block_v or DECODE_BLOCK_V, D)
     require(D % block_v == 0 and block_v == next_pow2(block_v), f"block_v must divide {D}, got {block_v}")
     q, k, v, z, beta, gate = (_dense_rows(t) for t in (q, k, v, z, beta, gate))
+    hinted = q.shape[0] * q.shape[1] < DECODE_UNHINTED_TILES
     return kda_decode_split(q, k, v, z, beta, gate, conv_weight.contiguous(), A_log, dt_bias.contiguous(),
                             norm_weight, state_pool, conv_pool, slots, lower_bound, scale, l2_eps, norm_eps,
-                            block_v, num_warps, DECODE_EVICT_FIRST, DECODE_STREAM_STORE, DECODE_HEADS_FIRST)
+                            block_v, num_warps, hinted, hinted, DECODE_HEADS_FIRST)
