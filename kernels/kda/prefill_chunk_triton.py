@@ -1,15 +1,17 @@
-"""KDA prefill, pass 1 of 3: everything that is local to one chunk of C = 64 tokens of one head.
+"""KDA prefill, pass 2 of 4: the UT transform of one chunk of C = 64 tokens of one head.
 
-From the raw projections it computes ShortConv + Swish (q, k, v), L2Norm (q, k), the bounded gate and its
-in-chunk cumulative sum G, sigmoid(beta), and then the chunk's UT transform (K3 report eq.4, the WY form
-of Kimi Linear; notation of k3core/ops/kda_chunk.py):
+From the prologue's outputs (prefill_prep_triton.py: normalised q, k, the conv output v, the in-chunk
+cumulative gate G, sigmoid(beta)) it computes (K3 report eq.4, the WY form of Kimi Linear; notation of
+k3core/ops/kda_chunk.py):
     Akk[r, i] = sum_c k_r k_i exp(G_r - G_i)  (i < r),   T = (I + diag(beta) Akk)^-1
     w = T diag(beta) (K * exp(G)),  u = T diag(beta) V,  Aqk = scale * sum_c q_r k_i exp(G_r - G_i) (i <= r)
     qg = scale * Q * exp(G),  kg = K * exp(G_C - G),  gC = exp(G_C)
-which is all the inter-chunk recurrence (prefill_triton.py) needs: the conv/norm/gate outputs never reach
-memory. The gate is bounded (g >= lower_bound = -5), so within a sub-block of 16 tokens G moves by at
-most 80 and exp(+-80) fits float32: the decay ratios exp(G_r - G_i) are split at the end of the key's
-sub-block (every factor <= 1 off the diagonal block, <= e^80 on it), which lets tensor-core dots form them.
+which is all the recurrence and the output pass (prefill_triton.py) need.
+The gate is bounded (g >= lower_bound = -5), so within a sub-block of 16 tokens G moves by at most 80 and
+exp(+-80) fits float32: the decay ratios exp(G_r - G_i) are split at the end of the key's sub-block (every
+factor <= 1 off the diagonal block, <= e^80 on it), which lets tensor-core dots in the input dtype form
+them. The key dimension is walked in BK-column blocks so that only [C, BK] tiles are live besides the
+[C, C] matrices.
 """
 
 from __future__ import annotations
@@ -20,55 +22,6 @@ CHUNK = 64
 SUB = 16  # sub-block of the decay split: |lower_bound| * SUB must stay below ~88 (float32 exp range)
 
 if triton is not None:
-
-    @triton.jit
-    def _conv_swish(x, init_conv, conv_w, stream, n, h, t, bos, valid, offs, HAS_CONV: tl.constexpr,
-                    H, D: tl.constexpr, W: tl.constexpr):
-        """Swish(ShortConv) of one stream (0 q, 1 k, 2 v) at tokens t [C] of head h, channels offs (of D),
-        as [C, len(offs)] float32.
-
-        Inputs before the sequence start `bos` come from the carried conv state [N, 3, H, D, W-1] (zeros
-        without one); rows that are not `valid` come out zero."""
-        acc = tl.zeros([t.shape[0], offs.shape[0]], dtype=tl.float32)
-        for s in tl.static_range(W):
-            p = t - s
-            inside = valid & (p >= bos)
-            xs = tl.load(x + (p[:, None] * H + h) * D + offs[None, :], mask=inside[:, None], other=0.0)
-            xs = xs.to(tl.float32)
-            if HAS_CONV:
-                carried = valid & (p < bos)
-                col = p - bos + (W - 1)
-                base = init_conv + ((n * 3 + stream) * H + h) * D * (W - 1)
-                xs += tl.load(base + offs[None, :] * (W - 1) + col[:, None], mask=carried[:, None],
-                              other=0.0).to(tl.float32)
-            tap = tl.load(conv_w + (stream * H * D + h * D + offs) * W + (W - 1 - s)).to(tl.float32)
-            acc += xs * tap[None, :]
-        return acc * tl.sigmoid(acc)
-
-    @triton.jit
-    def _block_of(x, blk, NB: tl.constexpr, BC: tl.constexpr, D: tl.constexpr):
-        """Rows blk*BC .. blk*BC+BC-1 of a [NB*BC, D] tile, as [BC, D]."""
-        x3 = tl.reshape(x, [NB, BC, D])
-        return tl.sum(tl.where(tl.arange(0, NB)[:, None, None] == blk, x3, 0.0), axis=0)
-
-    @triton.jit
-    def _decay_products(q, k, G, rows, C: tl.constexpr, BC: tl.constexpr, D: tl.constexpr):
-        """(sum_c k_r k_i e^(G_r - G_i), sum_c q_r k_i e^(G_r - G_i)) for all r, i as [C, C], unmasked
-        where i is in a later sub-block than r (those entries are set to zero, not computed)."""
-        NB: tl.constexpr = C // BC
-        acc_k = tl.zeros([C, NB, BC], dtype=tl.float32)
-        acc_q = tl.zeros([C, NB, BC], dtype=tl.float32)
-        slot = tl.arange(0, NB)[None, :, None]
-        for blk in tl.static_range(NB):
-            ref = tl.sum(tl.where(rows[:, None] == blk * BC + BC - 1, G, 0.0), axis=0)  # G at the block end
-            # Rows before the key block would need e^(positive, unbounded): they are causally masked anyway.
-            row_decay = tl.exp(tl.where(rows[:, None] >= blk * BC, G - ref[None, :], -1e30))
-            k_col = _block_of(k, blk, NB, BC, D) * tl.exp(ref[None, :] - _block_of(G, blk, NB, BC, D))
-            part_k = tl.dot(k * row_decay, tl.trans(k_col))
-            part_q = tl.dot(q * row_decay, tl.trans(k_col))
-            acc_k = tl.where(slot == blk, part_k[:, None, :], acc_k)
-            acc_q = tl.where(slot == blk, part_q[:, None, :], acc_q)
-        return tl.reshape(acc_k, [C, C]), tl.reshape(acc_q, [C, C])
 
     @triton.jit
     def _unit_lower_inverse(M, rows, C: tl.constexpr, BC: tl.constexpr):
@@ -96,47 +49,109 @@ if triton is not None:
         return tl.dot(eye - N + N2 - N3, d_inv)
 
     @triton.jit
-    def _kda_chunk_prologue_kernel(
-        q, k, v, z, beta, conv_w, A_log, dt_bias, init_conv, cu_seqlens, chunk_seq, chunk_start,
-        w_out, u_out, qg_out, kg_out, aqk_out, gc_out,
-        scale, lower_bound, l2_eps,
-        H, D: tl.constexpr, W: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-        HAS_CONV: tl.constexpr,
+    def _flat_gate(g, rel, io_mask, last, HD, cols):
+        """G of the channels `cols` [C, BK] at row offsets `rel`; rows past the sequence end repeat the last
+        valid row, so that G stays flat there (their k and q are zero, and no decay factor can overflow)."""
+        g_last = tl.load(g + last * HD + cols)
+        return tl.where(io_mask, tl.load(g + rel, mask=io_mask, other=0.0), g_last[None, :]), g_last
+
+    @triton.jit
+    def _store_a_block(aqk_st, ws, ak, aq, c0, rows, bt, scale, io_mask, C: tl.constexpr, BC: tl.constexpr):
+        """Key columns c0 .. c0+BC-1: scale * Aqk (i <= r) to the output rows, beta_r * Akk (i < r) to the
+        program's [C, C] float32 scratch tile."""
+        kcols = c0 + tl.arange(0, BC)
+        aq = tl.where(kcols[None, :] <= rows[:, None], aq * scale, 0.0)
+        tl.store(aqk_st + kcols[None, :], aq.to(aqk_st.dtype.element_ty), mask=io_mask)
+        tl.store(ws + rows[:, None] * C + kcols[None, :], tl.where(kcols[None, :] < rows[:, None], ak * bt[:, None], 0.0))
+
+    @triton.jit
+    def _kda_chunk_ut_kernel(
+        q, k, v, g, beta, cu_seqlens, chunk_seq, chunk_start,
+        w_out, u_out, qg_out, kg_out, aqk_out, gc_out, akk_ws, scale,
+        H, D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, F32_DOTS: tl.constexpr,
     ):
-        """Grid (chunks, H). Token-major [T_total, H, *] in and out; gc_out [chunks, H, D]."""
-        ci = tl.program_id(0)
+        """Grid (chunks, H). Token-major [T_total, H, *] in and out; g float32, beta [T_total, H] float32
+        (already through the sigmoid); gc_out [chunks, H, D]; akk_ws [chunks, H, C, C] float32 scratch.
+        F32_DOTS: float32 (TF32 on the GPU) dot operands instead of the input dtype."""
+        ci = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
-        n = tl.load(chunk_seq + ci).to(tl.int64)
-        bos = tl.load(cu_seqlens + n).to(tl.int64)
-        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+        start = tl.load(chunk_start + ci).to(tl.int64)
+        n_valid = (tl.load(cu_seqlens + tl.load(chunk_seq + ci) + 1) - start).to(tl.int32)
+        # Every pointer is moved to this chunk's first row once; tiles then use 32-bit offsets (64-bit ones
+        # for each [C, BK] tile cost registers that the dots need).
+        base = (start * H + h) * D
+        q, k, v, g = q + base, k + base, v + base, g + base
+        w_out, u_out, qg_out, kg_out = w_out + base, u_out + base, qg_out + base, kg_out + base
+        aqk_out += (start * H + h) * C
+        beta += start * H + h
+        gc_out += (ci * H + h) * D
+        HD = H * D
         rows = tl.arange(0, C)
-        offs = tl.arange(0, D)
-        t = tl.load(chunk_start + ci).to(tl.int64) + rows
-        valid = t < eos
-        tok = (t[:, None] * H + h) * D + offs[None, :]
+        cols_c = tl.arange(0, C)
+        valid = rows < n_valid
         io_mask = valid[:, None]
-        # Gate (eq.5), zero on padding rows so that G stays flat there and G[C-1] is the chunk's end.
-        zt = tl.load(z + tok, mask=io_mask, other=0.0).to(tl.float32)
-        zt += tl.load(dt_bias + h * D + offs).to(tl.float32)[None, :]
-        g = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + h).to(tl.float32)) * zt)
-        G = tl.cumsum(tl.where(io_mask, g, 0.0), axis=0)
-        kt = _conv_swish(k, init_conv, conv_w, 1, n, h, t, bos, valid, offs, HAS_CONV, H, D, W)
-        kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=1) + l2_eps)[:, None]
-        qt = _conv_swish(q, init_conv, conv_w, 0, n, h, t, bos, valid, offs, HAS_CONV, H, D, W)
-        qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=1) + l2_eps)[:, None]
-        bt = tl.sigmoid(tl.load(beta + t * H + h, mask=valid, other=0.0).to(tl.float32))
-        bt = tl.where(valid, bt, 0.0)
-        akk, aqk = _decay_products(qt, kt, G, rows, C, BC, D)
-        cols = tl.arange(0, C)
-        aqk = tl.where(cols[None, :] <= rows[:, None], aqk * scale, 0.0)
-        tl.store(aqk_out + (t[:, None] * H + h) * C + cols[None, :], aqk.to(aqk_out.dtype.element_ty),
-                 mask=io_mask)
-        tl.store(qg_out + tok, (qt * tl.exp(G) * scale).to(qg_out.dtype.element_ty), mask=io_mask)
-        akk = tl.where(cols[None, :] < rows[:, None], akk * bt[:, None], 0.0)
-        T = _unit_lower_inverse(akk, rows, C, BC)
-        tl.store(w_out + tok, tl.dot(T, kt * tl.exp(G) * bt[:, None]).to(w_out.dtype.element_ty), mask=io_mask)
-        g_end = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), axis=0)
-        tl.store(kg_out + tok, (kt * tl.exp(g_end[None, :] - G)).to(kg_out.dtype.element_ty), mask=io_mask)
-        tl.store(gc_out + (ci * H + h) * D + offs, tl.exp(g_end))
-        vt = _conv_swish(v, init_conv, conv_w, 2, n, h, t, bos, valid, offs, HAS_CONV, H, D, W)
-        tl.store(u_out + tok, tl.dot(T, vt * bt[:, None]).to(u_out.dtype.element_ty), mask=io_mask)
+        last = tl.minimum(n_valid, C) - 1
+        dt = tl.float32 if F32_DOTS else q.dtype.element_ty
+        NB: tl.constexpr = C // BC
+        sub = tl.arange(0, BC)
+        # Akk / Aqk by key sub-block: four [C, BC] column blocks each (the causal zeros are not computed).
+        ak0 = tl.zeros([C, BC], dtype=tl.float32)
+        ak1, ak2, ak3, aq0, aq1, aq2, aq3 = ak0, ak0, ak0, ak0, ak0, ak0, ak0
+        for kb in range(0, D // BK):
+            cols = kb * BK + tl.arange(0, BK)
+            rel = rows[:, None] * HD + cols[None, :]
+            G, _ = _flat_gate(g, rel, io_mask, last, HD, cols)
+            kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
+            qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
+            for blk in tl.static_range(NB):
+                # Split at the end of key sub-block blk: factors <= 1 off the diagonal block, <= e^80 on it;
+                # rows before the block are causally masked (factor 0 here).
+                ref = tl.load(g + tl.minimum(blk * BC + BC - 1, last) * HD + cols)
+                row_decay = tl.exp(tl.where(rows[:, None] >= blk * BC, G - ref[None, :], -1e30))
+                key_rel = (blk * BC + sub)[:, None] * HD + cols[None, :]
+                key_ok = (blk * BC + sub < n_valid)[:, None]
+                k_key = tl.load(k + key_rel, mask=key_ok, other=0.0).to(tl.float32)
+                g_key = tl.load(g + key_rel, mask=key_ok, other=0.0)
+                k_col = tl.trans((k_key * tl.exp(ref[None, :] - g_key)).to(dt))
+                part_k = tl.dot((kc * row_decay).to(dt), k_col)
+                part_q = tl.dot((qc * row_decay).to(dt), k_col)
+                if blk == 0:
+                    ak0 += part_k
+                    aq0 += part_q
+                elif blk == 1:
+                    ak1 += part_k
+                    aq1 += part_q
+                elif blk == 2:
+                    ak2 += part_k
+                    aq2 += part_q
+                else:
+                    ak3 += part_k
+                    aq3 += part_q
+        bt = tl.load(beta + rows * H, mask=valid, other=0.0)
+        # Aqk goes out; Akk goes through this program's scratch tile to come back as one [C, C] tile.
+        ws = akk_ws + (ci * H + h) * C * C
+        aqk_st = aqk_out + rows[:, None] * (H * C)
+        _store_a_block(aqk_st, ws, ak0, aq0, 0, rows, bt, scale, io_mask, C, BC)
+        _store_a_block(aqk_st, ws, ak1, aq1, BC, rows, bt, scale, io_mask, C, BC)
+        _store_a_block(aqk_st, ws, ak2, aq2, 2 * BC, rows, bt, scale, io_mask, C, BC)
+        _store_a_block(aqk_st, ws, ak3, aq3, 3 * BC, rows, bt, scale, io_mask, C, BC)
+        tl.debug_barrier()
+        akk = tl.load(ws + rows[:, None] * C + cols_c[None, :])
+        T = _unit_lower_inverse(akk, rows, C, BC).to(dt)
+        for kb in range(0, D // BK):
+            cols = kb * BK + tl.arange(0, BK)
+            rel = rows[:, None] * HD + cols[None, :]
+            G, g_end = _flat_gate(g, rel, io_mask, last, HD, cols)
+            kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
+            decay = tl.exp(G)
+            w_blk = tl.dot(T, (kc * decay * bt[:, None]).to(dt))
+            tl.store(w_out + rel, w_blk.to(w_out.dtype.element_ty), mask=io_mask)
+            tl.store(kg_out + rel, (kc * tl.exp(g_end[None, :] - G)).to(kg_out.dtype.element_ty), mask=io_mask)
+            tl.store(gc_out + cols, tl.exp(g_end))
+            qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
+            tl.store(qg_out + rel, (qc * decay * scale).to(qg_out.dtype.element_ty), mask=io_mask)
+        for vb in range(0, D // BK):
+            cols = vb * BK + tl.arange(0, BK)
+            rel = rows[:, None] * HD + cols[None, :]
+            vc = tl.load(v + rel, mask=io_mask, other=0.0).to(tl.float32)
+            tl.store(u_out + rel, tl.dot(T, (vc * bt[:, None]).to(dt)).to(u_out.dtype.element_ty), mask=io_mask)

@@ -1,12 +1,12 @@
 """KDA prefill block in Triton: projections -> gated, normalised output, chunkwise (C = 64), varlen.
 
-Three passes (the conv/norm/gate prologue and the output norm epilogue never take a pass of their own):
-1. `prefill_chunk_triton`: per (chunk, head), conv + Swish + L2Norm + gate + the chunk's UT transform ->
-   w, u, qg, kg, Aqk, exp(G_C).
-2. the recurrence: per (sequence, head, value block) the state S [K, BV] stays on chip across the chunks:
+Four passes (the output norm epilogue never takes a pass of its own):
+1. `prefill_prep_triton`: per (chunk, head), ShortConv + Swish + L2Norm + gate cumsum + sigmoid(beta).
+2. `prefill_chunk_triton`: per (chunk, head), the chunk's UT transform -> w, u, qg, kg, Aqk, exp(G_C).
+3. the recurrence: per (sequence, head, value block) the state S [K, BV] stays on chip across the chunks:
    v_new = u - w S,  S <- exp(G_C) * S + kg^T v_new; it stores the state entering each chunk (bf16) and
-   v_new, or, with the whole value width in one program (`fuse_output`), computes the output itself.
-3. the output: o = qg S_in + Aqk v_new per (chunk, head), then RMSNorm x w x sigmoid(gate) -> y.
+   v_new.
+4. the output: o = qg S_in + Aqk v_new per (chunk, head), then RMSNorm x w x sigmoid(gate) -> y.
 The final conv windows are written by the recurrence (value block 0), also for empty sequences.
 """
 
@@ -18,8 +18,8 @@ import torch
 
 from kernels._triton import next_pow2, require, tl, triton
 from kernels.kda import naive
-from kernels.kda.prefill_chunk_kblock_triton import _kda_chunk_prologue_kblock_kernel
-from kernels.kda.prefill_chunk_triton import CHUNK, SUB, _kda_chunk_prologue_kernel
+from kernels.kda.prefill_chunk_triton import CHUNK, SUB, _kda_chunk_ut_kernel
+from kernels.kda.prefill_prep_triton import _kda_prep_kernel
 
 if triton is not None:
 
@@ -47,11 +47,10 @@ if triton is not None:
 
     @triton.jit
     def _kda_chunk_recurrence_kernel(
-        w, u, qg, kg, aqk, gc, gate, norm_w, h_out, vnew_out, y_out,
-        init_state, final_state, q, k, v, init_conv, final_conv, cu_seqlens, chunk_offsets, norm_eps,
+        w, u, kg, gc, h_out, vnew_out, init_state, final_state, q, k, v, init_conv, final_conv,
+        cu_seqlens, chunk_offsets,
         H, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, C: tl.constexpr,
-        BV: tl.constexpr, HAS_STATE: tl.constexpr, HAS_CONV: tl.constexpr, FUSE_OUTPUT: tl.constexpr,
-        STAGES: tl.constexpr,
+        BV: tl.constexpr, HAS_STATE: tl.constexpr, HAS_CONV: tl.constexpr, STAGES: tl.constexpr,
     ):
         """Grid (sequences, H, D // BV)."""
         n = tl.program_id(0).to(tl.int64)
@@ -69,24 +68,27 @@ if triton is not None:
             S = tl.load(init_state + s_offs).to(tl.float32)
         else:
             S = tl.zeros([D, BV], dtype=tl.float32)
+        # Pointers move to the sequence's first row once; tiles use 32-bit offsets (registers).
+        base = (bos * H + h) * D
+        w, u, kg, vnew_out = w + base, u + base, kg + base, vnew_out + base
+        h_out += (first * H + h) * D * D
+        gc += (first * H + h) * D
+        HD = H * D
+        rel_k = rows[:, None] * HD + offs[None, :]
+        rel_v = rows[:, None] * HD + offs_v[None, :]
+        rel_s = offs[:, None] * D + offs_v[None, :]
+        n_tok = (eos - bos).to(tl.int32)
         for c in tl.range(0, n_chunks, num_stages=STAGES):
-            t = bos + c * C + rows
-            valid = (t < eos)[:, None]
-            tok = (t[:, None] * H + h) * D
-            w_c = tl.load(w + tok + offs[None, :], mask=valid, other=0.0)
-            u_c = tl.load(u + tok + offs_v[None, :], mask=valid, other=0.0).to(tl.float32)
-            kg_c = tl.load(kg + tok + offs[None, :], mask=valid, other=0.0)
-            decay = tl.load(gc + ((first + c) * H + h) * D + offs)
+            valid = (c * C + rows < n_tok)[:, None]
+            step = c * C * HD
+            w_c = tl.load(w + step + rel_k, mask=valid, other=0.0)
+            u_c = tl.load(u + step + rel_v, mask=valid, other=0.0).to(tl.float32)
+            kg_c = tl.load(kg + step + rel_k, mask=valid, other=0.0)
+            decay = tl.load(gc + c * H * D + offs)
             S_in = S.to(w_c.dtype)
             v_new = u_c - tl.dot(w_c, S_in)
-            if FUSE_OUTPUT:
-                qg_c = tl.load(qg + tok + offs[None, :], mask=valid, other=0.0)
-                a_c = tl.load(aqk + (t[:, None] * H + h) * C + rows[None, :], mask=valid, other=0.0)
-                o = tl.dot(qg_c, S_in) + tl.dot(a_c, v_new.to(a_c.dtype))
-                _gated_rms_store(o, gate, y_out, tok + offs[None, :], valid, norm_w, norm_eps, D)
-            else:
-                tl.store(h_out + (((first + c) * H + h) * D + offs[:, None]) * D + offs_v[None, :], S_in)
-                tl.store(vnew_out + tok + offs_v[None, :], v_new.to(vnew_out.dtype.element_ty), mask=valid)
+            tl.store(h_out + c * H * D * D + rel_s, S_in)
+            tl.store(vnew_out + step + rel_v, v_new.to(vnew_out.dtype.element_ty), mask=valid)
             S = S * decay[:, None] + tl.dot(tl.trans(kg_c), v_new.to(kg_c.dtype))
         tl.store(final_state + s_offs, S)
         if iv == 0:
@@ -100,19 +102,20 @@ if triton is not None:
         H, D: tl.constexpr, C: tl.constexpr,
     ):
         """Grid (chunks, H): y = gated RMSNorm(qg S_in + Aqk v_new)."""
-        ci = tl.program_id(0)
+        ci = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
-        eos = tl.load(cu_seqlens + tl.load(chunk_seq + ci) + 1).to(tl.int64)
+        start = tl.load(chunk_start + ci).to(tl.int64)
+        n_valid = (tl.load(cu_seqlens + tl.load(chunk_seq + ci) + 1) - start).to(tl.int32)
         rows = tl.arange(0, C)
         offs = tl.arange(0, D)
-        t = tl.load(chunk_start + ci).to(tl.int64) + rows
-        valid = (t < eos)[:, None]
-        tok = (t[:, None] * H + h) * D + offs[None, :]
-        qg_c = tl.load(qg + tok, mask=valid, other=0.0)
-        a_c = tl.load(aqk + (t[:, None] * H + h) * C + rows[None, :], mask=valid, other=0.0)
-        s_in = tl.load(h_in + ((ci * H + h) * D + offs[:, None]) * D + offs[None, :])
-        o = tl.dot(qg_c, s_in) + tl.dot(a_c, tl.load(v_new + tok, mask=valid, other=0.0))
-        _gated_rms_store(o, gate, y_out, tok, valid, norm_w, norm_eps, D)
+        valid = (rows < n_valid)[:, None]
+        base = (start * H + h) * D  # 32-bit tile offsets from here (registers)
+        rel = rows[:, None] * (H * D) + offs[None, :]
+        qg_c = tl.load(qg + base + rel, mask=valid, other=0.0)
+        a_c = tl.load(aqk + (start * H + h) * C + rows[:, None] * (H * C) + rows[None, :], mask=valid, other=0.0)
+        s_in = tl.load(h_in + (ci * H + h) * D * D + offs[:, None] * D + offs[None, :])
+        o = tl.dot(qg_c, s_in) + tl.dot(a_c, tl.load(v_new + base + rel, mask=valid, other=0.0))
+        _gated_rms_store(o, gate + base, y_out + base, rel, valid, norm_w, norm_eps, D)
 
 
 @functools.lru_cache(maxsize=64)
@@ -159,22 +162,19 @@ def kda_prefill_block(
     norm_weight: torch.Tensor, initial_state: torch.Tensor | None = None,
     initial_conv: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
-    norm_eps: float = 1e-6, block_v: int | None = None, fuse_output: bool = False,
-    num_warps: int = 4, recurrence_warps: int = 4, stages: int | None = None, k_block: int | None = None,
+    norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
+    prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 2, f32_dots: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
     The softplus gate (lower_bound=None) is unbounded, so the sub-block decay split is not safe for it:
     that case runs the reference. Tuning (H200 measurements in docs/kernels.md):
     - block_v: value columns per recurrence program (default 64, or 32 when sequences x heads are few).
-    - fuse_output: compute the output inside the recurrence, one program per (sequence, head), instead of
-      a separate output pass (measured 1.5x slower at B=1, T=32K, H=16, so off by default).
-    - stages: software-pipelining depth of the recurrence's chunk loop (default 2; 1 when fused, whose
-      tiles would not fit shared memory twice).
-    - num_warps: prologue and output kernels (the full-width prologue faults at 8 warps with Triton 3.6 on
-      the H200; 4 measured good).
-    - k_block: run the K-blocked prologue (prefill_chunk_kblock_triton.py) with that many key columns per
-      block (a divisor of D, >= 16); default: the full-width prologue (the one timed on the device).
+    - k_block: key columns per step of the UT-transform pass (a divisor of D, >= 16; default 32: 0.5 KB of spills at 4 warps, 64: 2.6 KB).
+    - num_warps: the output pass; prep_warps: the prologue pass (8: no spills, 4 spills); ut_warps: the
+      UT-transform pass; recurrence_warps.
+    - stages: software-pipelining depth of the recurrence's chunk loop.
+    - f32_dots: float32 (TF32) operands in the UT transform's dots instead of the input dtype.
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
@@ -192,6 +192,8 @@ def kda_prefill_block(
     if initial_conv is not None:
         require(initial_conv.shape == (N, 3, H, D, W - 1), f"initial_conv must be [{N}, 3, {H}, {D}, {W - 1}], "
                 f"got {tuple(initial_conv.shape)}")
+    k_block = k_block or min(32, D)
+    require(D % k_block == 0 and k_block >= 16, f"k_block must divide {D} and be >= 16, got {k_block}")
     dev = q.device
     cu, chunk_seq, chunk_start, chunk_offsets = chunk_plan(bounds, dev)
     n_chunks = chunk_seq.numel()
@@ -201,39 +203,38 @@ def kda_prefill_block(
     gc = torch.empty(max(n_chunks, 1), H, D, device=dev, dtype=torch.float32)
     scale = D**-0.5 if scale is None else scale
     conv = initial_conv.contiguous() if initial_conv is not None else q
+    shape = {"H": H, "D": D, "C": CHUNK}
     if n_chunks:
-        prologue_args = (q, k, v, z, beta, conv_weight.contiguous(), A_log, dt_bias.contiguous(), conv, cu,
-                         chunk_seq, chunk_start, *work, aqk, gc, scale, lower_bound, l2_eps)
-        shape = {"H": H, "D": D, "W": W, "C": CHUNK, "BC": SUB, "HAS_CONV": initial_conv is not None}
-        if k_block is None or k_block == D:
-            _kda_chunk_prologue_kernel[(n_chunks, H)](*prologue_args, **shape, num_warps=num_warps)
-        else:
-            require(D % k_block == 0 and k_block >= 16, f"k_block must divide {D} and be >= 16, got {k_block}")
-            _kda_chunk_prologue_kblock_kernel[(n_chunks, H)](*prologue_args, **shape, BK=k_block,
-                                                              num_warps=num_warps)
-    fuse = bool(fuse_output)
+        qn, kn, vc = (torch.empty_like(q) for _ in range(3))
+        g = torch.empty(q.shape, device=dev, dtype=torch.float32)
+        beta_f = torch.empty(beta.shape, device=dev, dtype=torch.float32)
+        _kda_prep_kernel[(n_chunks, H, 3)](
+            q, k, v, z, beta, conv_weight.contiguous(), A_log, dt_bias.contiguous(), conv, cu, chunk_seq,
+            chunk_start, qn, kn, vc, g, beta_f, lower_bound, l2_eps, **shape, W=W,
+            HAS_CONV=initial_conv is not None, num_warps=prep_warps)
+        _kda_chunk_ut_kernel[(n_chunks, H)](
+            qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
+            torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,
+            BK=k_block, F32_DOTS=f32_dots, num_warps=ut_warps)
     if not block_v:  # 32 columns when 64-column programs would leave most SMs idle (B=1, T=32K: -3 %)
         block_v = min(64 if N * H * (D // 64) >= 2 * _sm_count(dev) else 32, D)
-    block_v = D if fuse else block_v
     require(D % block_v == 0 and block_v >= 16, f"block_v must divide {D} and be >= 16, got {block_v}")
-    require(not fuse or block_v == D, "fuse_output needs the whole value width in one program (block_v = D)")
     y = torch.empty_like(q)
     final_state = torch.empty(N, H, D, D, device=dev, dtype=torch.float32)
     final_conv = torch.empty(N, 3, H, D, W - 1, device=dev, dtype=q.dtype)
-    h_states = y if fuse else torch.empty(max(n_chunks, 1), H, D, D, device=dev, dtype=q.dtype)
-    v_new = y if fuse else torch.empty_like(q)
+    h_states = torch.empty(max(n_chunks, 1), H, D, D, device=dev, dtype=q.dtype)
+    v_new = torch.empty_like(q)
+    w, u, qg, kg = work
     _kda_chunk_recurrence_kernel[(N, H, D // block_v)](
-        *work, aqk, gc, gate, norm_weight, h_states, v_new, y,
-        initial_state.contiguous() if initial_state is not None else gc, final_state, q, k, v, conv, final_conv,
-        cu, chunk_offsets, norm_eps,
-        H=H, D=D, W=W, BWM=next_pow2(W - 1), C=CHUNK, BV=block_v, HAS_STATE=initial_state is not None,
-        HAS_CONV=initial_conv is not None, FUSE_OUTPUT=fuse, STAGES=stages or (1 if fuse else 2),
-        num_warps=recurrence_warps,
+        w, u, kg, gc, h_states, v_new, initial_state.contiguous() if initial_state is not None else gc,
+        final_state, q, k, v, conv, final_conv, cu, chunk_offsets,
+        **shape, W=W, BWM=next_pow2(W - 1), BV=block_v, HAS_STATE=initial_state is not None,
+        HAS_CONV=initial_conv is not None, STAGES=stages, num_warps=recurrence_warps,
     )
-    if not fuse and n_chunks:
+    if n_chunks:
         _kda_chunk_output_kernel[(n_chunks, H)](
-            work[2], aqk, h_states, v_new, gate, norm_weight, y, cu, chunk_seq, chunk_start, norm_eps,
-            H=H, D=D, C=CHUNK, num_warps=num_warps,
+            qg, aqk, h_states, v_new, gate, norm_weight, y, cu, chunk_seq, chunk_start, norm_eps,
+            **shape, num_warps=num_warps,
         )
     return y, final_state, final_conv
 

@@ -3,7 +3,7 @@
 The peer: 3x fla `causal_conv1d` (SiLU), `chunk_kda` (safe_gate, lower_bound=-5, gate, L2Norm and
 sigmoid(beta) in kernel, final state out) and `rms_norm_gated` (sigmoid). Both start from no carried state
 and return the final state. Accuracy: relative error of y and of the final state against a float64
-evaluation of the block (k3core ops in float64) on the first <= 512 tokens of each sequence (at most two
+evaluation of the block (k3core ops in float64) on the first <= ACC_TOKENS tokens of each sequence (at most two
 sequences), for ours and for the peer.
 """
 
@@ -24,6 +24,7 @@ from kernels.perf.harness import Row, rel_err, time_ms
 
 D, W = 128, 4
 BF16 = torch.bfloat16
+ACC_TOKENS = 160  # per sequence of the accuracy case: 3 chunks (one partial); the CPU oracle is slow
 # (label, batch, length, heads, packed lengths or None)
 SHAPES = (
     ("B=1,T=32K,H=16", 1, 32768, 16, None),
@@ -33,22 +34,24 @@ SHAPES = (
      (12288, 8192, 4096, 3000, 2341, 1000, 77, 2700)),
 )
 # Tuning variants timed for every shape: (label, keyword arguments of prefill_triton.kda_prefill_block).
-# Measured at B=1,T=32K,H=16 (H200): default 7.03 ms (prologue 5.69, recurrence 1.06, output 0.26), split
-# bv=32 6.81 ms, fused w8 10.3 ms. Not yet measured on the device: the K-blocked prologue (ptxas for sm_90a:
-# 16 columns at 4 warps 254 registers and no spills, 32 columns at 8 warps 248 and none, against 255 + ~9 KB
-# of spill stores for the full-width form at 4 warps). No 8-warp prologue here: the full-width one faulted at
-# 8 warps, and a fault ends the process (try KDA_PREFILL_TUNING='{"k_block": 32, "num_warps": 8}' on its own).
+# History (B=1,T=32K,H=16, H200) in docs/kernels.md: the one-kernel full-width prologue took 5.7 of 6.81 ms.
 VARIANTS = (
     ("default", {}),
-    ("kblock 16", {"k_block": 16}),
-    ("split bv=32", {"fuse_output": False, "block_v": 32}),
-    ("fused w8", {"fuse_output": True, "recurrence_warps": 8}),
+    ("kb=64", {"k_block": 64}),
+    ("bv=16", {"block_v": 16}),
+    ("stages 1", {"stages": 1}),
+    ("out w8", {"num_warps": 8}),
+    ("ut f32 dots", {"f32_dots": True}),
+    # Last: the reshape-based 16x16 substitution faulted at 8 warps in the former one-kernel prologue
+    # (Triton 3.6, H200), and a fault ends the process.
+    ("ut w8", {"ut_warps": 8}),
 )
 
 
 def selected_variants(variants=VARIANTS) -> tuple[tuple[str, dict], ...]:
     """The variants to time: KDA_PREFILL_VARIANTS (comma-separated labels) picks some, KDA_PREFILL_TUNING
-    (a JSON object of kda_prefill_block arguments) is added to every one, e.g. '{"plain_2d": true}'."""
+    (a JSON object of kda_prefill_block arguments) is added to every one, e.g. '{"block_v": 16}'.
+    KDA_PREFILL_PEER=0 skips the fla peer (its autotuning takes ~50 s per shape on the H200)."""
     base = json.loads(os.environ.get("KDA_PREFILL_TUNING") or "{}")
     names = os.environ.get("KDA_PREFILL_VARIANTS")
     picked = [v for v in variants if names is None or v[0] in names.split(",")]
@@ -100,8 +103,8 @@ def float64_block(x, params, cu: torch.Tensor | None):
 def _accuracy_case(batch: int, length: int, heads: int, lengths, dev: str):
     """A smaller problem of the same kind for the float64 check: inputs, cu_seqlens (device, cpu)."""
     if lengths is None:
-        return _inputs(min(batch, 2), min(length, 512), heads, dev), None, None
-    short = [min(n, 512) for n in lengths[:3]]
+        return _inputs(min(batch, 2), min(length, ACC_TOKENS), heads, dev), None, None
+    short = [min(n, ACC_TOKENS) for n in lengths[:2]]
     cu_cpu = torch.tensor([0, *torch.tensor(short).cumsum(0).tolist()], dtype=torch.int64)
     return _inputs(1, sum(short), heads, dev), cu_cpu.to(dev), cu_cpu
 
@@ -112,12 +115,19 @@ def ours_block(x, params, cu: torch.Tensor | None, cu_cpu: torch.Tensor | None, 
     return y, state
 
 
-def _errors(block, params, heads: int, batch: int, length: int, lengths) -> dict:
+def _accuracy_oracle(heads: int, batch: int, length: int, lengths) -> tuple:
+    """(params, inputs, cu_seqlens on the device and the CPU, float64 y and final state) of the accuracy case.
+    The oracle runs on the CPU: float64 batched triangular solves on the H200 faulted here (gVisor)."""
+    params = _params(heads, "cuda")
+    x, cu, cu_cpu = _accuracy_case(batch, length, heads, lengths, "cuda")
+    y64, s64 = float64_block([t.cpu() for t in x], [p.cpu() for p in params], cu_cpu)
+    return params, x, cu, cu_cpu, y64, s64
+
+
+def _errors(block, oracle: tuple) -> dict:
     """Relative errors of y and the final state against the float64 block, on the accuracy case."""
+    params, x, cu, cu_cpu, y64, s64 = oracle
     try:
-        x, cu, cu_cpu = _accuracy_case(batch, length, heads, lengths, "cuda")
-        # The oracle runs on the CPU: float64 batched triangular solves on the H200 faulted here (gVisor).
-        y64, s64 = float64_block([t.cpu() for t in x], [p.cpu() for p in params], cu_cpu)
         y, s = block(x, params, cu, cu_cpu)
         return {"y_rel_err": rel_err(y.cpu(), y64), "state_rel_err": rel_err(s.cpu(), s64)}
     except Exception:  # noqa: BLE001 - still time what runs
@@ -166,18 +176,20 @@ def _measure(label: str, impl: str, fn, nbytes: float, extra: dict, profile: boo
 
 
 def prefill_rows(shapes=SHAPES, variants=None) -> list[Row]:
-    """Per shape: ours (every variant), then the peer, each checked against the float64 block first."""
+    """The peer at every shape, then ours variant by variant (so that a variant that faults the device loses
+    only what follows it), each checked against the float64 block first and profiled per kernel (the
+    per-stage breakdown)."""
     variants = selected_variants() if variants is None else variants
     rows: list[Row] = []
+    peer = [("fla-core composition", fla_block)] if os.environ.get("KDA_PREFILL_PEER", "1") != "0" else []
+    runs = peer + [(f"ours({name})", partial(ours_block, **tuning))
+                                                     for name, tuning in variants]
     with torch.inference_mode():
-        for label, batch, length, heads, lengths in shapes:
-            params, x, cu, cu_cpu, nbytes = _case(batch, length, heads, lengths)
-            err = _errors(ours_block, params, heads, batch, length, lengths)
-            for i, (name, tuning) in enumerate(variants):
-                rows.append(_measure(label, f"ours({name})", partial(ours_block, x, params, cu, cu_cpu, **tuning),
-                                     nbytes, err, profile=i == 0))
-            err = _errors(fla_block, params, heads, batch, length, lengths)
-            rows.append(_measure(label, "fla-core composition", partial(fla_block, x, params, cu, cu_cpu), nbytes,
-                                 err, profile=True))
-            del x
+        oracles = [_accuracy_oracle(heads, batch, length, lengths) for _, batch, length, heads, lengths in shapes]
+        for impl, block in runs:
+            for (label, batch, length, heads, lengths), oracle in zip(shapes, oracles, strict=True):
+                params, x, cu, cu_cpu, nbytes = _case(batch, length, heads, lengths)
+                err = _errors(block, oracle)
+                rows.append(_measure(label, impl, partial(block, x, params, cu, cu_cpu), nbytes, err, profile=True))
+                del x
     return rows

@@ -42,19 +42,17 @@ def test_reference_prefill_matches_float64_token_by_token():
         torch.testing.assert_close(final_conv[n].double(), conv, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("fuse_output", "block_v", "k_block"), [(False, 16, None), (True, None, None),
-                                                                  (False, 16, 16)])
-def test_triton_prefill_matches_reference(interpreted, fuse_output, block_v, k_block):
-    """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states; both forms of
-    the chunk prologue (K-blocked: two 16-column blocks of D = 32)."""
-    case = CASE if k_block is None else KdaCase(heads=2, dim=32)
+@pytest.mark.parametrize(("block_v", "k_block"), [(16, 16), (None, 32)])
+def test_triton_prefill_matches_reference(interpreted, block_v, k_block):
+    """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states, D = 32: the
+    UT transform in one or two key-column blocks."""
+    case = KdaCase(heads=2, dim=32)
     gen = torch.Generator().manual_seed(12)
     params = case.params(gen)
     states, convs = case.pools(gen)
     x = case.tokens(gen, 2, 70)
     kwargs = {"initial_state": states[:2], "initial_conv": convs[:2]}
-    got = prefill_triton.kda_prefill_block(*x, *params, **kwargs, fuse_output=fuse_output, block_v=block_v,
-                                           k_block=k_block)
+    got = prefill_triton.kda_prefill_block(*x, *params, **kwargs, block_v=block_v, k_block=k_block)
     _close(got, naive.kda_prefill_block(*x, *params, **kwargs))
 
 
@@ -73,7 +71,7 @@ def test_triton_prefill_varlen_with_an_empty_sequence(interpreted):
     assert torch.equal(state[1], states[1]) and torch.equal(conv[1], convs[1])
 
 
-@pytest.mark.parametrize("k_block", [None, 16])
+@pytest.mark.parametrize("k_block", [16])
 def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted, k_block):
     """g = -5 on every channel: decay ratios span e^(+-80) inside a 16-token sub-block and must not
     overflow; no initial state or conv (zeros)."""
