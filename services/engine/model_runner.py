@@ -45,7 +45,7 @@ class ModelRunner:
         self.max_batch = max_batch
 
     def decode_fastpath(self, manager: PrefixCacheManager, tp_size: int) -> DecodeFastPath | None:
-        """The decode fast path over `manager`'s pool where it applies (CUDA, any TP degree; see fastpath_wanted)."""
+        """The decode fast path over `manager`'s pool where it applies (CUDA, any TP; see fastpath_wanted)."""
         if not fastpath_wanted(self.device, tp_size) or manager.store is None:
             return None
         return DecodeFastPath(self.model, manager, max_model_len=self.max_model_len, max_batch=self.max_batch)
