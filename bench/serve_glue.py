@@ -1,11 +1,11 @@
 """The fused decode-glue kernels (kernels/fused) on the device at the `mini` preset's decode shapes, each
-against its plain-torch reference composition (the peer): max |difference| and device time of both, and
-the two router forms (logits inside the kernel vs a cuBLAS float32 GEMM + the fused selection).
+against its plain-torch reference composition (the peer): max |difference| and device time of both.
 
     python -m bench.serve_glue [--tokens 1 64 256] [--out bench/results/serve_glue.json]
 
-The last line printed names the faster router form at 64 tokens (else the largest count measured):
-"router: fused" or "router: gemm"; bench/gpu_session.sh-style scripts export it as K3_DECODE_ROUTER for bench.serve.
+Device time: `reps` calls captured in one CUDA graph and replayed (as the fast path runs them): timing eager
+calls back to back measures the host's launch rate instead (the first version of this bench did, and its
+"fused us" were 20-80 us for kernels that take a few).
 """
 
 from __future__ import annotations
@@ -30,16 +30,21 @@ from kernels.fused import (
 )
 
 
-def device_us(fn: Callable[[], object], reps: int = 50) -> float:
+def device_us(fn: Callable[[], object], reps: int = 20) -> float:
     fn()
     if not torch.cuda.is_available():  # CPU dry run (TRITON_INTERPRET=1): wall time
         began = time.perf_counter()
         fn()
         return (time.perf_counter() - began) * 1e6
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(reps):
-        fn()
+    graph.replay()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / reps
@@ -59,7 +64,7 @@ def cases(tokens: int, gen: torch.Generator) -> dict[str, tuple[Callable, Callab
     x = torch.randn(tokens, hidden, device=dev, generator=gen).to(bf)
     router = torch.randn(experts, hidden, device=dev, generator=gen) / hidden ** 0.5
     bias = (torch.randn(experts, device=dev, generator=gen) * 0.1).to(bf)
-    weights, indices = naive.moe_router(x, router, bias, k)
+    weights, indices = naive.moe_route_logits(F.linear(x.float(), router), bias, k)
     rows = torch.randn(experts * tokens, latent, device=dev, generator=gen).to(bf)
     gemm_out = torch.randn(tokens, latent + 2 * shared_f, device=dev, generator=gen).to(bf)
     norm_w = torch.rand(latent, device=dev, generator=gen).to(bf) + 0.5
@@ -79,10 +84,8 @@ def cases(tokens: int, gen: torch.Generator) -> dict[str, tuple[Callable, Callab
         return target
 
     return {
-        "moe_router (fused logits)": (lambda: moe_router_triton.moe_router(x, router, bias, k),
-                                      lambda: naive.moe_router(x, router, bias, k)),
-        "moe_router (cuBLAS logits)": (lambda: moe_router_triton.moe_route_logits(F.linear(x.float(), router), bias, k),
-                                       lambda: naive.moe_router(x, router, bias, k)),
+        "moe_route_logits (+ GEMM)": (lambda: moe_router_triton.moe_route_logits(F.linear(x.float(), router), bias, k),
+                                      lambda: naive.moe_route_logits(F.linear(x.float(), router), bias, k)),
         "moe_align": (lambda: moe_align_triton.moe_align(indices, experts), lambda: naive.moe_align(indices, experts)),
         "moe_combine": (lambda: moe_combine_triton.moe_combine(*combine_args), lambda: naive.moe_combine(*combine_args)),
         "mla_latent_write": (lambda: write(mla_latent_write_triton, pools[0]), lambda: write(naive, pools[1])),
@@ -96,7 +99,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/serve_glue.json")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
-    rows, best = [], {}
+    rows = []
     print(f"{'kernel':<28} {'tokens':>6} {'max |diff|':>11} {'fused us':>9} {'torch us':>9} {'speedup':>8}")
     for tokens in args.tokens:
         for name, (fused, reference) in cases(tokens, gen).items():
@@ -106,12 +109,9 @@ def main() -> None:
                          "torch_us": torch_us})
             print(f"{name:<28} {tokens:>6} {diff:>11.3g} {fused_us:>9.1f} {torch_us:>9.1f} {torch_us / fused_us:>7.1f}x",
                   flush=True)
-            if name.startswith("moe_router") and (tokens == 64 or 64 not in args.tokens):
-                best[name] = fused_us  # decided at batch 64 (the serving bar's batch) when measured
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                                            "rows": rows}, indent=2))
-    print("router:", "fused" if best["moe_router (fused logits)"] <= best["moe_router (cuBLAS logits)"] else "gemm")
 
 
 if __name__ == "__main__":

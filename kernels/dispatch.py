@@ -47,7 +47,6 @@ attnres_merge_norm = _dispatcher("kernels.attnres.naive", "kernels.attnres.merge
 attnres_inter = _dispatcher("kernels.attnres.naive", "kernels.attnres.inter_triton", "attnres_inter")
 situ_glu_fused = _dispatcher("kernels.moe.naive", "kernels.moe.situ_glu_triton", "situ_glu_fused")
 latent_moe_decode = _dispatcher("kernels.moe.naive", "kernels.moe.latent_moe_decode_triton", "latent_moe_decode")
-moe_router = _dispatcher("kernels.fused.naive", "kernels.fused.moe_router_triton", "moe_router")
 moe_route_logits = _dispatcher("kernels.fused.naive", "kernels.fused.moe_router_triton", "moe_route_logits")
 moe_combine = _dispatcher("kernels.fused.naive", "kernels.fused.moe_combine_triton", "moe_combine")
 moe_align = _dispatcher("kernels.fused.naive", "kernels.fused.moe_align_triton", "moe_align")

@@ -11,19 +11,10 @@ from k3core.ops.norm import rms_norm
 ACTIVATIONS = ("situ", "swiglu")
 
 
-def moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
-               renormalize: bool = True, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] -> (weights [T, k] float32+, expert ids [T, k] int64): MoEGate's logits in float32 (or wider)
-    then `sigmoid_router` (sigmoid, + selection bias, top-k, weights from the unbiased scores, renormalise,
-    scale)."""
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    logits = x.to(dtype) @ weight.to(dtype).T
-    return sigmoid_router(logits, top_k, bias, renormalize, scaling)
-
-
 def moe_route_logits(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool = True,
                      scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe_router`'s selection on logits [T, E] computed elsewhere (float32)."""
+    """The sigmoid router's selection on float32 logits [T, E] (MoEGate's x.float() @ W^T): sigmoid, + bias,
+    top-k, weights from the unbiased scores, renormalise, scale (k3core's `sigmoid_router`)."""
     return sigmoid_router(logits, top_k, bias, renormalize, scaling)
 
 

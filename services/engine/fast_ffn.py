@@ -1,8 +1,8 @@
 """Feed-forward of the decode fast path: gated MLPs with one gate|up GEMM, and the latent MoE in a handful of
 launches (no per-expert loop, no host sync).
 
-Latent MoE at one step (`MoeDecode`): the router in one kernel (`dispatch.moe_router`: float32 logits,
-sigmoid, bias, top-k, renormalise, scale); one GEMM for everything that reads x (the routed down projection
+Latent MoE at one step (`MoeDecode`): the router's float32 logits by cuBLAS, then one selection kernel
+(`dispatch.moe_route_logits`: sigmoid, bias, top-k, renormalise, scale); one GEMM for everything that reads x (the routed down projection
 and the shared experts' gate|up); the routed experts (below); one kernel for the tail
 (`dispatch.moe_combine`: the picked expert rows weighted and summed, the latent RMSNorm, the shared experts'
 activation beside it); one GEMM of that against [W_up | W_shared_down] (a derived, refreshable copy), with
@@ -16,8 +16,6 @@ combine then reads only the picked (expert, token) rows.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -29,7 +27,6 @@ from kernels import dispatch
 from services.engine.derived_weights import DerivedWeights
 from services.engine.fast_attention import fuse_linears, linear_add, rms
 
-ROUTER_ENV = "K3_DECODE_ROUTER"  # "fused" (default): logits inside the router kernel; "gemm": cuBLAS logits
 ExpertRows = tuple[torch.Tensor, torch.Tensor, int, int]  # rows, index, index_stride, token_stride (moe_combine)
 
 
@@ -89,7 +86,6 @@ class MoeDecode:
         # Routing runs in float32 (MoEGate): cast once here (the weight itself in a float32 model).
         self.router = self.derived.derive(lambda: moe.gate.weight.float())
         self.activation = "situ" if config.hidden_act == "situ" else "swiglu"
-        self.router_gemm = os.environ.get(ROUTER_ENV, "fused") == "gemm"
 
     def _expert_rows_dense(self, z: torch.Tensor, indices: torch.Tensor) -> ExpertRows:
         """Every expert on every token: [E*T, l] rows, token t's pick of expert e at row e*T + t."""
@@ -120,13 +116,10 @@ class MoeDecode:
         return dispatch.moe_combine(rows, index, weights, index_stride, token_stride, out_dtype=weights.dtype)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, expert ids [T, k]): one fused kernel, or a cuBLAS float32 GEMM and the
-        fused selection (K3_DECODE_ROUTER=gemm; bench/serve.py measures both)."""
+        """(weights [T, k] float32, expert ids [T, k]): float32 logits by cuBLAS, then one selection kernel."""
         moe = self.moe
-        args = (moe.gate.e_score_correction_bias, moe.top_k, moe.renormalize, moe.scaling)
-        if self.router_gemm:
-            return dispatch.moe_route_logits(F.linear(x.float(), self.router), *args)
-        return dispatch.moe_router(x, self.router, *args)
+        return dispatch.moe_route_logits(F.linear(x.float(), self.router), moe.gate.e_score_correction_bias,
+                                         moe.top_k, moe.renormalize, moe.scaling)
 
     def _dense(self, tokens: int) -> bool:
         """Dense over all experts when every expert is likely touched anyway and the extra FLOPs stay under
