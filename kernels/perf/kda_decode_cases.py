@@ -66,8 +66,8 @@ def _fla_decode(params, x, pool, conv_dense, slots):
 @dataclass(frozen=True)
 class DecodeVariant:
     """One build of the decode-step kernel (decode_step_triton.py): block_v value columns per program (128:
-    the whole state; fewer: D // block_v programs per head, the last to arrive normalises), warps, and the
-    cache hints on the state's load (evict_first) and store (.cs)."""
+    the whole state; fewer: D // block_v programs per head, the last to arrive normalises), warps, the cache
+    hints on the state's load (evict_first) and store (.cs), and the grid order (heads first: (H, B))."""
 
     warps: int = 4
     block_v: int = 128
@@ -87,9 +87,10 @@ class DecodeVariant:
                                                    self.heads_first)
 
 
-# This round's earlier runs measured (B=64 / 256, % copy): value splits block_v 64 / 32 / 16 (4 and 8 warps)
+# Measured and dropped from the sweep (docs/kernels.md history 14; B=64 / 256, % copy): value splits 64 / 32 / 16
+# (4 and 8 warps)
 # 41-72 / 39-71, 8 warps 43 / 42, persistent programs (2 per SM, next slot prefetched) 81 / 78, with
-# Triton-staged states (2-3 stages in shared memory) 34-54 / 35-56: dropped from the sweep.
+# Triton-staged states (2-3 stages in shared memory) 34-54 / 35-56.
 DECODE_VARIANTS = (DecodeVariant(), DecodeVariant(evict_first=False, stream_store=False),
                    DecodeVariant(stream_store=False), DecodeVariant(evict_first=False), DecodeVariant(heads_first=True),
                    DecodeVariant(heads_first=True, evict_first=False, stream_store=False))
