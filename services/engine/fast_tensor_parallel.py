@@ -164,7 +164,8 @@ def _local_moe(moe: nn.Module) -> nn.Module:
 
 def _without_collectives(module: nn.Module, **children: nn.Module | None) -> nn.Module:
     """`_shallow(module)` with every direct child that is a collective wrapper replaced by what it wraps."""
-    unwrapped = {name: child.inner for name, child in module._modules.items() if isinstance(child, _COLLECTIVES)}
+    unwrapped = {name: child.inner for name, child in module._modules.items()
+                 if isinstance(child, _COLLECTIVES)}
     return _shallow(module, **unwrapped, **children)
 
 

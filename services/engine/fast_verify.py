@@ -101,6 +101,6 @@ class FastVerify:
         with _windowed_kda(structure):
             logits = fast.decoder.forward(fast.builder.view(host.to(fast.device), len(rows)))
         if len(structure.inputs) != len(self.kda_layers):  # a fast form that bypassed the dispatch entry
-            raise RuntimeError(f"the verify forward ran {len(structure.inputs)} of {len(self.kda_layers)} KDA "
-                               "layers as windows: the others advanced their states row by row")
+            raise RuntimeError(f"the verify forward ran {len(structure.inputs)} of {len(self.kda_layers)} "
+                               "KDA layers as windows: the others advanced their states row by row")
         return logits.float(), structure.inputs

@@ -170,7 +170,7 @@ class Verifier:
         self.device = torch.device(device)
         self.tp_size = tp_size
         self.capture = ProjectionCapture(target)
-        self.fast = FastVerify(fastpath, target) if fastpath is not None else None  # the decode fast path's forms
+        self.fast = FastVerify(fastpath, target) if fastpath is not None else None  # the fast path's forms
 
     @torch.no_grad()
     def verify(self, items: list[ForwardItem]) -> Verification:
@@ -181,7 +181,8 @@ class Verifier:
         if self.fast is not None and self.fast.supports(requests):
             logits, inputs = self.fast.forward(requests, [f.token_ids for f in items])
         else:
-            tokens = torch.tensor([t for f in items for t in f.token_ids], dtype=torch.long, device=self.device)
+            tokens = torch.tensor([t for f in items for t in f.token_ids], dtype=torch.long,
+                                  device=self.device)
             with self.capture.capturing():
                 logits = self.target(tokens, view, logits_for="all").float()
             inputs = self.capture.inputs

@@ -1,5 +1,5 @@
-"""The decode fast path at tensor-parallel degree > 1 (services/engine/fast_tensor_parallel.py), on the CPU with
-gloo, every rank its own OS process.
+"""The decode fast path at tensor-parallel degree > 1 (services/engine/fast_tensor_parallel.py), on the CPU
+with gloo, every rank its own OS process.
 
 Oracles: (1) one decode step from the same pool bytes on every rank of a TP group: the fast step writes the
 bytes the reference TP step writes (and no others) and gives its logits; the rank's KDA heads equal the
@@ -40,9 +40,9 @@ class RankPool:
     reference layers and one more token reserved for each."""
 
     def __init__(self, tp: int, rank: int, model: str = "nano"):
-        config = WorkerConfig.load("decode", ["--model", model, "--model-overrides", json.dumps(OVERRIDES),
-                                              "--tp-size", str(tp),
-                                              "--hash-block-tokens", str(HASH_BLOCK), "--num-pages", "64"], env={})
+        flags = ["--model", model, "--model-overrides", json.dumps(OVERRIDES), "--tp-size", str(tp),
+                 "--hash-block-tokens", str(HASH_BLOCK), "--num-pages", "64"]
+        config = WorkerConfig.load("decode", flags, env={})
         self.model = build_model(config, rank)
         self.manager = PrefixCacheManager(config.pool_layout(), config.num_pages, device="cpu")
         self.runner = ModelRunner(self.model, "cpu", max_model_len=256)
@@ -69,7 +69,8 @@ class RankPool:
 
     def pages(self) -> list[int]:
         reqs = [self.manager.requests[r] for r in self.rids]
-        return sorted({p for r in reqs for p in r.state_pages} | {p for r in reqs for b in r.blocks for p in b.pages})
+        return sorted({p for r in reqs for p in r.state_pages}
+                      | {p for r in reqs for b in r.blocks for p in b.pages})
 
 
 # nano: latent MoE with its norm, Block AttnRes, full-rank KDA gate, gated MLA with q LoRA; nano-kl (the Kimi
@@ -100,8 +101,8 @@ def _check_model(model: str, rank: int, tp: int) -> None:
     ref_logits = ours.reference_step()
     torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-4, atol=1e-4)
     touched = ours.pages()
-    torch.testing.assert_close(fast_bytes[touched].view(torch.float32), ours.data[touched].view(torch.float32),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fast_bytes[touched].view(torch.float32),
+                               ours.data[touched].view(torch.float32), rtol=1e-4, atol=1e-4)
     scratch = {ours.fastpath.builder.scratch_kda, ours.fastpath.builder.scratch_mla}
     rest = [p for p in range(ours.manager.pool.num_pages) if p not in touched and p not in scratch]
     assert torch.equal(fast_bytes[rest], before[rest])  # no other page (another rank's heads: none here)
@@ -110,8 +111,8 @@ def _check_model(model: str, rank: int, tp: int) -> None:
 
 
 def _check_against_tp1(ours: RankPool, fast_logits: torch.Tensor, rank: int, tp: int, model: str) -> None:
-    """The rank's shard of the fast step equals the unsharded model's reference step (its own TP 1 pool), up to
-    the rounding of differently split GEMMs and sums (the residual stream differs in the last bits)."""
+    """The rank's shard of the fast step equals the unsharded model's reference step (its own TP 1 pool), up
+    to the rounding of differently split GEMMs and sums (the residual stream differs in the last bits)."""
     full = RankPool(1, 0, model)
     torch.testing.assert_close(fast_logits, full.reference_step(), rtol=1e-4, atol=1e-4)
     view, full_view = ours.manager.batch_view(ours.rids), full.manager.batch_view(full.rids)
@@ -136,7 +137,8 @@ def test_one_fast_step_writes_the_reference_tp_steps_bytes(tp, monkeypatch):
 
 
 GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-SELF_DRAFT = ("--draft-model", "nano", "--draft-model-overrides", json.dumps(OVERRIDES), "--num-speculative-tokens", "3")
+SELF_DRAFT = ("--draft-model", "nano", "--draft-model-overrides", json.dumps(OVERRIDES),
+              "--num-speculative-tokens", "3")
 
 
 @pytest.fixture(scope="module")
@@ -153,11 +155,13 @@ def fast_workers(tmp_path_factory, transfer):
 @pytest.mark.parametrize("tp", [2, 4])
 async def test_fast_path_worker_streams_the_offline_greedy_tokens(fast_workers, tp):
     reference = build_reference("nano", OVERRIDES)
-    options = GenerationOptions.from_proto(GREEDY, vocab_size=reference.config.vocab_size, max_tokens_limit=999)
+    options = GenerationOptions.from_proto(GREEDY, vocab_size=reference.config.vocab_size,
+                                           max_tokens_limit=999)
     prompt = [(5 * j + tp) % 250 + 1 for j in range(21)]
     chunks = await generate(fast_workers[tp].address, f"fast{tp}", prompt, GREEDY)
     assert [t for c in chunks for t in c.token_ids] == offline_generate(reference, prompt, options)
     if tp == 2:  # with a draft: verify windows (fast_verify) between the plain decode steps
-        text = urllib.request.urlopen(f"http://{fast_workers[tp].info['metrics_address']}/metrics").read().decode()
+        address = fast_workers[tp].info["metrics_address"]
+        text = urllib.request.urlopen(f"http://{address}/metrics").read().decode()
         assert "k3_decode_spec_acceptance_rate 1.0" in text  # the target is its own draft
         assert any(len(c.token_ids) > 1 for c in chunks)

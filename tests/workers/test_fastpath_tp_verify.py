@@ -92,7 +92,8 @@ def test_one_fast_verify_through_the_triton_launchers_under_the_interpreter():
     """The GPU form (fused recurrence with n_commit=0, paged MLA per row, fused MoE and glue kernels)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "K3_DECODE_FASTPATH": "1", "PYTHONPATH": str(ROOT)}
-    code = "from tests.workers.test_fastpath_tp_verify import _check_one_verify; _check_one_verify(0, 1, 0, True)"
+    code = ("from tests.workers.test_fastpath_tp_verify import _check_one_verify; "
+            "_check_one_verify(0, 1, 0, True)")
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -104,7 +105,8 @@ def test_engine_with_a_draft_verifies_on_the_fast_path(monkeypatch):
     monkeypatch.setenv("K3_DECODE_FASTPATH", "1")
     calls = []
     forward = fast_verify.FastVerify.forward
-    monkeypatch.setattr(fast_verify.FastVerify, "forward", lambda self, *a: calls.append(1) or forward(self, *a))
+    monkeypatch.setattr(fast_verify.FastVerify, "forward",
+                        lambda self, *args: calls.append(1) or forward(self, *args))
     run = run_engine(*SELF_DRAFT, "--num-speculative-tokens", "3")
     assert calls  # the verify forwards ran on the fast path
     assert run.accepted == run.proposed > 0  # the target is its own draft: the fast verify agrees with it
