@@ -74,7 +74,8 @@ def main() -> None:
     if args.check and rank.fast is not None:
         result["fast_path_check"] = check_fast_path(rank)
     for batch in args.profile if rank.fast is not None else []:
-        profile_forward(rank, batch, args.contexts[0])
+        result.setdefault("profile", []).append(profile_forward(rank, batch, args.contexts[0]))
+        save(args.out, result)
     for context in args.contexts:
         for batch in args.batches:
             if time.perf_counter() - began > args.time_limit:

@@ -83,8 +83,9 @@ SWEEP_HEADER = (f"{'batch':>6} {'context':>8} {'step ms':>9} {'fwd ms':>8} {'tok
                 f"{'of roof':>8} {'replay ms':>10} {'replay/roof':>10}")
 
 
-def profile_forward(rank: Rank, batch: int, context: int) -> None:
-    """Kernel time by name of one eager fast-path forward (printed): where the step's device time goes."""
+def profile_forward(rank: Rank, batch: int, context: int) -> dict:
+    """Kernel time by name of one eager fast-path forward (printed, and returned for the JSON): where the
+    step's device time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     rids = [f"prof-{i}" for i in range(batch)]
@@ -112,8 +113,12 @@ def profile_forward(rank: Rank, batch: int, context: int) -> None:
         sync()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total = sum(e.device_time_total for e in events)
-    print(f"profile batch {batch} ctx {context}: {sum(e.count for e in events)} kernels, {total / 1e3:.2f} ms device")
-    for e in sorted(events, key=lambda e: -e.device_time_total)[:40]:
+    kernels = sum(e.count for e in events)
+    print(f"profile batch {batch} ctx {context}: {kernels} kernels, {total / 1e3:.2f} ms device")
+    top = sorted(events, key=lambda e: -e.device_time_total)[:40]
+    for e in top:
         print(f"  {e.device_time_total / 1e3:7.3f} ms {e.count:5d}x  {e.key[:90]}")
     rank.end_step(rids)
     rank.finish(rids)
+    return {"batch": batch, "context": context, "kernels": kernels, "device_ms": total / 1e3, "experts_touched": touched,
+            "top": [{"ms": e.device_time_total / 1e3, "count": e.count, "name": e.key[:120]} for e in top]}
