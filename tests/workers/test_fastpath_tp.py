@@ -4,7 +4,8 @@ with gloo, every rank its own OS process.
 Oracles: (1) one decode step from the same pool bytes on every rank of a TP group: the fast step writes the
 bytes the reference TP step writes (and no others) and gives its logits; the rank's KDA heads equal the
 matching heads of the TP 1 model's step on its own pool, its MLA latents the TP 1 latents, its logits the
-TP 1 logits. (2) Real decode worker processes at TP 2 (with the target as its own draft: speculative verify
+TP 1 logits; one speculative verify through the fast path (`fast_verify`) equals the reference verify.
+(2) Real decode worker processes at TP 2 (with the target as its own draft: speculative verify
 windows through `fast_verify` too) and TP 4 with K3_DECODE_FASTPATH=1 stream k3core's offline greedy
 tokens through the whole engine.
 """
@@ -21,10 +22,13 @@ import torch.multiprocessing as mp
 
 from k3.v1 import common_pb2
 from k3core.cache.manager import PrefixCacheManager
+from kernels import dispatch
 from services.engine.config import WorkerConfig
 from services.engine.fast_tensor_parallel import ShardedMoe, graph_capturable
 from services.engine.model_runner import ModelRunner, build_model
 from services.engine.params import GenerationOptions
+from services.engine.plan import ForwardItem
+from services.engine.verify_replay import Verifier, replay_accepted
 from services.runtime.ports import free_port
 from tests.workers.client import generate
 from tests.workers.cluster import HASH_BLOCK, OVERRIDES, make, running, worker_args
@@ -85,6 +89,7 @@ def _check_one_step(rank: int, tp: int, port: int) -> None:
     try:
         for model in MODELS:
             _check_model(model, rank, tp)
+        check_one_verify(rank, tp)  # the same ranks, while they are up (process start costs more than it)
     finally:
         dist.destroy_process_group()
 
@@ -130,8 +135,51 @@ def _check_against_tp1(ours: RankPool, fast_logits: torch.Tensor, rank: int, tp:
                                        rtol=1e-3, atol=1e-4)
 
 
+WINDOWS = [4, 1, 5, 1, 3]  # within each request's hash block (prompt lengths 5, 15, 16, 31, 1)
+COUNTS = [2, 1, 5, 1, 1]  # tokens each window keeps: partial, whole and none of the drafts
+
+
+def check_one_verify(rank: int, tp: int, triton: bool = False) -> None:
+    """One verify of speculative windows through the fast path (`fast_verify`) against the reference verify
+    from the same pool bytes: logits, captured KDA inputs, bytes after the forward and after a partial
+    replay. triton: through the Triton launchers (CPU tensors: under TRITON_INTERPRET=1)."""
+    pool = RankPool(tp, rank)
+    manager, model = pool.manager, pool.model
+    items = []
+    for i, (rid, window) in enumerate(zip(pool.rids, WINDOWS, strict=True)):
+        drafts = [(13 * i + 5 * j) % 250 + 1 for j in range(window - 1)]
+        manager.append_tokens(rid, drafts)
+        manager.reserve(rid, window)
+        items.append(ForwardItem(rid, manager.requests[rid].tokens[-window:], True))
+    fast, plain = Verifier(model, manager, "cpu", tp, pool.fastpath), Verifier(model, manager, "cpu", tp)
+    before = pool.data.clone()
+    with pytest.MonkeyPatch.context() as patch:
+        if triton:
+            patch.setattr(dispatch, "use_triton", lambda *tensors: True)
+        fast_run = fast.verify(items)
+    fast_bytes = pool.data.clone()
+    pool.data.copy_(before)
+    plain_run = plain.verify(items)
+    for got, want in zip(fast_run.logits, plain_run.logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert sorted(fast_run.inputs) == sorted(plain_run.inputs)
+    for layer, tensors in plain_run.inputs.items():
+        for got, want in zip(fast_run.inputs[layer], tensors, strict=True):
+            torch.testing.assert_close(got, want.reshape(got.shape), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fast_bytes.view(torch.float32), pool.data.view(torch.float32), rtol=1e-4,
+                               atol=1e-4)  # latent rows of every window token; no state written
+    plain_bytes = pool.data.clone()
+    for run, start in ((plain_run, plain_bytes), (fast_run, fast_bytes)):
+        pool.data.copy_(start)
+        replay_accepted(plain.capture.layers, run.inputs, run.view.inner, WINDOWS, COUNTS)
+        start.copy_(pool.data)
+    torch.testing.assert_close(fast_bytes.view(torch.float32), plain_bytes.view(torch.float32), rtol=1e-4,
+                               atol=1e-4)
+    assert not torch.equal(plain_bytes, before)  # the replay did advance the states
+
+
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: ~35 s on the shared 2 cores
-def test_one_fast_step_writes_the_reference_tp_steps_bytes(tp, monkeypatch):
+def test_one_fast_step_and_verify_write_the_reference_tp_bytes(tp, monkeypatch):
     monkeypatch.setenv("K3_DECODE_FASTPATH", "1")
     mp.spawn(_check_one_step, args=(tp, free_port()), nprocs=tp)
 
