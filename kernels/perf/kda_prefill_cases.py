@@ -185,11 +185,13 @@ def prefill_rows(shapes=SHAPES, variants=None) -> list[Row]:
     runs = peer + [(f"ours({name})", partial(ours_block, **tuning))
                                                      for name, tuning in variants]
     with torch.inference_mode():
-        oracles = [_accuracy_oracle(heads, batch, length, lengths) for _, batch, length, heads, lengths in shapes]
+        oracles = [_accuracy_oracle(heads, batch, length, lengths) for _, batch, length, heads, lengths
+                   in shapes]
         for impl, block in runs:
             for (label, batch, length, heads, lengths), oracle in zip(shapes, oracles, strict=True):
                 params, x, cu, cu_cpu, nbytes = _case(batch, length, heads, lengths)
                 err = _errors(block, oracle)
-                rows.append(_measure(label, impl, partial(block, x, params, cu, cu_cpu), nbytes, err, profile=True))
+                fn = partial(block, x, params, cu, cu_cpu)
+                rows.append(_measure(label, impl, fn, nbytes, err, profile=True))
                 del x
     return rows
