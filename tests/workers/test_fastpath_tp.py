@@ -82,25 +82,29 @@ class RankPool:
 MODELS = ("nano", "nano-kl")
 
 
-def _check_one_step(rank: int, tp: int, port: int) -> None:
-    """Runs in each rank's process (raises on a mismatch; the parent re-raises it)."""
+def _check_one_step(rank: int, tp: int, port: int, triton: bool = False) -> None:
+    """Runs in each rank's process (raises on a mismatch; the parent re-raises it). triton: the fast forms
+    through the Triton launchers (under TRITON_INTERPRET=1), for nano only."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     try:
-        for model in MODELS:
-            _check_model(model, rank, tp)
-        check_one_verify(rank, tp)  # the same ranks, while they are up (process start costs more than it)
+        for model in MODELS[:1] if triton else MODELS:
+            _check_model(model, rank, tp, triton)
+        check_one_verify(rank, tp, triton)  # the same ranks, while they are up (process start costs more than it)
     finally:
         dist.destroy_process_group()
 
 
-def _check_model(model: str, rank: int, tp: int) -> None:
+def _check_model(model: str, rank: int, tp: int, triton: bool = False) -> None:
     ours = RankPool(tp, rank, model)
     moe_forms = [f for f in ours.fastpath.decoder.ffn if isinstance(f, ShardedMoe)]
     assert len(moe_forms) == sum(layer.is_moe for layer in ours.model.model.layers) > 0
     assert not graph_capturable(ours.model)  # gloo collectives: never inside a CUDA graph
     before = ours.data.clone()
-    fast_logits = ours.fast_step()
+    with pytest.MonkeyPatch.context() as patch:
+        if triton:
+            patch.setattr(dispatch, "use_triton", lambda *tensors: True)
+        fast_logits = ours.fast_step()
     fast_bytes = ours.data.clone()
     ours.data.copy_(before)
     ref_logits = ours.reference_step()
@@ -182,6 +186,15 @@ def check_one_verify(rank: int, tp: int, triton: bool = False) -> None:
 def test_one_fast_step_and_verify_write_the_reference_tp_bytes(tp, monkeypatch):
     monkeypatch.setenv("K3_DECODE_FASTPATH", "1")
     mp.spawn(_check_one_step, args=(tp, free_port()), nprocs=tp)
+
+
+@pytest.mark.slow  # ~80 s: every Triton program of a step and a verify interpreted, on 4 ranks
+def test_tp4_ranks_through_the_triton_launchers_under_the_interpreter(monkeypatch):
+    """The GPU forms at one KDA head and one MLA head per rank, against the same oracles."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("K3_DECODE_FASTPATH", "1")
+    mp.spawn(_check_one_step, args=(4, free_port(), True), nprocs=4)
 
 
 GREEDY = common_pb2.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
