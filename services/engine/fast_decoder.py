@@ -1,9 +1,11 @@
 """The whole decode forward of a K3Model on the paged pool, every layer through its fast form.
 
 Same wiring as `K3Model.forward` (embedding, Block AttnRes or a plain residual, final norm, LM head), but:
-attention through `fast_attention`, feed-forward through `fast_ffn`, and each AttnRes site's phase 2 fused
-with the sublayer's input RMSNorm (`dispatch.attnres_merge_norm`). Inputs are a `DecodeInputs` whose
-shapes depend on the batch size only, so one forward can be captured in a CUDA graph.
+attention through `fast_attention`, feed-forward through `fast_ffn`, AttnRes phase 1 per block through
+`dispatch.attnres_inter`, and each AttnRes site's phase 2 fused with the sublayer's input RMSNorm
+(`dispatch.attnres_merge_norm`); the final site is the same pair of kernels, merged with the final norm.
+Inputs are a `DecodeInputs` whose shapes depend on the batch size only, so one forward can be captured in a
+CUDA graph.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import torch
 
 from k3core.layers.kda import KimiDeltaAttention
 from k3core.model import K3Model
-from k3core.ops.attnres import attnres_direct, attnres_inter
 from kernels import dispatch
 from services.engine.decode_inputs import DecodeInputs
 from services.engine.derived_weights import DerivedWeights
@@ -61,8 +62,8 @@ class FastDecoder:
         """Logits [B, V] (model dtype) of the one new token of every row."""
         backbone = self.model.model
         h = backbone.embed_tokens(inp.tokens)
-        h = self._attn_res(h, inp) if self.config.uses_attn_res else self._residual(h, inp)
-        return self.model.lm_head(rms(backbone.norm, h))
+        normed = self._attn_res(h, inp) if self.config.uses_attn_res else rms(backbone.norm, self._residual(h, inp))
+        return self.model.lm_head(normed)
 
     def _sublayer(self, kind: int, i: int, x: torch.Tensor, residual: torch.Tensor | None,
                   *args: DecodeInputs) -> torch.Tensor:
@@ -81,13 +82,14 @@ class FastDecoder:
         return h
 
     def _attn_res(self, h: torch.Tensor, inp: DecodeInputs) -> torch.Tensor:
+        """Block AttnRes over the layers -> the final site's output after the final RMSNorm (normed [B, D])."""
         config, layers = self.config, self.model.model.layers
         size, eps = config.attn_res_block_size, config.rms_norm_eps
         blocks, partial = [h], None
         for i, layer in enumerate(layers):
             if i % size == 0:
-                inter = attnres_inter(self.block_queries[i // size], torch.stack(blocks),
-                                      self.block_key_norms[i // size], eps)
+                inter = dispatch.attnres_inter(self.block_queries[i // size], torch.stack(blocks),
+                                               self.block_key_norms[i // size], eps)
                 inter.acc = inter.acc.contiguous()  # the merge kernel reads each site's rows densely
             sublayers = ((layer.attn_res["attn"], layer.input_layernorm, (inp,)),
                          (layer.attn_res["mlp"], layer.post_attention_layernorm, ()))
@@ -102,5 +104,11 @@ class FastDecoder:
                 partial = None
         if partial is not None:
             blocks.append(partial)
-        final = self.model.model.attn_res_final
-        return attnres_direct(final.query, torch.stack(blocks), final.norm.weight, eps)
+        # The final site: the same two kernels with no partial sum, its merge fused with the final norm.
+        final, norm = self.model.model.attn_res_final, self.model.model.norm
+        stats = dispatch.attnres_inter(final.query.unsqueeze(0), torch.stack(blocks), final.norm.weight.unsqueeze(0),
+                                       eps).row(0)
+        _, normed = dispatch.attnres_merge_norm(stats.max, stats.denom, stats.acc, final.query, None, norm.weight,
+                                                key_norm_weight=final.norm.weight, key_eps=eps, out_eps=norm.eps,
+                                                out_dtype=h.dtype)
+        return normed
