@@ -1,18 +1,26 @@
-"""Latent-MoE routed-expert decode with MXFP4 weights on the H200 (GPU only)."""
+"""Latent-MoE routed-expert decode with MXFP4 weights on the H200 (GPU only).
+
+    python -m kernels.perf.moe_cases [--variants all]   # sweep: prints the table and per-kernel times
+"""
 
 from __future__ import annotations
 
+import argparse
 from functools import partial
 
 import torch
 
 from k3core.quant.mxfp4 import BLOCK, dequantize, quantize
 from kernels.moe import latent_moe_decode_triton, naive
-from kernels.perf.harness import Row, rel_err, time_ms
+from kernels.perf.harness import Row, copy_bandwidth, rel_err, time_ms
 
 E, L, F, TOP_K = 256, 2048, 1024, 16
-VARIANTS = ((16, 1024, 4, 2),)  # rows, cols, warps, row blocks per program
-
+# gate/up rows, cols, warps, stages, h parts (None: x's precision), down rows, cols (None: as gate/up)
+VARIANTS = ((128, 128, 4, 3, None, None, None), (64, 256, 4, 3, None, None, None),
+            (128, 128, 4, 3, None, 32, 512), (32, 512, 4, 3, None, 32, 512))
+SWEEP = VARIANTS + ((128, 128, 4, 3, 2, None, None), (64, 128, 4, 3, None, None, None),
+                    (128, 128, 4, 3, None, 64, 256))
+MAX_REL_ERR = 1e-2  # a variant further than this from the float32 oracle is wrong, whatever its time
 
 def _experts(dev: str = "cuda"):
     # Quantise in chunks of experts: the float32 copy of all of them at once would be large.
@@ -24,6 +32,7 @@ def _experts(dev: str = "cuda"):
 
 
 def expert_bytes(ids: torch.Tensor) -> float:
+    """Packed weights + scales of every distinct expert, each read once per step."""
     per_expert = 2 * F * L // 2 + 2 * F * L // BLOCK + L * F // 2 + L * F // BLOCK
     return float(ids.unique().numel() * per_expert)
 
@@ -40,7 +49,25 @@ def _torch_peer(x, ids, weights, packs):
     return (y.reshape(*ids.shape, L) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
-def moe_rows(batches: tuple[int, ...] = (1, 4, 16), variants: tuple = VARIANTS) -> list[Row]:
+def _kernel_us(fn, calls: int = 20) -> dict[str, float | str]:
+    """Device time per call of each kernel `fn` launches (torch profiler), in microseconds."""
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        return {e.key: round(e.device_time_total / calls, 2) for e in prof.key_averages() if e.device_time_total > 0}
+    except Exception as e:  # noqa: BLE001 - the breakdown is a diagnostic; the timing stands without it
+        return {"profiler_error": repr(e)[-200:]}
+
+
+def _label(br: int, bc: int, nw: int, ns: int, hp: int | None, dr: int | None, dc: int | None) -> str:
+    down = f",down={dr}x{dc}" if dr or dc else ""
+    return f"ours({br}x{bc},w={nw},st={ns},h_parts={hp or 'auto'}{down})"
+
+
+def moe_rows(batches: tuple[int, ...] = (1, 4, 16), variants: tuple = VARIANTS, peer: bool = True,
+             on_row=lambda row: None) -> list[Row]:
     rows: list[Row] = []
     packs = _experts()
     for T in batches:
@@ -50,15 +77,44 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), variants: tuple = VARIANTS) 
         # Two tokens share an expert in every batch > 1, so the expert-centric sharing is always checked.
         if T > 1:
             ids[1, 0] = ids[0, 0]
-        ref = naive.latent_moe_decode(x, ids, weights, *packs)
+        ref = naive.latent_moe_decode(x.float(), ids, weights, *packs)  # float32 h and output: the oracle
         shape = f"T={T},E={E},k={TOP_K},l={L},F={F},mxfp4"
-        for br, bc, nw, rb in variants:
-            tuning = {"block_rows": br, "block_cols": bc, "num_warps": nw, "row_blocks": rb}
-            err = rel_err(latent_moe_decode_triton.latent_moe_decode(x, ids, weights, *packs, **tuning), ref)
-            ms, how = time_ms(partial(latent_moe_decode_triton.latent_moe_decode, x, ids, weights, *packs,
-                                      **tuning))
-            rows.append(Row("latent_moe_decode", shape, f"ours(rows={br}x{rb},cols={bc},w={nw})", ms, expert_bytes(ids),
-                            note=how, extra={"rel_err_vs_reference": err}))
-        ms, how = time_ms(partial(_torch_peer, x, ids, weights, packs), inner=5, reps=10)
-        rows.append(Row("latent_moe_decode", shape, "torch dequantize+bmm", ms, expert_bytes(ids), note=how))
+        for br, bc, nw, ns, hp, dr, dc in variants:
+            tuning = {"block_rows": br, "block_cols": bc, "num_warps": nw, "num_stages": ns, "h_parts": hp,
+                      "down_block_rows": dr, "down_block_cols": dc}
+            call = partial(latent_moe_decode_triton.latent_moe_decode, x, ids, weights, *packs, **tuning)
+            try:
+                err = rel_err(call(), ref)
+                ms, how = time_ms(call)
+                extra = {"rel_err_vs_reference": err, "kernel_us": _kernel_us(call)}
+                if not err <= MAX_REL_ERR:  # wrong results never count as the fastest variant
+                    ms, how = float("nan"), f"WRONG: rel err {err:.1e}"
+            except Exception as e:  # noqa: BLE001 - a variant that does not build must not hide the others
+                ms, how, extra = float("nan"), f"failed: {e!r}"[-300:], {}
+            rows.append(Row("latent_moe_decode", shape, _label(br, bc, nw, ns, hp, dr, dc), ms, expert_bytes(ids),
+                            note=how, extra=extra))
+            on_row(rows[-1])
+        if peer:
+            ms, how = time_ms(partial(_torch_peer, x, ids, weights, packs), inner=5, reps=10)
+            rows.append(Row("latent_moe_decode", shape, "torch dequantize+bmm", ms, expert_bytes(ids), note=how))
     return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="MoE decode variant sweep")
+    parser.add_argument("--variants", choices=("default", "all"), default="all")
+    args = parser.parse_args()
+    copy_bps = copy_bandwidth()
+    print(f"copy {copy_bps / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}")
+
+    def show(r: Row) -> None:
+        frac = r.bytes / (r.ms * 1e-3) / copy_bps
+        err = r.extra.get("rel_err_vs_reference", float("nan"))
+        print(f"{r.shape:<36} {r.impl:<44} {r.ms * 1e3:8.1f} us {100 * frac:5.1f} % err {err:.1e} "
+              f"{r.extra.get('kernel_us', r.note)}", flush=True)
+
+    moe_rows(variants=SWEEP if args.variants == "all" else VARIANTS, peer=False, on_row=show)
+
+
+if __name__ == "__main__":
+    main()

@@ -38,13 +38,36 @@ def test_moe_reference_matches_float64_math():
 
 
 def test_triton_moe_decode_matches_reference(interpreted):
-    """Experts shared by both tokens are streamed once (expert-centric) and still serve each token."""
+    """Experts shared by both tokens are streamed once (expert-centric) and still serve each token; float32
+    x enters the bf16 products as 3 bf16 parts, so the result keeps float32 accuracy."""
     case = _moe_case(1)
     shared = set(case[1][0].tolist()) & set(case[1][1].tolist())
     assert len(shared) >= 2
-    # 2 column blocks per row, 2 row blocks per program: the double-buffered walk crosses both.
-    out = latent_moe_decode_triton.latent_moe_decode(*case, block_cols=32, block_rows=8, row_blocks=2)
+    # 2 column steps over l and 2 row blocks over F (gate/up); 2 row blocks over l (down, its own tile).
+    out = latent_moe_decode_triton.latent_moe_decode(*case, block_cols=32, block_rows=16, down_block_rows=32)
     torch.testing.assert_close(out, moe_naive.latent_moe_decode(*case), rtol=1e-5, atol=1e-5)
+
+
+def test_triton_moe_decode_bf16_activations(interpreted):
+    """bf16 x (one bf16 part, h rounded to bf16 like x) against the float32 reference of the same x."""
+    x, ids, w, *packs = _moe_case(3)
+    x = x.bfloat16()
+    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, block_cols=32, block_rows=16)
+    ref = moe_naive.latent_moe_decode(x.float(), ids, w, *packs)
+    assert out.dtype == torch.bfloat16
+    assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-2
+
+
+def test_triton_moe_decode_expert_with_more_tokens_than_a_token_block(interpreted):
+    """19 of 20 tokens pick expert 0: its program serves them in two passes of 16 slots."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(20, L, generator=gen)
+    ids = torch.zeros(20, 1, dtype=torch.int32)
+    ids[7, 0] = 1
+    packs = (*quantize(torch.randn(2, 2 * F, L, generator=gen) * 0.2), *quantize(torch.randn(2, L, F, generator=gen) * 0.2))
+    w = torch.rand(20, 1, generator=gen)
+    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, block_cols=32, block_rows=32)
+    torch.testing.assert_close(out, moe_naive.latent_moe_decode(x, ids, w, *packs), rtol=1e-5, atol=1e-5)
 
 
 def test_triton_moe_decode_single_token(interpreted):
@@ -58,14 +81,20 @@ def test_triton_moe_decode_token_naming_an_expert_twice(interpreted):
     """A token that names one expert in two slots gets both router weights (as the reference does)."""
     x, ids, w, *packs = _moe_case(6, experts=3)
     ids[0, 2] = ids[0, 0]
-    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, block_cols=64, block_rows=16)
+    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, block_cols=32, block_rows=16)
     torch.testing.assert_close(out, moe_naive.latent_moe_decode(x, ids, w, *packs), rtol=1e-5, atol=1e-5)
 
 
-def test_moe_bad_scales_name_the_field(interpreted):
+def test_moe_bad_arguments_name_the_field(interpreted):
     x, ids, w, gu_p, gu_s, d_p, d_s = _moe_case(2)
     with pytest.raises(ValueError, match="down_scales"):
         latent_moe_decode_triton.latent_moe_decode(x, ids, w, gu_p, gu_s, d_p, d_s[:, :1])
+    with pytest.raises(ValueError, match="h_parts"):
+        latent_moe_decode_triton.latent_moe_decode(x, ids, w, gu_p, gu_s, d_p, d_s, h_parts=4)
+    with pytest.raises(ValueError, match="block_cols"):
+        latent_moe_decode_triton.latent_moe_decode(x, ids, w, gu_p, gu_s, d_p, d_s, block_cols=24)
+    with pytest.raises(ValueError, match="block rows"):
+        latent_moe_decode_triton.latent_moe_decode(x, ids, w, gu_p, gu_s, d_p, d_s, down_block_rows=8)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # sigmoid of a large negative: 0, as wanted

@@ -1,0 +1,72 @@
+"""MXFP4 -> bf16 tile decoding (kernels.moe.mxfp4_tile_triton) against k3core's dequantize, interpreted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3core.quant.mxfp4 import dequantize
+from kernels._triton import tl, triton
+from kernels.moe.mxfp4_tile_triton import SHIFT, mxfp4_tile
+
+ROWS, GROUPS = 16, 4  # 16 rows x 128 columns: every code in every row, 4 scales per row
+
+
+@triton.jit
+def tile_kernel(words, scales, out, R: tl.constexpr, WORDS: tl.constexpr):
+    rows = tl.arange(0, R)
+    t = mxfp4_tile(words, scales, rows, rows < R, 0, WORDS, WORDS // 4, False)
+    tl.store(out + rows[:, None] * (8 * WORDS) + tl.arange(0, 8 * WORDS)[None, :], t.to(tl.float32))
+
+
+def _decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Whole matrix through `mxfp4_tile`, positions in the tile's order, times 2^SHIFT, as float64."""
+    out = torch.empty(packed.shape[0], packed.shape[1] * 2)
+    tile_kernel[(1,)](packed.view(torch.int32), scales, out, R=packed.shape[0], WORDS=packed.shape[1] // 4)
+    return out.double() * 2.0**SHIFT
+
+
+def _tile_order(n: int) -> torch.Tensor:
+    """The column each tile position holds: position 8c + p <- column 8c + p // 2 + 4 (p % 2)."""
+    p = torch.arange(n)
+    return (p // 8) * 8 + (p % 8) // 2 + 4 * (p % 2)
+
+
+def _all_codes(gen: torch.Generator) -> torch.Tensor:
+    """uint8 [ROWS, 16 GROUPS] packed bytes: each row holds all 16 e2m1 codes in a shuffled order."""
+    codes = torch.stack([torch.randperm(16, generator=gen).repeat(2 * GROUPS) for _ in range(ROWS)])
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+
+
+def test_tile_equals_dequantize_for_every_code_across_the_exact_scale_range(interpreted):
+    """Bit-exact for all 16 codes (the e2m1 subnormal 0.5 and -0 included) at scales 2^-93 .. 2^33."""
+    gen = torch.Generator().manual_seed(0)
+    packed = _all_codes(gen)
+    scales = torch.randint(34, 161, (ROWS, GROUPS), generator=gen, dtype=torch.uint8)
+    scales[0] = torch.tensor([34, 127, 160, 100], dtype=torch.uint8)  # both ends of the exact range
+    expected = dequantize(packed, scales, torch.float64)[:, _tile_order(32 * GROUPS)]
+    got = _decode(packed, scales)
+    assert torch.equal(got, expected)
+    assert torch.equal(torch.signbit(got), torch.signbit(expected))  # -0 stays -0
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply")  # 0 x inf = NaN, as wanted
+def test_tile_is_non_finite_where_the_scale_is_nan_or_too_large(interpreted):
+    """The 0xFF (NaN) scale and scales above 2^33 cannot be represented: they decode to +-inf / NaN, never
+    to finite numbers, while the other groups of the row stay exact."""
+    packed = _all_codes(torch.Generator().manual_seed(1))
+    scales = torch.full((ROWS, GROUPS), 127, dtype=torch.uint8)
+    scales[:, 1], scales[:, 2] = 0xFF, 200
+    got = _decode(packed, scales)
+    order = _tile_order(32 * GROUPS)
+    assert not torch.isfinite(got[:, 32:96]).any()
+    keep = torch.cat([torch.arange(32), torch.arange(96, 128)])
+    torch.testing.assert_close(got[:, keep], dequantize(packed, scales, torch.float64)[:, order][:, keep],
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n", [8, 32, 128])
+def test_tile_order_is_a_permutation_within_each_word(n):
+    order = _tile_order(n)
+    assert sorted(order.tolist()) == list(range(n))
+    assert torch.equal(order // 8, torch.arange(n) // 8)
