@@ -10,8 +10,8 @@ accumulators) and multiplied once for all of the expert's tokens. Activations th
 sum of 2-3 bf16 parts, so the products keep the activations' precision.
 
 Kernel 1: gate and up rows -> SiTU-GLU -> h, stored as bf16 parts [parts, T*k, F] with x's precision (the
-operand format of kernel 2). Kernel 2: down rows times the router weight -> [T*k, l] (rows of a token's first pair that
-names the expert). Kernel 3: a token's rows summed into u [T, l] in x's dtype.
+operand format of kernel 2). Kernel 2: down rows times the router weight -> [T*k, l] (rows of a token's
+first pair that names the expert). Kernel 3: a token's rows summed into u [T, l] in x's dtype.
 """
 
 from __future__ import annotations
@@ -90,10 +90,10 @@ if triton is not None:
                 u = tl.zeros([BT, BR], dtype=tl.float32)
                 for g0 in tl.range(0, L // 32, G, num_stages=STAGES):
                     xt = _activations(x + (pair // K) * L, used, g0 * 32, BT, G)
-                    g = _dot_parts(mxfp4_tile(words, scales, rows, ok, g0, L // 8, G, USE_ASM), xt, g, X_PARTS,
-                                   USE_ASM)
-                    u = _dot_parts(mxfp4_tile(words, scales, rows + F, ok, g0, L // 8, G, USE_ASM), xt, u,
-                                   X_PARTS, USE_ASM)
+                    gate = mxfp4_tile(words, scales, rows, ok, g0, L // 8, G, USE_ASM)
+                    g = _dot_parts(gate, xt, g, X_PARTS, USE_ASM)
+                    up = mxfp4_tile(words, scales, rows + F, ok, g0, L // 8, G, USE_ASM)
+                    u = _dot_parts(up, xt, u, X_PARTS, USE_ASM)
                 rest = situ_glu_values(unshift(g), unshift(u), beta1, beta2)
                 for p in tl.static_range(HP):
                     part = rest.to(tl.bfloat16)
@@ -119,7 +119,8 @@ if triton is not None:
                 for g0 in tl.range(0, F // 32, G, num_stages=STAGES):
                     w = mxfp4_tile(words, scales, rows, ok, g0, F // 8, G, USE_ASM)
                     for p in tl.static_range(HP):
-                        acc = _mma(w, _activations(h + (p * T * K + pair) * F, used, g0 * 32, BT, G), acc, USE_ASM)
+                        ht = _activations(h + (p * T * K + pair) * F, used, g0 * 32, BT, G)
+                        acc = _mma(w, ht, acc, USE_ASM)
                 p_slot = tl.sum(tl.where(hit, p_tok[None, :], 0.0), 1)
                 tl.store(partial + pair[:, None] * L + rows[None, :], unshift(acc) * p_slot[:, None],
                          mask=used[:, None] & ok[None, :])
@@ -131,7 +132,8 @@ if triton is not None:
         slot = tl.arange(0, BK)
         mine = tl.load(ids + t * K + slot, mask=slot < K, other=-1)
         # A slot whose expert an earlier slot of the token names has no row: its weight went to that one.
-        repeat = tl.sum(((mine[:, None] == mine[None, :]) & (slot[None, :] < slot[:, None])).to(tl.int32), 1) > 0
+        earlier = (mine[:, None] == mine[None, :]) & (slot[None, :] < slot[:, None])
+        repeat = tl.sum(earlier.to(tl.int32), 1) > 0
         keep = (slot < K) & (repeat == 0)
         rows = tl.load(partial + (t * K + slot[:, None]) * L + cols[None, :],
                        mask=keep[:, None] & (cols[None, :] < L), other=0.0)

@@ -30,7 +30,7 @@ if triton is not None:
     @triton.jit
     def _multiplier(s):
         """e8m0 bytes (uint32) -> bf16 bits of 2^(s - 1 - SHIFT): a code's bf16 pattern (value x 2^-126) times
-        this is value x 2^(s - 127 - SHIFT). Capped at +inf (the bits 0x7F80) for scales above 2^(SHIFT + 1)."""
+        this is value x 2^(s - 127 - SHIFT). Capped at +inf (bits 0x7F80) for scales above 2^(SHIFT + 1)."""
         return (tl.minimum(s, 129 + _SHIFT) + (126 - _SHIFT)) << 7
 
     @triton.jit
@@ -78,14 +78,14 @@ if triton is not None:
     @triton.jit
     def mxfp4_tile(words, scales, rows, row_ok, g0, WORDS: tl.constexpr, G: tl.constexpr,
                    USE_ASM: tl.constexpr):
-        """bf16 [len(rows), 32 G] tile of weights x 2^-SHIFT, columns 32 g0 .. 32 (g0 + G), from a packed matrix
-        of rows of WORDS uint32 words and its e8m0 scales (one byte per 4 words). Column order: position
-        8c + p holds column 8c + p // 2 + 4 (p % 2) (the activations are loaded in the same order)."""
-        w = tl.load(words + rows[:, None] * WORDS + g0 * 4 + tl.arange(0, 4 * G)[None, :], mask=row_ok[:, None],
-                    other=0)
+        """bf16 [len(rows), 32 G] tile of weights x 2^-SHIFT, columns 32 g0 .. 32 (g0 + G), from a packed
+        matrix of rows of WORDS uint32 words and its e8m0 scales (one byte per 4 words). Column order:
+        position 8c + p holds column 8c + p // 2 + 4 (p % 2) (activations are loaded in the same order)."""
+        w = tl.load(words + rows[:, None] * WORDS + g0 * 4 + tl.arange(0, 4 * G)[None, :],
+                    mask=row_ok[:, None], other=0)
         w = tl.reshape(w, (rows.shape[0], G, 4)).to(tl.uint32, bitcast=True)
-        s = tl.load(scales + rows[:, None] * (WORDS // 4) + g0 + tl.arange(0, G)[None, :], mask=row_ok[:, None],
-                    other=0)
+        s = tl.load(scales + rows[:, None] * (WORDS // 4) + g0 + tl.arange(0, G)[None, :],
+                    mask=row_ok[:, None], other=0)
         s = tl.broadcast_to(s.to(tl.uint32)[:, :, None], w.shape)
         if USE_ASM:
             e0, e1, e2, e3, e4, e5, e6, e7 = _decode_ptx(w, s)

@@ -56,7 +56,8 @@ def _kernel_us(fn, calls: int = 20) -> dict[str, float | str]:
             for _ in range(calls):
                 fn()
             torch.cuda.synchronize()
-        return {e.key: round(e.device_time_total / calls, 2) for e in prof.key_averages() if e.device_time_total > 0}
+        return {e.key: round(e.device_time_total / calls, 2) for e in prof.key_averages()
+                if e.device_time_total > 0}
     except Exception as e:  # noqa: BLE001 - the breakdown is a diagnostic; the timing stands without it
         return {"profiler_error": repr(e)[-200:]}
 
@@ -91,12 +92,13 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), variants: tuple = VARIANTS, 
                     ms, how = float("nan"), f"WRONG: rel err {err:.1e}"
             except Exception as e:  # noqa: BLE001 - a variant that does not build must not hide the others
                 ms, how, extra = float("nan"), f"failed: {e!r}"[-300:], {}
-            rows.append(Row("latent_moe_decode", shape, _label(br, bc, nw, ns, hp, dr, dc), ms, expert_bytes(ids),
-                            note=how, extra=extra))
+            rows.append(Row("latent_moe_decode", shape, _label(br, bc, nw, ns, hp, dr, dc), ms,
+                            expert_bytes(ids), note=how, extra=extra))
             on_row(rows[-1])
         if peer:
             ms, how = time_ms(partial(_torch_peer, x, ids, weights, packs), inner=5, reps=10)
-            rows.append(Row("latent_moe_decode", shape, "torch dequantize+bmm", ms, expert_bytes(ids), note=how))
+            rows.append(Row("latent_moe_decode", shape, "torch dequantize+bmm", ms, expert_bytes(ids),
+                            note=how))
     return rows
 
 

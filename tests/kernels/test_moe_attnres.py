@@ -64,7 +64,8 @@ def test_triton_moe_decode_expert_with_more_tokens_than_a_token_block(interprete
     x = torch.randn(20, L, generator=gen)
     ids = torch.zeros(20, 1, dtype=torch.int32)
     ids[7, 0] = 1
-    packs = (*quantize(torch.randn(2, 2 * F, L, generator=gen) * 0.2), *quantize(torch.randn(2, L, F, generator=gen) * 0.2))
+    packs = (*quantize(torch.randn(2, 2 * F, L, generator=gen) * 0.2),
+             *quantize(torch.randn(2, L, F, generator=gen) * 0.2))
     w = torch.rand(20, 1, generator=gen)
     out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, block_cols=32, block_rows=32)
     torch.testing.assert_close(out, moe_naive.latent_moe_decode(x, ids, w, *packs), rtol=1e-5, atol=1e-5)
@@ -73,8 +74,9 @@ def test_triton_moe_decode_expert_with_more_tokens_than_a_token_block(interprete
 def test_triton_moe_decode_single_token(interpreted):
     """Batch 1 (one-wide token axis in the kernel) against the reference."""
     x, ids, w, *packs = _moe_case(8)
-    out = latent_moe_decode_triton.latent_moe_decode(x[:1], ids[:1], w[:1], *packs, block_cols=32, block_rows=16)
-    torch.testing.assert_close(out, moe_naive.latent_moe_decode(x[:1], ids[:1], w[:1], *packs), rtol=1e-5, atol=1e-5)
+    one = (x[:1], ids[:1], w[:1], *packs)
+    out = latent_moe_decode_triton.latent_moe_decode(*one, block_cols=32, block_rows=16)
+    torch.testing.assert_close(out, moe_naive.latent_moe_decode(*one), rtol=1e-5, atol=1e-5)
 
 
 def test_triton_moe_decode_token_naming_an_expert_twice(interpreted):
