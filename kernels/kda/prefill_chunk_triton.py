@@ -1,4 +1,4 @@
-"""KDA prefill, passes 2 and 3 of 5: the UT transform of one chunk of C = 64 tokens of one head.
+"""KDA prefill, pass 2 of 4: the UT transform of one chunk of C = 64 tokens of one head.
 
 From the prologue's outputs (prefill_prep_triton.py: normalised q, k, the conv output v, the in-chunk
 cumulative gate G, sigmoid(beta)) it computes (K3 report eq.4, the WY form of Kimi Linear; notation of
@@ -6,10 +6,7 @@ k3core/ops/kda_chunk.py):
     Akk[r, i] = sum_c k_r k_i exp(G_r - G_i)  (i < r),   T = (I + diag(beta) Akk)^-1
     w = T diag(beta) (K * exp(G)),  u = T diag(beta) V,  Aqk = scale * sum_c q_r k_i exp(G_r - G_i) (i <= r)
     qg = scale * Q * exp(G),  kg = K * exp(G_C - G),  gC = exp(G_C)
-which is all the recurrence and the output pass (prefill_triton.py) need. Two kernels: Akk / Aqk one key
-sub-block per program (4x the programs of a whole chunk: the chain of dependent loads and dots of one
-program is what bounded the one-kernel form, 1.34 ms at B=1, T=32K, H=16 on the H200), then T, w, u,
-qg, kg per chunk.
+which is all the recurrence and the output pass (prefill_triton.py) need.
 The gate is bounded (g >= lower_bound = -5), so within a sub-block of 16 tokens G moves by at most 80 and
 exp(+-80) fits float32: the decay ratios exp(G_r - G_i) are split at the end of the key's sub-block (every
 factor <= 1 off the diagonal block, <= e^80 on it), which lets tensor-core dots in the input dtype form
@@ -27,39 +24,25 @@ SUB = 16  # sub-block of the decay split: |lower_bound| * SUB must stay below ~8
 if triton is not None:
 
     @triton.jit
-    def _substitution_step(m, X, c0, i: tl.constexpr, r, C: tl.constexpr):
-        """Row i of (I + M_bb)^-1 for the diagonal block at rows/columns c0.. of m, from rows 0..i-1 of X."""
-        a = tl.load(m + (c0 + i) * C + c0 + r, mask=r < i, other=0.0)
-        x = tl.where(r == i, 1.0, 0.0) - tl.sum(a[:, None] * X, axis=0)
-        return tl.where(r[:, None] == i, x[None, :], X)
-
-    @triton.jit
-    def _unit_lower_inverse(m, rows, C: tl.constexpr, BC: tl.constexpr):
-        """(I + M)^-1 for the strictly lower-triangular float32 M [C, C] at m (row-major; the program's own
-        copy: its diagonal blocks are overwritten). Forward substitution inside the four BC x BC diagonal
-        blocks (float32, rows read back from memory, the four blocks interleaved), then the off-diagonal
-        blocks by the nilpotent series with dots: (D + L)^-1 = (I - N + N^2 - N^3) D^-1, N = D^-1 L, since
-        N^4 = 0 for four blocks. Plain 2-D tiles: the reshaped 3-D/4-D form faulted at 8 warps (Triton 3.6)."""
-        tl.static_assert(C == 4 * BC, "the series below stops at N^3: exactly 4 sub-blocks per chunk")
-        r = tl.arange(0, BC)
-        X0 = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-        X1, X2, X3 = X0, X0, X0
+    def _unit_lower_inverse(M, rows, C: tl.constexpr, BC: tl.constexpr):
+        """(I + M)^-1 for strictly lower-triangular M [C, C]: forward substitution inside each BC x BC
+        diagonal block (float32), then the block off-diagonal terms by the nilpotent series with dots:
+        (D + L)^-1 = (I - N + N^2 - N^3) D^-1, N = D^-1 L, since N^4 = 0 for C / BC = 4 blocks."""
+        NB: tl.constexpr = C // BC
+        tl.static_assert(NB == 4, "the series below stops at N^3: exactly 4 sub-blocks per chunk")
+        same = tl.arange(0, NB)[:, None, None, None] == tl.arange(0, NB)[None, None, :, None]
+        diag = tl.sum(tl.where(same, tl.reshape(M, [NB, BC, NB, BC]), 0.0), axis=2)  # [NB, BC, BC]
+        r3 = tl.arange(0, BC)[None, :, None]
+        j3 = tl.arange(0, BC)[None, None, :]
+        X = tl.where(r3 == j3, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
         for i in tl.static_range(1, BC):
-            X0 = _substitution_step(m, X0, 0, i, r, C)
-            X1 = _substitution_step(m, X1, BC, i, r, C)
-            X2 = _substitution_step(m, X2, 2 * BC, i, r, C)
-            X3 = _substitution_step(m, X3, 3 * BC, i, r, C)
-        tl.debug_barrier()  # every thread has read the diagonal blocks before they are overwritten
-        blk = r[:, None] * C + r[None, :]
-        tl.store(m + blk, X0)
-        tl.store(m + BC * (C + 1) + blk, X1)
-        tl.store(m + 2 * BC * (C + 1) + blk, X2)
-        tl.store(m + 3 * BC * (C + 1) + blk, X3)
-        tl.debug_barrier()
+            m_i = tl.sum(tl.where(r3 == i, diag, 0.0), axis=1)  # row i of each block, [NB, BC]
+            x_i = tl.sum(m_i[:, :, None] * X, axis=1)
+            X = tl.where(r3 == i, tl.where(j3 == i, 1.0, 0.0) - x_i[:, None, :], X)
+        d_inv = tl.reshape(tl.where(same, X[:, :, None, :], 0.0), [C, C])
         cols = tl.arange(0, C)
-        M = tl.load(m + rows[:, None] * C + cols[None, :])
-        d_inv = tl.where(rows[:, None] // BC == cols[None, :] // BC, M, 0.0)
-        N = tl.dot(d_inv, tl.where(rows[:, None] // BC > cols[None, :] // BC, M, 0.0))
+        lower = tl.where(rows[:, None] // BC > cols[None, :] // BC, M, 0.0)
+        N = tl.dot(d_inv, lower)
         N2 = tl.dot(N, N)
         N3 = tl.dot(N2, N)
         eye = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
@@ -73,91 +56,102 @@ if triton is not None:
         return tl.where(io_mask, tl.load(g + rel, mask=io_mask, other=0.0), g_last[None, :]), g_last
 
     @triton.jit
-    def _chunk_rows(cu_seqlens, chunk_seq, chunk_start, ci, h, H, D: tl.constexpr):
-        """(first row, number of valid rows, element offset of row 0 of head h) of chunk ci."""
-        start = tl.load(chunk_start + ci).to(tl.int64)
-        n_valid = (tl.load(cu_seqlens + tl.load(chunk_seq + ci) + 1) - start).to(tl.int32)
-        return start, n_valid, (start * H + h) * D
-
-    @triton.jit
-    def _kda_chunk_a_kernel(
-        q, k, g, beta, cu_seqlens, chunk_seq, chunk_start, aqk_out, akk_out, scale,
-        H, D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, F32_DOTS: tl.constexpr,
-    ):
-        """Grid (chunks, H, C // BC): key sub-block j of Aqk (scaled, i <= r) to aqk_out [T_total, H, C] and
-        of beta_r Akk (i < r) to akk_out [chunks, H, C, C] float32 (the next kernel's scratch). Pointers
-        move to the chunk's row 0 once; tiles use 32-bit offsets (64-bit ones cost registers)."""
-        ci = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        j = tl.program_id(2)
-        start, n_valid, base = _chunk_rows(cu_seqlens, chunk_seq, chunk_start, ci, h, H, D)
-        q, k, g = q + base, k + base, g + base
-        HD = H * D
-        rows = tl.arange(0, C)
-        sub = tl.arange(0, BC)
-        valid = rows < n_valid
-        io_mask = valid[:, None]
-        last = tl.minimum(n_valid, C) - 1
-        dt = tl.float32 if F32_DOTS else q.dtype.element_ty
-        key_ok = (j * BC + sub < n_valid)[:, None]
-        ref_row = tl.minimum(j * BC + BC - 1, last)
-        ak = tl.zeros([C, BC], dtype=tl.float32)
-        aq = tl.zeros([C, BC], dtype=tl.float32)
-        for kb in tl.static_range(D // BK):
-            cols = kb * BK + tl.arange(0, BK)
-            rel = rows[:, None] * HD + cols[None, :]
-            G, _ = _flat_gate(g, rel, io_mask, last, HD, cols)
-            # Split at the end of key sub-block j: factors <= 1 off the diagonal block, <= e^80 on it; rows
-            # before the block are causally masked (factor 0 here).
-            ref = tl.load(g + ref_row * HD + cols)
-            row_decay = tl.exp(tl.where(rows[:, None] >= j * BC, G - ref[None, :], -1e30))
-            key_rel = (j * BC + sub)[:, None] * HD + cols[None, :]
-            k_key = tl.load(k + key_rel, mask=key_ok, other=0.0).to(tl.float32)
-            g_key = tl.load(g + key_rel, mask=key_ok, other=0.0)
-            k_col = tl.trans((k_key * tl.exp(ref[None, :] - g_key)).to(dt))
-            kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
-            ak = tl.dot((kc * row_decay).to(dt), k_col, ak)
-            qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
-            aq = tl.dot((qc * row_decay).to(dt), k_col, aq)
-        kcols = j * BC + sub
+    def _store_a_block(aqk_st, ws, ak, aq, c0, rows, bt, scale, io_mask, C: tl.constexpr, BC: tl.constexpr):
+        """Key columns c0 .. c0+BC-1: scale * Aqk (i <= r) to the output rows, beta_r * Akk (i < r) to the
+        program's [C, C] float32 scratch tile."""
+        kcols = c0 + tl.arange(0, BC)
         aq = tl.where(kcols[None, :] <= rows[:, None], aq * scale, 0.0)
-        tl.store(aqk_out + (start * H + h) * C + rows[:, None] * (H * C) + kcols[None, :],
-                 aq.to(aqk_out.dtype.element_ty), mask=io_mask)
-        bt = tl.load(beta + (start + rows) * H + h, mask=valid, other=0.0)
-        ak = tl.where(kcols[None, :] < rows[:, None], ak * bt[:, None], 0.0)
-        tl.store(akk_out + (ci * H + h) * C * C + rows[:, None] * C + kcols[None, :], ak)
+        tl.store(aqk_st + kcols[None, :], aq.to(aqk_st.dtype.element_ty), mask=io_mask)
+        tl.store(ws + rows[:, None] * C + kcols[None, :], tl.where(kcols[None, :] < rows[:, None], ak * bt[:, None], 0.0))
 
     @triton.jit
     def _kda_chunk_ut_kernel(
-        q, k, v, g, beta, akk, cu_seqlens, chunk_seq, chunk_start, w_out, u_out, qg_out, kg_out, gc_out, scale,
+        q, k, v, g, beta, cu_seqlens, chunk_seq, chunk_start,
+        w_out, u_out, qg_out, kg_out, aqk_out, gc_out, akk_ws, scale,
         H, D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, F32_DOTS: tl.constexpr,
     ):
-        """Grid (chunks, H): T = (I + beta Akk)^-1 from akk [chunks, H, C, C], then w, u, qg, kg [T_total, H, D]
-        and exp(G_C) to gc_out [chunks, H, D]."""
+        """Grid (chunks, H). Token-major [T_total, H, *] in and out; g float32, beta [T_total, H] float32
+        (already through the sigmoid); gc_out [chunks, H, D]; akk_ws [chunks, H, C, C] float32 scratch.
+        F32_DOTS: float32 (TF32 on the GPU) dot operands instead of the input dtype."""
         ci = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
-        start, n_valid, base = _chunk_rows(cu_seqlens, chunk_seq, chunk_start, ci, h, H, D)
+        start = tl.load(chunk_start + ci).to(tl.int64)
+        n_valid = (tl.load(cu_seqlens + tl.load(chunk_seq + ci) + 1) - start).to(tl.int32)
+        # Every pointer is moved to this chunk's first row once; tiles then use 32-bit offsets (64-bit ones
+        # for each [C, BK] tile cost registers that the dots need).
+        base = (start * H + h) * D
         q, k, v, g = q + base, k + base, v + base, g + base
         w_out, u_out, qg_out, kg_out = w_out + base, u_out + base, qg_out + base, kg_out + base
+        aqk_out += (start * H + h) * C
+        beta += start * H + h
+        gc_out += (ci * H + h) * D
         HD = H * D
         rows = tl.arange(0, C)
+        cols_c = tl.arange(0, C)
         valid = rows < n_valid
         io_mask = valid[:, None]
         last = tl.minimum(n_valid, C) - 1
         dt = tl.float32 if F32_DOTS else q.dtype.element_ty
-        bt = tl.load(beta + (start + rows) * H + h, mask=valid, other=0.0)
-        T = _unit_lower_inverse(akk + (ci * H + h) * C * C, rows, C, BC).to(dt)
-        for kb in range(0, D // BK):  # a loop: unrolled, its hoisted loads spilled at 4 warps
+        NB: tl.constexpr = C // BC
+        sub = tl.arange(0, BC)
+        # Akk / Aqk by key sub-block: four [C, BC] column blocks each (the causal zeros are not computed).
+        ak0 = tl.zeros([C, BC], dtype=tl.float32)
+        ak1, ak2, ak3, aq0, aq1, aq2, aq3 = ak0, ak0, ak0, ak0, ak0, ak0, ak0
+        for kb in range(0, D // BK):
+            cols = kb * BK + tl.arange(0, BK)
+            rel = rows[:, None] * HD + cols[None, :]
+            G, _ = _flat_gate(g, rel, io_mask, last, HD, cols)
+            kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
+            qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
+            for blk in tl.static_range(NB):
+                # Split at the end of key sub-block blk: factors <= 1 off the diagonal block, <= e^80 on it;
+                # rows before the block are causally masked (factor 0 here).
+                ref = tl.load(g + tl.minimum(blk * BC + BC - 1, last) * HD + cols)
+                row_decay = tl.exp(tl.where(rows[:, None] >= blk * BC, G - ref[None, :], -1e30))
+                key_rel = (blk * BC + sub)[:, None] * HD + cols[None, :]
+                key_ok = (blk * BC + sub < n_valid)[:, None]
+                k_key = tl.load(k + key_rel, mask=key_ok, other=0.0).to(tl.float32)
+                g_key = tl.load(g + key_rel, mask=key_ok, other=0.0)
+                k_col = tl.trans((k_key * tl.exp(ref[None, :] - g_key)).to(dt))
+                part_k = tl.dot((kc * row_decay).to(dt), k_col)
+                part_q = tl.dot((qc * row_decay).to(dt), k_col)
+                if blk == 0:
+                    ak0 += part_k
+                    aq0 += part_q
+                elif blk == 1:
+                    ak1 += part_k
+                    aq1 += part_q
+                elif blk == 2:
+                    ak2 += part_k
+                    aq2 += part_q
+                else:
+                    ak3 += part_k
+                    aq3 += part_q
+        bt = tl.load(beta + rows * H, mask=valid, other=0.0)
+        # Aqk goes out; Akk goes through this program's scratch tile to come back as one [C, C] tile.
+        ws = akk_ws + (ci * H + h) * C * C
+        aqk_st = aqk_out + rows[:, None] * (H * C)
+        _store_a_block(aqk_st, ws, ak0, aq0, 0, rows, bt, scale, io_mask, C, BC)
+        _store_a_block(aqk_st, ws, ak1, aq1, BC, rows, bt, scale, io_mask, C, BC)
+        _store_a_block(aqk_st, ws, ak2, aq2, 2 * BC, rows, bt, scale, io_mask, C, BC)
+        _store_a_block(aqk_st, ws, ak3, aq3, 3 * BC, rows, bt, scale, io_mask, C, BC)
+        tl.debug_barrier()
+        akk = tl.load(ws + rows[:, None] * C + cols_c[None, :])
+        T = _unit_lower_inverse(akk, rows, C, BC).to(dt)
+        for kb in range(0, D // BK):
             cols = kb * BK + tl.arange(0, BK)
             rel = rows[:, None] * HD + cols[None, :]
             G, g_end = _flat_gate(g, rel, io_mask, last, HD, cols)
             kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
             decay = tl.exp(G)
-            tl.store(w_out + rel, tl.dot(T, (kc * decay * bt[:, None]).to(dt)).to(w_out.dtype.element_ty),
-                     mask=io_mask)
+            w_blk = tl.dot(T, (kc * decay * bt[:, None]).to(dt))
+            tl.store(w_out + rel, w_blk.to(w_out.dtype.element_ty), mask=io_mask)
             tl.store(kg_out + rel, (kc * tl.exp(g_end[None, :] - G)).to(kg_out.dtype.element_ty), mask=io_mask)
-            tl.store(gc_out + (ci * H + h) * D + cols, tl.exp(g_end))
+            tl.store(gc_out + cols, tl.exp(g_end))
             qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
             tl.store(qg_out + rel, (qc * decay * scale).to(qg_out.dtype.element_ty), mask=io_mask)
+        for vb in range(0, D // BK):
+            cols = vb * BK + tl.arange(0, BK)
+            rel = rows[:, None] * HD + cols[None, :]
             vc = tl.load(v + rel, mask=io_mask, other=0.0).to(tl.float32)
             tl.store(u_out + rel, tl.dot(T, (vc * bt[:, None]).to(dt)).to(u_out.dtype.element_ty), mask=io_mask)

@@ -7,7 +7,7 @@ Why a pass of its own: computing all of this inside the chunk's UT-transform ker
 decay factors live as [64, 128] float32 tiles at once (255 registers + ~9 KB of spills per thread, 5.7 of
 6.8 ms at B=1, T=32K, H=16 on the H200). Here one stream at a time is live; the bf16 round trip of the
 results costs ~9 bytes per element of HBM traffic, far less than the spills did. One program per
-(chunk, head, stream).
+(chunk, head, stream), the conv taps in a loop: the fewest tiles live at once.
 """
 
 from __future__ import annotations
@@ -17,21 +17,26 @@ from kernels._triton import tl, triton
 if triton is not None:
 
     @triton.jit
-    def _conv_swish(x, conv, conv_w, rows, lo, valid, offs, HD, HAS_CONV: tl.constexpr, W: tl.constexpr):
-        """Swish(ShortConv) of one stream at the chunk's rows [C], channels offs (of D), as [C, len(offs)]
-        float32. x points at the chunk's first row of this head (rows are HD elements apart); rows before
-        `lo` (the sequence start, relative) come from the carried conv window `conv` [D, W-1] (zeros without
-        one); rows that are not `valid` come out zero. 32-bit offsets: 64-bit tiles cost registers."""
-        acc = tl.zeros([rows.shape[0], offs.shape[0]], dtype=tl.float32)
-        for s in tl.static_range(W):
-            p = rows - s
-            inside = valid & (p >= lo)
-            xs = tl.load(x + p[:, None] * HD + offs[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
+    def _conv_swish(x, init_conv, conv_w, stream, n, h, t, bos, valid, offs, HAS_CONV: tl.constexpr,
+                    H, D: tl.constexpr, W: tl.constexpr):
+        """Swish(ShortConv) of one stream (0 q, 1 k, 2 v) at tokens t [C] of head h, channels offs (of D),
+        as [C, len(offs)] float32.
+
+        Inputs before the sequence start `bos` come from the carried conv state [N, 3, H, D, W-1] (zeros
+        without one); rows that are not `valid` come out zero."""
+        acc = tl.zeros([t.shape[0], offs.shape[0]], dtype=tl.float32)
+        for s in range(W):  # a loop, not unrolled: the taps' loads would all be hoisted and spill
+            p = t - s
+            inside = valid & (p >= bos)
+            xs = tl.load(x + (p[:, None] * H + h) * D + offs[None, :], mask=inside[:, None], other=0.0)
+            xs = xs.to(tl.float32)
             if HAS_CONV:
-                carried = valid & (p < lo)
-                xs += tl.load(conv + offs[None, :] * (W - 1) + (p - lo + W - 1)[:, None], mask=carried[:, None],
+                carried = valid & (p < bos)
+                col = p - bos + (W - 1)
+                base = init_conv + ((n * 3 + stream) * H + h) * D * (W - 1)
+                xs += tl.load(base + offs[None, :] * (W - 1) + col[:, None], mask=carried[:, None],
                               other=0.0).to(tl.float32)
-            tap = tl.load(conv_w + offs * W + (W - 1 - s)).to(tl.float32)
+            tap = tl.load(conv_w + (stream * H * D + h * D + offs) * W + (W - 1 - s)).to(tl.float32)
             acc += xs * tap[None, :]
         return acc * tl.sigmoid(acc)
 
@@ -47,15 +52,12 @@ if triton is not None:
         h = tl.program_id(1)
         stream = tl.program_id(2)
         n = tl.load(chunk_seq + ci).to(tl.int64)
-        start = tl.load(chunk_start + ci).to(tl.int64)
-        lo = (tl.load(cu_seqlens + n) - start).to(tl.int32)
-        n_valid = (tl.load(cu_seqlens + n + 1) - start).to(tl.int32)
-        base = (start * H + h) * D
-        HD = H * D
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
         offs = tl.arange(0, D)
-        rows = tl.arange(0, C)
-        valid = rows < n_valid
-        rel = rows[:, None] * HD + offs[None, :]
+        t = tl.load(chunk_start + ci).to(tl.int64) + tl.arange(0, C)
+        valid = t < eos
+        tok = (t[:, None] * H + h) * D + offs[None, :]
         io_mask = valid[:, None]
         # One stream per program: with all three in one, their loads were hoisted together (255 registers).
         if stream == 0:
@@ -64,16 +66,14 @@ if triton is not None:
             x, out = k, k_out
         else:
             x, out = v, v_out
-        conv = init_conv + ((n * 3 + stream) * H + h) * D * (W - 1)
-        taps = conv_w + (stream * H + h) * D * W
-        xt = _conv_swish(x + base, conv, taps, rows, lo, valid, offs, HD, HAS_CONV, W)
+        xt = _conv_swish(x, init_conv, conv_w, stream, n, h, t, bos, valid, offs, HAS_CONV, H, D, W)
         if stream < 2:
             xt = xt * tl.rsqrt(tl.sum(xt * xt, axis=1) + l2_eps)[:, None]
-        tl.store(out + base + rel, xt.to(out.dtype.element_ty), mask=io_mask)
+        tl.store(out + tok, xt.to(out.dtype.element_ty), mask=io_mask)
         if stream == 2:
-            zt = tl.load(z + base + rel, mask=io_mask, other=0.0).to(tl.float32)
+            zt = tl.load(z + tok, mask=io_mask, other=0.0).to(tl.float32)
             zt += tl.load(dt_bias + h * D + offs).to(tl.float32)[None, :]
             g = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + h).to(tl.float32)) * zt)
-            tl.store(g_out + base + rel, tl.cumsum(tl.where(io_mask, g, 0.0), axis=0), mask=io_mask)
-            bt = tl.sigmoid(tl.load(beta + (start + rows) * H + h, mask=valid, other=0.0).to(tl.float32))
-            tl.store(beta_out + (start + rows) * H + h, bt, mask=valid)
+            tl.store(g_out + tok, tl.cumsum(tl.where(io_mask, g, 0.0), axis=0), mask=io_mask)
+            bt = tl.sigmoid(tl.load(beta + t * H + h, mask=valid, other=0.0).to(tl.float32))
+            tl.store(beta_out + t * H + h, bt, mask=valid)

@@ -1,9 +1,8 @@
 """KDA prefill block in Triton: projections -> gated, normalised output, chunkwise (C = 64), varlen.
 
-Five passes (the output norm epilogue never takes a pass of its own):
-1. `prefill_prep_triton`: per (chunk, head, stream), ShortConv + Swish + L2Norm, gate cumsum, sigmoid(beta).
-2. `prefill_chunk_triton`: per (chunk, head, key sub-block), Akk and Aqk; then per (chunk, head) the UT
-   transform T = (I + beta Akk)^-1 -> w, u, qg, kg, exp(G_C).
+Four passes (the output norm epilogue never takes a pass of its own):
+1. `prefill_prep_triton`: per (chunk, head), ShortConv + Swish + L2Norm + gate cumsum + sigmoid(beta).
+2. `prefill_chunk_triton`: per (chunk, head), the chunk's UT transform -> w, u, qg, kg, Aqk, exp(G_C).
 3. the recurrence: per (sequence, head, value block) the state S [K, BV] stays on chip across the chunks:
    v_new = u - w S,  S <- exp(G_C) * S + kg^T v_new; it stores the state entering each chunk (bf16) and
    v_new.
@@ -19,7 +18,7 @@ import torch
 
 from kernels._triton import next_pow2, require, tl, triton
 from kernels.kda import naive
-from kernels.kda.prefill_chunk_triton import CHUNK, SUB, _kda_chunk_a_kernel, _kda_chunk_ut_kernel
+from kernels.kda.prefill_chunk_triton import CHUNK, SUB, _kda_chunk_ut_kernel
 from kernels.kda.prefill_prep_triton import _kda_prep_kernel
 
 if triton is not None:
@@ -113,8 +112,7 @@ if triton is not None:
         base = (start * H + h) * D  # 32-bit tile offsets from here (registers)
         rel = rows[:, None] * (H * D) + offs[None, :]
         qg_c = tl.load(qg + base + rel, mask=valid, other=0.0)
-        a_rel = rows[:, None] * (H * C) + rows[None, :]
-        a_c = tl.load(aqk + (start * H + h) * C + a_rel, mask=valid, other=0.0)
+        a_c = tl.load(aqk + (start * H + h) * C + rows[:, None] * (H * C) + rows[None, :], mask=valid, other=0.0)
         s_in = tl.load(h_in + (ci * H + h) * D * D + offs[:, None] * D + offs[None, :])
         o = tl.dot(qg_c, s_in) + tl.dot(a_c, tl.load(v_new + base + rel, mask=valid, other=0.0))
         _gated_rms_store(o, gate + base, y_out + base, rel, valid, norm_w, norm_eps, D)
@@ -165,19 +163,18 @@ def kda_prefill_block(
     initial_conv: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
     norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
-    prep_warps: int = 8, a_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 2,
-    f32_dots: bool = False,
+    prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 2, f32_dots: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
     The softplus gate (lower_bound=None) is unbounded, so the sub-block decay split is not safe for it:
-    that case runs the reference. Tuning (ptxas for sm_90a and H200 measurements in docs/kernels.md):
+    that case runs the reference. Tuning (H200 measurements in docs/kernels.md):
     - block_v: value columns per recurrence program (default 64, or 32 when sequences x heads are few).
-    - k_block: key columns per step of the Akk/Aqk and UT passes (a divisor of D, >= 16; default 32).
-    - warps: prep_warps (8: no spills; 4 spill), a_warps (8: 128 registers, no spills), ut_warps (4: 12 B of
-      spills), recurrence_warps, num_warps (the output pass).
+    - k_block: key columns per step of the UT-transform pass (a divisor of D, >= 16; default 32: 0.5 KB of spills at 4 warps, 64: 2.6 KB).
+    - num_warps: the output pass; prep_warps: the prologue pass (8: no spills, 4 spills); ut_warps: the
+      UT-transform pass; recurrence_warps.
     - stages: software-pipelining depth of the recurrence's chunk loop.
-    - f32_dots: float32 (TF32) operands in the Akk/Aqk and UT dots instead of the input dtype.
+    - f32_dots: float32 (TF32) operands in the UT transform's dots instead of the input dtype.
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
@@ -215,13 +212,10 @@ def kda_prefill_block(
             q, k, v, z, beta, conv_weight.contiguous(), A_log, dt_bias.contiguous(), conv, cu, chunk_seq,
             chunk_start, qn, kn, vc, g, beta_f, lower_bound, l2_eps, **shape, W=W,
             HAS_CONV=initial_conv is not None, num_warps=prep_warps)
-        akk = torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32)
-        dots = {"BC": SUB, "BK": k_block, "F32_DOTS": f32_dots}
-        _kda_chunk_a_kernel[(n_chunks, H, CHUNK // SUB)](
-            qn, kn, g, beta_f, cu, chunk_seq, chunk_start, aqk, akk, scale, **shape, **dots, num_warps=a_warps)
         _kda_chunk_ut_kernel[(n_chunks, H)](
-            qn, kn, vc, g, beta_f, akk, cu, chunk_seq, chunk_start, *work, gc, scale, **shape, **dots,
-            num_warps=ut_warps)
+            qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
+            torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,
+            BK=k_block, F32_DOTS=f32_dots, num_warps=ut_warps)
     if not block_v:  # 32 columns when 64-column programs would leave most SMs idle (B=1, T=32K: -3 %)
         block_v = min(64 if N * H * (D // 64) >= 2 * _sm_count(dev) else 32, D)
     require(D % block_v == 0 and block_v >= 16, f"block_v must divide {D} and be >= 16, got {block_v}")
