@@ -12,6 +12,8 @@ No host sync and no per-sequence Python: every shape depends on the batch size o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,6 +66,9 @@ class KdaDecode:
         self.dt_bias = derived.derive(lambda: attn.dt_bias.reshape(-1).contiguous())
         self.state = views.kda_state(attn.kda_index)
         self.conv = views.kda_conv(attn.kda_index)
+        # The step kernel; None: `dispatch.kda_decode_step`, looked up per call. A verify forward sets its
+        # window form here for the duration of the forward (services/engine/fast_verify.py).
+        self.step: Callable[..., torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor, slots: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, hidden] (normed) -> [B, hidden] (+ residual); slots [B]: each sequence's KDA state page of
@@ -75,7 +80,8 @@ class KdaDecode:
         if not attn.full_rank_gate:
             g = attn.g_b_proj(g)
         q, k, v, z, g = (t.view(batch, heads, dim) for t in (q, k, v, z, g))  # row-strided views, no copy
-        y = dispatch.kda_decode_step(q, k, v, z, beta, g, self.conv_w, self.a_log, self.dt_bias,
+        step = dispatch.kda_decode_step if self.step is None else self.step
+        y = step(q, k, v, z, beta, g, self.conv_w, self.a_log, self.dt_bias,
                                      attn.o_norm.weight, self.state, self.conv, slots,
                                      lower_bound=attn.lower_bound, scale=attn.scale, l2_eps=L2_EPS,
                                      norm_eps=attn.eps)  # [B, H, D]

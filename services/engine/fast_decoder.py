@@ -32,10 +32,12 @@ class FastDecoder:
         self.derived = derived = DerivedWeights()  # what `reload_weights` refreshes
         self.attention: list = []
         self.ffn: list = []
+        self.kda_ops: list[KdaDecode] = []  # in forward order
         for layer in model.model.layers:
             attn = layer.self_attn
             if isinstance(attn, KimiDeltaAttention):
                 op = KdaDecode(attn, views, derived)
+                self.kda_ops.append(op)
                 group = layout.kda_slot(attn.kda_index)[0]
                 self.attention.append(lambda x, inp, residual=None, op=op, g=group:
                                       op(x, inp.kda_slots[g], residual))

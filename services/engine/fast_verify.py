@@ -5,11 +5,11 @@ A verify forward is a decode forward whose rows are the windows' tokens (the pen
 of each request, in batch order): every row-wise part of `FastDecoder` (embedding, norms, AttnRes, MoE,
 MLP, LM head, the all-reduces at TP > 1) takes them as they are, and so does the paged MLA form, given
 each row its own position: its latent row is written at that position and it attends over the rows up to
-it (the window's earlier tokens included: causal). Only KDA is sequential within a window. The fast forms
-call the KDA kernel through `kernels.dispatch.kda_decode_step`; for the duration of a verify forward (on
-the engine thread, eager: verify is never captured in a CUDA graph) that entry is swapped for the window
-form below, which regroups the rows into [B, window, H, D], runs the fused recurrence over each window
-with n_commit=0 and returns every token's output. No state is written, as on the reference verify path
+it (the window's earlier tokens included: causal). Only KDA is sequential within a window: for the
+duration of a verify forward (eager: verify is never captured in a CUDA graph) every KDA form of the
+decoder (`KdaDecode.step`) runs the window form below instead of the one-token step kernel, which regroups
+the rows into [B, window, H, D], runs the fused recurrence over each window with n_commit=0 and returns
+every token's output. No state is written, as on the reference verify path
 (`VerifyBatchCache` drops the writes): the window's projected inputs are kept, per KDA layer, for
 `verify_replay.replay_accepted`, which then advances the states over the accepted prefix only.
 """
@@ -26,6 +26,7 @@ from k3core.cache.request import CachedRequest
 from k3core.layers.kda import KimiDeltaAttention
 from kernels import dispatch
 from services.engine.decode_fastpath import DecodeFastPath
+from services.engine.fast_decoder import FastDecoder
 
 
 @dataclass
@@ -71,13 +72,14 @@ class _Windows:
 
 
 @contextmanager
-def _windowed_kda(windows: _Windows) -> Iterator[None]:
-    step = dispatch.kda_decode_step
-    dispatch.kda_decode_step = windows.kda_step
+def _windowed_kda(decoder: FastDecoder, windows: _Windows) -> Iterator[None]:
+    for op in decoder.kda_ops:
+        op.step = windows.kda_step
     try:
         yield
     finally:
-        dispatch.kda_decode_step = step
+        for op in decoder.kda_ops:
+            op.step = None
 
 
 class FastVerify:
@@ -98,9 +100,9 @@ class FastVerify:
         tokens = [t for window in windows for t in window]
         host = torch.from_numpy(fast.builder.build(rows, tokens, len(rows)))  # type: ignore[arg-type]
         structure = _Windows([len(w) for w in windows], fast.device, self.kda_layers)
-        with _windowed_kda(structure):
+        with _windowed_kda(fast.decoder, structure):
             logits = fast.decoder.forward(fast.builder.view(host.to(fast.device), len(rows)))
-        if len(structure.inputs) != len(self.kda_layers):  # a fast form that bypassed the dispatch entry
+        if len(structure.inputs) != len(self.kda_layers):  # a fast form that bypassed `KdaDecode.step`
             raise RuntimeError(f"the verify forward ran {len(structure.inputs)} of {len(self.kda_layers)} "
                                "KDA layers as windows: the others advanced their states row by row")
         return logits.float(), structure.inputs
