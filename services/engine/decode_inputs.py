@@ -40,35 +40,68 @@ class DecodeInputs:
 
 
 class DecodeInputBuilder:
-    """Fills the host image of DecodeInputs for the requests of a step (page tables cached per request)."""
+    """Fills the host image of DecodeInputs for the requests of a step.
+
+    Each request's KDA slots and page-table row live in a row of an arena (kept across steps), so a step
+    gathers them with one fancy index instead of stacking a table per request; a row is refreshed only
+    when its block table grew. A row is valid for as long as the request's `blocks` and `state_pages` lists
+    are the ones it was filled from: the cache manager gives a request new lists when it is admitted again,
+    and while it lives its block table only grows (admission fills it, `reserve` appends).
+    """
 
     def __init__(self, layout: PoolLayout, max_pages: int, scratch_kda: int, scratch_mla: int) -> None:
         self.layout = layout
         self.max_pages = max_pages
         self.scratch_kda, self.scratch_mla = scratch_kda, scratch_mla
         self.kda_groups, self.mla_groups = layout.num_kda_groups, layout.num_mla_groups
-        self._tables: dict[str, tuple[tuple, np.ndarray]] = {}
+        self._scratch_base = scratch_mla * layout.tokens_per_block * layout.layers_per_group
+        self._rows: dict[str, tuple[list, list, int]] = {}  # rid -> (blocks, state_pages, arena row)
+        self._free: list[int] = []
+        self._slots = np.empty((0, self.kda_groups), dtype=np.int64)  # arena: [row, kda group]
+        self._tables = np.empty((0, self.mla_groups, max_pages), dtype=np.int64)  # [row, mla group, page]
+        self._filled = np.empty(0, dtype=np.int64)  # [row]: blocks of its table written so far
 
     def fits(self, req: CachedRequest) -> bool:
         return len(req.blocks) <= self.max_pages
 
-    def _table(self, req: CachedRequest) -> np.ndarray:
-        """[mla groups, max_pages] page ids of a request's block table (rebuilt when the table changes)."""
-        key = (id(req), len(req.blocks), req.blocks[0].pages[0], req.blocks[-1].pages[0])
-        cached = self._tables.get(req.rid)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        table = np.full((self.mla_groups, self.max_pages), self.scratch_mla, dtype=np.int64)
-        table[:, : len(req.blocks)] = np.array([b.pages for b in req.blocks], dtype=np.int64).T
-        self._tables[req.rid] = (key, table)
-        return table
+    def _row(self, req: CachedRequest, replaced: list[int]) -> int:
+        """The arena row of a request (a new one the first time its lists are seen)."""
+        entry = self._rows.get(req.rid)
+        if entry is not None and entry[0] is req.blocks and entry[1] is req.state_pages:
+            return entry[2]
+        if entry is not None:
+            replaced.append(entry[2])  # freed after this step's gather (a row of this step may still read it)
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self._slots[row] = req.state_pages
+        self._tables[row] = self.scratch_mla
+        self._filled[row] = 0
+        self._rows[req.rid] = (req.blocks, req.state_pages, row)
+        return row
+
+    def _grow(self) -> None:
+        old = len(self._filled)
+        new = max(64, 2 * old)
+        self._slots = np.concatenate([self._slots, np.empty((new - old, self.kda_groups), dtype=np.int64)])
+        self._tables = np.concatenate([self._tables, np.empty((new - old, self.mla_groups, self.max_pages),
+                                                              dtype=np.int64)])
+        self._filled = np.concatenate([self._filled, np.zeros(new - old, dtype=np.int64)])
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    def _extend_table(self, req: CachedRequest, row: int) -> None:
+        """Write the blocks appended to a request's table since its row was last filled."""
+        first = int(self._filled[row])
+        blocks = req.blocks
+        self._tables[row, :, first : len(blocks)] = np.array([b.pages for b in blocks[first:]], dtype=np.int64).T
+        self._filled[row] = len(blocks)
 
     def _prune(self, requests: list[CachedRequest]) -> None:
-        """Drop the tables of finished requests once they outnumber the live ones."""
-        if len(self._tables) > 2 * len(requests) + 64:
+        """Free the rows of finished requests once they outnumber the live ones."""
+        if len(self._rows) > 2 * len(requests) + 64:
             live = {r.rid for r in requests}
-            for rid in [r for r in self._tables if r not in live]:
-                del self._tables[rid]
+            for rid in [r for r in self._rows if r not in live]:
+                self._free.append(self._rows.pop(rid)[2])
 
     def numel(self, size: int) -> int:
         return DecodeInputs.numel(size, self.kda_groups, self.mla_groups, self.max_pages)
@@ -84,19 +117,25 @@ class DecodeInputBuilder:
         image = self.view(torch.from_numpy(out), size)
         tok, slots, table = image.tokens.numpy(), image.kda_slots.numpy(), image.page_table.numpy()
         lengths, base = image.lengths.numpy(), image.row_base.numpy()
-        tok[:] = 0
-        slots[:] = self.scratch_kda
-        table[:] = self.scratch_mla
-        lengths[:] = 1
-        base[:] = self.scratch_mla * per_block * self.layout.layers_per_group
-        if n:
-            self._prune(requests)
-            tok[:n] = tokens
-            slots[:, :n] = np.array([r.state_pages for r in requests], dtype=np.int64).T
-            table[:, :n] = np.stack([self._table(r) for r in requests], axis=1)
-            position = np.array([r.num_computed for r in requests], dtype=np.int64)
-            lengths[:n] = position + 1
-            block = position // per_block
-            pages = table[:, np.arange(n), block]  # [mla groups, n]
-            base[:, :n] = (pages * per_block + position % per_block) * self.layout.layers_per_group
+        tok[n:] = 0
+        slots[:, n:] = self.scratch_kda
+        table[:, n:] = self.scratch_mla
+        lengths[n:] = 1
+        base[:, n:] = self._scratch_base
+        if not n:
+            return out
+        self._prune(requests)
+        replaced: list[int] = []
+        rows = np.fromiter((self._row(r, replaced) for r in requests), dtype=np.int64, count=n)
+        blocks = np.fromiter((len(r.blocks) for r in requests), dtype=np.int64, count=n)
+        for i in np.flatnonzero(blocks != self._filled[rows]).tolist():
+            self._extend_table(requests[i], int(rows[i]))
+        tok[:n] = tokens
+        slots[:, :n] = self._slots[rows].T
+        table[:, :n] = self._tables[rows].transpose(1, 0, 2)
+        position = np.fromiter((r.num_computed for r in requests), dtype=np.int64, count=n)
+        lengths[:n] = position + 1
+        pages = table[:, np.arange(n), position // per_block]  # [mla groups, n]
+        base[:, :n] = (pages * per_block + position % per_block) * self.layout.layers_per_group
+        self._free.extend(replaced)
         return out
