@@ -7,7 +7,7 @@ Why a pass of its own: computing all of this inside the chunk's UT-transform ker
 decay factors live as [64, 128] float32 tiles at once (255 registers + ~9 KB of spills per thread, 5.7 of
 6.8 ms at B=1, T=32K, H=16 on the H200). Here one stream at a time is live; the bf16 round trip of the
 results costs ~9 bytes per element of HBM traffic, far less than the spills did. One program per
-(chunk, head, stream), the conv taps in a loop: the fewest tiles live at once.
+(chunk, head, stream): the fewest tiles live at once.
 """
 
 from __future__ import annotations
@@ -17,27 +17,32 @@ from kernels._triton import tl, triton
 if triton is not None:
 
     @triton.jit
-    def _conv_swish(x, init_conv, conv_w, stream, n, h, t, bos, valid, offs, HAS_CONV: tl.constexpr,
-                    H, D: tl.constexpr, W: tl.constexpr):
-        """Swish(ShortConv) of one stream (0 q, 1 k, 2 v) at tokens t [C] of head h, channels offs (of D),
-        as [C, len(offs)] float32.
+    def _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV: tl.constexpr, W: tl.constexpr):
+        """Tap s of the ShortConv: x[row - s] * w[W-1-s], [C, len(offs)] float32 (see _conv_swish)."""
+        p = rows - s
+        inside = valid & (p >= lo)
+        xs = tl.load(x + p[:, None] * HD + offs[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
+        if HAS_CONV:
+            carried = valid & (p < lo)
+            xs += tl.load(conv + offs[None, :] * (W - 1) + (p - lo + W - 1)[:, None], mask=carried[:, None],
+                          other=0.0).to(tl.float32)
+        return xs * tl.load(conv_w + offs * W + (W - 1 - s)).to(tl.float32)[None, :]
 
-        Inputs before the sequence start `bos` come from the carried conv state [N, 3, H, D, W-1] (zeros
-        without one); rows that are not `valid` come out zero."""
-        acc = tl.zeros([t.shape[0], offs.shape[0]], dtype=tl.float32)
-        for s in range(W):  # a loop, not unrolled: the taps' loads would all be hoisted and spill
-            p = t - s
-            inside = valid & (p >= bos)
-            xs = tl.load(x + (p[:, None] * H + h) * D + offs[None, :], mask=inside[:, None], other=0.0)
-            xs = xs.to(tl.float32)
-            if HAS_CONV:
-                carried = valid & (p < bos)
-                col = p - bos + (W - 1)
-                base = init_conv + ((n * 3 + stream) * H + h) * D * (W - 1)
-                xs += tl.load(base + offs[None, :] * (W - 1) + col[:, None], mask=carried[:, None],
-                              other=0.0).to(tl.float32)
-            tap = tl.load(conv_w + (stream * H * D + h * D + offs) * W + (W - 1 - s)).to(tl.float32)
-            acc += xs * tap[None, :]
+    @triton.jit
+    def _conv_swish(x, conv, conv_w, rows, lo, valid, offs, HD, HAS_CONV: tl.constexpr, W: tl.constexpr,
+                    UNROLL: tl.constexpr):
+        """Swish(ShortConv) of one stream at the chunk's rows [C], channels offs (of D), as [C, len(offs)]
+        float32. x points at the chunk's first row of this head (rows are HD elements apart); rows before
+        `lo` (the sequence start, relative) come from the carried conv window `conv` [D, W-1] (zeros without
+        one); rows that are not `valid` come out zero.
+        UNROLL: the taps unrolled (their loads overlap) instead of a loop (each waits for the previous one)."""
+        acc = tl.zeros([rows.shape[0], offs.shape[0]], dtype=tl.float32)
+        if UNROLL:
+            for s in tl.static_range(W):
+                acc += _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV, W)
+        else:
+            for s in range(W):
+                acc += _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV, W)
         return acc * tl.sigmoid(acc)
 
     @triton.jit
@@ -45,19 +50,26 @@ if triton is not None:
         q, k, v, z, beta, conv_w, A_log, dt_bias, init_conv, cu_seqlens, chunk_seq, chunk_start,
         q_out, k_out, v_out, g_out, beta_out, lower_bound, l2_eps,
         H, D: tl.constexpr, W: tl.constexpr, C: tl.constexpr, HAS_CONV: tl.constexpr,
+        UNROLL: tl.constexpr, OFFS32: tl.constexpr,
     ):
         """Grid (chunks, H, 3): program (., ., 0) does q, 1 k, 2 v and the gate and beta. Token-major
-        [T_total, H, D] in and out (g_out float32), beta_out [T_total, H]."""
+        [T_total, H, D] in and out (g_out float32), beta_out [T_total, H].
+        OFFS32: tile offsets in 32 bits from the chunk's first row (64-bit ones cost registers: spills)."""
         ci = tl.program_id(0)
         h = tl.program_id(1)
         stream = tl.program_id(2)
         n = tl.load(chunk_seq + ci).to(tl.int64)
-        bos = tl.load(cu_seqlens + n).to(tl.int64)
-        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+        start = tl.load(chunk_start + ci).to(tl.int64)
+        lo = (tl.load(cu_seqlens + n) - start).to(tl.int32)
+        n_valid = (tl.load(cu_seqlens + n + 1) - start).to(tl.int32)
+        base = (start * H + h) * D
         offs = tl.arange(0, D)
-        t = tl.load(chunk_start + ci).to(tl.int64) + tl.arange(0, C)
-        valid = t < eos
-        tok = (t[:, None] * H + h) * D + offs[None, :]
+        rows = tl.arange(0, C)
+        HD = H * D
+        if not OFFS32:
+            rows = rows.to(tl.int64)
+        valid = rows < n_valid
+        rel = rows[:, None] * HD + offs[None, :]
         io_mask = valid[:, None]
         # One stream per program: with all three in one, their loads were hoisted together (255 registers).
         if stream == 0:
@@ -66,14 +78,16 @@ if triton is not None:
             x, out = k, k_out
         else:
             x, out = v, v_out
-        xt = _conv_swish(x, init_conv, conv_w, stream, n, h, t, bos, valid, offs, HAS_CONV, H, D, W)
+        conv = init_conv + ((n * 3 + stream) * H + h) * D * (W - 1)
+        taps = conv_w + (stream * H + h) * D * W
+        xt = _conv_swish(x + base, conv, taps, rows, lo, valid, offs, HD, HAS_CONV, W, UNROLL)
         if stream < 2:
             xt = xt * tl.rsqrt(tl.sum(xt * xt, axis=1) + l2_eps)[:, None]
-        tl.store(out + tok, xt.to(out.dtype.element_ty), mask=io_mask)
+        tl.store(out + base + rel, xt.to(out.dtype.element_ty), mask=io_mask)
         if stream == 2:
-            zt = tl.load(z + tok, mask=io_mask, other=0.0).to(tl.float32)
+            zt = tl.load(z + base + rel, mask=io_mask, other=0.0).to(tl.float32)
             zt += tl.load(dt_bias + h * D + offs).to(tl.float32)[None, :]
             g = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + h).to(tl.float32)) * zt)
-            tl.store(g_out + tok, tl.cumsum(tl.where(io_mask, g, 0.0), axis=0), mask=io_mask)
-            bt = tl.sigmoid(tl.load(beta + t * H + h, mask=valid, other=0.0).to(tl.float32))
-            tl.store(beta_out + t * H + h, bt, mask=valid)
+            tl.store(g_out + base + rel, tl.cumsum(tl.where(io_mask, g, 0.0), axis=0), mask=io_mask)
+            bt = tl.sigmoid(tl.load(beta + (start + rows) * H + h, mask=valid, other=0.0).to(tl.float32))
+            tl.store(beta_out + (start + rows) * H + h, bt, mask=valid)

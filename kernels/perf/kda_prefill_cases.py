@@ -35,12 +35,19 @@ SHAPES = (
 )
 # Tuning variants timed for every shape: (label, keyword arguments of prefill_triton.kda_prefill_block).
 # History (B=1,T=32K,H=16, H200) in docs/kernels.md: the one-kernel full-width prologue took 5.7 of 6.81 ms.
+FAST_PREP = {"prep_unroll": True, "prep_offs32": True}
 VARIANTS = (
     ("default", {}),
+    ("prep fast", FAST_PREP),
+    ("ut one exp", {"ut_one_exp": True}),
+    ("prep fast+one exp", {**FAST_PREP, "ut_one_exp": True}),
+    ("kb=16", {"k_block": 16}),
+    ("prep fast+one exp+kb=16", {**FAST_PREP, "ut_one_exp": True, "k_block": 16}),
     ("kb=64", {"k_block": 64}),
     ("bv=16", {"block_v": 16}),
     ("stages 1", {"stages": 1}),
     ("out w8", {"num_warps": 8}),
+    ("rec w8", {"recurrence_warps": 8}),
     ("ut f32 dots", {"f32_dots": True}),
     # Last: the reshape-based 16x16 substitution faulted at 8 warps in the former one-kernel prologue
     # (Triton 3.6, H200), and a fault ends the process.

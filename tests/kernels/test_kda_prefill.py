@@ -42,17 +42,24 @@ def test_reference_prefill_matches_float64_token_by_token():
         torch.testing.assert_close(final_conv[n].double(), conv, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("block_v", "k_block"), [(16, 16), (None, 32)])
-def test_triton_prefill_matches_reference(interpreted, block_v, k_block):
+@pytest.mark.parametrize(("block_v", "k_block", "tuning"), [
+    (16, 16, {}),
+    (None, 32, {}),
+    (None, 16, {"prep_unroll": True, "prep_offs32": True}),
+    (None, 16, {"ut_one_exp": True}),
+    (16, 32, {"ut_one_exp": True, "prep_unroll": True, "prep_offs32": True}),
+])
+def test_triton_prefill_matches_reference(interpreted, block_v, k_block, tuning):
     """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states, D = 32: the
-    UT transform in one or two key-column blocks."""
+    UT transform in one or two key-column blocks; the prologue's tap loop and 64-bit offsets or unrolled taps
+    with 32-bit offsets (negative row offsets for the taps before the chunk)."""
     case = KdaCase(heads=2, dim=32)
     gen = torch.Generator().manual_seed(12)
     params = case.params(gen)
     states, convs = case.pools(gen)
     x = case.tokens(gen, 2, 70)
     kwargs = {"initial_state": states[:2], "initial_conv": convs[:2]}
-    got = prefill_triton.kda_prefill_block(*x, *params, **kwargs, block_v=block_v, k_block=k_block)
+    got = prefill_triton.kda_prefill_block(*x, *params, **kwargs, block_v=block_v, k_block=k_block, **tuning)
     _close(got, naive.kda_prefill_block(*x, *params, **kwargs))
 
 
@@ -63,7 +70,8 @@ def test_triton_prefill_varlen_with_an_empty_sequence(interpreted):
     states, convs = CASE.pools(gen)
     x = CASE.tokens(gen, 1, 135)
     y, state, conv = prefill_triton.kda_prefill_block(*x, *params, initial_state=states[:4], initial_conv=convs[:4],
-                                                      cu_seqlens=torch.tensor([0, 2, 2, 70, 135]))
+                                                      cu_seqlens=torch.tensor([0, 2, 2, 70, 135]),
+                                                      prep_unroll=True, prep_offs32=True)
     keep = [0, 2, 3]  # the reference's conv cannot take an empty sequence: compare the others without it
     want = naive.kda_prefill_block(*x, *params, initial_state=states[keep], initial_conv=convs[keep],
                                    cu_seqlens=torch.tensor([0, 2, 70, 135]))
@@ -71,8 +79,8 @@ def test_triton_prefill_varlen_with_an_empty_sequence(interpreted):
     assert torch.equal(state[1], states[1]) and torch.equal(conv[1], convs[1])
 
 
-@pytest.mark.parametrize("k_block", [16])
-def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted, k_block):
+@pytest.mark.parametrize(("k_block", "one_exp"), [(16, False), (16, True)])
+def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted, k_block, one_exp):
     """g = -5 on every channel: decay ratios span e^(+-80) inside a 16-token sub-block and must not
     overflow; no initial state or conv (zeros)."""
     gen = torch.Generator().manual_seed(14)
@@ -81,7 +89,7 @@ def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted, k_b
     q, k, v, z, beta, gate = CASE.tokens(gen, 1, 64)
     z = z.abs() + 10.0  # sigmoid(e^3 * (z + b)) == 1 in float32
     got = prefill_triton.kda_prefill_block(q, k, v, z, beta, gate, conv_w, A_log, dt_bias.abs() + 1, norm_w,
-                                           k_block=k_block)
+                                           k_block=k_block, ut_one_exp=one_exp)
     want = naive.kda_prefill_block(q, k, v, z, beta, gate, conv_w, A_log, dt_bias.abs() + 1, norm_w)
     assert torch.isfinite(got[0]).all()
     _close(got, want)
