@@ -109,14 +109,22 @@ class DecodeInputBuilder:
     def view(self, flat: torch.Tensor, size: int) -> DecodeInputs:
         return DecodeInputs.view(flat, size, self.kda_groups, self.mla_groups, self.max_pages)
 
+    def _host_parts(self, out: np.ndarray, size: int) -> tuple[np.ndarray, ...]:
+        """The parts of `DecodeInputs.view` as numpy views (numpy slicing costs a tenth of torch's here)."""
+        kda, mla, pages = self.kda_groups, self.mla_groups, self.max_pages
+        a = size
+        b = a + kda * size
+        c = b + mla * size * pages
+        d = c + size
+        return (out[:a], out[a:b].reshape(kda, size), out[b:c].reshape(mla, size, pages), out[c:d],
+                out[d : d + mla * size].reshape(mla, size))
+
     def build(self, requests: list[CachedRequest], tokens: list[int], size: int,
               out: np.ndarray | None = None) -> np.ndarray:
         """Host int64 image for `size` rows (len(requests) real rows, the rest padding), into `out` if given."""
         n, per_block = len(requests), self.layout.tokens_per_block
         out = np.empty(self.numel(size), dtype=np.int64) if out is None else out[: self.numel(size)]
-        image = self.view(torch.from_numpy(out), size)
-        tok, slots, table = image.tokens.numpy(), image.kda_slots.numpy(), image.page_table.numpy()
-        lengths, base = image.lengths.numpy(), image.row_base.numpy()
+        tok, slots, table, lengths, base = self._host_parts(out, size)
         tok[n:] = 0
         slots[:, n:] = self.scratch_kda
         table[:, n:] = self.scratch_mla

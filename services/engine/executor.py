@@ -94,10 +94,12 @@ class Executor:
 
     def _forward(self, items: list[ForwardItem]) -> torch.Tensor:
         """Decode steps and prefill chunks run as two forwards: a batch of single tokens takes the model's
-        vectorised step path, which a single prefill chunk in the batch would switch off for everyone."""
+        vectorised step path, which a single prefill chunk in the batch would switch off for everyone.
+        Logits [sampling rows, V]: float32, or the fast path's own (model dtype; a view valid until its next
+        replay) when it is the step's only forward."""
         groups = [[i for i, f in enumerate(items) if len(f.token_ids) == 1],
                   [i for i, f in enumerate(items) if len(f.token_ids) > 1]]
-        rows: dict[int, torch.Tensor] = {}
+        outs: list[tuple[list[int], torch.Tensor]] = []
         for group in groups:
             if group:
                 batch = [items[i] for i in group]
@@ -106,7 +108,12 @@ class Executor:
                     out = self.fastpath.forward(cached, [f.token_ids[0] for f in batch])
                 else:
                     out = self.runner.forward([f.token_ids for f in batch], self.manager.batch_view([f.rid for f in batch]))
-                rows.update(zip(group, out, strict=True))
+                outs.append((group, out))
+        if len(outs) == 1 and all(f.sample for f in items):
+            return outs[0][1]  # one forward, every row samples: its logits as they are (no per-row split)
+        rows: dict[int, torch.Tensor] = {}
+        for group, out in outs:
+            rows.update(zip(group, out.float(), strict=True))  # the fast path's logits are in the model dtype
         return torch.stack([rows[i] for i, f in enumerate(items) if f.sample]) if any(f.sample for f in items) \
             else torch.empty(0)
 

@@ -148,9 +148,9 @@ class Scheduler:
         if drafts and count == 1 and sample and len(drafts) < budget:
             self.manager.call("append_tokens", req.rid, drafts)
             self.manager.call("reserve", req.rid, 1 + len(drafts))  # within the pending token's block
-            plan.verify.append(ForwardItem(req.rid, [req.tokens[-1], *drafts], True))
+            plan.verify.append(ForwardItem(req.rid, [(req.output or req.prompt)[-1], *drafts], True))
             return 1 + len(drafts)
-        plan.forward.append(ForwardItem(req.rid, req.tokens[start : start + count], sample))
+        plan.forward.append(ForwardItem(req.rid, _token_slice(req, start, start + count), sample))
         if sample and req.export is not None and not req.output:
             plan.exports.append(ExportItem(req.rid, req.export.handle_id, req.export.transfer_address,
                                            self.model_name))
@@ -213,6 +213,15 @@ class Scheduler:
         # An imported request recomputes from its tokens (prefix hits permitting): the handle is gone.
         req.source = None
         self.waiting.appendleft(req)
+
+
+def _token_slice(req: EngineRequest, start: int, end: int) -> list[int]:
+    """req.tokens[start:end] without building req.tokens (prompt + output: a copy of the whole sequence
+    per request and step)."""
+    prompt = len(req.prompt)
+    if start >= prompt:
+        return req.output[start - prompt : end - prompt]
+    return req.prompt[start:end] if end <= prompt else req.prompt[start:] + req.output[: end - prompt]
 
 
 def new_handle_id() -> str:
