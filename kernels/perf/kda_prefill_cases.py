@@ -39,15 +39,17 @@ FAST_PREP = {"prep_unroll": True, "prep_offs32": True}
 VARIANTS = (
     ("default", {}),
     ("prep fast", FAST_PREP),
-    ("ut one exp", {"ut_one_exp": True}),
-    ("prep fast+one exp", {**FAST_PREP, "ut_one_exp": True}),
+    ("prep fast+kb=16 r168", {**FAST_PREP, "k_block": 16, "ut_maxnreg": 168}),
+    ("kb=16 r168", {"k_block": 16, "ut_maxnreg": 168}),
+    ("r168", {"ut_maxnreg": 168}),
     ("kb=16", {"k_block": 16}),
-    ("prep fast+one exp+kb=16", {**FAST_PREP, "ut_one_exp": True, "k_block": 16}),
+    ("ut one exp", {"ut_one_exp": True}),
+    ("kb=16 r128", {"k_block": 16, "ut_maxnreg": 128}),
+    ("rec w8", {"recurrence_warps": 8}),
     ("kb=64", {"k_block": 64}),
     ("bv=16", {"block_v": 16}),
     ("stages 1", {"stages": 1}),
     ("out w8", {"num_warps": 8}),
-    ("rec w8", {"recurrence_warps": 8}),
     ("ut f32 dots", {"f32_dots": True}),
     # Last: the reshape-based 16x16 substitution faulted at 8 warps in the former one-kernel prologue
     # (Triton 3.6, H200), and a fault ends the process.
