@@ -8,9 +8,11 @@ Drives the real engine step (`Engine._step`: scheduler, executor, the decode fas
 `context` tokens. Only the forward is replaced, by `StandInGraphs`: a STAND-IN for the captured CUDA graph
 whose replay does nothing and whose logits are a static tensor, so what is timed is host work only. The
 real forward cannot run here; the model and the page store live on the meta device (shapes and page ids
-are the preset's, no bytes). The stand-in logits have `--vocab` columns (default 1024, not the preset's
-163840): on a GPU the cast and argmax over them are device work of microseconds, which on this CPU would
-otherwise be timed as host work. Greedy rows, no tokenizer (the mini preset's vocabulary has none here).
+are the preset's, no bytes; the store's fingerprint is stubbed for the setup's checkpoint). The stand-in
+logits are bf16 (the graph's dtype) with `--vocab` columns (default 64, not the preset's 163840): on a GPU
+the cast and argmax over them are device work, which on this CPU would be timed as host work (at 1024
+columns and batch 256 the CPU's bf16 argmax alone takes ~1 ms). Greedy rows, no tokenizer (the mini
+preset's vocabulary has none here).
 
 Stages (ms per step, p50 and p99 over `--steps` timed steps after warm-up):
 - schedule: `Scheduler.schedule` (the cache manager's reserve calls, the plan)
@@ -20,6 +22,8 @@ Stages (ms per step, p50 and p99 over `--steps` timed steps after warm-up):
 - sample: `sample_rows` (one argmax and one host copy for the greedy rows)
 - accept: the rest of `Engine._after_step` (output processing, streaming, metrics, append_tokens)
 - step: the whole `Engine._step`; "other" is what none of the above covers (gauges, the step histogram)
+- idle: step minus executor: the host time a GPU waits through (the executor's manager bookkeeping after
+  the launch runs while the graph computes; everything else is between one step's sync and the next launch)
 The peer each stage is compared against is the same stage of the `--label before` run in the JSON.
 """
 
@@ -36,26 +40,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-os.environ.setdefault("K3_DECODE_FASTPATH", "1")  # the fast path's host side on this CPU
+from k3.v1 import common_pb2
+from k3core.cache.layout import plan_layout, shape_from_config
+from k3core.cache.manager import PrefixCacheManager
+from k3core.model import K3Model
+from k3core.presets import preset
+from services.engine import engine as engine_module
+from services.engine.cuda_graphs import DecodeGraphs, _Captured
+from services.engine.decode_fastpath import DecodeFastPath
+from services.engine.decode_inputs import DecodeInputBuilder
+from services.engine.engine import Engine
+from services.engine.executor import Executor
+from services.engine.metrics import EngineMetrics
+from services.engine.model_runner import ModelRunner
+from services.engine.output import OutputProcessor
+from services.engine.params import GenerationOptions
+from services.engine.plan import RecordingManager
+from services.engine.request import EngineRequest, Phase
+from services.engine.scheduler import Scheduler
 
-from k3.v1 import common_pb2  # noqa: E402
-from k3core.cache.layout import plan_layout, shape_from_config  # noqa: E402
-from k3core.cache.manager import PrefixCacheManager  # noqa: E402
-from k3core.model import K3Model  # noqa: E402
-from k3core.presets import preset  # noqa: E402
-from services.engine import engine as engine_module  # noqa: E402
-from services.engine.cuda_graphs import DecodeGraphs, _Captured  # noqa: E402
-from services.engine.engine import Engine  # noqa: E402
-from services.engine.executor import Executor  # noqa: E402
-from services.engine.metrics import EngineMetrics  # noqa: E402
-from services.engine.model_runner import ModelRunner  # noqa: E402
-from services.engine.output import OutputProcessor  # noqa: E402
-from services.engine.params import GenerationOptions  # noqa: E402
-from services.engine.plan import RecordingManager  # noqa: E402
-from services.engine.request import EngineRequest, Phase  # noqa: E402
-from services.engine.scheduler import Scheduler  # noqa: E402
-
-STAGES = ("schedule", "build", "launch", "executor", "sample", "accept", "other", "step")
+STAGES = ("schedule", "build", "launch", "executor", "sample", "accept", "other", "step", "idle")
 
 
 class _NoEvent:
@@ -72,7 +76,7 @@ class StandInGraphs(DecodeGraphs):
     """STAND-IN for the CUDA graphs: `DecodeGraphs.run` itself runs (fill the staging buffer, copy it to the
     input buffer, replay), but the replay is a no-op and the logits a static [bucket, vocab] bf16 tensor."""
 
-    def __init__(self, graphs_of: DecodeGraphs | None, builder, buckets: tuple[int, ...], vocab: int) -> None:
+    def __init__(self, builder: DecodeInputBuilder, buckets: tuple[int, ...], vocab: int) -> None:
         self.builder, self.buckets, self.vocab, self._graphs = builder, buckets, vocab, {}
         self.device = torch.device("cpu")
 
@@ -112,9 +116,10 @@ def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer) -> tup
     runner = ModelRunner(model, "cpu", max_model_len=args.max_model_len, max_batch=max(args.batches))
     executor = Executor(manager, runner, rank=0, tp_size=1, total_heads=config.kda_num_heads,
                         instance=common_pb2.InstanceId(service="bench"))
-    fast = executor.fastpath
-    assert fast is not None, "K3_DECODE_FASTPATH=1 gives the fast path on the CPU"
-    fast.graphs = StandInGraphs(None, fast.builder, tuple(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch})),
+    # the executor takes the fast path on CUDA only (or with K3_DECODE_FASTPATH=1): here it is given one
+    fast = executor.fastpath = executor.fastpath or DecodeFastPath(model, manager, max_model_len=args.max_model_len,
+                                                                   max_batch=max(args.batches))
+    fast.graphs = StandInGraphs(fast.builder, tuple(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch})),
                                 args.vocab)
     recording = RecordingManager(manager)
     scheduler = Scheduler(recording, hash_block_tokens=args.hash_block, max_running=batch,
@@ -129,7 +134,6 @@ def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer) -> tup
     scheduler.schedule = timer.wrap("schedule", scheduler.schedule)
     executor.execute = timer.wrap("execute", executor.execute)
     engine._after_step = timer.wrap("after_step", engine._after_step)
-    engine_module.sample_rows = timer.wrap("sample", engine_module.sample_rows)
     return engine, timer
 
 
@@ -153,27 +157,38 @@ def fill(engine: Engine, manager: PrefixCacheManager, batch: int, context: int) 
     manager.commit_step()
 
 
+def run_steps(engine: Engine, timer: StageTimer, count: int) -> list[tuple[float, dict[str, float]]]:
+    """(seconds, seconds per wrapped call) of each of `count` engine steps."""
+    steps = []
+    for _ in range(count):
+        timer.current = defaultdict(float)
+        began = time.perf_counter()
+        engine._step()
+        steps.append((time.perf_counter() - began, timer.current))
+    return steps
+
+
 def measure(args: argparse.Namespace, batch: int) -> dict:
     timer = StageTimer()
     engine, _ = build_engine(args, batch, timer)
     rows: dict[str, list[float]] = defaultdict(list)
-    for step in range(args.warmup + args.steps):
-        timer.current.clear()
-        began = time.perf_counter()
-        engine._step()
-        total = time.perf_counter() - began
-        t = timer.current
-        if step < args.warmup:
-            continue
+    sample_rows = engine_module.sample_rows
+    engine_module.sample_rows = timer.wrap("sample", sample_rows)  # the engine loop's batched draw
+    try:
+        steps = run_steps(engine, timer, args.warmup + args.steps)
+    finally:
+        engine_module.sample_rows = sample_rows
+        engine.executor.close()
+    for total, t in steps[args.warmup:]:
         staged = {"schedule": t["schedule"], "build": t["build"], "launch": t["fastpath"] - t["build"],
                   "executor": t["execute"] - t["fastpath"], "sample": t["sample"],
                   "accept": t["after_step"] - t["sample"]}
         staged["other"] = total - t["schedule"] - t["execute"] - t["after_step"]
         staged["step"] = total
+        staged["idle"] = total - staged["executor"]
         for stage, seconds in staged.items():
             rows[stage].append(1e3 * seconds)
     assert all(len(r.output) == 1 + args.warmup + args.steps for r in engine.scheduler.running)
-    engine.executor.close()
     return {"batch": batch, "context": args.context,
             **{stage: {"p50_ms": float(np.percentile(rows[stage], 50)), "p99_ms": float(np.percentile(rows[stage], 99))}
                for stage in STAGES}}
@@ -186,7 +201,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--max-model-len", type=int, default=32768, help="sets the page-table width")
     parser.add_argument("--hash-block", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=1024, help="columns of the stand-in logits")
+    parser.add_argument("--vocab", type=int, default=64, help="columns of the stand-in logits")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--label", default="after", help="this run's key in the JSON (before / after)")

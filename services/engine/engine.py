@@ -47,6 +47,7 @@ class Engine:
         self._stopped = threading.Event()
         self.failure: BaseException | None = None
         self._preemptions_seen = 0
+        self._step_tokens = 0  # streamed in this step: counted into the metrics once, at its end
 
     # ---- called from the server's event loop ----------------------------------------------------------
     def start(self) -> None:
@@ -146,6 +147,9 @@ class Engine:
             self._verify(plan, proposals)
         result = self.executor.execute(plan)
         self._after_step(plan, result)
+        if self._step_tokens:
+            self.metrics.record_tokens(self._step_tokens)
+            self._step_tokens = 0
         self._update_gauges()
         self.metrics.step_seconds.observe(time.perf_counter() - started)
 
@@ -236,7 +240,7 @@ class Engine:
             for _ in outs:  # a window's tokens share the step's time
                 self.metrics.tpot.observe((now - req.last_token_at) / len(outs))
         req.last_token_at = now
-        self.metrics.record_tokens(len(outs))
+        self._step_tokens += len(outs)
         req.emit(StepOutput([t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
                             outs[-1].finish_reason, logprobs=(logprobs or [])[:len(outs)]))
         return len(outs)

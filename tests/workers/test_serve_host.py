@@ -1,0 +1,70 @@
+"""The host side of a decode step keeps its semantics where it was made cheaper: the scheduler's token
+slices, sampling from the graph's bf16 logits (no float32 copy), the tokens/s window as a running sum,
+and the host benchmark's engine step itself (a stand-in forward; bench/serve_host.py)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench import serve_host
+from services.engine import metrics as metrics_module
+from services.engine.metrics import EngineMetrics
+from services.engine.params import GenerationOptions
+from services.engine.request import EngineRequest
+from services.engine.sampler import sample_rows, token_logprobs
+from services.engine.scheduler import _token_slice
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=6), st.lists(st.integers(0, 9), max_size=6), st.data())
+def test_token_slice_is_a_slice_of_prompt_plus_output(prompt, output, data):
+    req = EngineRequest("r", prompt, None, lambda out: None, output=output)  # type: ignore[arg-type]
+    start = data.draw(st.integers(0, len(prompt) + len(output) + 1))
+    end = data.draw(st.integers(start, len(prompt) + len(output) + 2))
+    assert _token_slice(req, start, end) == (prompt + output)[start:end]
+
+
+def _options(temperature: float, seed: int, top_logprobs: int) -> GenerationOptions:
+    return GenerationOptions(temperature=temperature, top_k=5 if temperature else 0, top_p=0.9, seed=seed,
+                             max_tokens=8, stop=(), stop_token_ids=frozenset(), ignore_eos=True, logprobs=True,
+                             top_logprobs=top_logprobs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.integers(4, 40), st.integers(0, 2**31), st.data())
+def test_sampling_bf16_logits_equals_sampling_their_float32_copy(batch, vocab, seed, data):
+    # coarse values: many exact ties, where argmax must still pick the first maximum in both dtypes
+    logits = (torch.randint(-4, 4, (batch, vocab), generator=torch.Generator().manual_seed(seed)) / 2).bfloat16()
+    rows = [(row, _options(data.draw(st.sampled_from([0.0, 0.7])), seed + row, data.draw(st.integers(0, 3))),
+             data.draw(st.integers(0, 50))) for row in range(batch)]
+    tokens = sample_rows(logits, rows)
+    assert tokens == sample_rows(logits.float(), rows)
+    asked = [(row, options, token) for (row, options, _), token in zip(rows, tokens, strict=True)]
+    assert token_logprobs(logits, asked) == token_logprobs(logits.float(), asked)
+
+
+def test_tokens_per_second_window_equals_the_sum_over_its_last_ten_seconds(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: now[0])
+    metrics = EngineMetrics.for_role("test_serve_host")
+    seen: collections.deque[tuple[float, int]] = collections.deque()
+    for step in range(300):
+        now[0] += (step * 7919 % 13) / 10  # 0 .. 1.2 s apart
+        count = step % 5 + 1
+        metrics.record_tokens(count)
+        seen.append((now[0], count))
+        window = [(t, c) for t, c in seen if now[0] - t <= 10]
+        expected = sum(c for _, c in window) / max(now[0] - window[0][0], 1.0)
+        assert metrics.current_tokens_per_second == expected
+
+
+def test_host_bench_runs_the_engine_step_with_its_stand_in_forward():
+    args = argparse.Namespace(model="nano", context=40, max_model_len=256, hash_block=16, vocab=16, steps=3,
+                              warmup=1, batches=[3])
+    row = serve_host.measure(args, 3)  # asserts every request got one token per step
+    assert row["batch"] == 3 and all(row[stage]["p50_ms"] > 0 for stage in ("schedule", "build", "step"))
