@@ -49,11 +49,6 @@ if triton is not None:
         return tl.dot(eye - N + N2 - N3, d_inv)
 
     @triton.jit
-    def _sub_end(g, blk, last, HD, cols, BC: tl.constexpr):
-        """G of the channels `cols` at the end of sub-block blk (at the last valid row if that comes first)."""
-        return tl.load(g + tl.minimum(blk * BC + BC - 1, last) * HD + cols)
-
-    @triton.jit
     def _flat_gate(g, rel, io_mask, last, HD, cols):
         """G of the channels `cols` [C, BK] at row offsets `rel`; rows past the sequence end repeat the last
         valid row, so that G stays flat there (their k and q are zero, and no decay factor can overflow)."""
@@ -74,13 +69,10 @@ if triton is not None:
         q, k, v, g, beta, cu_seqlens, chunk_seq, chunk_start,
         w_out, u_out, qg_out, kg_out, aqk_out, gc_out, akk_ws, scale,
         H, D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, F32_DOTS: tl.constexpr,
-        ONE_EXP: tl.constexpr,
     ):
         """Grid (chunks, H). Token-major [T_total, H, *] in and out; g float32, beta [T_total, H] float32
         (already through the sigmoid); gc_out [chunks, H, D]; akk_ws [chunks, H, C, C] float32 scratch.
-        F32_DOTS: float32 (TF32 on the GPU) dot operands instead of the input dtype. ONE_EXP: one exp per
-        element for the four key sub-blocks' row factors (and qg, kg written in the first loop) instead of
-        one exp per element and sub-block."""
+        F32_DOTS: float32 (TF32 on the GPU) dot operands instead of the input dtype."""
         ci = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         start = tl.load(chunk_start + ci).to(tl.int64)
@@ -108,52 +100,21 @@ if triton is not None:
         for kb in range(0, D // BK):
             cols = kb * BK + tl.arange(0, BK)
             rel = rows[:, None] * HD + cols[None, :]
-            G, g_end = _flat_gate(g, rel, io_mask, last, HD, cols)
+            G, _ = _flat_gate(g, rel, io_mask, last, HD, cols)
             kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
             qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
-            if ONE_EXP:
-                # One exp per element: e = exp(G_r - G at the end of the row's previous sub-block), in
-                # [e^-80, 1]; key sub-block blk's row factor exp(G_r - ref_blk) is e times a per-column ratio
-                # of the row's sub-block (<= 1 off the diagonal block, so an underflow there is a true one).
-                # qg and kg go out here, while q, k and G are loaded.
-                rb = rows[:, None] // BC
-                prev = tl.zeros([C, BK], dtype=tl.float32)
-                prev_decay = tl.full([C, BK], 1.0, dtype=tl.float32)
-                for r in tl.static_range(1, NB):
-                    end = _sub_end(g, r - 1, last, HD, cols, BC)
-                    prev = tl.where(rb == r, end[None, :], prev)
-                    prev_decay = tl.where(rb == r, tl.exp(end)[None, :], prev_decay)
-                e = tl.exp(G - prev)
-                kc_e = kc * e
-                qc_e = qc * e
-                tl.store(qg_out + rel, (qc_e * prev_decay * scale).to(qg_out.dtype.element_ty), mask=io_mask)
-                tl.store(kg_out + rel, (kc * tl.exp(g_end[None, :] - G)).to(kg_out.dtype.element_ty), mask=io_mask)
-                tl.store(gc_out + cols, tl.exp(g_end))
             for blk in tl.static_range(NB):
                 # Split at the end of key sub-block blk: factors <= 1 off the diagonal block, <= e^80 on it;
                 # rows before the block are causally masked (factor 0 here).
-                ref = _sub_end(g, blk, last, HD, cols, BC)
-                if ONE_EXP:
-                    ratio = tl.zeros([C, BK], dtype=tl.float32)
-                    for r in tl.static_range(blk, NB):
-                        if r == 0:
-                            f = tl.exp(-ref)
-                        else:
-                            f = tl.exp(_sub_end(g, r - 1, last, HD, cols, BC) - ref)
-                        ratio = tl.where(rb == r, f[None, :], ratio)
-                    k_row = kc_e * ratio
-                    q_row = qc_e * ratio
-                else:
-                    row_decay = tl.exp(tl.where(rows[:, None] >= blk * BC, G - ref[None, :], -1e30))
-                    k_row = kc * row_decay
-                    q_row = qc * row_decay
+                ref = tl.load(g + tl.minimum(blk * BC + BC - 1, last) * HD + cols)
+                row_decay = tl.exp(tl.where(rows[:, None] >= blk * BC, G - ref[None, :], -1e30))
                 key_rel = (blk * BC + sub)[:, None] * HD + cols[None, :]
                 key_ok = (blk * BC + sub < n_valid)[:, None]
                 k_key = tl.load(k + key_rel, mask=key_ok, other=0.0).to(tl.float32)
                 g_key = tl.load(g + key_rel, mask=key_ok, other=0.0)
                 k_col = tl.trans((k_key * tl.exp(ref[None, :] - g_key)).to(dt))
-                part_k = tl.dot(k_row.to(dt), k_col)
-                part_q = tl.dot(q_row.to(dt), k_col)
+                part_k = tl.dot((kc * row_decay).to(dt), k_col)
+                part_q = tl.dot((qc * row_decay).to(dt), k_col)
                 if blk == 0:
                     ak0 += part_k
                     aq0 += part_q
@@ -185,11 +146,10 @@ if triton is not None:
             decay = tl.exp(G)
             w_blk = tl.dot(T, (kc * decay * bt[:, None]).to(dt))
             tl.store(w_out + rel, w_blk.to(w_out.dtype.element_ty), mask=io_mask)
-            if not ONE_EXP:
-                tl.store(kg_out + rel, (kc * tl.exp(g_end[None, :] - G)).to(kg_out.dtype.element_ty), mask=io_mask)
-                tl.store(gc_out + cols, tl.exp(g_end))
-                qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
-                tl.store(qg_out + rel, (qc * decay * scale).to(qg_out.dtype.element_ty), mask=io_mask)
+            tl.store(kg_out + rel, (kc * tl.exp(g_end[None, :] - G)).to(kg_out.dtype.element_ty), mask=io_mask)
+            tl.store(gc_out + cols, tl.exp(g_end))
+            qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
+            tl.store(qg_out + rel, (qc * decay * scale).to(qg_out.dtype.element_ty), mask=io_mask)
         for vb in range(0, D // BK):
             cols = vb * BK + tl.arange(0, BK)
             rel = rows[:, None] * HD + cols[None, :]

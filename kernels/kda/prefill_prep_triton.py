@@ -54,7 +54,7 @@ if triton is not None:
     ):
         """Grid (chunks, H, 3): program (., ., 0) does q, 1 k, 2 v and the gate and beta. Token-major
         [T_total, H, D] in and out (g_out float32), beta_out [T_total, H].
-        OFFS32: tile offsets in 32 bits from the chunk's first row (64-bit ones cost registers: spills)."""
+        OFFS32: tile offsets in 32 bits from the chunk's first row instead of 64-bit ones."""
         ci = tl.program_id(0)
         h = tl.program_id(1)
         stream = tl.program_id(2)

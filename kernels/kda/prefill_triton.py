@@ -164,23 +164,21 @@ def kda_prefill_block(
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
     norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
     prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 2, f32_dots: bool = False,
-    prep_unroll: bool = False, prep_offs32: bool = False, ut_one_exp: bool = False, ut_maxnreg: int | None = None,
+    prep_unroll: bool = False, prep_offs32: bool = False, ut_maxnreg: int | None = 168,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
     The softplus gate (lower_bound=None) is unbounded, so the sub-block decay split is not safe for it:
     that case runs the reference. Tuning (H200 measurements in docs/kernels.md):
     - block_v: value columns per recurrence program (default 64, or 32 when sequences x heads are few).
-    - k_block: key columns per step of the UT-transform pass (a divisor of D, >= 16; default 32: 0.5 KB of spills at 4 warps, 64: 2.6 KB).
+    - k_block: key columns per step of the UT-transform pass (a divisor of D, >= 16; default 32; 16 is no faster).
     - num_warps: the output pass; prep_warps: the prologue pass (8: no spills, 4 spills); ut_warps: the
       UT-transform pass; recurrence_warps.
     - stages: software-pipelining depth of the recurrence's chunk loop.
     - prep_unroll: the prologue's conv taps unrolled (their loads overlap) instead of a loop; prep_offs32: its
-      tile offsets in 32 bits from the chunk's first row (64-bit ones spill).
-    - ut_one_exp: the UT pass's decay factors from one exp per element (per-column ratios per sub-block) instead
-      of one per element and key sub-block.
-    - ut_maxnreg: a register cap for the UT pass (ptxas, sm_90a: 213 registers at k_block 32, 177 at 16, which
-      allows 2 programs per SM; 165 without spills at 16 under a cap of 168, which allows 3).
+      tile offsets in 32 bits from the chunk's first row. Both: prep 0.66 -> 0.51 ms at B=1, T=32K (H200).
+    - ut_maxnreg: register cap of the UT pass (None: none). ptxas (sm_90a): 213 registers at k_block 32 = 2
+      programs per SM; under 168 (16 B of spills) 3 fit: UT pass 1.34 -> 1.14 ms at B=1, T=32K on the H200.
     - f32_dots: float32 (TF32) operands in the UT transform's dots instead of the input dtype.
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
@@ -222,7 +220,7 @@ def kda_prefill_block(
         _kda_chunk_ut_kernel[(n_chunks, H)](
             qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
             torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,
-            BK=k_block, F32_DOTS=f32_dots, ONE_EXP=ut_one_exp, num_warps=ut_warps, maxnreg=ut_maxnreg)
+            BK=k_block, F32_DOTS=f32_dots, num_warps=ut_warps, maxnreg=ut_maxnreg)
     if not block_v:  # 32 columns when 64-column programs would leave most SMs idle (B=1, T=32K: -3 %)
         block_v = min(64 if N * H * (D // 64) >= 2 * _sm_count(dev) else 32, D)
     require(D % block_v == 0 and block_v >= 16, f"block_v must divide {D} and be >= 16, got {block_v}")

@@ -35,16 +35,12 @@ SHAPES = (
 )
 # Tuning variants timed for every shape: (label, keyword arguments of prefill_triton.kda_prefill_block).
 # History (B=1,T=32K,H=16, H200) in docs/kernels.md: the one-kernel full-width prologue took 5.7 of 6.81 ms.
-FAST_PREP = {"prep_unroll": True, "prep_offs32": True}
 VARIANTS = (
     ("default", {}),
-    ("prep fast", FAST_PREP),
-    ("prep fast+kb=16 r168", {**FAST_PREP, "k_block": 16, "ut_maxnreg": 168}),
-    ("kb=16 r168", {"k_block": 16, "ut_maxnreg": 168}),
-    ("r168", {"ut_maxnreg": 168}),
+    # Checked on the H200 (same outputs as the default), timed only on top of the uncapped UT pass: -0.16 ms.
+    ("prep fast", {"prep_unroll": True, "prep_offs32": True}),
+    ("ut no cap", {"ut_maxnreg": None}),
     ("kb=16", {"k_block": 16}),
-    ("ut one exp", {"ut_one_exp": True}),
-    ("kb=16 r128", {"k_block": 16, "ut_maxnreg": 128}),
     ("rec w8", {"recurrence_warps": 8}),
     ("kb=64", {"k_block": 64}),
     ("bv=16", {"block_v": 16}),
