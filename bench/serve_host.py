@@ -20,18 +20,24 @@ Stages (ms per step, p50 and p99 over `--steps` timed steps after warm-up):
 - launch: the rest of `DecodeGraphs.run` (staging copy, stand-in replay) and the fast path's return
 - executor: the rest of `Executor.execute` (manager pre_forward / forward_done / commit_step, logit rows)
 - sample: `sample_rows` (one argmax and one host copy for the greedy rows)
-- accept: the rest of `Engine._after_step` (output processing, streaming, metrics, append_tokens)
+- accept: the rest of `Engine._after_step` (output processing, metrics, append_tokens; the hand-over to
+  the streams too where the engine makes it there, as it did before `Engine._flush`)
+- emit: `Engine._flush`, the hand-over of the previous step's outputs to their streams after the launch
 - step: the whole `Engine._step`; "other" is what none of the above covers (gauges, the step histogram)
-- idle: step minus executor: the host time a GPU waits through (the executor's manager bookkeeping after
-  the launch runs while the graph computes; everything else is between one step's sync and the next launch)
+- idle: step minus executor and emit: the host time a GPU waits through (those two run after the launch,
+  while the graph computes; everything else is between one step's sync and the next launch)
+Each request streams into a real `RequestStream` on an event loop thread (the service's hand-over: one
+call_soon_threadsafe per output), not drained: the gRPC side's cost is not the engine's.
 The peer each stage is compared against is the same stage of the `--label before` run in the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -58,8 +64,9 @@ from services.engine.params import GenerationOptions
 from services.engine.plan import RecordingManager
 from services.engine.request import EngineRequest, Phase
 from services.engine.scheduler import Scheduler
+from services.engine.streams import RequestStream
 
-STAGES = ("schedule", "build", "launch", "executor", "sample", "accept", "other", "step", "idle")
+STAGES = ("schedule", "build", "launch", "executor", "sample", "accept", "emit", "other", "step", "idle")
 
 
 class _NoEvent:
@@ -104,7 +111,7 @@ class StageTimer:
         return timed
 
 
-def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer) -> tuple[Engine, StageTimer]:
+def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer, streams: StreamLoop) -> Engine:
     config = preset(args.model)
     with torch.device("meta"):
         model = K3Model(config)
@@ -126,7 +133,7 @@ def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer) -> tup
                           step_token_budget=8192, model_name=args.model)
     engine = Engine(executor, scheduler, recording, OutputProcessor(None, config.eos_token_id),
                     EngineMetrics.for_role("bench_host"))
-    fill(engine, manager, batch, args.context)
+    fill(engine, manager, batch, args.context, streams)
     # the stages: each wrapper adds its own time; "launch"/"executor"/"accept" get their outer call's time
     # and lose the inner stages' afterwards (see `measure`)
     fast.builder.build = timer.wrap("build", fast.builder.build)
@@ -134,10 +141,31 @@ def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer) -> tup
     scheduler.schedule = timer.wrap("schedule", scheduler.schedule)
     executor.execute = timer.wrap("execute", executor.execute)
     engine._after_step = timer.wrap("after_step", engine._after_step)
-    return engine, timer
+    if hasattr(engine, "_flush"):
+        engine._flush = timer.wrap("flush", engine._flush)
+    return engine
 
 
-def fill(engine: Engine, manager: PrefixCacheManager, batch: int, context: int) -> None:
+class StreamLoop:
+    """The server's event loop on its own thread, making the requests' `RequestStream`s."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="bench-streams", daemon=True)
+        self.thread.start()
+
+    def stream(self) -> RequestStream:
+        async def make() -> RequestStream:
+            return RequestStream()
+        return asyncio.run_coroutine_threadsafe(make(), self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
+def fill(engine: Engine, manager: PrefixCacheManager, batch: int, context: int, streams: StreamLoop) -> None:
     """B running requests at `context` computed tokens plus one pending token, without a forward."""
     options = GenerationOptions(temperature=0.0, top_k=0, top_p=1.0, seed=0, max_tokens=1 << 20, stop=(),
                                 stop_token_ids=frozenset(), ignore_eos=True)
@@ -146,7 +174,8 @@ def fill(engine: Engine, manager: PrefixCacheManager, batch: int, context: int) 
         prompt = [(7919 * i + 31 * j) % 997 + 1 for j in range(context)]
         hit = manager.add_request(rid, prompt)
         manager.reserve(rid, context - hit)
-        req = EngineRequest(rid, prompt, options, emit=lambda out: None, phase=Phase.RUNNING, output=[i % 997 + 1])
+        req = EngineRequest(rid, prompt, options, emit=streams.stream().emit, phase=Phase.RUNNING,
+                            output=[i % 997 + 1])
         req.first_token_at = req.last_token_at = time.monotonic()
         engine.requests[rid] = req
         engine.scheduler.running.append(req)
@@ -169,8 +198,8 @@ def run_steps(engine: Engine, timer: StageTimer, count: int) -> list[tuple[float
 
 
 def measure(args: argparse.Namespace, batch: int) -> dict:
-    timer = StageTimer()
-    engine, _ = build_engine(args, batch, timer)
+    timer, streams = StageTimer(), StreamLoop()
+    engine = build_engine(args, batch, timer, streams)
     rows: dict[str, list[float]] = defaultdict(list)
     sample_rows = engine_module.sample_rows
     engine_module.sample_rows = timer.wrap("sample", sample_rows)  # the engine loop's batched draw
@@ -179,13 +208,15 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
     finally:
         engine_module.sample_rows = sample_rows
         engine.executor.close()
+        streams.close()
     for total, t in steps[args.warmup:]:
         staged = {"schedule": t["schedule"], "build": t["build"], "launch": t["fastpath"] - t["build"],
                   "executor": t["execute"] - t["fastpath"], "sample": t["sample"],
                   "accept": t["after_step"] - t["sample"]}
-        staged["other"] = total - t["schedule"] - t["execute"] - t["after_step"]
+        staged["emit"] = t["flush"]
+        staged["other"] = total - t["schedule"] - t["execute"] - t["after_step"] - t["flush"]
         staged["step"] = total
-        staged["idle"] = total - staged["executor"]
+        staged["idle"] = total - staged["executor"] - staged["emit"]
         for stage, seconds in staged.items():
             rows[stage].append(1e3 * seconds)
     assert all(len(r.output) == 1 + args.warmup + args.steps for r in engine.scheduler.running)

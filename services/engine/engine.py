@@ -48,6 +48,8 @@ class Engine:
         self.failure: BaseException | None = None
         self._preemptions_seen = 0
         self._step_tokens = 0  # streamed in this step: counted into the metrics once, at its end
+        # Outputs for the request streams, handed over after the next step's launch (`_flush`).
+        self._outbox: list[tuple[EngineRequest, StepOutput]] = []
 
     # ---- called from the server's event loop ----------------------------------------------------------
     def start(self) -> None:
@@ -91,6 +93,7 @@ class Engine:
             for req in list(self.requests.values()):
                 self._fail(req, errors.Unavailable(f"worker engine failed: {exc}", retry_after_ms=1000))
         finally:
+            self._flush()
             if self.broadcast is not None:
                 try:
                     self.broadcast(StepPlan(shutdown=True))
@@ -99,6 +102,8 @@ class Engine:
             self.executor.close()
 
     def _drain_inbox(self, block: bool) -> None:
+        if block:
+            self._flush()  # idle: nothing to overlap the hand-over with
         while True:
             try:
                 kind, item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
@@ -112,7 +117,8 @@ class Engine:
                 req = item
                 assert isinstance(req, EngineRequest)
                 if req.rid in self.requests:
-                    req.emit(StepOutput([], error=errors.AlreadyExists(f"request {req.rid!r} is already running")))
+                    self._emit(req, StepOutput([], error=errors.AlreadyExists(
+                        f"request {req.rid!r} is already running")))
                     continue
                 self.requests[req.rid] = req
                 self.scheduler.add(req)
@@ -126,7 +132,7 @@ class Engine:
                 req = self.requests.get(str(item))
                 if req is not None:
                     self._finish(req, common_pb2.FINISH_REASON_CANCELLED, keep_turn=False)
-                    req.emit(StepOutput([], finish_reason=common_pb2.FINISH_REASON_CANCELLED))
+                    self._emit(req, StepOutput([], finish_reason=common_pb2.FINISH_REASON_CANCELLED))
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -136,16 +142,18 @@ class Engine:
         plan = self.scheduler.schedule()
         for req in self.scheduler.rejected:
             self.requests.pop(req.rid, None)
-            req.emit(StepOutput([], error=errors.ResourceExhausted(
+            self._emit(req, StepOutput([], error=errors.ResourceExhausted(
                 f"request {req.rid!r} needs more cache pages than this worker's whole pool",
                 retry_after_ms=5000)))
         if plan.empty:
+            self._flush()
             return
         if self.broadcast is not None:
             self.broadcast(plan)
         if plan.verify:
             self._verify(plan, proposals)
         result = self.executor.execute(plan)
+        self._flush()  # the previous step's outputs, while this step's forward runs (no sync before here)
         self._after_step(plan, result)
         if self._step_tokens:
             self.metrics.record_tokens(self._step_tokens)
@@ -211,6 +219,17 @@ class Engine:
             if req is not None and req.phase is Phase.RUNNING:
                 self.manager.call("append_tokens", req.rid, req.output[-1:])  # the new pending token
 
+    def _emit(self, req: EngineRequest, output: StepOutput) -> None:
+        """Queue an output for the request's stream, in order. Handing it over (a cross-thread wake-up of the
+        server's event loop per output) waits for `_flush`, which runs after the next step's launch (or when
+        the loop idles), so it overlaps the GPU instead of delaying the next launch."""
+        self._outbox.append((req, output))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for req, output in outbox:
+            req.emit(output)
+
     def _accept_forced(self, req: EngineRequest) -> None:
         self._accept(req, req.forced.pop(0), req.forced_logprobs.pop(0) if req.forced_logprobs else None)
 
@@ -241,8 +260,8 @@ class Engine:
                 self.metrics.tpot.observe((now - req.last_token_at) / len(outs))
         req.last_token_at = now
         self._step_tokens += len(outs)
-        req.emit(StepOutput([t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
-                            outs[-1].finish_reason, logprobs=(logprobs or [])[:len(outs)]))
+        self._emit(req, StepOutput([t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
+                                   outs[-1].finish_reason, logprobs=(logprobs or [])[:len(outs)]))
         return len(outs)
 
     def _finish(self, req: EngineRequest, reason: int, keep_turn: bool) -> None:
@@ -259,7 +278,7 @@ class Engine:
         self.requests.pop(req.rid, None)
         self.output.forget(req.rid)
         self.metrics.finished.labels("FINISH_REASON_ERROR").inc()
-        req.emit(StepOutput([], error=error))
+        self._emit(req, StepOutput([], error=error))
 
     def _forget_draft(self, rid: str) -> None:
         if self.speculator is not None:
