@@ -27,7 +27,7 @@ Stages (ms per step, p50 and p99 over `--steps` timed steps after warm-up):
 - idle: step minus executor and emit: the host time a GPU waits through (those two run after the launch,
   while the graph computes; everything else is between one step's sync and the next launch)
 Each request streams into a real `RequestStream` on an event loop thread (the service's hand-over: one
-call_soon_threadsafe per output), not drained: the gRPC side's cost is not the engine's.
+call_soon_threadsafe per output), drained by a task per request as the servicer does (without gRPC).
 The peer each stage is compared against is the same stage of the `--label before` run in the JSON.
 """
 
@@ -147,19 +147,39 @@ def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer, stream
 
 
 class StreamLoop:
-    """The server's event loop on its own thread, making the requests' `RequestStream`s."""
+    """The server's event loop on its own thread: the requests' `RequestStream`s, each drained through its
+    `outputs` iterator as the gRPC servicer does (undrained queues would grow, and the garbage collector's
+    passes over them with it)."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="bench-streams", daemon=True)
         self.thread.start()
+        self.tasks: list[asyncio.Task] = []
+
+    def _run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def stream(self) -> RequestStream:
         async def make() -> RequestStream:
             return RequestStream()
-        return asyncio.run_coroutine_threadsafe(make(), self.loop).result()
+        return self._run(make())
+
+    def drain(self, stream: RequestStream, engine: Engine, req: EngineRequest) -> None:
+        async def consume() -> None:
+            async for _ in stream.outputs(engine, req):
+                pass
+
+        async def spawn() -> None:
+            self.tasks.append(asyncio.get_running_loop().create_task(consume()))
+        self._run(spawn())
 
     def close(self) -> None:
+        async def finish() -> None:
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+        self._run(finish())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
         self.loop.close()
@@ -174,8 +194,9 @@ def fill(engine: Engine, manager: PrefixCacheManager, batch: int, context: int, 
         prompt = [(7919 * i + 31 * j) % 997 + 1 for j in range(context)]
         hit = manager.add_request(rid, prompt)
         manager.reserve(rid, context - hit)
-        req = EngineRequest(rid, prompt, options, emit=streams.stream().emit, phase=Phase.RUNNING,
-                            output=[i % 997 + 1])
+        stream = streams.stream()
+        req = EngineRequest(rid, prompt, options, emit=stream.emit, phase=Phase.RUNNING, output=[i % 997 + 1])
+        streams.drain(stream, engine, req)
         req.first_token_at = req.last_token_at = time.monotonic()
         engine.requests[rid] = req
         engine.scheduler.running.append(req)
@@ -225,6 +246,20 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
                for stage in STAGES}}
 
 
+def sampled_row_ms(vocab: int, reps: int = 20) -> dict:
+    """Host ms of `sample_next` for one temperature > 0 row over the full vocabulary on this CPU: its
+    seeded multinomial (the CPU generator's exponential draws over every column) runs per row on the host."""
+    options = GenerationOptions(temperature=0.7, top_k=0, top_p=1.0, seed=1, max_tokens=8, stop=(),
+                                stop_token_ids=frozenset(), ignore_eos=True)
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
+    times = []
+    for index in range(reps):
+        began = time.perf_counter()
+        engine_module.sample_rows(logits[None], [(0, options, index)])
+        times.append(1e3 * (time.perf_counter() - began))
+    return {"p50_ms": float(np.percentile(times, 50)), "p99_ms": float(np.percentile(times, 99))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="mini")
@@ -255,6 +290,9 @@ def main() -> None:
         ratio = f"{peer['step']['p50_ms'] / row['step']['p50_ms']:>13.2f}x" if peer and args.label != "before" else ""
         print(f"{batch:>5} " + " ".join(f"{row[s]['p50_ms']:>8.3f}/{row[s]['p99_ms']:<9.3f}" for s in STAGES)
               + f" {ratio:>14}", flush=True)
+    run["sampled_row"] = sampled_row_ms(preset(args.model).vocab_size)
+    print(f"one sampled row (temperature 0.7, {preset(args.model).vocab_size} columns, `sample_next` on this CPU): "
+          f"{run['sampled_row']['p50_ms']:.2f} ms p50 (the greedy rows above share one argmax)")
     result[args.label] = run
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
