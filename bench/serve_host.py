@@ -28,7 +28,9 @@ Stages (ms per step, p50 and p99 over `--steps` timed steps after warm-up):
   while the graph computes; everything else is between one step's sync and the next launch)
 Each request streams into a real `RequestStream` on an event loop thread (the service's hand-over: one
 call_soon_threadsafe per output), drained by a task per request as the servicer does (without gRPC).
-The peer each stage is compared against is the same stage of the `--label before` run in the JSON.
+The peer each stage is compared against is the same stage of the `--peer` run in the JSON (default
+`before`). Then `sample_rows` alone on 1 and 64 temperature > 0 rows over the preset's full vocabulary
+(`sampled_row`, `sampled_rows_64`): device work on a GPU, host CPU here.
 """
 
 from __future__ import annotations
@@ -246,16 +248,16 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
                for stage in STAGES}}
 
 
-def sampled_row_ms(vocab: int, reps: int = 20) -> dict:
-    """Host ms of `sample_next` for one temperature > 0 row over the full vocabulary on this CPU: its
-    seeded multinomial (the CPU generator's exponential draws over every column) runs per row on the host."""
-    options = GenerationOptions(temperature=0.7, top_k=0, top_p=1.0, seed=1, max_tokens=8, stop=(),
-                                stop_token_ids=frozenset(), ignore_eos=True)
-    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
+def sampled_rows_ms(vocab: int, batch: int, reps: int = 20) -> dict:
+    """Host ms of `sample_rows` for `batch` temperature > 0 rows (each its own seed) over the full vocabulary
+    on this CPU: on a GPU these rows are device work, here every column's draw is host CPU."""
+    rows = [(row, GenerationOptions(temperature=0.7, top_k=0, top_p=1.0, seed=1 + row, max_tokens=8, stop=(),
+                                    stop_token_ids=frozenset(), ignore_eos=True), 0) for row in range(batch)]
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
     times = []
     for index in range(reps):
         began = time.perf_counter()
-        engine_module.sample_rows(logits[None], [(0, options, index)])
+        engine_module.sample_rows(logits, [(row, options, index) for row, options, _ in rows])
         times.append(1e3 * (time.perf_counter() - began))
     return {"p50_ms": float(np.percentile(times, 50)), "p99_ms": float(np.percentile(times, 99))}
 
@@ -272,12 +274,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--label", default="after", help="this run's key in the JSON (before / after)")
     parser.add_argument("--out", default="bench/results/serve_host.json")
+    parser.add_argument("--peer", default="before", help="the JSON key of the run the ratios compare against")
     args = parser.parse_args()
     assert args.warmup + args.steps < args.hash_block, "no hash-block crossing: checkpoints need page bytes"
     torch.set_num_threads(1)
     path = Path(args.out)
     result = json.loads(path.read_text()) if path.exists() else {}
-    before = {r["batch"]: r for r in result.get("before", {}).get("rows", [])}
+    before = {r["batch"]: r for r in result.get(args.peer, {}).get("rows", [])}
     run = {"model": args.model, "context": args.context, "vocab_standin": args.vocab, "steps": args.steps,
            "machine": f"{os.cpu_count()} CPU cores (shared), torch {torch.__version__}",
            "forward": "StandInGraphs: a stand-in replay (no-op) and static logits", "rows": []}
@@ -287,12 +290,16 @@ def main() -> None:
         row = measure(args, batch)
         run["rows"].append(row)
         peer = before.get(batch)
-        ratio = f"{peer['step']['p50_ms'] / row['step']['p50_ms']:>13.2f}x" if peer and args.label != "before" else ""
+        ratio = f"{peer['step']['p50_ms'] / row['step']['p50_ms']:>13.2f}x" if peer and args.label != args.peer else ""
         print(f"{batch:>5} " + " ".join(f"{row[s]['p50_ms']:>8.3f}/{row[s]['p99_ms']:<9.3f}" for s in STAGES)
               + f" {ratio:>14}", flush=True)
-    run["sampled_row"] = sampled_row_ms(preset(args.model).vocab_size)
-    print(f"one sampled row (temperature 0.7, {preset(args.model).vocab_size} columns, `sample_next` on this CPU): "
-          f"{run['sampled_row']['p50_ms']:.2f} ms p50 (the greedy rows above share one argmax)")
+    vocab = preset(args.model).vocab_size
+    for key, batch, reps in (("sampled_row", 1, 20), ("sampled_rows_64", 64, 5)):
+        run[key] = sampled_rows_ms(vocab, batch, reps)
+        peer = result.get(args.peer, {}).get(key)
+        ratio = f", {peer['p50_ms'] / run[key]['p50_ms']:.2f}x of {args.peer}" if peer and args.label != args.peer else ""
+        print(f"{batch} sampled row(s) (temperature 0.7, {vocab} columns, `sample_rows` on this CPU): "
+              f"{run[key]['p50_ms']:.2f} ms p50{ratio}")
     result[args.label] = run
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))

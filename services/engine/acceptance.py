@@ -7,10 +7,11 @@ rejected draft, or the bonus token after all n.
 
 Distribution guarantee (sampling): draft d_i ~ q_i is kept with probability min(1, p_i(d_i) / q_i(d_i));
 on rejection the token is drawn from norm(max(0, p_i - q_i)). Each emitted token then has exactly the
-target's distribution p_i (after temperature, top-k and top-p, `sampler.sampling_probs`), given the tokens
-before it, whatever the draft. Randomness: the acceptance draw and the residual draw of output position j use
-the generator seeded from (seed, j), the same seeding as non-speculative sampling, and the draft's own draws
-a generator seeded from (seed ^ DRAFT_SALT, j); so a run is reproducible for a given seed and draft. The
+target's distribution p_i (after temperature, top-k and top-p, `sampler.sampling_probs`, normalised: the
+rule needs p to sum to 1), given the tokens before it, whatever the draft. Randomness: the acceptance draw and
+the residual draw of output position j use a CPU generator seeded from token_seed(seed, j), the bonus token
+the sampler's own (seed, j) draw (`sample_next`), and the draft's draws a generator seeded from
+(seed ^ DRAFT_SALT, j); so a run is reproducible for a given seed and draft. The
 realised sequence differs from a non-speculative run of the same seed (same distribution, other draws);
 greedy requests give exactly the non-speculative tokens.
 """

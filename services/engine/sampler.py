@@ -1,8 +1,10 @@
-"""Per-request seeded sampling of the next token.
+"""Per-request seeded sampling of the next token, batched on the logits' device.
 
-Token i of a request is drawn with a generator seeded from (seed, i) alone, so the draw does not depend
-on batch composition, on which worker computed the logits, or on a preemption in between: a prefill
-worker's first token and a decode worker's continuation are the tokens one offline run would produce.
+Token i of a request is a function of (seed, i) and its logits alone: a Gumbel-max draw whose noise for
+column v is a fixed integer hash of (token_seed(seed, i), v), computed elementwise with int64 tensor ops.
+So the draw does not depend on batch composition, on which worker (or device) computed the logits, or on a
+preemption in between: a prefill worker's first token and a decode worker's continuation are the tokens one
+offline run would produce (`sample_next`, the one-row case of `sample_rows`).
 """
 
 from __future__ import annotations
@@ -16,42 +18,97 @@ from services.engine.params import GenerationOptions
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
+# splitmix64's finaliser multipliers with the top bit cleared: the hash works mod 2**63 (masked after every
+# multiply), so every int64 stays non-negative and `>>` is a logical shift on CPU and CUDA alike.
+_MUL_A = 0xBF58476D1CE4E5B9 & _MASK
+_MUL_B = 0x94D049BB133111EB & _MASK
 
 
 def token_seed(seed: int, index: int) -> int:
     return (seed * _MIX + index + 1) & _MASK
 
 
+def noise_bits(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """keys [R] int64 in [0, 2**63) (token seeds) -> [R, vocab] int64 in [0, 2**63): a bijective mix of
+    key + (v + 1) * golden ratio (mod 2**63) per column v; int64 products wrap, the mask keeps 63 bits."""
+    columns = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device).mul_(_MIX & _MASK)
+    x = columns.bitwise_and_(_MASK).add(keys[:, None]).bitwise_and_(_MASK)
+    x ^= x >> 30
+    x.mul_(_MUL_A).bitwise_and_(_MASK)
+    x ^= x >> 27
+    x.mul_(_MUL_B).bitwise_and_(_MASK)
+    x ^= x >> 31
+    return x
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """-log(-log u) per (key, column), u = (2 * top 52 bits + 1) / 2**53: float64, exact and strictly
+    inside (0, 1), so the noise is finite and ulp-level rounding differences between devices or vectorised
+    and scalar kernels cannot realistically reorder two columns."""
+    odd = (noise_bits(keys, vocab) >> 11).mul_(2).add_(1)
+    return odd.double().mul_(2.0 ** -53).log_().neg_().log_().neg_()
+
+
 def sample_next(logits: torch.Tensor, options: GenerationOptions, index: int) -> int:
-    """logits [V] (float32) -> the token at output position `index`."""
-    if options.temperature == 0:
-        return int(torch.argmax(logits))
-    generator = torch.Generator(device="cpu").manual_seed(token_seed(options.seed, index))
-    return int(torch.multinomial(sampling_probs(logits, options).cpu(), 1, generator=generator))
+    """logits [V] -> the token at output position `index` (the one-row case of `sample_rows`)."""
+    return sample_rows(logits[None], [(0, options, index)])[0]
 
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[tuple[int, GenerationOptions, int]]) -> list[int]:
-    """The tokens `sample_next(logits[row], options, index)` gives for each (row, options, index), with one
-    argmax over the whole batch and one host copy for all greedy rows instead of a sync per row (sampled
-    rows still draw from their own (seed, index) generator, through `sample_next` itself)."""
-    greedy = [] if all(options.temperature != 0 for _, options, _ in rows) else logits.argmax(-1).tolist()
-    return [greedy[row] if options.temperature == 0 else sample_next(logits[row], options, index)
-            for row, options, index in rows]
+    """logits [B, V]; for each (row, options, index): the token at output position `index` of that row's
+    request. Greedy rows take the argmax of the raw logits; sampled rows (temperature > 0) the Gumbel-max
+    draw over `truncated_scores`, an exact draw from `sampling_probs`. One device pass for all rows and one
+    host copy of all tokens."""
+    if not rows:
+        return []
+    device = logits.device
+    sampled = [i for i, (_, options, _) in enumerate(rows) if options.temperature != 0]
+    greedy = len(sampled) < len(rows)
+    tokens = logits.argmax(-1)[torch.tensor([row for row, _, _ in rows], device=device)] if greedy else None
+    if sampled:
+        drawn = _gumbel_max(logits[torch.tensor([rows[i][0] for i in sampled], device=device)],
+                            [rows[i][1] for i in sampled], [rows[i][2] for i in sampled])
+        if tokens is None:
+            tokens = drawn
+        else:
+            tokens[torch.tensor(sampled, device=device)] = drawn
+    return tokens.tolist()  # the one host copy
+
+
+def _gumbel_max(logits: torch.Tensor, options: Sequence[GenerationOptions], indices: Sequence[int]) -> torch.Tensor:
+    keys = torch.tensor([token_seed(o.seed, i) for o, i in zip(options, indices, strict=True)],
+                        dtype=torch.int64, device=logits.device)
+    scores = truncated_scores(logits, options)
+    # log p differs from the scores by a per-row constant, which leaves the argmax alone.
+    return scores.double().add_(gumbel_noise(keys, scores.shape[-1])).argmax(-1)
+
+
+def truncated_scores(logits: torch.Tensor, options: Sequence[GenerationOptions]) -> torch.Tensor:
+    """logits [R, V], one options (temperature > 0) per row -> float32 logits / temperature with the tokens
+    top-k, then top-p remove set to -inf. Top-k keeps scores >= the k-th largest; top-p the smallest prefix
+    of the (stably) sorted probabilities whose mass before each token is < top_p (always the top token)."""
+    device, vocab = logits.device, logits.shape[-1]
+    scores = logits.float() / torch.tensor([o.temperature for o in options], device=device)[:, None]
+    top_k = [o.top_k if 0 < o.top_k < vocab else 0 for o in options]
+    if any(top_k):
+        kth = torch.topk(scores, max(top_k), dim=-1).values
+        at = torch.tensor([max(k - 1, 0) for k in top_k], device=device)[:, None]
+        off = torch.tensor([k == 0 for k in top_k], device=device)[:, None]
+        scores = scores.masked_fill((scores < kth.gather(1, at)) & ~off, float("-inf"))
+    nucleus = [i for i, o in enumerate(options) if o.top_p < 1.0]
+    if nucleus:
+        at = torch.tensor(nucleus, device=device)
+        top_p = torch.tensor([options[i].top_p for i in nucleus], device=device)[:, None]
+        sorted_probs, order = torch.sort(torch.softmax(scores[at], dim=-1), dim=-1, descending=True, stable=True)
+        outside = torch.cumsum(sorted_probs, -1) - sorted_probs >= top_p
+        removed = torch.zeros_like(outside).scatter_(1, order, outside)
+        scores[at] = scores[at].masked_fill(removed, float("-inf"))
+    return scores
 
 
 def sampling_probs(logits: torch.Tensor, options: GenerationOptions) -> torch.Tensor:
-    """The distribution a token is drawn from (temperature > 0): temperature, then top-k, then top-p."""
-    scores = logits.float() / options.temperature
-    if options.top_k and options.top_k < scores.numel():
-        kth = torch.topk(scores, options.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if options.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        outside = torch.cumsum(sorted_probs, 0) - sorted_probs >= options.top_p
-        sorted_probs[outside] = 0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return probs
+    """logits [V] -> the (normalised) distribution a sampled token is drawn from: temperature, top-k, top-p."""
+    return torch.softmax(truncated_scores(logits[None], [options])[0], dim=-1)
 
 
 def log_distribution(logits: torch.Tensor, options: GenerationOptions) -> torch.Tensor:
