@@ -148,3 +148,17 @@ def test_speculative_acceptance_keeps_the_targets_top_p_distribution():
     p = oracle_probs(LOGITS, 1.0, 0, 0.7).float()
     assert 0.5 * float((counts / trials - p).abs().sum()) < 0.03
     assert 0.5 * float((counts / trials - torch.softmax(LOGITS, 0)).abs().sum()) > 0.1
+
+
+@pytest.mark.gpu
+def test_cuda_draws_equal_cpu_draws():
+    """The hash is integer arithmetic (identical bits on CUDA) and the keys are float64, so a CUDA device
+    draws the CPU's tokens from the same logits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    keys = torch.tensor([0, 1, MOD - 1, token_seed(12345, 678)])
+    assert noise_bits(keys.cuda(), 163_840).cpu().equal(noise_bits(keys, 163_840))
+    logits = torch.randn(64, 163_840, generator=torch.Generator().manual_seed(0)) * 4
+    rows = [(row, options((0.0, 0.7, 1.0, 1.3)[row % 4], (0, 0, 50, 7)[row % 4], (1.0, 0.9, 1.0, 0.5)[row % 4],
+                          seed=row), row * 3) for row in range(64)]
+    assert sample_rows(logits.cuda(), rows) == sample_rows(logits, rows)
