@@ -101,9 +101,10 @@ def test_incremental_images_equal_the_definition_and_a_fresh_build(name, data):
         order = data.draw(st.permutations(sorted(live)))
         chosen = [live[r] for r in order[: data.draw(st.integers(0, len(order)))]]
         rows: list = chosen
-        if data.draw(st.booleans()):  # verify windows: rows sharing their request's lists
+        if data.draw(st.booleans()):  # verify windows: rows sharing their request's lists, within its pages
+            per_block = layout.tokens_per_block  # (the scheduler reserves a window's pages before it runs)
             rows = [Row(r.rid, r.blocks, r.state_pages, r.num_computed + j) for r in chosen
-                    for j in range(min(data.draw(st.integers(1, 3)), limit + 3 - r.num_computed))]
+                    for j in range(min(data.draw(st.integers(1, 3)), len(r.blocks) * per_block - r.num_computed))]
         tokens = [data.draw(st.integers(0, 1000)) for _ in rows]
         size = len(rows) + data.draw(st.integers(0, 3))
         buffer = buffers.setdefault(size, np.full(builder.numel(size) + 5, -7, dtype=np.int64))
