@@ -13,8 +13,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # test module importing services.engine pulls it in), so it is set here, before any of them.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from hypothesis import settings
+
 from services.runtime.local_etcd import EtcdServer
 from tests.support.processes import ServiceProcess
+
+# CI (.ci/test sets HYPOTHESIS_PROFILE=ci) replays the same examples on every run, so a landing is never
+# decided by which random examples one run drew; local runs keep exploring new ones.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture(scope="session")
