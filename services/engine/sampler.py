@@ -68,8 +68,10 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[tuple[int, GenerationOption
         at = [rows[i][0] for i in sampled]
         chosen = logits if at == list(range(len(logits))) else logits[torch.tensor(at, device=logits.device)]
         parts.append(_gumbel_max(chosen, [rows[i][1] for i in sampled], [rows[i][2] for i in sampled]))
-    host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the one host copy: every row's argmax, then the sampled rows' draws
-    drawn = dict(zip(sampled, host[len(host) - len(sampled):], strict=True))
+    host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the one host copy
+    if not sampled:
+        return [host[row] for row, _, _ in rows]
+    drawn = dict(zip(sampled, host[len(host) - len(sampled):], strict=True))  # after every row's argmax, if any
     return [drawn[i] if i in drawn else host[row] for i, (row, _, _) in enumerate(rows)]
 
 
