@@ -50,6 +50,12 @@ def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return odd.double().mul_(2.0 ** -53).log_().neg_().log_().neg_()
 
 
+def _to_device(values: list, device: torch.device) -> torch.Tensor:
+    """A small per-row host list on the logits' device without a stream sync (torch.tensor(..., device=)
+    waits for the forward): an async copy queued behind it; pageable memory is staged before it returns."""
+    return torch.tensor(values).to(device, non_blocking=True)
+
+
 def sample_next(logits: torch.Tensor, options: GenerationOptions, index: int) -> int:
     """logits [V] -> the token at output position `index` (the one-row case of `sample_rows`)."""
     return sample_rows(logits[None], [(0, options, index)])[0]
@@ -66,7 +72,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[tuple[int, GenerationOption
     parts = [logits.argmax(-1)] if len(sampled) < len(rows) else []
     if sampled:
         at = [rows[i][0] for i in sampled]
-        chosen = logits if at == list(range(len(logits))) else logits[torch.tensor(at, device=logits.device)]
+        chosen = logits if at == list(range(len(logits))) else logits[_to_device(at, logits.device)]
         parts.append(_gumbel_max(chosen, [rows[i][1] for i in sampled], [rows[i][2] for i in sampled]))
     host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the one host copy
     if not sampled:
@@ -76,8 +82,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[tuple[int, GenerationOption
 
 
 def _gumbel_max(logits: torch.Tensor, options: Sequence[GenerationOptions], indices: Sequence[int]) -> torch.Tensor:
-    keys = torch.tensor([token_seed(o.seed, i) for o, i in zip(options, indices, strict=True)],
-                        dtype=torch.int64, device=logits.device)
+    keys = _to_device([token_seed(o.seed, i) for o, i in zip(options, indices, strict=True)], logits.device)
     scores = truncated_scores(logits, options)
     vocab = scores.shape[-1]
     # Row chunks bound the noise's temporaries (a few float64/int64 copies of a chunk): on a GPU to ~128 MB
@@ -94,21 +99,21 @@ def truncated_scores(logits: torch.Tensor, options: Sequence[GenerationOptions])
     top-k, then top-p remove set to -inf. Top-k keeps scores >= the k-th largest; top-p the smallest prefix
     of the (stably) sorted probabilities whose mass before each token is < top_p (always the top token)."""
     device, vocab = logits.device, logits.shape[-1]
-    scores = logits.float() / torch.tensor([o.temperature for o in options], device=device)[:, None]
+    scores = logits.float() / _to_device([o.temperature for o in options], device)[:, None]
     top_k = [o.top_k if 0 < o.top_k < vocab else 0 for o in options]
     if any(top_k):
         kth = torch.topk(scores, max(top_k), dim=-1).values
-        at = torch.tensor([max(k - 1, 0) for k in top_k], device=device)[:, None]
-        off = torch.tensor([k == 0 for k in top_k], device=device)[:, None]
+        at = _to_device([max(k - 1, 0) for k in top_k], device)[:, None]
+        off = _to_device([k == 0 for k in top_k], device)[:, None]
         scores = scores.masked_fill((scores < kth.gather(1, at)) & ~off, float("-inf"))
     nucleus = [i for i, o in enumerate(options) if o.top_p < 1.0]
     if nucleus:
-        at = torch.tensor(nucleus, device=device)
-        top_p = torch.tensor([options[i].top_p for i in nucleus], device=device)[:, None]
-        sorted_probs, order = torch.sort(torch.softmax(scores[at], dim=-1), dim=-1, descending=True, stable=True)
+        at = _to_device(nucleus, device)
+        top_p = _to_device([options[i].top_p for i in nucleus], device)[:, None]
+        rows = scores[at]
+        sorted_probs, order = torch.sort(torch.softmax(rows, dim=-1), dim=-1, descending=True, stable=True)
         outside = torch.cumsum(sorted_probs, -1) - sorted_probs >= top_p
-        removed = torch.zeros_like(outside).scatter_(1, order, outside)
-        scores[at] = scores[at].masked_fill(removed, float("-inf"))
+        scores[at] = rows.masked_fill(torch.zeros_like(outside).scatter_(1, order, outside), float("-inf"))
     return scores
 
 
@@ -132,7 +137,7 @@ def token_logprobs(logits: torch.Tensor, rows: Sequence[tuple[int, GenerationOpt
     if not rows:
         return []
     dists = torch.stack([log_distribution(logits[row], options) for row, options, _ in rows])
-    drawn = torch.tensor([token for _, _, token in rows], device=dists.device)
+    drawn = _to_device([token for _, _, token in rows], dists.device)
     parts = [dists.gather(1, drawn[:, None])]
     k = max(options.top_logprobs for _, options, _ in rows)
     if k:
