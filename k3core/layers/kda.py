@@ -1,7 +1,8 @@
 """Kimi Delta Attention layer (K3 report eq.1-6), Kimi Linear tensor names.
 
 K3 form: bounded gate (eq.5) and a full-rank output gate `g_proj`; Kimi Linear form: softplus gate and
-the low-rank `g_a_proj`/`g_b_proj`. Prefill chunks use the chunkwise path, decode steps the single-step
+the low-rank `g_a_proj`/`g_b_proj`. Prefill chunks use the chunkwise path (on CUDA with the
+bounded gate: the fused Triton block, k3core/layers/kda_prefill_fast.py), decode steps the single-step
 path; both read and write the conv and recurrent states through the BatchCache.
 """
 
@@ -15,6 +16,7 @@ from torch import nn
 from k3core.cache.interface import BatchCache
 from k3core.config import K3Config
 from k3core.layers.batch import BatchLayout
+from k3core.layers.kda_prefill_fast import kda_prefill_triton, triton_prefill_applies
 from k3core.layers.norm import RMSNorm
 from k3core.ops.kda import (
     causal_short_conv,
@@ -96,6 +98,10 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, layout: BatchLayout, cache: BatchCache) -> torch.Tensor:
         """x [N, hidden] (N = packed new tokens) -> [N, hidden]."""
         conv_state, recurrent = cache.kda_read(self.kda_index)
+        if not layout.is_decode and triton_prefill_applies(self, x):
+            o, new_conv, new_recurrent = kda_prefill_triton(self, x, layout, conv_state, recurrent)
+            cache.kda_write(self.kda_index, new_conv, new_recurrent)
+            return self.o_proj(o)
         (q, k, v), new_conv = self._conv([self.q_proj(x), self.k_proj(x), self.v_proj(x)], conv_state, layout)
         q, k, v = l2norm(self._heads(q)), l2norm(self._heads(k)), self._heads(v)
         g = self._decay(x)

@@ -1,0 +1,77 @@
+"""The KDA layer's prefill through the Triton block (interpreted on the CPU) vs the layer's torch path.
+
+kernels.dispatch sends only CUDA tensors to Triton; these tests make `use_triton` answer yes so the layer
+takes its CUDA route on CPU tensors, and the launcher runs under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3core.cache.contiguous import ContiguousBatchCache, SequenceCache
+from k3core.layers.batch import BatchLayout
+from k3core.layers.kda import KimiDeltaAttention
+from k3core.layers.kda_prefill_fast import triton_prefill_applies
+from k3core.presets import preset
+from kernels import dispatch
+from kernels.kda import prefill_triton
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _layer(config) -> KimiDeltaAttention:
+    torch.manual_seed(21)
+    layer = KimiDeltaAttention(config, 0)
+    with torch.no_grad():  # released checkpoints never hold the zero/one defaults: exercise every term
+        layer.A_log.normal_(0.0, 0.3)
+        layer.dt_bias.normal_(0.0, 0.5)
+        layer.o_norm.weight.normal_(1.0, 0.2)
+    return layer
+
+
+def _forward(layer: KimiDeltaAttention, x: torch.Tensor, seqs: list[SequenceCache], counts: list[int]):
+    layout = BatchLayout.of([s.length for s in seqs], counts)
+    cache = ContiguousBatchCache(seqs, counts)
+    with torch.no_grad():
+        out = layer(x, layout, cache)
+    cache.commit()
+    return out
+
+
+def test_layer_prefill_on_triton_matches_reference(interpreted, monkeypatch):
+    """A varlen batch of three sequences (70, 5, 33 tokens: none a multiple of the 64-token chunk); the
+    first continues a 37-token first chunk (chunked prefill: nonzero conv and recurrent states)."""
+    config = preset("nano")
+    layer = _layer(config)
+    gen = torch.Generator().manual_seed(22)
+    first = SequenceCache(config)
+    _forward(layer, torch.randn(37, config.hidden_size, generator=gen), [first], [37])  # reference path
+    assert first.kda_state[0].abs().sum() > 0 and first.kda_conv[0].abs().sum() > 0
+    counts = [70, 5, 33]
+    x = torch.randn(sum(counts), config.hidden_size, generator=gen)
+    ref_seqs = [first.clone(), SequenceCache(config), SequenceCache(config)]
+    fast_seqs = [s.clone() for s in ref_seqs]
+
+    want = _forward(layer, x, ref_seqs, counts)
+    calls = []
+    launcher = prefill_triton.kda_prefill_block
+    monkeypatch.setattr(prefill_triton, "kda_prefill_block", lambda *a, **k: calls.append(1) or launcher(*a, **k))
+    monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
+    got = _forward(layer, x, fast_seqs, counts)
+
+    assert calls == [1]  # the Triton launcher ran, not the reference
+    torch.testing.assert_close(got, want, **TOL)
+    for fast, ref in zip(fast_seqs, ref_seqs, strict=True):
+        torch.testing.assert_close(fast.kda_state, ref.kda_state, **TOL)
+        torch.testing.assert_close(fast.kda_conv, ref.kda_conv, rtol=0, atol=0)  # raw inputs, moved only
+        assert fast.kda_state.dtype == ref.kda_state.dtype and fast.kda_conv.dtype == ref.kda_conv.dtype
+
+
+def test_softplus_gate_and_cpu_tensors_keep_the_reference(monkeypatch):
+    """The Kimi Linear gate never takes the fused route; CPU tensors never do unless Triton is forced."""
+    x = torch.zeros(3, preset("nano").hidden_size)
+    bounded, softplus = KimiDeltaAttention(preset("nano"), 0), KimiDeltaAttention(preset("nano-kl"), 0)
+    assert not triton_prefill_applies(bounded, x)
+    monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
+    assert triton_prefill_applies(bounded, x)
+    assert not triton_prefill_applies(softplus, x)
