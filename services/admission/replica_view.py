@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client import Gauge
 
-from services.router.damping import MassLossDamper
+from services.router.damping import MassLossSettings
 from services.runtime.registry import InstanceRecord
 
 log = logging.getLogger("k3.admission")
@@ -26,11 +26,11 @@ SERVICE = "admission"
 
 
 class ReplicaView:
-    def __init__(self, records: Callable[[], Iterable[InstanceRecord]], fraction: float, grace_s: float,
-                 window_s: float, settle_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, records: Callable[[], Iterable[InstanceRecord]], settings: MassLossSettings,
+                 clock: Callable[[], float] = time.monotonic):
         self.records = records
         self.clock = clock
-        self.damper = MassLossDamper(fraction, grace_s, window_s, settle_s, "admission replicas", log)
+        self.damper = settings.damper("admission replicas", log)
         self._last_known: dict[str, InstanceRecord] = {}
 
     def __call__(self) -> list[InstanceRecord]:

@@ -28,9 +28,7 @@ def main(argv: list[str]) -> None:
     members = Watcher(endpoints, config.etcd_prefix) if endpoints else None
     channels = ChannelPool(config.auth_token)
 
-    replicas = ReplicaView(lambda: members.snapshot().values() if members is not None else (),
-                           config.mass_loss_fraction, config.mass_loss_grace(), config.lease_ttl_s,
-                           config.mass_loss_settle_s)
+    replicas = ReplicaView(lambda: members.snapshot().values() if members is not None else (), config)
     servicer = AdmissionServicer(controller, classifier, config.queue_timeout_ms, replicas, channels)
     app.add_service(admission_pb2_grpc.add_AdmissionServiceServicer_to_server, servicer,
                     "k3.v1.AdmissionService")

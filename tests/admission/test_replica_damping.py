@@ -28,7 +28,9 @@ class Registry:
         self.now = 0.0
 
     def view(self, fraction: float = 0.5) -> ReplicaView:
-        return ReplicaView(lambda: list(self.records), fraction, GRACE_S, TTL_S, SETTLE_S, lambda: self.now)
+        settings = AdmissionConfig(mass_loss_fraction=fraction, mass_loss_grace_s=GRACE_S, lease_ttl_s=TTL_S,
+                                   mass_loss_settle_s=SETTLE_S)
+        return ReplicaView(lambda: list(self.records), settings, lambda: self.now)
 
     def drop(self, *names: str) -> None:
         self.records = [r for r in self.records if r.instance not in names]
