@@ -60,14 +60,11 @@ class _Windows:
     def kda_step(self, q, k, v, z, beta, gate, conv_weight, a_log, dt_bias, norm_weight, state, conv, slots,
                  **options) -> torch.Tensor:
         """`dispatch.kda_decode_step`'s contract over window rows: [N, H, D] outputs, nothing committed."""
-        from kernels.kda import decode_triton, naive  # as kernels.dispatch: Triton only where it runs
-
         rows = q.shape[0]
         self.inputs[self.kda_layers[len(self.inputs)]] = [
             t.reshape(rows, -1).clone() for t in (q, k, v, z, beta)]  # the replay's packed inputs
-        recurrent = decode_triton.fused_kda_recurrent if dispatch.use_triton(q) else naive.fused_kda_recurrent
-        y = recurrent(*(self.padded(t) for t in (q, k, v, z, beta, gate)), conv_weight, a_log, dt_bias,
-                      norm_weight, state, conv, slots[self.first], n_commit=0, **options)
+        y = dispatch.fused_kda_recurrent(*(self.padded(t) for t in (q, k, v, z, beta, gate)), conv_weight, a_log,
+                                         dt_bias, norm_weight, state, conv, slots[self.first], n_commit=0, **options)
         return y.reshape(self.batch * self.longest, *y.shape[2:])[self.place]
 
 
