@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import json
 import os
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -67,6 +66,7 @@ from services.engine.plan import RecordingManager
 from services.engine.request import EngineRequest, Phase
 from services.engine.scheduler import Scheduler
 from services.engine.streams import RequestStream
+from services.kvtransfer.transfer_thread import TransferThread
 
 STAGES = ("schedule", "build", "launch", "executor", "sample", "accept", "emit", "other", "step", "idle")
 
@@ -154,13 +154,9 @@ class StreamLoop:
     passes over them with it)."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="bench-streams", daemon=True)
-        self.thread.start()
+        self.thread = TransferThread("bench-streams")
+        self._run = self.thread.run
         self.tasks: list[asyncio.Task] = []
-
-    def _run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def stream(self) -> RequestStream:
         async def make() -> RequestStream:
@@ -182,9 +178,7 @@ class StreamLoop:
                 task.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
         self._run(finish())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-        self.loop.close()
+        self.thread.close()
 
 
 def fill(engine: Engine, manager: PrefixCacheManager, batch: int, context: int, streams: StreamLoop) -> None:
