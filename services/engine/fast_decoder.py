@@ -48,9 +48,6 @@ class FastDecoder:
                                       op(x, inp.page_table[g], inp.lengths, inp.row_base[g] + s, residual))
             self.ffn.append(MoeDecode(layer.block_sparse_moe, config, grouped, derived) if layer.is_moe
                             else MlpDecode(layer.mlp, config))
-        # The forms built here add into the residual (in place) in their last GEMM's epilogue; one replaced
-        # later (wrapped in a collective by a tensor-parallel rank) returns its own output: a separate add.
-        self._built = list(self.attention), list(self.ffn)
         if config.uses_attn_res:
             size, layers = config.attn_res_block_size, model.model.layers
             sites = [[site for lay in layers[i : i + size] for site in (lay.attn_res["attn"], lay.attn_res["mlp"])]
@@ -70,12 +67,9 @@ class FastDecoder:
     def _sublayer(self, kind: int, i: int, x: torch.Tensor, residual: torch.Tensor | None,
                   *args: DecodeInputs) -> torch.Tensor:
         """Sublayer i of `kind` (0 attention, 1 feed-forward) on x, added into `residual` when given (the
-        forward's own running sum: updated in place)."""
-        run = (self.attention, self.ffn)[kind][i]
-        if run is self._built[kind][i]:
-            return run(x, *args, residual=residual)
-        out = run(x, *args)
-        return out if residual is None else residual + out
+        forward's own running sum: the forms built here add in their last GEMM's epilogue, in place; a
+        tensor-parallel wrapper, `fast_tensor_parallel`, adds after its all-reduce)."""
+        return (self.attention, self.ffn)[kind][i](x, *args, residual=residual)
 
     def _residual(self, h: torch.Tensor, inp: DecodeInputs) -> torch.Tensor:
         for i, layer in enumerate(self.model.model.layers):
