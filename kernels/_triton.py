@@ -6,6 +6,8 @@ set before triton is imported); the launchers therefore use no autotuning and ac
 
 from __future__ import annotations
 
+import torch
+
 try:  # Triton is optional: the plain-torch references serve every CPU caller without it.
     import triton
     import triton.language as tl
@@ -22,3 +24,9 @@ def require(condition: bool, message: str) -> None:
     """Raise ValueError with a message naming the offending argument."""
     if not condition:
         raise ValueError(message)
+
+
+def sm_count(device: torch.device, cpu: int) -> int:
+    """Streaming multiprocessors of a CUDA device, for launch-shape rules; `cpu` stands in elsewhere (the
+    interpreter), so each caller picks what its CPU tests should plan for."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else cpu

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from k3core.ops.attnres import OnlineSoftmax
-from kernels._triton import next_pow2, require, tl, triton
+from kernels._triton import next_pow2, require, sm_count, tl, triton
 
 if triton is not None:
 
@@ -148,10 +148,6 @@ def _chunks(programs: int, D: int, block_d: int, sms: int) -> int:
     return max(1, min(wanted, D // (4 * block_d)))
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 @dataclass
 class InterLaunch:
     """One phase-1 call, planned: its buffers and launch shapes. `run()` = `scores()` then `apply()` (the
@@ -216,7 +212,7 @@ def plan_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.
             f"norm_weights must be [{Q}, {D}] like queries")
     require(blocks.dtype != torch.float64 and queries.dtype != torch.float64, "float64 takes the reference")
     require(N >= 1 and blocks.dim() >= 2, "blocks must be [N >= 1, ..., D]")
-    M, sms = blocks[0, ..., 0].numel(), _sm_count(blocks.device)
+    M, sms = blocks[0, ..., 0].numel(), sm_count(blocks.device, cpu=132)  # CPU: plan as on the H200
     if score_rows is None:  # H200: 16 rows per scores program at M=8192 (2.55 vs 2.74 ms), 8 at decode
         score_rows = 16 if M >= 32 * sms else 8
     for name, value in (("score_rows", score_rows), ("apply_rows", apply_rows)):

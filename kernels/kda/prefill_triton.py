@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from kernels._triton import next_pow2, require, tl, triton
+from kernels._triton import next_pow2, require, sm_count, tl, triton
 from kernels.kda import naive
 from kernels.kda.prefill_chunk_triton import CHUNK, SUB, _kda_chunk_ut_kernel
 from kernels.kda.prefill_prep_triton import _kda_prep_kernel
@@ -222,7 +222,7 @@ def kda_prefill_block(
             torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,
             BK=k_block, F32_DOTS=f32_dots, num_warps=ut_warps, maxnreg=ut_maxnreg)
     if not block_v:  # 32 columns when 64-column programs would leave most SMs idle (B=1, T=32K: -3 %)
-        block_v = min(64 if N * H * (D // 64) >= 2 * _sm_count(dev) else 32, D)
+        block_v = min(64 if N * H * (D // 64) >= 2 * sm_count(dev, cpu=1) else 32, D)
     require(D % block_v == 0 and block_v >= 16, f"block_v must divide {D} and be >= 16, got {block_v}")
     y = torch.empty_like(q)
     final_state = torch.empty(N, H, D, D, device=dev, dtype=torch.float32)
@@ -242,9 +242,3 @@ def kda_prefill_block(
             **shape, num_warps=num_warps,
         )
     return y, final_state, final_conv
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count

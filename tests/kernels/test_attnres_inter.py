@@ -92,7 +92,7 @@ def test_bad_shapes_name_the_argument(interpreted):
 def test_prefill_sized_rows_take_wider_score_tiles(interpreted, monkeypatch):
     """score_rows=None picks 16-row score tiles once the rows fill the GPU (faked here by one SM), and the
     numbers stay those of float64 math."""
-    monkeypatch.setattr(inter_triton, "_sm_count", lambda device: 1)
+    monkeypatch.setattr(inter_triton, "sm_count", lambda device, cpu: 1)
     gen = torch.Generator().manual_seed(5)
     blocks, queries = torch.randn(3, 40, 32, generator=gen).bfloat16(), torch.randn(4, 32, generator=gen)
     plan = inter_triton.plan_inter(queries, blocks, block_d=16, apply_block_d=16)
