@@ -66,6 +66,22 @@ def time_ms(fn: Callable[[], object], inner: int = 20, reps: int = 30, warmup: i
     return eager, "eager"
 
 
+def kernel_ms(fn: Callable[[], object], calls: int = 1) -> dict[str, float | str]:
+    """Device milliseconds per call of each GPU kernel `fn` launches (torch profiler over `calls` calls after
+    one warm-up), to see where the time goes; {"profiler_error": ...} where profiling fails."""
+    fn()
+    torch.cuda.synchronize()
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        return {e.key[:70]: round(getattr(e, "device_time_total", 0.0) / calls / 1e3, 5)
+                for e in prof.key_averages() if getattr(e, "device_time_total", 0.0) > 0}
+    except Exception as e:  # noqa: BLE001 - the breakdown is a diagnostic; the timing stands without it
+        return {"profiler_error": repr(e)[:200]}
+
+
 def copy_bandwidth(gib: float = 2.0) -> float:
     """Bytes per second of a device-to-device copy, counting read + write."""
     n = int(gib * 2**30)

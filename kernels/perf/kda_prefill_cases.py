@@ -20,7 +20,7 @@ import torch
 from k3core.ops.kda import causal_short_conv, kda_chunk, kda_gate_bounded, l2norm
 from k3core.ops.norm import gated_rms_norm
 from kernels.kda import prefill_triton
-from kernels.perf.harness import Row, rel_err, time_ms
+from kernels.perf.harness import Row, kernel_ms, rel_err, time_ms
 
 D, W = 128, 4
 BF16 = torch.bfloat16
@@ -139,22 +139,6 @@ def _errors(block, oracle: tuple) -> dict:
         return {"error": traceback.format_exc()[-400:]}
 
 
-def kernel_ms(fn) -> dict[str, float]:
-    """Milliseconds per GPU kernel of one call (torch profiler), to see where the block's time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        return {e.key[:70]: round(getattr(e, "device_time_total", 0.0) / 1e3, 4) for e in prof.key_averages()
-                if getattr(e, "device_time_total", 0.0) > 0}
-    except Exception as e:  # noqa: BLE001 - profiling is optional
-        return {"profiler_error": repr(e)[:200]}
-
-
 def block_bytes(tokens: int, heads: int) -> float:
     """Bytes that must move: q, k, v, z, gate in and y out (bf16), beta; the final state (fp32)."""
     return tokens * heads * (6 * D + 1) * 2
@@ -169,11 +153,11 @@ def _case(batch: int, length: int, heads: int, lengths):
     return params, _inputs(batch, length, heads, "cuda"), cu, cu_cpu, block_bytes(batch * length, heads)
 
 
-def _measure(label: str, impl: str, fn, nbytes: float, extra: dict, profile: bool) -> Row:
+def _measure(label: str, impl: str, fn, nbytes: float, extra: dict) -> Row:
     try:
         ms, how = time_ms(fn, inner=5, reps=10)
         row = Row("kda_prefill_block", label, impl, ms, nbytes, note=how,
-                  extra=dict(extra, kernels_ms=kernel_ms(fn)) if profile else extra)
+                  extra=dict(extra, kernels_ms=kernel_ms(fn)))
     except Exception:  # noqa: BLE001 - one failing variant must not hide the others
         row = Row("kda_prefill_block", label, impl, float("nan"), note=traceback.format_exc()[-400:], extra=extra)
     print(f"{label} {impl}: {row.ms:.4f} ms {row.note[-200:]} {row.extra}", file=sys.stderr, flush=True)
@@ -187,8 +171,7 @@ def prefill_rows(shapes=SHAPES, variants=None) -> list[Row]:
     variants = selected_variants() if variants is None else variants
     rows: list[Row] = []
     peer = [("fla-core composition", fla_block)] if os.environ.get("KDA_PREFILL_PEER", "1") != "0" else []
-    runs = peer + [(f"ours({name})", partial(ours_block, **tuning))
-                                                     for name, tuning in variants]
+    runs = peer + [(f"ours({name})", partial(ours_block, **tuning)) for name, tuning in variants]
     with torch.inference_mode():
         oracles = [_accuracy_oracle(heads, batch, length, lengths) for _, batch, length, heads, lengths
                    in shapes]
@@ -197,6 +180,6 @@ def prefill_rows(shapes=SHAPES, variants=None) -> list[Row]:
                 params, x, cu, cu_cpu, nbytes = _case(batch, length, heads, lengths)
                 err = _errors(block, oracle)
                 fn = partial(block, x, params, cu, cu_cpu)
-                rows.append(_measure(label, impl, fn, nbytes, err, profile=True))
+                rows.append(_measure(label, impl, fn, nbytes, err))
                 del x
     return rows

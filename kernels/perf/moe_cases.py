@@ -12,7 +12,7 @@ import torch
 
 from k3core.quant.mxfp4 import BLOCK, dequantize, quantize
 from kernels.moe import latent_moe_decode_triton, naive
-from kernels.perf.harness import Row, copy_bandwidth, rel_err, time_ms
+from kernels.perf.harness import Row, copy_bandwidth, kernel_ms, rel_err, time_ms
 
 E, L, F, TOP_K = 256, 2048, 1024, 16
 # gate/up rows, cols, warps, stages, h parts (None: x's precision), down rows, cols (None: as gate/up)
@@ -49,19 +49,6 @@ def _torch_peer(x, ids, weights, packs):
     return (y.reshape(*ids.shape, L) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
-def _kernel_us(fn, calls: int = 20) -> dict[str, float | str]:
-    """Device time per call of each kernel `fn` launches (torch profiler), in microseconds."""
-    try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-        return {e.key: round(e.device_time_total / calls, 2) for e in prof.key_averages()
-                if e.device_time_total > 0}
-    except Exception as e:  # noqa: BLE001 - the breakdown is a diagnostic; the timing stands without it
-        return {"profiler_error": repr(e)[-200:]}
-
-
 def _label(br: int, bc: int, nw: int, ns: int, hp: int | None, dr: int | None, dc: int | None) -> str:
     down = f",down={dr}x{dc}" if dr or dc else ""
     return f"ours({br}x{bc},w={nw},st={ns},h_parts={hp or 'auto'}{down})"
@@ -87,7 +74,7 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), variants: tuple = VARIANTS, 
             try:
                 err = rel_err(call(), ref)
                 ms, how = time_ms(call)
-                extra = {"rel_err_vs_reference": err, "kernel_us": _kernel_us(call)}
+                extra = {"rel_err_vs_reference": err, "kernels_ms": kernel_ms(call, calls=20)}
                 if not err <= MAX_REL_ERR:  # wrong results never count as the fastest variant
                     ms, how = float("nan"), f"WRONG: rel err {err:.1e}"
             except Exception as e:  # noqa: BLE001 - a variant that does not build must not hide the others
@@ -113,7 +100,7 @@ def main() -> None:
         frac = r.bytes / (r.ms * 1e-3) / copy_bps
         err = r.extra.get("rel_err_vs_reference", float("nan"))
         print(f"{r.shape:<36} {r.impl:<44} {r.ms * 1e3:8.1f} us {100 * frac:5.1f} % err {err:.1e} "
-              f"{r.extra.get('kernel_us', r.note)}", flush=True)
+              f"{r.extra.get('kernels_ms', r.note)}", flush=True)
 
     moe_rows(variants=SWEEP if args.variants == "all" else VARIANTS, peer=False, on_row=show)
 
