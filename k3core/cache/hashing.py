@@ -17,9 +17,10 @@ import torch
 ROOT_HASH = 0
 
 
-def block_hash(parent: int, tokens: Sequence[int]) -> int:
+def block_hash(parent: int, token_bytes: bytes | memoryview) -> int:
+    """The chain hash of one hash block: its parent's hash and its token ids as int64 bytes."""
     digest = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
-    digest.update(array("q", tokens).tobytes())
+    digest.update(token_bytes)
     return int.from_bytes(digest.digest(), "little")
 
 
@@ -34,9 +35,7 @@ def extend_chain(hashes: list[int], tokens: Sequence[int], hash_block: int, root
     step = 8 * hash_block
     parent = hashes[-1] if hashes else root
     for start in range(0, len(raw), step):
-        digest = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
-        digest.update(raw[start : start + step])
-        parent = int.from_bytes(digest.digest(), "little")
+        parent = block_hash(parent, raw[start : start + step])
         hashes.append(parent)
 
 
