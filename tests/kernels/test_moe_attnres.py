@@ -7,7 +7,7 @@ import torch
 
 from k3core.ops.attnres import attnres_direct, attnres_inter
 from k3core.quant.mxfp4 import dequantize, quantize
-from kernels.attnres import inter_triton, merge_norm_triton
+from kernels.attnres import merge_norm_triton
 from kernels.attnres import naive as attnres_naive
 from kernels.moe import latent_moe_decode_triton, situ_glu_triton
 from kernels.moe import naive as moe_naive
@@ -114,25 +114,6 @@ def _attnres_case(seed: int, dtype: torch.dtype):
     stats = attnres_inter(queries, blocks, key_w).row(2)
     partial = torch.randn(5, 48, generator=gen).to(dtype)
     return blocks, queries[2], key_w[2], stats, partial, torch.rand(48, generator=gen) + 0.5
-
-
-@pytest.mark.parametrize(("rows_shape", "with_norm_w", "block_rows", "chunks"),
-                         [((5,), True, 2, (2, 3)), ((2, 3), False, 4, None)])
-def test_triton_attnres_inter_matches_reference(interpreted, rows_shape, with_norm_w, block_rows, chunks):
-    """Phase 1 for all sites at once: max, denominator and accumulator as k3core's batched reference (with
-    the D axis cut into chunks: partial scores added up, accumulators written chunk by chunk)."""
-    gen = torch.Generator().manual_seed(7)
-    blocks = torch.randn(3, *rows_shape, 40, generator=gen).bfloat16()
-    queries = torch.randn(4, 40, generator=gen)
-    norm_w = torch.rand(4, 40, generator=gen) + 0.5 if with_norm_w else None
-    ours = inter_triton.attnres_inter(queries, blocks, norm_w, block_d=16, score_rows=block_rows,
-                                      chunks=chunks)
-    ref = attnres_naive.attnres_inter(queries, blocks, norm_w)
-    for a, b in ((ours.max, ref.max), (ours.denom, ref.denom), (ours.acc, ref.acc)):
-        assert a.shape == b.shape and a.dtype == torch.float32
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    direct = attnres_direct(queries[1], blocks.float(), norm_w[1] if with_norm_w else None)
-    torch.testing.assert_close(ours.row(1).result(), direct, rtol=1e-5, atol=1e-5)
 
 
 def test_attnres_reference_equals_direct_attention_then_norm():
