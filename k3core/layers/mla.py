@@ -49,6 +49,11 @@ class GatedMLA(nn.Module):
         kv = self.kv_a_proj_with_mqa(x)
         return torch.cat([self.kv_a_layernorm(kv[:, : self.rank]), kv[:, self.rank :]], dim=-1)
 
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-head queries of tokens x [N, hidden] -> [N, heads, qk_nope_head_dim + qk_rope_head_dim]."""
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        return q.reshape(x.shape[0], self.heads, self.nope + self.rope)
+
     def _prefill_fused(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
         """Expanded-key attention of T queries (the last T of S positions) in one fused SDPA call: the
         GPU prefill path, which never materialises the [H, T, S] scores (long prompts)."""
@@ -61,8 +66,7 @@ class GatedMLA(nn.Module):
         return o.transpose(0, 1)
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, cache: BatchCache) -> torch.Tensor:
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
-        q = q.reshape(x.shape[0], self.heads, self.nope + self.rope)
+        q = self.queries(x)
         cache.mla_append(self.mla_index, self.latent(x))
         outs = []
         for seq, (start, end) in enumerate(layout.token_ranges):

@@ -9,7 +9,7 @@ past tau. Here the measurement runs after the update, in one no-grad forward ove
 forward pre-hooks measure and clip each MLA layer just before it runs: later layers then see the outputs
 of the already clipped ones, so afterwards every head's max logit on that batch is <= tau (a clipped head
 sits at tau). Cost: one no-grad forward per step, in training only; serving never registers the hooks and
-k3core is unchanged.
+the model's forward is unchanged.
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ def mla_max_logits(layer: GatedMLA, x: torch.Tensor, layout: BatchLayout) -> tor
     sequences (nothing cached before: a training forward)."""
     if any(layout.context_lens):
         raise ValueError("S_max is measured on fresh sequences only (a training forward caches nothing before)")
-    q = F.linear(layer.q_a_layernorm(layer.q_a_proj(x)) if layer.q_lora else x, query_weight(layer))
-    q = q.float().view(x.shape[0], layer.heads, layer.nope + layer.rope)
+    q = layer.queries(x).float()
     latent = layer.latent(x).float()
     keys = F.linear(latent[:, : layer.rank], layer.kv_b_proj.weight.float()).view(x.shape[0], layer.heads, -1)
     best = torch.full((layer.heads,), float("-inf"))
