@@ -65,6 +65,10 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(proj, dim, bias=False)
         self.full_rank_gate = config.use_full_rank_gate
 
+    def stacked_conv_weight(self) -> torch.Tensor:
+        """[3, H*D, W]: the q/k/v depthwise conv kernels in one tensor, the layout the fused KDA kernels take."""
+        return torch.stack([c.weight[:, 0, :] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(*x.shape[:-1], self.heads, self.head_dim)
 

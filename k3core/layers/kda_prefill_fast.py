@@ -37,9 +37,8 @@ def kda_prefill_triton(
     z = layer._heads(layer.f_b_proj(layer.f_a_proj(x)))[None]
     beta_logits = layer.b_proj(x)[None]
     gate = layer.g_proj(x) if layer.full_rank_gate else layer.g_b_proj(layer.g_a_proj(x))
-    conv_weight = torch.stack([c.weight[:, 0, :] for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)])
     y, new_state, new_conv = dispatch.kda_prefill_block(
-        *heads, z, beta_logits, layer._heads(gate)[None], conv_weight, layer.A_log.reshape(layer.heads),
+        *heads, z, beta_logits, layer._heads(gate)[None], layer.stacked_conv_weight(), layer.A_log.reshape(layer.heads),
         layer.dt_bias, layer.o_norm.weight, initial_state=recurrent, initial_conv=conv_state,
         cu_seqlens=layout.cu_seqlens(),  # on the CPU: the launcher plans chunks without a device sync
         lower_bound=layer.lower_bound, scale=layer.scale, norm_eps=layer.eps,

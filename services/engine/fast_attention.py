@@ -60,8 +60,7 @@ class KdaDecode:
         inputs = [attn.q_proj, attn.k_proj, attn.v_proj, *gate, attn.f_a_proj, attn.b_proj]
         self.weight = fuse_linears(inputs)
         self.splits = [lin.weight.shape[0] for lin in inputs]
-        convs = (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d)
-        self.conv_w = derived.derive(lambda: torch.stack([c.weight[:, 0, :] for c in convs]))  # [3, H*D, W]
+        self.conv_w = derived.derive(attn.stacked_conv_weight)  # [3, H*D, W]
         self.a_log = derived.derive(lambda: attn.A_log.reshape(attn.heads).contiguous())
         self.dt_bias = derived.derive(lambda: attn.dt_bias.reshape(-1).contiguous())
         self.state = views.kda_state(attn.kda_index)

@@ -115,9 +115,8 @@ def replay_accepted(layers: list[KimiDeltaAttention], inputs: dict[int, list[tor
         slots, last = slots.to(q.device), last.to(q.device)
         window = tuple(t[slots, last].unsqueeze(1) for t in projected)
         conv, state = view.kda_read(layer.kda_index)  # the state before the window (its writes were dropped)
-        conv_weight = torch.stack([c.weight[:, 0, :] for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)])
-        dispatch.kda_verify_replay(*window, torch.zeros_like(window[0]), conv_weight, layer.A_log.reshape(heads),
-                                   layer.dt_bias, layer.o_norm.weight, state, conv, slots,
+        dispatch.kda_verify_replay(*window, torch.zeros_like(window[0]), layer.stacked_conv_weight(),
+                                   layer.A_log.reshape(heads), layer.dt_bias, layer.o_norm.weight, state, conv, slots,
                                    previous_drafts=projected, n_accepted=last, lower_bound=layer.lower_bound,
                                    scale=layer.scale)
         view.kda_write(layer.kda_index, conv, state)
