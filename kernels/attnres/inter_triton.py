@@ -83,6 +83,17 @@ if triton is not None:
         return tl.dot(hi.to(tl.float32), bf, acc, input_precision="ieee")
 
     @triton.jit
+    def _partials_at(c, m0, M, BM: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr):
+        """Where D chunk c's partial results of rows m0 .. m0 + BM live: offsets of the scores [BQ, BM * BN]
+        in scores [chunks, M, BQ, BN] and of the sums of squares [BM * BN] in squares [chunks, M, BN] (column
+        j = r * BN + n is row m0 + r, block n), and the mask of rows < M. The scores kernel writes there, the
+        apply kernel reads."""
+        j = tl.arange(0, BM * BN)
+        r, n = j // BN, j % BN
+        base = c * M + m0 + r  # [BM * BN]: the (chunk, row) of each column
+        return (base[None, :] * BQ + tl.arange(0, BQ)[:, None]) * BN + n[None, :], base * BN + n, m0 + r < M
+
+    @triton.jit
     def _scores_kernel(queries, norm_w, blocks, scores, squares, N, Q, M, D, CHUNK,
                        HAS_NORM_W: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                        BQ: tl.constexpr, BD: tl.constexpr):
@@ -91,12 +102,9 @@ if triton is not None:
         c = tl.program_id(1).to(tl.int64)
         dots, sq = _partial_scores(queries, norm_w, blocks, m0, c * CHUNK, tl.minimum(c * CHUNK + CHUNK, D),
                                    N, Q, M, D, HAS_NORM_W, SPLIT, BM, BN, BQ, BD)
-        j = tl.arange(0, BM * BN)
-        r, n = j // BN, j % BN
-        base = c * M + m0 + r  # [BM * BN]: the (chunk, row) of each column
-        qs = tl.arange(0, BQ)
-        tl.store(scores + (base[None, :] * BQ + qs[:, None]) * BN + n[None, :], dots, mask=(m0 + r < M)[None, :])
-        tl.store(squares + base * BN + n, sq, mask=m0 + r < M)
+        score_offs, square_offs, ok = _partials_at(c, m0, M, BM, BN, BQ)
+        tl.store(scores + score_offs, dots, mask=ok[None, :])
+        tl.store(squares + square_offs, sq, mask=ok)
 
     @triton.jit
     def _apply_kernel(queries, norm_w, blocks, scores, squares, acc_out, max_out, denom_out, N, Q, M, D, CHUNK,
@@ -105,7 +113,7 @@ if triton is not None:
                       BD_SCORES: tl.constexpr, BD: tl.constexpr, STREAM_STORES: tl.constexpr):
         m0 = tl.program_id(0).to(tl.int64) * BM
         c = tl.program_id(1)
-        qs, j = tl.arange(0, BQ), tl.arange(0, BM * BN)
+        j = tl.arange(0, BM * BN)
         r, n = j // BN, j % BN
         if FUSED:
             dots, sq = _partial_scores(queries, norm_w, blocks, m0, 0, D, N, Q, M, D, HAS_NORM_W, SPLIT, BM, BN,
@@ -114,10 +122,9 @@ if triton is not None:
             dots = tl.zeros([BQ, BM * BN], dtype=tl.float32)
             sq = tl.zeros([BM * BN], dtype=tl.float32)
             for part in tl.static_range(CHUNKS):
-                base = part * M + m0 + r
-                dots += tl.load(scores + (base[None, :] * BQ + qs[:, None]) * BN + n[None, :],
-                                mask=(m0 + r < M)[None, :], other=0.0)
-                sq += tl.load(squares + base * BN + n, mask=m0 + r < M, other=0.0)
+                score_offs, square_offs, ok = _partials_at(part, m0, M, BM, BN, BQ)
+                dots += tl.load(scores + score_offs, mask=ok[None, :], other=0.0)
+                sq += tl.load(squares + square_offs, mask=ok, other=0.0)
         logits = dots * tl.rsqrt(sq / D + eps)[None, :]
         # Block-diagonal expansion: output row (q, r) weighs only row r's blocks.
         own = (r[None, None, :] == tl.arange(0, BM)[None, :, None]) & (n < N)[None, None, :]
