@@ -234,10 +234,7 @@ class Engine:
         self._accept(req, req.forced.pop(0), req.forced_logprobs.pop(0) if req.forced_logprobs else None)
 
     def _accept(self, req: EngineRequest, token: int, logprob: common_pb2.TokenLogprob | None = None) -> None:
-        if logprob is None:  # the two-argument call is the common path (and what tests wrap)
-            self._stream(req, [token])
-        else:
-            self._stream(req, [token], [logprob])
+        self._stream(req, [token], None if logprob is None else [logprob])
         if req.phase is Phase.RUNNING:
             self.manager.call("append_tokens", req.rid, [token])
 
