@@ -39,11 +39,11 @@ if triton is not None:
     @triton.jit
     def _slots(first, n0, BT: tl.constexpr):
         """Routed tokens packed into slots n0 .. n0 + BT: [BT, TP] one-hot map slot -> token (empty rows for
-        unused slots) and each slot's first pair (int64)."""
+        unused slots), each slot's first pair (int64) and whether the slot holds a token."""
         routed = first < (1 << 30)
         rank = tl.cumsum(routed.to(tl.int32), 0) - 1
         hit = (rank[None, :] == (n0 + tl.arange(0, BT))[:, None]) & routed[None, :]
-        return hit, tl.sum(tl.where(hit, first[None, :], 0), 1).to(tl.int64)
+        return hit, tl.sum(tl.where(hit, first[None, :], 0), 1).to(tl.int64), tl.sum(hit.to(tl.int32), 1) > 0
 
     @triton.jit
     def _activations(rows_ptr, used, c0, BT: tl.constexpr, G: tl.constexpr):
@@ -84,8 +84,7 @@ if triton is not None:
             ok = rows < F
             words, scales = wgu + e * (2 * F) * (L // 8), sgu + e * (2 * F) * (L // 32)
             for n0 in range(0, tl.sum((first < (1 << 30)).to(tl.int32)), BT):
-                hit, pair = _slots(first, n0, BT)
-                used = tl.sum(hit.to(tl.int32), 1) > 0
+                _, pair, used = _slots(first, n0, BT)
                 g = tl.zeros([BT, BR], dtype=tl.float32)
                 u = tl.zeros([BT, BR], dtype=tl.float32)
                 for g0 in tl.range(0, L // 32, G, num_stages=STAGES):
@@ -113,8 +112,7 @@ if triton is not None:
             # A token that names the expert in several slots gets the sum of their router weights.
             p_tok = tl.sum(tl.load(weights + index, mask=match, other=0.0), 1)
             for n0 in range(0, tl.sum((first < (1 << 30)).to(tl.int32)), BT):
-                hit, pair = _slots(first, n0, BT)
-                used = tl.sum(hit.to(tl.int32), 1) > 0
+                hit, pair, used = _slots(first, n0, BT)
                 acc = tl.zeros([BT, BR], dtype=tl.float32)
                 for g0 in tl.range(0, F // 32, G, num_stages=STAGES):
                     w = mxfp4_tile(words, scales, rows, ok, g0, F // 8, G, USE_ASM)
