@@ -143,8 +143,7 @@ def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer, stream
     scheduler.schedule = timer.wrap("schedule", scheduler.schedule)
     executor.execute = timer.wrap("execute", executor.execute)
     engine._after_step = timer.wrap("after_step", engine._after_step)
-    if hasattr(engine, "_flush"):
-        engine._flush = timer.wrap("flush", engine._flush)
+    engine._flush = timer.wrap("flush", engine._flush)
     return engine
 
 
