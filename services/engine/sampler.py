@@ -122,12 +122,19 @@ def sampling_probs(logits: torch.Tensor, options: GenerationOptions) -> torch.Te
     return torch.softmax(truncated_scores(logits[None], [options])[0], dim=-1)
 
 
-def log_distribution(logits: torch.Tensor, options: GenerationOptions) -> torch.Tensor:
-    """Log-probabilities of the distribution a token is actually drawn from: the log-softmax of the raw
-    logits when greedy, else of `sampling_probs` (tokens top-k / top-p removed are -inf)."""
-    if options.temperature == 0:
-        return torch.log_softmax(logits.float(), dim=-1)
-    return torch.log(sampling_probs(logits, options))
+def log_distributions(logits: torch.Tensor, rows: Sequence[tuple[int, GenerationOptions, int]]) -> torch.Tensor:
+    """[len(rows), V]: per (row, options, _), the log-probabilities of the distribution its token is actually
+    drawn from: the log-softmax of the raw logits when greedy, else the log of `sampling_probs` (tokens
+    top-k / top-p removed are -inf). All rows in one pass (`truncated_scores` is batched)."""
+    at = [row for row, _, _ in rows]
+    picked = logits if at == list(range(len(logits))) else logits[_to_device(at, logits.device)]
+    dists = torch.log_softmax(picked.float(), dim=-1)
+    sampled = [i for i, (_, options, _) in enumerate(rows) if options.temperature != 0]
+    if sampled:
+        index = _to_device(sampled, logits.device)
+        scores = truncated_scores(picked[index], [rows[i][1] for i in sampled])
+        dists[index] = torch.softmax(scores, dim=-1).log_()
+    return dists
 
 
 def token_logprobs(logits: torch.Tensor, rows: Sequence[tuple[int, GenerationOptions, int]]
@@ -136,7 +143,7 @@ def token_logprobs(logits: torch.Tensor, rows: Sequence[tuple[int, GenerationOpt
     alternatives, computed on the device for all rows together and copied to the host once."""
     if not rows:
         return []
-    dists = torch.stack([log_distribution(logits[row], options) for row, options, _ in rows])
+    dists = log_distributions(logits, rows)
     drawn = _to_device([token for _, _, token in rows], dists.device)
     parts = [dists.gather(1, drawn[:, None])]
     k = max(options.top_logprobs for _, options, _ in rows)
