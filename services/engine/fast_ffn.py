@@ -16,6 +16,9 @@ combine then reads only the picked (expert, token) rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +31,7 @@ from services.engine.derived_weights import DerivedWeights
 from services.engine.fast_attention import fuse_linears, linear_add, rms
 
 ExpertRows = tuple[torch.Tensor, torch.Tensor, int, int]  # rows, index, index_stride, token_stride (moe_combine)
+RoutedSum = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (z, weights, indices) -> [T, l]
 
 
 def glu_activation(config: K3Config, gate_up: torch.Tensor) -> torch.Tensor:
@@ -86,6 +90,9 @@ class MoeDecode:
         # Routing runs in float32 (MoEGate): cast once here (the weight itself in a float32 model).
         self.router = self.derived.derive(lambda: moe.gate.weight.float())
         self.activation = "situ" if config.hidden_act == "situ" else "swiglu"
+        # Set by a tensor-parallel rank (fast_tensor_parallel.ShardedMoe): the routed sum goes through it (this
+        # rank's experts' share, all-reduced between the sum and the latent norm), so the tail runs unfused.
+        self.routed_wrapper: Callable[[RoutedSum, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def _expert_rows_dense(self, z: torch.Tensor, indices: torch.Tensor) -> ExpertRows:
         """Every expert on every token: [E*T, l] rows, token t's pick of expert e at row e*T + t."""
@@ -103,16 +110,10 @@ class MoeDecode:
         out = torch._grouped_mm(glu_activation(self.config, gate_up), self.w2.transpose(1, 2), offs=offsets)
         return out, position, 1, 0
 
-    def _routed_dense(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def _routed(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dense: bool) -> torch.Tensor:
         """The routed sum [T, l] in float32 (the tensor a tensor-parallel rank all-reduces)."""
-        return self._routed_sum(self._expert_rows_dense(z, indices), weights)
-
-    def _routed_grouped(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        return self._routed_sum(self._expert_rows_grouped(z, indices), weights)
-
-    @staticmethod
-    def _routed_sum(expert_rows: ExpertRows, weights: torch.Tensor) -> torch.Tensor:
-        rows, index, index_stride, token_stride = expert_rows
+        rows, index, index_stride, token_stride = (self._expert_rows_dense if dense else self._expert_rows_grouped)(
+            z, indices)
         return dispatch.moe_combine(rows, index, weights, index_stride, token_stride, out_dtype=weights.dtype)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,11 +128,6 @@ class MoeDecode:
         experts = self.w13.shape[0]
         return not self.grouped or (tokens * self.moe.top_k >= 2 * experts and tokens <= 128)
 
-    def _split_tail(self) -> bool:
-        """Whether someone wrapped the routed sum (a tensor-parallel rank all-reduces it between the sum and
-        the latent norm): then the tail runs unfused, through `_routed_dense` / `_routed_grouped`."""
-        return "_routed_dense" in vars(self) or "_routed_grouped" in vars(self)
-
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         moe = self.moe
         weights, indices = self._route(x)
@@ -139,8 +135,9 @@ class MoeDecode:
         z = h[:, : self.width] if moe.latent else x
         shared_gate_up = h[:, self.width if moe.latent else 0 :] if self.shared_down is not None else None
         dense = self._dense(x.shape[0])
-        if self._split_tail():
-            out = self._unfused_tail(x, z, shared_gate_up, weights, indices, dense)
+        if self.routed_wrapper is not None:
+            routed = self.routed_wrapper(partial(self._routed, dense=dense), z, weights, indices)
+            out = self._unfused_tail(routed.to(x.dtype), shared_gate_up)
             return out if residual is None else residual + out
         rows, index, index_stride, token_stride = (self._expert_rows_dense if dense else self._expert_rows_grouped)(
             z, indices)
@@ -155,10 +152,9 @@ class MoeDecode:
             linear_add(tail[:, self.width :], self.shared_down, tail[:, : self.width])
         return out if residual is None else residual + out
 
-    def _unfused_tail(self, x: torch.Tensor, z: torch.Tensor, shared_gate_up: torch.Tensor | None,
-                      weights: torch.Tensor, indices: torch.Tensor, dense: bool) -> torch.Tensor:
+    def _unfused_tail(self, routed: torch.Tensor, shared_gate_up: torch.Tensor | None) -> torch.Tensor:
+        """The latent norm, up projection and shared experts after a routed sum in the model dtype."""
         moe = self.moe
-        routed = (self._routed_dense if dense else self._routed_grouped)(z, weights, indices).to(x.dtype)
         if moe.latent:
             if moe.routed_expert_norm is not None:
                 routed = rms(moe.routed_expert_norm, routed)

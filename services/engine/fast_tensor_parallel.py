@@ -34,7 +34,7 @@ from torch import nn
 
 from k3core.model import K3Model
 from services.engine.fast_decoder import FastDecoder
-from services.engine.fast_ffn import MlpDecode, MoeDecode
+from services.engine.fast_ffn import MlpDecode, MoeDecode, RoutedSum
 from services.engine.pool_views import PoolViews
 from services.engine.tensor_parallel import AllReduceInput, AllReduceOutput, RemoteExpert
 
@@ -118,20 +118,17 @@ class ShardedMoe:
             raise ValueError("the local MoE view must stack this rank's experts and one sentinel")
         self.inner, self.experts, self.shared, self.group = inner, experts, shared, group
         self.latent = inner.moe.latent
-        # The routed sum is the one tensor reduced inside MoeDecode's forward: wrap both formulations.
-        inner._routed_dense = self._local(inner._routed_dense)  # type: ignore[method-assign]
-        inner._routed_grouped = self._local(inner._routed_grouped)  # type: ignore[method-assign]
+        # The routed sum is the one tensor reduced inside MoeDecode's forward.
+        inner.routed_wrapper = self._local
 
-    def _local(self, routed: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def _local(self, routed: RoutedSum, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """`routed` over this rank's experts only (the others' pairs: weight 0 on the sentinel)."""
         first, count = self.experts.start, len(self.experts)
-
-        def run(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-            local = indices - first
-            mine = (local >= 0) & (local < count)
-            out = routed(z, torch.where(mine, weights, 0.0), torch.where(mine, local, count))
-            # Latent: the reference reduces the routed sum cast to the model dtype, before the norm.
-            return all_reduced(out.to(z.dtype), self.group) if self.latent else out
-        return run
+        local = indices - first
+        mine = (local >= 0) & (local < count)
+        out = routed(z, torch.where(mine, weights, 0.0), torch.where(mine, local, count))
+        # Latent: the reference reduces the routed sum cast to the model dtype, before the norm.
+        return all_reduced(out.to(z.dtype), self.group) if self.latent else out
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         out = self.inner(x)
