@@ -22,7 +22,7 @@ from services.engine.fast_tensor_parallel import graph_capturable, rank_decoder
 from services.engine.pool_views import PoolViews
 
 ENV = "K3_DECODE_FASTPATH"  # "0": never; "1": also on CPU (eager); unset: on CUDA
-GRAPHS_ENV = "K3_DECODE_CUDA_GRAPHS"  # "0": eager fast path on CUDA too
+GRAPHS_ENV = "K3_DECODE_CUDA_GRAPHS"  # "0": eager fast path on CUDA too; "1": graphs at TP > 1 (NCCL) too
 
 
 def fastpath_wanted(device: torch.device, tp_size: int) -> bool:
@@ -46,8 +46,9 @@ class DecodeFastPath:
         scratch_mla = manager.pool.allocate(PageKind.MLA, 0)[0]
         self.builder = DecodeInputBuilder(layout, math.ceil(max_model_len / layout.tokens_per_block),
                                           scratch_kda, scratch_mla)
-        use_graphs = self.device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0" \
-            and graph_capturable(model) if graphs is None else graphs
+        setting = os.environ.get(GRAPHS_ENV, "")
+        use_graphs = self.device.type == "cuda" and setting != "0" \
+            and graph_capturable(model, opted_in=setting == "1") if graphs is None else graphs
         self.graphs = DecodeGraphs(self.decoder.forward, self.builder, self.device, max_batch) if use_graphs \
             else None
         self.max_batch = max_batch

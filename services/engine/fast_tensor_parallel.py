@@ -25,7 +25,6 @@ the remote pairs' rows through one zero expert, whose weights are read once.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable
 
 import torch
@@ -54,18 +53,15 @@ def rank_decoder(model: K3Model, views: PoolViews) -> FastDecoder:
     return sharded_decoder(model, views, collective.group)
 
 
-GRAPHS_OPT_IN = "K3_DECODE_CUDA_GRAPHS"  # the env switch decode_fastpath reads (its default is on)
-
-
-def graph_capturable(model: K3Model) -> bool:
+def graph_capturable(model: K3Model, opted_in: bool = False) -> bool:
     """Whether this rank's decode forward may be captured in a CUDA graph: no collectives, or NCCL ones
     (a gloo collective on CUDA tensors waits on the host, which a capture forbids) when the operator asks
-    for them with K3_DECODE_CUDA_GRAPHS=1: torch captures NCCL collectives, but this path has not been run
-    on multi-GPU hosts yet, so a TP > 1 worker replays eagerly unless told otherwise."""
+    for them (`opted_in`: decode_fastpath's K3_DECODE_CUDA_GRAPHS=1): torch captures NCCL collectives, but
+    this path has not been run on multi-GPU hosts yet, so a TP > 1 worker replays eagerly unless told so."""
     collective = _collective(model)
     if collective is None:
         return True
-    return dist.get_backend(collective.group) == dist.Backend.NCCL and os.environ.get(GRAPHS_OPT_IN) == "1"
+    return dist.get_backend(collective.group) == dist.Backend.NCCL and opted_in
 
 
 def sharded_decoder(model: K3Model, views: PoolViews, group: dist.ProcessGroup | None) -> FastDecoder:
