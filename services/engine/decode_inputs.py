@@ -7,6 +7,7 @@ rows compute harmless garbage and never touch a request's pages.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,12 +28,17 @@ class DecodeInputs:
     lengths: torch.Tensor  # [B]: tokens after this step (context + 1)
     row_base: torch.Tensor  # [mla groups, B]: row of layer slot 0 of the new token in PoolViews.mla_rows()
 
+    @staticmethod
+    def shapes(size: int, kda_groups: int, mla_groups: int, max_pages: int) -> list[tuple[int, ...]]:
+        """The parts' shapes, in their order in the flat buffer (tokens, kda_slots, page_table, lengths, row_base)."""
+        return [(size,), (kda_groups, size), (mla_groups, size, max_pages), (size,), (mla_groups, size)]
+
     @classmethod
     def view(cls, flat: torch.Tensor, size: int, kda_groups: int, mla_groups: int, max_pages: int) -> DecodeInputs:
-        sizes = [size, kda_groups * size, mla_groups * size * max_pages, size, mla_groups * size]
+        shapes = cls.shapes(size, kda_groups, mla_groups, max_pages)
+        sizes = [math.prod(shape) for shape in shapes]
         parts = flat[: sum(sizes)].split(sizes)
-        return cls(flat, parts[0], parts[1].view(kda_groups, size), parts[2].view(mla_groups, size, max_pages),
-                   parts[3], parts[4].view(mla_groups, size))
+        return cls(flat, *(part.view(shape) for part, shape in zip(parts, shapes, strict=True)))
 
     @staticmethod
     def numel(size: int, kda_groups: int, mla_groups: int, max_pages: int) -> int:
@@ -111,13 +117,12 @@ class DecodeInputBuilder:
 
     def _host_parts(self, out: np.ndarray, size: int) -> tuple[np.ndarray, ...]:
         """The parts of `DecodeInputs.view` as numpy views (numpy slicing costs a tenth of torch's here)."""
-        kda, mla, pages = self.kda_groups, self.mla_groups, self.max_pages
-        a = size
-        b = a + kda * size
-        c = b + mla * size * pages
-        d = c + size
-        return (out[:a], out[a:b].reshape(kda, size), out[b:c].reshape(mla, size, pages), out[c:d],
-                out[d : d + mla * size].reshape(mla, size))
+        parts, start = [], 0
+        for shape in DecodeInputs.shapes(size, self.kda_groups, self.mla_groups, self.max_pages):
+            end = start + math.prod(shape)
+            parts.append(out[start:end].reshape(shape))
+            start = end
+        return tuple(parts)
 
     def build(self, requests: list[CachedRequest], tokens: list[int], size: int,
               out: np.ndarray | None = None) -> np.ndarray:
