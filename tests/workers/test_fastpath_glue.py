@@ -88,6 +88,5 @@ def test_one_moe_layer_launches_within_budget(monkeypatch, tokens, budget):
     residual = torch.zeros(tokens, model.config.hidden_size)
     with torch.no_grad(), log:
         fast(x, residual)
-    print(tokens, log.ops)
     assert log.ops.count("moe_route_logits") == 1 and log.ops.count("moe_combine") == 1
     assert len(log.ops) <= budget, log.ops
