@@ -22,9 +22,11 @@ if TYPE_CHECKING:
 
 def triton_prefill_applies(layer: KimiDeltaAttention, x: torch.Tensor) -> bool:
     """CUDA activations and the bounded gate (the launcher would run the reference for the softplus one);
-    the kernel's tiles need a power-of-two head dim of at least 16."""
+    the kernel's tiles need a power-of-two head dim of at least 16. Not under autograd: the kernel has no
+    backward, so a training forward (the learner's) would silently leave the KDA weights without gradients."""
     dim = layer.head_dim
-    return layer.lower_bound is not None and dim >= 16 and dim & (dim - 1) == 0 and dispatch.use_triton(x)
+    return (layer.lower_bound is not None and dim >= 16 and dim & (dim - 1) == 0 and not torch.is_grad_enabled()
+            and dispatch.use_triton(x))
 
 
 def kda_prefill_triton(

@@ -67,11 +67,14 @@ def test_layer_prefill_on_triton_matches_reference(interpreted, monkeypatch):
         assert fast.kda_state.dtype == ref.kda_state.dtype and fast.kda_conv.dtype == ref.kda_conv.dtype
 
 
-def test_softplus_gate_and_cpu_tensors_keep_the_reference(monkeypatch):
-    """The Kimi Linear gate never takes the fused route; CPU tensors never do unless Triton is forced."""
+def test_softplus_gate_cpu_tensors_and_autograd_keep_the_reference(monkeypatch):
+    """The Kimi Linear gate never takes the fused route; CPU tensors never do unless Triton is forced; a
+    forward under autograd never does (the kernel has no backward: the weights would get no gradients)."""
     x = torch.zeros(3, preset("nano").hidden_size)
     bounded, softplus = KimiDeltaAttention(preset("nano"), 0), KimiDeltaAttention(preset("nano-kl"), 0)
-    assert not triton_prefill_applies(bounded, x)
-    monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
-    assert triton_prefill_applies(bounded, x)
-    assert not triton_prefill_applies(softplus, x)
+    with torch.no_grad():
+        assert not triton_prefill_applies(bounded, x)
+        monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
+        assert triton_prefill_applies(bounded, x)
+        assert not triton_prefill_applies(softplus, x)
+    assert not triton_prefill_applies(bounded, x)  # grad mode on
