@@ -122,9 +122,9 @@ if triton is not None:
             dots = tl.zeros([BQ, BM * BN], dtype=tl.float32)
             sq = tl.zeros([BM * BN], dtype=tl.float32)
             for part in tl.static_range(CHUNKS):
-                score_offs, square_offs, ok = _partials_at(part, m0, M, BM, BN, BQ)
-                dots += tl.load(scores + score_offs, mask=ok[None, :], other=0.0)
-                sq += tl.load(squares + square_offs, mask=ok, other=0.0)
+                score_offs, square_offs, rows_in = _partials_at(part, m0, M, BM, BN, BQ)
+                dots += tl.load(scores + score_offs, mask=rows_in[None, :], other=0.0)
+                sq += tl.load(squares + square_offs, mask=rows_in, other=0.0)
         logits = dots * tl.rsqrt(sq / D + eps)[None, :]
         # Block-diagonal expansion: output row (q, r) weighs only row r's blocks.
         own = (r[None, None, :] == tl.arange(0, BM)[None, :, None]) & (n < N)[None, None, :]
@@ -142,11 +142,11 @@ if triton is not None:
             d = d0 + tl.arange(0, BD)
             blk = _block_tile(blocks, m0, d, N, M, D, BM, BN, True)
             acc = _dot_exact(weights, blk, tl.zeros([BQ * BM, BD], dtype=tl.float32), SPLIT)
-            ptrs, ok = acc_out + out_row[:, None] * D + d[None, :], row_ok[:, None] & (d < D)[None, :]
+            ptrs, in_bounds = acc_out + out_row[:, None] * D + d[None, :], row_ok[:, None] & (d < D)[None, :]
             if STREAM_STORES:  # written once, read by the next kernel: keep them from evicting the blocks
-                tl.store(ptrs, acc, mask=ok, cache_modifier=".cs")
+                tl.store(ptrs, acc, mask=in_bounds, cache_modifier=".cs")
             else:
-                tl.store(ptrs, acc, mask=ok)
+                tl.store(ptrs, acc, mask=in_bounds)
 
 
 def _chunks(programs: int, D: int, block_d: int, sms: int) -> int:
