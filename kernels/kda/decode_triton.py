@@ -11,7 +11,7 @@ the pool's conv state, channel-major [3, H, D, W-1] per slot (k3core.ops.short_c
 
 The pools are addressed through their element strides (state_pool [slots, H, D, D], conv_pool
 [slots, 3, H, D, W-1], any strides), so one launch covers all heads of a layer also where the heads of a
-slot are not D*D apart: the serving pool's head-interleaved KDA pages (services/engine/pool_views.py).
+slot are not D*D apart: the serving pool's head-interleaved KDA pages (k3core/cache/pool_views.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """KDA decode step and replay verify on the H200: ours vs the fla-core 0.6.0 composition (GPU only).
 
-Also the decode step on the serving pool's head-interleaved pages (`services/engine/pool_views.py`): one
+Also the decode step on the serving pool's head-interleaved pages (`k3core/cache/pool_views.py`): one
 strided launch over all heads against the per-head launches the fast path ran before, same buffer.
 """
 
@@ -12,10 +12,10 @@ from functools import partial
 import torch
 
 from k3core.cache.layout import PoolLayout, plan_layout, shape_from_config
+from k3core.cache.pool_views import PoolViews
 from k3core.presets import preset
 from kernels.kda import decode_step_triton, decode_triton, naive
 from kernels.perf.harness import Row, max_err, time_ms
-from services.engine.pool_views import PoolViews
 
 H, D, W = 32, 128, 4
 BF16 = torch.bfloat16

@@ -14,12 +14,12 @@ import torch
 
 from k3core.cache.manager import PrefixCacheManager
 from k3core.cache.pool import PageKind
+from k3core.cache.pool_views import PoolViews
 from k3core.cache.request import CachedRequest
 from k3core.model import K3Model
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.decode_inputs import DecodeInputBuilder
 from services.engine.fast_tensor_parallel import graph_capturable, rank_decoder
-from services.engine.pool_views import PoolViews
 
 ENV = "K3_DECODE_FASTPATH"  # "0": never; "1": also on CPU (eager); unset: on CUDA
 GRAPHS_ENV = "K3_DECODE_CUDA_GRAPHS"  # "0": eager fast path on CUDA too; "1": graphs at TP > 1 (NCCL) too

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3core.cache.pool_views import PoolViews
 from k3core.layers.kda import KimiDeltaAttention
 from k3core.layers.mla import GatedMLA
 from k3core.ops.mla import split_kv_b
 from kernels import dispatch
 from services.engine.derived_weights import DerivedWeights
-from services.engine.pool_views import PoolViews
 
 L2_EPS = 1e-6  # k3core.ops.kda.l2norm's default, what the reference layer uses
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from k3core.cache.pool_views import PoolViews
 from k3core.layers.kda import KimiDeltaAttention
 from k3core.model import K3Model
 from kernels import dispatch
@@ -19,7 +20,6 @@ from services.engine.decode_inputs import DecodeInputs
 from services.engine.derived_weights import DerivedWeights
 from services.engine.fast_attention import KdaDecode, MlaDecode, rms
 from services.engine.fast_ffn import MlpDecode, MoeDecode, grouped_mm_available
-from services.engine.pool_views import PoolViews
 
 
 class FastDecoder:

@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from k3core.cache.pool_views import PoolViews
 from k3core.model import K3Model
 from services.engine.fast_decoder import FastDecoder
 from services.engine.fast_ffn import MlpDecode, MoeDecode, RoutedSum
-from services.engine.pool_views import PoolViews
 from services.engine.tensor_parallel import AllReduceInput, AllReduceOutput, RemoteExpert
 
 _COLLECTIVES = (AllReduceOutput, AllReduceInput)

@@ -166,7 +166,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_kda_pool_views_address_each_heads_byte_range(nano):
     """One layer's [pages, H, D, D] / [pages, 3, H, D, W-1] views read exactly the bytes the layout gives
     head h of that layer slot: [head][layer slot][recurrent | conv] per page (k3core.cache.layout)."""
-    from services.engine.pool_views import PoolViews
+    from k3core.cache.pool_views import PoolViews
 
     layout = plan_layout(shape_from_config(nano.config, "nano"), 1, hash_block_tokens=HASH_BLOCK)
     data = torch.randint(0, 256, (5, layout.page_bytes), dtype=torch.uint8,
