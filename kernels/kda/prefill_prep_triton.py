@@ -29,20 +29,15 @@ if triton is not None:
         return xs * tl.load(conv_w + offs * W + (W - 1 - s)).to(tl.float32)[None, :]
 
     @triton.jit
-    def _conv_swish(x, conv, conv_w, rows, lo, valid, offs, HD, HAS_CONV: tl.constexpr, W: tl.constexpr,
-                    UNROLL: tl.constexpr):
+    def _conv_swish(x, conv, conv_w, rows, lo, valid, offs, HD, HAS_CONV: tl.constexpr, W: tl.constexpr):
         """Swish(ShortConv) of one stream at the chunk's rows [C], channels offs (of D), as [C, len(offs)]
         float32. x points at the chunk's first row of this head (rows are HD elements apart); rows before
         `lo` (the sequence start, relative) come from the carried conv window `conv` [D, W-1] (zeros without
-        one); rows that are not `valid` come out zero.
-        UNROLL: the taps unrolled (their loads overlap) instead of a loop (each waits for the previous one)."""
+        one); rows that are not `valid` come out zero. The taps are unrolled, so that their loads overlap (in
+        a loop each waited for the previous one: 0.66 vs 0.51 ms at B=1, T=32K, H=16 on the H200)."""
         acc = tl.zeros([rows.shape[0], offs.shape[0]], dtype=tl.float32)
-        if UNROLL:
-            for s in tl.static_range(W):
-                acc += _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV, W)
-        else:
-            for s in range(W):
-                acc += _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV, W)
+        for s in tl.static_range(W):
+            acc += _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV, W)
         return acc * tl.sigmoid(acc)
 
     @triton.jit
@@ -50,11 +45,10 @@ if triton is not None:
         q, k, v, z, beta, conv_w, A_log, dt_bias, init_conv, cu_seqlens, chunk_seq, chunk_start,
         q_out, k_out, v_out, g_out, beta_out, lower_bound, l2_eps,
         H, D: tl.constexpr, W: tl.constexpr, C: tl.constexpr, HAS_CONV: tl.constexpr,
-        UNROLL: tl.constexpr, OFFS32: tl.constexpr,
     ):
         """Grid (chunks, H, 3): program (., ., 0) does q, 1 k, 2 v and the gate and beta. Token-major
-        [T_total, H, D] in and out (g_out float32), beta_out [T_total, H].
-        OFFS32: tile offsets in 32 bits from the chunk's first row instead of 64-bit ones."""
+        [T_total, H, D] in and out (g_out float32), beta_out [T_total, H]. Tile offsets are 32-bit, from the
+        chunk's first row (64-bit ones cost registers; the conv taps before the chunk are negative rows)."""
         ci = tl.program_id(0)
         h = tl.program_id(1)
         stream = tl.program_id(2)
@@ -66,8 +60,6 @@ if triton is not None:
         offs = tl.arange(0, D)
         rows = tl.arange(0, C)
         HD = H * D
-        if not OFFS32:
-            rows = rows.to(tl.int64)
         valid = rows < n_valid
         rel = rows[:, None] * HD + offs[None, :]
         io_mask = valid[:, None]
@@ -80,7 +72,7 @@ if triton is not None:
             x, out = v, v_out
         conv = init_conv + ((n * 3 + stream) * H + h) * D * (W - 1)
         taps = conv_w + (stream * H + h) * D * W
-        xt = _conv_swish(x + base, conv, taps, rows, lo, valid, offs, HD, HAS_CONV, W, UNROLL)
+        xt = _conv_swish(x + base, conv, taps, rows, lo, valid, offs, HD, HAS_CONV, W)
         if stream < 2:
             xt = xt * tl.rsqrt(tl.sum(xt * xt, axis=1) + l2_eps)[:, None]
         tl.store(out + base + rel, xt.to(out.dtype.element_ty), mask=io_mask)

@@ -164,7 +164,7 @@ def kda_prefill_block(
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
     norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
     prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 2, f32_dots: bool = False,
-    prep_unroll: bool = False, prep_offs32: bool = False, ut_maxnreg: int | None = 168,
+    ut_maxnreg: int | None = 168,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
@@ -175,8 +175,6 @@ def kda_prefill_block(
     - num_warps: the output pass; prep_warps: the prologue pass (8: no spills, 4 spills); ut_warps: the
       UT-transform pass; recurrence_warps.
     - stages: software-pipelining depth of the recurrence's chunk loop.
-    - prep_unroll: the prologue's conv taps unrolled (their loads overlap) instead of a loop; prep_offs32: its
-      tile offsets in 32 bits from the chunk's first row. Both: prep 0.66 -> 0.51 ms at B=1, T=32K (H200).
     - ut_maxnreg: register cap of the UT pass (None: none). ptxas (sm_90a): 213 registers at k_block 32 = 2
       programs per SM; under 168 (16 B of spills) 3 fit: UT pass 1.34 -> 1.14 ms at B=1, T=32K on the H200.
     - f32_dots: float32 (TF32) operands in the UT transform's dots instead of the input dtype.
@@ -216,7 +214,7 @@ def kda_prefill_block(
         _kda_prep_kernel[(n_chunks, H, 3)](
             q, k, v, z, beta, conv_weight.contiguous(), A_log, dt_bias.contiguous(), conv, cu, chunk_seq,
             chunk_start, qn, kn, vc, g, beta_f, lower_bound, l2_eps, **shape, W=W,
-            HAS_CONV=initial_conv is not None, UNROLL=prep_unroll, OFFS32=prep_offs32, num_warps=prep_warps)
+            HAS_CONV=initial_conv is not None, num_warps=prep_warps)
         _kda_chunk_ut_kernel[(n_chunks, H)](
             qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
             torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,

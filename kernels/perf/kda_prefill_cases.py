@@ -37,8 +37,6 @@ SHAPES = (
 # History (B=1,T=32K,H=16, H200) in docs/kernels.md: the one-kernel full-width prologue took 5.7 of 6.81 ms.
 VARIANTS = (
     ("default", {}),
-    # Checked on the H200 (same outputs as the default), timed only on top of the uncapped UT pass: -0.16 ms.
-    ("prep fast", {"prep_unroll": True, "prep_offs32": True}),
     ("ut no cap", {"ut_maxnreg": None}),
     ("kb=16", {"k_block": 16}),
     ("rec w8", {"recurrence_warps": 8}),

@@ -45,13 +45,12 @@ def test_reference_prefill_matches_float64_token_by_token():
 @pytest.mark.parametrize(("block_v", "k_block", "tuning"), [
     (16, 16, {}),
     (None, 32, {}),
-    (None, 16, {"prep_unroll": True, "prep_offs32": True}),
-    (16, 32, {"prep_unroll": True, "prep_offs32": True, "ut_maxnreg": None}),
+    (16, 32, {"ut_maxnreg": None}),
 ])
 def test_triton_prefill_matches_reference(interpreted, block_v, k_block, tuning):
     """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states, D = 32: the
-    UT transform in one or two key-column blocks; the prologue's tap loop and 64-bit offsets or unrolled taps
-    with 32-bit offsets (negative row offsets for the taps before the chunk)."""
+    UT transform in one or two key-column blocks; the prologue's conv taps before the chunk are negative
+    32-bit row offsets."""
     case = KdaCase(heads=2, dim=32)
     gen = torch.Generator().manual_seed(12)
     params = case.params(gen)
@@ -69,8 +68,7 @@ def test_triton_prefill_varlen_with_an_empty_sequence(interpreted):
     states, convs = CASE.pools(gen)
     x = CASE.tokens(gen, 1, 135)
     y, state, conv = prefill_triton.kda_prefill_block(*x, *params, initial_state=states[:4], initial_conv=convs[:4],
-                                                      cu_seqlens=torch.tensor([0, 2, 2, 70, 135]),
-                                                      prep_unroll=True, prep_offs32=True)
+                                                      cu_seqlens=torch.tensor([0, 2, 2, 70, 135]))
     keep = [0, 2, 3]  # the reference's conv cannot take an empty sequence: compare the others without it
     want = naive.kda_prefill_block(*x, *params, initial_state=states[keep], initial_conv=convs[keep],
                                    cu_seqlens=torch.tensor([0, 2, 70, 135]))
