@@ -18,6 +18,7 @@ from k3core.config import K3Config
 from k3core.layers.batch import BatchLayout
 from k3core.layers.kda_prefill_fast import kda_prefill_triton, triton_prefill_applies
 from k3core.layers.norm import RMSNorm
+from k3core.layers.weight_derivation import WeightDerivation
 from k3core.ops.kda import (
     causal_short_conv,
     kda_chunk,
@@ -33,6 +34,11 @@ from k3core.ops.norm import gated_rms_norm
 def _depthwise_conv(channels: int, width: int) -> nn.Conv1d:
     """Weight [C, 1, W], the layout of the checkpoints' q/k/v_conv1d.weight."""
     return nn.Conv1d(channels, channels, width, groups=channels, bias=False)
+
+
+def _stack_conv_kernels(weights: list[torch.Tensor]) -> torch.Tensor:
+    """Three [C, 1, W] depthwise conv weights -> [3, C, W]."""
+    return torch.stack([w[:, 0, :] for w in weights])
 
 
 class KimiDeltaAttention(nn.Module):
@@ -64,10 +70,12 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.o_proj = nn.Linear(proj, dim, bias=False)
         self.full_rank_gate = config.use_full_rank_gate
+        self._stacked_conv = WeightDerivation(_stack_conv_kernels)
 
     def stacked_conv_weight(self) -> torch.Tensor:
-        """[3, H*D, W]: the q/k/v depthwise conv kernels in one tensor, the layout the fused KDA kernels take."""
-        return torch.stack([c.weight[:, 0, :] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        """[3, H*D, W]: the q/k/v depthwise conv kernels in one tensor, the layout the fused KDA kernels take;
+        built again only after a conv weight changed (or under autograd: see WeightDerivation)."""
+        return self._stacked_conv.get([c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(*x.shape[:-1], self.heads, self.head_dim)
