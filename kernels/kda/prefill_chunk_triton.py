@@ -24,23 +24,44 @@ SUB = 16  # sub-block of the decay split: |lower_bound| * SUB must stay below ~8
 if triton is not None:
 
     @triton.jit
-    def _unit_lower_inverse(M, rows, C: tl.constexpr, BC: tl.constexpr):
-        """(I + M)^-1 for strictly lower-triangular M [C, C]: forward substitution inside each BC x BC
-        diagonal block (float32), then the block off-diagonal terms by the nilpotent series with dots:
+    def _diagonal_block_inverses(ws, C: tl.constexpr, BC: tl.constexpr, DOUBLING: tl.constexpr):
+        """(I + M_bb)^-1 of the C / BC diagonal BC x BC blocks of the strictly lower-triangular M [C, C]
+        (row-major float32 at ws), as [C / BC, BC, BC], exact float32 arithmetic.
+        DOUBLING: block doubling with batched dots, log2(BC) = 4 levels: with X_s the inverse of the s x s
+        diagonal blocks and L_s the entries of M between the two s-halves of each 2s-block,
+        X_2s = X_s - X_s L_s X_s (exact, since (L_s X_s)^2 = 0): 8 small dots and ~15 barriers.
+        Otherwise forward substitution row by row, all blocks at once (two reductions per row: ~200 barriers
+        at 4 warps, the UT pass's largest cost)."""
+        NB: tl.constexpr = C // BC
+        b3 = tl.arange(0, NB)[:, None, None]
+        r3 = tl.arange(0, BC)[None, :, None]
+        j3 = tl.arange(0, BC)[None, None, :]
+        diag = tl.load(ws + (b3 * BC + r3) * C + b3 * BC + j3)
+        X = tl.where(r3 == j3, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+        if DOUBLING:
+            for level in tl.static_range(BC.bit_length() - 1):
+                s = 1 << level
+                L = tl.where((r3 // (2 * s) == j3 // (2 * s)) & (r3 // s > j3 // s), diag, 0.0)
+                X -= tl.dot(tl.dot(X, L, input_precision="ieee"), X, input_precision="ieee")
+        else:
+            for i in tl.static_range(1, BC):
+                m_i = tl.sum(tl.where(r3 == i, diag, 0.0), axis=1)  # row i of each block, [NB, BC]
+                x_i = tl.sum(m_i[:, :, None] * X, axis=1)
+                X = tl.where(r3 == i, tl.where(j3 == i, 1.0, 0.0) - x_i[:, None, :], X)
+        return X
+
+    @triton.jit
+    def _unit_lower_inverse(ws, rows, C: tl.constexpr, BC: tl.constexpr, DOUBLING: tl.constexpr):
+        """(I + M)^-1 for the strictly lower-triangular M [C, C] (row-major float32 at ws): the diagonal
+        blocks' inverses D^-1, then the block off-diagonal terms by the nilpotent series with dots:
         (D + L)^-1 = (I - N + N^2 - N^3) D^-1, N = D^-1 L, since N^4 = 0 for C / BC = 4 blocks."""
         NB: tl.constexpr = C // BC
         tl.static_assert(NB == 4, "the series below stops at N^3: exactly 4 sub-blocks per chunk")
+        X = _diagonal_block_inverses(ws, C, BC, DOUBLING)
         same = tl.arange(0, NB)[:, None, None, None] == tl.arange(0, NB)[None, None, :, None]
-        diag = tl.sum(tl.where(same, tl.reshape(M, [NB, BC, NB, BC]), 0.0), axis=2)  # [NB, BC, BC]
-        r3 = tl.arange(0, BC)[None, :, None]
-        j3 = tl.arange(0, BC)[None, None, :]
-        X = tl.where(r3 == j3, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-        for i in tl.static_range(1, BC):
-            m_i = tl.sum(tl.where(r3 == i, diag, 0.0), axis=1)  # row i of each block, [NB, BC]
-            x_i = tl.sum(m_i[:, :, None] * X, axis=1)
-            X = tl.where(r3 == i, tl.where(j3 == i, 1.0, 0.0) - x_i[:, None, :], X)
         d_inv = tl.reshape(tl.where(same, X[:, :, None, :], 0.0), [C, C])
         cols = tl.arange(0, C)
+        M = tl.load(ws + rows[:, None] * C + cols[None, :])
         lower = tl.where(rows[:, None] // BC > cols[None, :] // BC, M, 0.0)
         N = tl.dot(d_inv, lower)
         N2 = tl.dot(N, N)
@@ -69,10 +90,12 @@ if triton is not None:
         q, k, v, g, beta, cu_seqlens, chunk_seq, chunk_start,
         w_out, u_out, qg_out, kg_out, aqk_out, gc_out, akk_ws, scale,
         H, D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, F32_DOTS: tl.constexpr,
+        DOUBLING: tl.constexpr,
     ):
         """Grid (chunks, H). Token-major [T_total, H, *] in and out; g float32, beta [T_total, H] float32
         (already through the sigmoid); gc_out [chunks, H, D]; akk_ws [chunks, H, C, C] float32 scratch.
-        F32_DOTS: float32 (TF32 on the GPU) dot operands instead of the input dtype."""
+        F32_DOTS: float32 (TF32 on the GPU) dot operands instead of the input dtype; DOUBLING: the diagonal
+        blocks' inverses by block doubling (see _diagonal_block_inverses)."""
         ci = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         start = tl.load(chunk_start + ci).to(tl.int64)
@@ -87,7 +110,6 @@ if triton is not None:
         gc_out += (ci * H + h) * D
         HD = H * D
         rows = tl.arange(0, C)
-        cols_c = tl.arange(0, C)
         valid = rows < n_valid
         io_mask = valid[:, None]
         last = tl.minimum(n_valid, C) - 1
@@ -136,8 +158,7 @@ if triton is not None:
         _store_a_block(aqk_st, ws, ak2, aq2, 2 * BC, rows, bt, scale, io_mask, C, BC)
         _store_a_block(aqk_st, ws, ak3, aq3, 3 * BC, rows, bt, scale, io_mask, C, BC)
         tl.debug_barrier()
-        akk = tl.load(ws + rows[:, None] * C + cols_c[None, :])
-        T = _unit_lower_inverse(akk, rows, C, BC).to(dt)
+        T = _unit_lower_inverse(ws, rows, C, BC, DOUBLING).to(dt)
         for kb in range(0, D // BK):
             cols = kb * BK + tl.arange(0, BK)
             rel = rows[:, None] * HD + cols[None, :]

@@ -46,6 +46,7 @@ def test_reference_prefill_matches_float64_token_by_token():
     (16, 16, {}),
     (None, 32, {}),
     (16, 32, {"ut_maxnreg": None}),
+    (None, 32, {"ut_doubling": False}),
 ])
 def test_triton_prefill_matches_reference(interpreted, block_v, k_block, tuning):
     """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states, D = 32: the
@@ -89,6 +90,19 @@ def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted):
     want = naive.kda_prefill_block(q, k, v, z, beta, gate, conv_w, A_log, dt_bias.abs() + 1, norm_w)
     assert torch.isfinite(got[0]).all()
     _close(got, want)
+
+
+@pytest.mark.parametrize("doubling", [True, False])
+def test_triton_prefill_with_nearly_parallel_keys(interpreted, doubling):
+    """One key direction for the whole chunk, beta ~ 1, no decay: I + beta Akk is close to I plus the
+    all-ones lower triangle, whose inverse only exists by cancellation (the inverse's hardest case)."""
+    gen = torch.Generator().manual_seed(18)
+    params = CASE.params(gen)
+    q, k, v, z, beta, gate = CASE.tokens(gen, 1, 64)
+    k = k[:, :1] + 0.01 * k  # the conv of one repeated key is one direction after its first taps
+    z, beta = torch.full_like(z, -30.0), beta.abs() + 8.0
+    got = prefill_triton.kda_prefill_block(q, k, v, z, beta, gate, *params, ut_doubling=doubling)
+    _close(got, naive.kda_prefill_block(q, k, v, z, beta, gate, *params))
 
 
 def test_softplus_gate_runs_the_reference_and_dispatch_routes_cpu_to_it():
