@@ -25,7 +25,8 @@ Identity = tuple[torch.device, int, torch.dtype, tuple[int, ...], tuple[int, ...
 
 
 def _identity(weight: torch.Tensor) -> Identity:
-    return (weight.device, weight.data_ptr(), weight.dtype, tuple(weight.shape), weight.stride(), weight._version)
+    layout = (weight.dtype, tuple(weight.shape), weight.stride())
+    return weight.device, weight.data_ptr(), *layout, weight._version
 
 
 class WeightDerivation:

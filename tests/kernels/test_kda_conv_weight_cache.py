@@ -25,7 +25,7 @@ NANO = preset("nano")
 
 @pytest.fixture
 def prefill(interpreted, monkeypatch):
-    """prefill(layer, x, fused) -> the layer's output on a fresh sequence, by the fused route or the torch one."""
+    """prefill(layer, x, fused) -> the layer's output on a fresh sequence, fused route or torch path."""
     route = {"fused": False}
     monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: route["fused"])
 
@@ -39,7 +39,7 @@ def prefill(interpreted, monkeypatch):
 def _check_follows(prefill, layer: KimiDeltaAttention, x: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
     fused = prefill(layer, x, True)
     torch.testing.assert_close(fused, prefill(layer, x, False), **TOL)
-    assert (fused - before).abs().max() > 1e-3, "the weight change did not change the output: the case proves nothing"
+    assert (fused - before).abs().max() > 1e-3, "the update changed nothing: the case proves nothing"
     return fused
 
 
@@ -55,10 +55,12 @@ def test_stacked_conv_weight_is_cached_and_follows_every_update(prefill):
         layer.k_conv1d.weight.mul_(-1.5)
     out = _check_follows(prefill, layer, x, out)
 
-    optimizer = torch.optim.AdamW([c.weight for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)], lr=0.1)
+    convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
+    optimizer = torch.optim.AdamW([c.weight for c in convs], lr=0.1)
     # A training forward (torch path, grad on): the conv weights get gradients, then the step updates them.
-    layer(x, BatchLayout.of([0], [COUNT]), ContiguousBatchCache([SequenceCache(NANO)], [COUNT])).square().sum().backward()
-    assert all(c.weight.grad.abs().sum() > 0 for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d))
+    cache = ContiguousBatchCache([SequenceCache(NANO)], [COUNT])
+    layer(x, BatchLayout.of([0], [COUNT]), cache).square().sum().backward()
+    assert all(c.weight.grad.abs().sum() > 0 for c in convs)
     optimizer.step()
     out = _check_follows(prefill, layer, x, out)
 
@@ -67,7 +69,7 @@ def test_stacked_conv_weight_is_cached_and_follows_every_update(prefill):
         k: v for k, v in layer.state_dict().items() if "conv1d" not in k})
     out = _check_follows(prefill, layer, x, out)
 
-    layer.v_conv1d.weight = nn.Parameter(torch.randn_like(layer.v_conv1d.weight))  # swapped for a new Parameter
+    layer.v_conv1d.weight = nn.Parameter(torch.randn_like(layer.v_conv1d.weight))  # a new Parameter
     out = _check_follows(prefill, layer, x, out)
     layer.q_conv1d.weight.data = torch.randn_like(layer.q_conv1d.weight)  # swapped storage (TP sharding does)
     _check_follows(prefill, layer, x, out)
