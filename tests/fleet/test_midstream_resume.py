@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import urllib.request
 
 import grpc
 import pytest
 
 from k3.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.fleet.k3cli import logs, running_fleet, state
+from tests.support.metrics import scrape
 
 pytest.importorskip("services.decode.server")
 
@@ -50,9 +50,8 @@ async def stream(gateway: str, session: str, on_first_chunk=None) -> tuple[list[
 
 
 def failovers(metrics_address: str, stage: str) -> float:
-    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
-    line = next((x for x in text.splitlines() if x.startswith(f'k3_gateway_failovers_total{{stage="{stage}"}}')), "")
-    return float(line.split()[-1]) if line else 0.0
+    """0 until the first failover at `stage` creates the labelled series."""
+    return scrape(metrics_address, timeout=5).get("k3_gateway_failovers_total", {"stage": stage}, 0.0)
 
 
 def test_a_stream_resumes_on_the_backup_when_its_cluster_dies(tmp_path):

@@ -14,6 +14,7 @@ from services.cli.health_cmd import check
 from services.runtime.client import sync_channel
 from services.runtime.errors import error_detail
 from services.runtime.registry import Watcher
+from tests.support.metrics import scrape
 
 TICKER = "tests.runtime.ticker_service"
 
@@ -53,10 +54,10 @@ def test_health_errors_and_metrics(spawn):
     assert error_detail(busy.value).retry_after_ms == 250
     assert dict(busy.value.trailing_metadata())["retry-after-ms"] == "250"
 
-    import urllib.request
-    text = urllib.request.urlopen(f"http://{svc.info['metrics_address']}/metrics").read().decode()
-    assert 'k3_rpc_requests_total{code="INVALID_ARGUMENT",method="Complete",service="ticker"} 1.0' in text
-    assert 'k3_rpc_requests_total{code="OK",method="Complete",service="ticker"} 1.0' in text
+    metrics = scrape(svc.info["metrics_address"])
+    for code in ("INVALID_ARGUMENT", "OK"):
+        labels = {"code": code, "method": "Complete", "service": "ticker"}
+        assert metrics.value("k3_rpc_requests_total", labels) == 1
 
 
 def test_deadline_is_honoured(spawn):

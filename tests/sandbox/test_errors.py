@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 
 import grpc
-import httpx
 import pytest
 
 from k3.v1 import sandbox_pb2 as pb
 from services.runtime.errors import error_detail
 from tests.sandbox.conftest import requires_namespace
+from tests.support.metrics import scrape
 
 pytestmark = requires_namespace
 
@@ -106,22 +106,17 @@ def test_list_backends_reports_capabilities_and_reasons(client):
     assert not backends["firecracker"].available and backends["firecracker"].reason
 
 
-def _metric(metrics_address: str, series: str) -> float | None:
-    text = httpx.get(f"http://{metrics_address}/metrics").text
-    values = [float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(series + " ")]
-    return values[0] if values else None
-
-
 def test_operations_show_up_in_prometheus_metrics(client, sandbox_service):
     address = sandbox_service[0].info["metrics_address"]
     sid = client.create().sandbox_id
     client.stub.PauseSandbox(pb.PauseSandboxRequest(sandbox_id=sid))
-    assert _metric(address, 'k3_sandbox_operation_seconds_count{backend="namespace",op="pause"}') >= 1
+    pauses = scrape(address).value("k3_sandbox_operation_seconds_count", {"backend": "namespace", "op": "pause"})
+    assert pauses >= 1
     # The population gauges are refreshed by housekeeping (every 0.2 s in this service): wait for one pass.
-    paused = 'k3_sandbox_sandboxes{backend="namespace",state="paused"}'
+    paused = {"backend": "namespace", "state": "paused"}
     deadline = time.monotonic() + 10
-    while not _metric(address, paused):
+    while not scrape(address).get("k3_sandbox_sandboxes", paused):
         assert time.monotonic() < deadline, "the paused sandbox never showed up in k3_sandbox_sandboxes"
         time.sleep(0.1)
-    assert _metric(address, 'k3_sandbox_memory_bytes{backend="namespace",state="paused"}') > 0
+    assert scrape(address).value("k3_sandbox_memory_bytes", paused) > 0
     client.destroy(sid)

@@ -6,7 +6,6 @@ import asyncio
 import os
 import signal
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -15,24 +14,16 @@ from k3.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine.params import GenerationOptions
 from services.runtime.client import aio_channel
 from services.runtime.errors import error_detail
+from tests.support.metrics import scrape
 from tests.workers.client import decode_load, generate
 from tests.workers.cluster import OVERRIDES, children, worker_args
 from tests.workers.oracle import build_reference, offline_generate
 
 
-def metric(proc, name: str, default: float | None = None) -> float:
-    text = urllib.request.urlopen(f"http://{proc.info['metrics_address']}/metrics").read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    if default is not None:
-        return default
-    raise AssertionError(f"{name} not exported")
-
-
 async def test_64_streams_complete_and_cancelling_half_frees_their_pages(workers):
     decode = workers["decode", 1]
-    cancelled_before = metric(decode, 'k3_decode_requests_finished_total{reason="FINISH_REASON_CANCELLED"}', 0.0)
+    cancelled = ("k3_decode_requests_finished_total", {"reason": "FINISH_REASON_CANCELLED"})
+    cancelled_before = scrape(decode.info["metrics_address"]).get(*cancelled, 0.0)  # no series before the first
     prompts = [[(7 * i + j) % 250 + 1 for j in range(6 + i % 9)] for i in range(64)]
     params = [common_pb2.SamplingParams(temperature=0.8, seed=i, max_tokens=8 if i % 2 else 200, ignore_eos=True)
               for i in range(64)]
@@ -70,9 +61,9 @@ async def test_64_streams_complete_and_cancelling_half_frees_their_pages(workers
             await asyncio.sleep(0.1)
         assert load.running == 0 and load.waiting == 0
         assert load.pool_usage == 0.0  # back to baseline: every cancelled request's pages were freed
-        assert metric(decode, "k3_decode_pool_usage") == 0.0
-        cancelled = metric(decode, 'k3_decode_requests_finished_total{reason="FINISH_REASON_CANCELLED"}')
-        assert cancelled - cancelled_before == 32
+        metrics = scrape(decode.info["metrics_address"])
+        assert metrics.value("k3_decode_pool_usage") == 0.0
+        assert metrics.value(*cancelled) - cancelled_before == 32
     finally:
         await channel.close()
 

@@ -13,7 +13,6 @@ tokens through the whole engine.
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ from services.engine.params import GenerationOptions
 from services.engine.plan import ForwardItem
 from services.engine.verify_replay import Verifier, replay_accepted
 from services.runtime.ports import free_port
+from tests.support.metrics import scrape
 from tests.workers.client import generate
 from tests.workers.cluster import HASH_BLOCK, OVERRIDES, make, running, worker_args
 from tests.workers.oracle import build_reference, offline_generate
@@ -222,7 +222,6 @@ async def test_fast_path_worker_streams_the_offline_greedy_tokens(fast_workers, 
     chunks = await generate(fast_workers[tp].address, f"fast{tp}", prompt, GREEDY)
     assert [t for c in chunks for t in c.token_ids] == offline_generate(reference, prompt, options)
     if tp == 2:  # with a draft: verify windows (fast_verify) between the plain decode steps
-        address = fast_workers[tp].info["metrics_address"]
-        text = urllib.request.urlopen(f"http://{address}/metrics").read().decode()
-        assert "k3_decode_spec_acceptance_rate 1.0" in text  # the target is its own draft
+        metrics = scrape(fast_workers[tp].info["metrics_address"])
+        assert metrics.value("k3_decode_spec_acceptance_rate") == 1.0  # the target is its own draft
         assert any(len(c.token_ids) > 1 for c in chunks)

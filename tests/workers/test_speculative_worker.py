@@ -6,12 +6,12 @@ k3_decode_spec_* metrics."""
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import pytest
 
 from k3.v1 import common_pb2
 from services.engine.params import GenerationOptions
+from tests.support.metrics import scrape
 from tests.workers.client import generate, prefill_then_decode
 from tests.workers.cluster import OVERRIDES, make, running, worker_args
 from tests.workers.oracle import build_reference, offline_generate
@@ -28,12 +28,6 @@ def spec_workers(tmp_path_factory, transfer):
                         2: make(root, "decode2", worker_args("decode", 2, transfer.address, *draft))})
 
 
-def _metrics(proc) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://{proc.info['metrics_address']}/metrics").read().decode()
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-            if line.startswith("k3_decode_spec_")}
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 async def test_worker_with_a_draft_streams_the_offline_greedy_tokens(spec_workers, tp):
     reference = build_reference("nano", OVERRIDES)
@@ -47,8 +41,9 @@ async def test_worker_with_a_draft_streams_the_offline_greedy_tokens(spec_worker
     tokens, _ = await prefill_then_decode(spec_workers["prefill"].address, decode.address, "disaggregated",
                                           prompts[1], GREEDY)
     assert tokens == offline_generate(reference, prompts[1], options)
-    metrics = _metrics(decode)
-    assert metrics["k3_decode_spec_acceptance_rate"] == 1.0  # the target is its own draft
-    assert metrics["k3_decode_spec_draft_tokens_total"] == metrics["k3_decode_spec_accepted_tokens_total"] > 0
-    assert metrics["k3_decode_spec_tokens_per_step_count"] > 0
+    metrics = scrape(decode.info["metrics_address"])
+    assert metrics.value("k3_decode_spec_acceptance_rate") == 1.0  # the target is its own draft
+    drafted, accepted = (metrics.value(f"k3_decode_spec_{n}_tokens_total") for n in ("draft", "accepted"))
+    assert drafted == accepted > 0
+    assert metrics.value("k3_decode_spec_tokens_per_step_count") > 0
 

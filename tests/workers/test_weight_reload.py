@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -22,6 +21,7 @@ from k3core.weights.checkpoint import load_into, save_checkpoint
 from services.engine.params import GenerationOptions
 from services.runtime.client import aio_channel, sync_channel
 from services.runtime.registry import connect
+from tests.support.metrics import scrape
 from tests.workers.client import generate
 from tests.workers.oracle import build_reference, offline_generate
 
@@ -31,9 +31,8 @@ PROMPT = [(11 * i) % 200 + 3 for i in range(40)]
 GREEDY = common_pb2.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def metric(proc, name: str) -> float:
-    text = urllib.request.urlopen(f"http://{proc.info['metrics_address']}/metrics").read().decode()
-    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
+def served_version(proc) -> float:
+    return scrape(proc.info["metrics_address"]).value("k3_decode_weights_version")
 
 
 def wait_for(condition, what: str, timeout: float = 90.0) -> None:
@@ -88,7 +87,7 @@ async def test_decode_worker_serves_published_weights(spawn, etcd_server, tmp_pa
     options = GenerationOptions.from_proto(GREEDY, vocab_size=preset("nano").vocab_size, max_tokens_limit=64)
     old_expected = offline_generate(build_reference("nano"), PROMPT, options)
     old, _ = tokens_and_usage(await generate(decode.address, "before", PROMPT, GREEDY))
-    assert old == old_expected and metric(decode, "k3_decode_weights_version") == 0
+    assert old == old_expected and served_version(decode) == 0
     assert await probe(decode.address) == 32  # the prompt's two full hash blocks and their KDA checkpoint
 
     with sync_channel(trainer.address) as channel:
@@ -97,7 +96,7 @@ async def test_decode_worker_serves_published_weights(spawn, etcd_server, tmp_pa
             trajectory(PROMPT[:12], 1.0), trajectory(PROMPT[12:24], 0.0)]))
         assert step.step == 1
         assert stub.PublishWeights(trainer_pb2.PublishWeightsRequest(version=1)).workers_updated == 1
-    wait_for(lambda: metric(decode, "k3_decode_weights_version") == 1, "the worker to serve version 1")
+    wait_for(lambda: served_version(decode) == 1, "the worker to serve version 1")
 
     assert await probe(decode.address) == 0  # nothing computed under the old weights is found
     published = load_published(tmp_path / "weights" / "v1")
@@ -111,7 +110,7 @@ async def test_decode_worker_serves_published_weights(spawn, etcd_server, tmp_pa
     client.put(f"{PREFIX}/weights/nano", json.dumps({"version": 2, "location": str(tmp_path / "missing")}))
     client.close()
     wait_for(lambda: "weights not loaded" in decode.log(), "the bad version to be rejected")
-    assert metric(decode, "k3_decode_weights_version") == 1
+    assert served_version(decode) == 1
     again, usage = tokens_and_usage(await generate(decode.address, "again", PROMPT, GREEDY))
     assert again == new_expected and usage.cached_tokens == 32  # cached under version 1: reused
 
@@ -132,9 +131,9 @@ async def test_decode_worker_serves_published_weights(spawn, etcd_server, tmp_pa
         client.close()
         rest = asyncio.create_task(collect(stream))
         await asyncio.to_thread(wait_for, lambda: "swapping once no request holds KV" in decode.log(), "v3 loaded")
-        assert not rest.done() and metric(decode, "k3_decode_weights_version") == 1  # not vacuous
+        assert not rest.done() and served_version(decode) == 1  # not vacuous
         long_tokens += await rest
     assert long_tokens == offline_generate(load_published(tmp_path / "weights" / "v1"), PROMPT, long_options)
-    wait_for(lambda: metric(decode, "k3_decode_weights_version") == 3, "the worker to serve version 3")
+    wait_for(lambda: served_version(decode) == 3, "the worker to serve version 3")
     final, usage = tokens_and_usage(await generate(decode.address, "final", PROMPT, GREEDY))
     assert final == offline_generate(published, PROMPT, options) and usage.cached_tokens == 0
