@@ -33,21 +33,28 @@ if triton is not None:
         """Swish(ShortConv) of one stream at the chunk's rows [C], channels offs (of D), as [C, len(offs)]
         float32. x points at the chunk's first row of this head (rows are HD elements apart); rows before
         `lo` (the sequence start, relative) come from the carried conv window `conv` [D, W-1] (zeros without
-        one); rows that are not `valid` come out zero. The taps are unrolled, so that their loads overlap (in
-        a loop each waited for the previous one: 0.66 vs 0.51 ms at B=1, T=32K, H=16 on the H200)."""
+        one); rows that are not `valid` come out zero. Without a carried window the taps are unrolled, so that
+        their loads overlap (in a loop each waited for the previous one: 0.66 vs 0.51 ms at B=1, T=32K, H=16
+        on the H200); with one, unrolled taps need 255 registers and spill (sm_90a, 8 warps), the loop 200.
+        """
         acc = tl.zeros([rows.shape[0], offs.shape[0]], dtype=tl.float32)
-        for s in tl.static_range(W):
-            acc += _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV, W)
+        if HAS_CONV:
+            for s in range(W):
+                acc += _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV, W)
+        else:
+            for s in tl.static_range(W):
+                acc += _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV, W)
         return acc * tl.sigmoid(acc)
 
     @triton.jit
     def _kda_prep_kernel(
         q, k, v, z, beta, conv_w, A_log, dt_bias, init_conv, cu_seqlens, chunk_seq, chunk_start,
         q_out, k_out, v_out, g_out, beta_out, lower_bound, l2_eps,
-        H, D: tl.constexpr, W: tl.constexpr, C: tl.constexpr, HAS_CONV: tl.constexpr,
+        H, D: tl.constexpr, W: tl.constexpr, C: tl.constexpr, HAS_CONV: tl.constexpr, GATE_STREAM: tl.constexpr,
     ):
-        """Grid (chunks, H, 3): program (., ., 0) does q, 1 k, 2 v and the gate and beta. Token-major
-        [T_total, H, D] in and out (g_out float32), beta_out [T_total, H]. Tile offsets are 32-bit, from the
+        """Grid (chunks, H, GATE_STREAM + 1): program (., ., 0) does q, 1 k, 2 v, GATE_STREAM the gate and
+        beta (2: with v; 3: a program of its own, so that no program does twice the others' work).
+        Token-major [T_total, H, D] in and out (g_out float32), beta_out [T_total, H]. Tile offsets are 32-bit, from the
         chunk's first row (64-bit ones cost registers; the conv taps before the chunk are negative rows)."""
         ci = tl.program_id(0)
         h = tl.program_id(1)
@@ -64,19 +71,20 @@ if triton is not None:
         rel = rows[:, None] * HD + offs[None, :]
         io_mask = valid[:, None]
         # One stream per program: with all three in one, their loads were hoisted together (255 registers).
-        if stream == 0:
-            x, out = q, q_out
-        elif stream == 1:
-            x, out = k, k_out
-        else:
-            x, out = v, v_out
-        conv = init_conv + ((n * 3 + stream) * H + h) * D * (W - 1)
-        taps = conv_w + (stream * H + h) * D * W
-        xt = _conv_swish(x + base, conv, taps, rows, lo, valid, offs, HD, HAS_CONV, W)
-        if stream < 2:
-            xt = xt * tl.rsqrt(tl.sum(xt * xt, axis=1) + l2_eps)[:, None]
-        tl.store(out + base + rel, xt.to(out.dtype.element_ty), mask=io_mask)
-        if stream == 2:
+        if stream < 3:
+            if stream == 0:
+                x, out = q, q_out
+            elif stream == 1:
+                x, out = k, k_out
+            else:
+                x, out = v, v_out
+            conv = init_conv + ((n * 3 + stream) * H + h) * D * (W - 1)
+            taps = conv_w + (stream * H + h) * D * W
+            xt = _conv_swish(x + base, conv, taps, rows, lo, valid, offs, HD, HAS_CONV, W)
+            if stream < 2:
+                xt = xt * tl.rsqrt(tl.sum(xt * xt, axis=1) + l2_eps)[:, None]
+            tl.store(out + base + rel, xt.to(out.dtype.element_ty), mask=io_mask)
+        if stream == GATE_STREAM:
             zt = tl.load(z + base + rel, mask=io_mask, other=0.0).to(tl.float32)
             zt += tl.load(dt_bias + h * D + offs).to(tl.float32)[None, :]
             g = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + h).to(tl.float32)) * zt)

@@ -164,7 +164,7 @@ def kda_prefill_block(
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
     norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
     prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 2, f32_dots: bool = False,
-    ut_maxnreg: int | None = 168, ut_doubling: bool = True,
+    ut_maxnreg: int | None = 168, ut_doubling: bool = True, prep_gate_apart: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
@@ -177,6 +177,7 @@ def kda_prefill_block(
     - stages: software-pipelining depth of the recurrence's chunk loop.
     - ut_maxnreg: register cap of the UT pass (None: none). ptxas (sm_90a): 213 registers at k_block 32 = 2
       programs per SM; under 168 (16 B of spills) 3 fit: UT pass 1.34 -> 1.14 ms at B=1, T=32K on the H200.
+    - prep_gate_apart: the prologue's gate + cumsum + beta in programs of their own instead of with v's conv.
     - ut_doubling: the UT pass inverts the 16x16 diagonal blocks by block doubling (8 small dots, ~15
       barriers) instead of row-by-row forward substitution (~200 barriers at 4 warps).
     - f32_dots: float32 (TF32) operands in the UT transform's dots instead of the input dtype.
@@ -213,10 +214,11 @@ def kda_prefill_block(
         qn, kn, vc = (torch.empty_like(q) for _ in range(3))
         g = torch.empty(q.shape, device=dev, dtype=torch.float32)
         beta_f = torch.empty(beta.shape, device=dev, dtype=torch.float32)
-        _kda_prep_kernel[(n_chunks, H, 3)](
+        gate_stream = 3 if prep_gate_apart else 2
+        _kda_prep_kernel[(n_chunks, H, gate_stream + 1)](
             q, k, v, z, beta, conv_weight.contiguous(), A_log, dt_bias.contiguous(), conv, cu, chunk_seq,
             chunk_start, qn, kn, vc, g, beta_f, lower_bound, l2_eps, **shape, W=W,
-            HAS_CONV=initial_conv is not None, num_warps=prep_warps)
+            HAS_CONV=initial_conv is not None, GATE_STREAM=gate_stream, num_warps=prep_warps)
         _kda_chunk_ut_kernel[(n_chunks, H)](
             qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
             torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,

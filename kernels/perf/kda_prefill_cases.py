@@ -42,6 +42,7 @@ VARIANTS = (
     ("bv=16", {"block_v": 16}, "_kda_chunk_recurrence_kernel"),
     ("stages 3", {"stages": 3}, "_kda_chunk_recurrence_kernel"),
     ("prep w16", {"prep_warps": 16}, "_kda_prep_kernel"),
+    ("prep gate apart", {"prep_gate_apart": True}, "_kda_prep_kernel"),
     ("ut no cap", {"ut_maxnreg": None}, "_kda_chunk_ut_kernel"),
     ("rec w8", {"recurrence_warps": 8}, "_kda_chunk_recurrence_kernel"),
     ("out w8", {"num_warps": 8}, "_kda_chunk_output_kernel"),

@@ -46,7 +46,7 @@ def test_reference_prefill_matches_float64_token_by_token():
     (16, 16, {}),
     (None, 32, {}),
     (16, 32, {"ut_maxnreg": None}),
-    (None, 32, {"ut_doubling": False}),
+    (None, 32, {"ut_doubling": False, "prep_gate_apart": True}),
 ])
 def test_triton_prefill_matches_reference(interpreted, block_v, k_block, tuning):
     """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states, D = 32: the
