@@ -65,6 +65,12 @@ else
     echo "install_fla: no .whl/*.whl (carry [\".whl\"]): the fla peers will report import errors" | tee -a "$STATUS"
 fi
 
+# grpcio, prometheus-client (the engine loop that bench.serve's decode rows drive), carried as .device
+if compgen -G ".device/wheels/*.whl" >/dev/null && [[ $mode == gpu ]]; then
+    step install_wheels install.log 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target "$SITE" .device/wheels/*.whl
+fi
+
 if [[ $mode == --cpu ]]; then
     export K3_DECODE_FASTPATH=1  # the fast path on the CPU, kernels through their references
     serve_args=(--model nano --batches 1 2 --contexts 32 --steps 2 --prefix 64 --increment 16 --hash-block 16

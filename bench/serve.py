@@ -5,12 +5,13 @@
 
 Runs one TP-1 rank in-process on seeded random weights: the paged pool (`k3core.cache`), the reference
 layers for prefill (`ModelRunner`), and the decode fast path the executor uses on CUDA (`DecodeFastPath`:
-kernels through `kernels.dispatch` on the pool's pages, one CUDA graph per batch bucket). It drives the
-cache manager with the calls the engine's executor makes (append, reserve, pre_forward, forward,
-forward_done, commit_step); the scheduler and gRPC layers are left out (they import the service runtime,
-which the accelerator image lacks). Greedy sampling of the whole batch is one argmax and one host copy.
+kernels through `kernels.dispatch` on the pool's pages, one CUDA graph per batch bucket).
 - decode: B requests at `context` tokens (pages reserved and marked computed without a prefill forward:
-  the cost of a decode step does not depend on the cached values), `--steps` timed steps after warm-up.
+  the cost of a decode step does not depend on the cached values), `--steps` timed steps after warm-up of
+  the engine's own loop (`bench.serve_engine`: `Engine._step` with its scheduler, executor, host/device
+  overlap, batched sampling, output processing and streams; it needs grpcio and prometheus-client, from
+  `.device/wheels` on the device), each row fed a pseudo-random token (see there). K3_DECODE_OVERLAP=0
+  measures the plain loop (each step waits for its tokens before the next is planned).
   Roofline of a step = (weights touched + KDA state read and write + MLA latent read) / copy bandwidth
   measured in the same run.
 - TTFT: a fresh `--prefix` + `--increment` prompt (uncached), then the same prefix with a different
@@ -19,7 +20,8 @@ which the accelerator image lacks). Greedy sampling of the whole batch is one ar
   with the same weights (our state dict loaded into it), decode at the same batch and context; ours runs
   the same `-kl` model. Greedy tokens of both on one prompt are compared as a check.
 Rows are written to `--out` as they are measured. Parts: `serve_rank` (the rank), `serve_decode` (sweep,
-roofline, profile), `serve_check` (--check), `serve_ttft`, `serve_peer`; none imports the service runtime.
+roofline, profile), `serve_engine` (the engine loop of a decode row), `serve_check` (--check), `serve_ttft`,
+`serve_peer`; only `serve_engine` imports the service runtime.
 """
 
 from __future__ import annotations

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from bench.serve_rank import Rank, sync
@@ -32,20 +30,13 @@ def step_bytes(model: K3Model, batch: int, context: int) -> int:
 
 
 def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str) -> tuple[float, float, float]:
-    """(wall seconds per step, forward seconds per step, graph replay seconds) of `batch` requests at
-    `context` tokens."""
+    """(wall seconds per engine step, "fwd" seconds, graph replay seconds) of `batch` requests at `context`
+    tokens, through the engine's loop (`bench.serve_engine`): "fwd" runs from the moment a step's tokens are
+    on the host (the device idles from there) to the end of the next step's forward."""
+    from bench.serve_engine import engine_decode  # the service runtime's packages: only where rows are run
+
     rids = [f"{tag}-{batch}-{context}-{i}" for i in range(batch)]
-    rank.fill(rids, context)
-    for step in range(3):  # captures this bucket's graph, then warm
-        rank.decode(rids, rank.next_tokens(batch, step))
-    sync()
-    rank.forward_s.clear()
-    started = time.perf_counter()
-    for step in range(steps):
-        rank.decode(rids, rank.next_tokens(batch, step))  # samples (argmax), feeds the row's next token
-    sync()
-    wall = (time.perf_counter() - started) / steps
-    forward = sorted(rank.forward_s)[len(rank.forward_s) // 2]
+    wall, forward = engine_decode(rank, rids, context, steps)
     replay = replay_seconds(rank, batch, steps)
     rank.finish(rids)
     return wall, forward, replay

@@ -15,17 +15,19 @@ columns and batch 256 the CPU's bf16 argmax alone takes ~1 ms). Greedy rows, no 
 preset's vocabulary has none here).
 
 Stages (ms per step, p50 and p99 over `--steps` timed steps after warm-up):
-- schedule: `Scheduler.schedule` (the cache manager's reserve calls, the plan)
-- build: `DecodeInputBuilder.build` (the step's int64 input image)
-- launch: the rest of `DecodeGraphs.run` (staging copy, stand-in replay) and the fast path's return
-- executor: the rest of `Executor.execute` (manager pre_forward / forward_done / commit_step, logit rows)
-- sample: `sample_rows` (one argmax and one host copy for the greedy rows)
-- accept: the rest of `Engine._after_step` (output processing, metrics, append_tokens; the hand-over to
-  the streams too where the engine makes it there, as it did before `Engine._flush`)
-- emit: `Engine._flush`, the hand-over of the previous step's outputs to their streams after the launch
-- step: the whole `Engine._step`; "other" is what none of the above covers (gauges, the step histogram)
-- idle: step minus executor and emit: the host time a GPU waits through (those two run after the launch,
-  while the graph computes; everything else is between one step's sync and the next launch)
+- schedule: `Scheduler.schedule` (plain steps; an overlapped step's few manager calls fall in "other")
+- build: `DecodeInputBuilder.prepare` / `compact` (the step's int64 input image but its tokens)
+- launch: `DecodeFastPath.launch` (staging copy, stand-in replay)
+- executor: the rest of `Executor.execute` (manager pre_forward / forward_done / commit_step)
+- sample: `sample_rows_async` and the wait for its tokens (one argmax, one host copy for greedy rows)
+- accept: `Engine._take` (output processing, metrics, append_tokens)
+- emit: `Engine._flush`, the hand-over of outputs to their streams
+- step: the whole `Engine._step`; "other" is what none of the above covers (gauges, the step histogram,
+  an overlapped step's stop check, finishes and reserves)
+- idle: from the moment a step's tokens are on the host to the next step's replay: the host time the GPU
+  waits through (everything else runs while a graph computes). With the overlap (default) that is the stop
+  check and the next step's launch; with K3_DECODE_OVERLAP=0 (the plain loop) it is the whole step but the
+  executor's post-forward calls and the hand-over.
 Each request streams into a real `RequestStream` on an event loop thread (the service's hand-over: one
 call_soon_threadsafe per output), drained by a task per request as the servicer does (without gRPC).
 The peer each stage is compared against is the same stage of the `--peer` run in the JSON (default
@@ -36,7 +38,6 @@ The peer each stage is compared against is the same stage of the `--peer` run in
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import time
@@ -47,12 +48,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.serve_streams import StreamLoop
 from k3.v1 import common_pb2
 from k3core.cache.layout import plan_layout, shape_from_config
 from k3core.cache.manager import PrefixCacheManager
 from k3core.model import K3Model
 from k3core.presets import preset
-from services.engine import engine as engine_module
+from services.engine import decode_overlap, sampler
 from services.engine.cuda_graphs import DecodeGraphs, _Captured
 from services.engine.decode_fastpath import DecodeFastPath
 from services.engine.decode_inputs import DecodeInputBuilder
@@ -65,8 +67,6 @@ from services.engine.params import GenerationOptions
 from services.engine.plan import RecordingManager
 from services.engine.request import EngineRequest, Phase
 from services.engine.scheduler import Scheduler
-from services.engine.streams import RequestStream
-from services.kvtransfer.transfer_thread import TransferThread
 
 STAGES = ("schedule", "build", "launch", "executor", "sample", "accept", "emit", "other", "step", "idle")
 
@@ -78,30 +78,43 @@ class _NoEvent:
 
 
 class _NoGraph:
-    def replay(self) -> None: ...
+    def __init__(self, on_replay: Callable[[], None]) -> None:
+        self.replay = on_replay
 
 
 class StandInGraphs(DecodeGraphs):
     """STAND-IN for the CUDA graphs: `DecodeGraphs.run` itself runs (fill the staging buffer, copy it to the
     input buffer, replay), but the replay is a no-op and the logits a static [bucket, vocab] bf16 tensor."""
 
-    def __init__(self, builder: DecodeInputBuilder, buckets: tuple[int, ...], vocab: int) -> None:
+    def __init__(self, builder: DecodeInputBuilder, buckets: tuple[int, ...], vocab: int,
+                 on_replay: Callable[[], None]) -> None:
         self.builder, self.buckets, self.vocab, self._graphs = builder, buckets, vocab, {}
+        self.on_replay = on_replay
         self.device = torch.device("cpu")
 
     def _get(self, size: int) -> _Captured:
         if size not in self._graphs:
             host = torch.empty(self.builder.numel(size), dtype=torch.int64)
             logits = torch.randn(size, self.vocab, generator=torch.Generator().manual_seed(size)).bfloat16()
-            self._graphs[size] = _Captured(_NoGraph(), torch.empty_like(host), host, _NoEvent(), logits)  # type: ignore[arg-type]
+            self._graphs[size] = _Captured(_NoGraph(self.on_replay), torch.empty_like(host), host, _NoEvent(), logits)  # type: ignore[arg-type]
         return self._graphs[size]
 
 
 class StageTimer:
-    """Wraps callables so that each call adds its wall time to a stage of the current step."""
+    """Wraps callables so that each call adds its wall time to a stage of the current step; "idle" adds the
+    time from a step's tokens reaching the host (`tokens_ready`) to the next replay (`replayed`)."""
 
     def __init__(self) -> None:
         self.current: dict[str, float] = defaultdict(float)
+        self._tokens_at: float | None = None
+
+    def tokens_ready(self) -> None:
+        self._tokens_at = time.perf_counter()
+
+    def replayed(self) -> None:
+        if self._tokens_at is not None:
+            self.current["idle"] += time.perf_counter() - self._tokens_at
+            self._tokens_at = None
 
     def wrap(self, stage: str, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
@@ -129,55 +142,30 @@ def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer, stream
     fast = executor.fastpath = executor.fastpath or DecodeFastPath(model, manager, max_model_len=args.max_model_len,
                                                                    max_batch=max(args.batches))
     fast.graphs = StandInGraphs(fast.builder, tuple(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch})),
-                                args.vocab)
+                                args.vocab, timer.replayed)
     recording = RecordingManager(manager)
     scheduler = Scheduler(recording, hash_block_tokens=args.hash_block, max_running=batch,
                           step_token_budget=8192, model_name=args.model)
     engine = Engine(executor, scheduler, recording, OutputProcessor(None, config.eos_token_id),
                     EngineMetrics.for_role("bench_host"))
     fill(engine, manager, batch, args.context, streams)
-    # the stages: each wrapper adds its own time; "launch"/"executor"/"accept" get their outer call's time
-    # and lose the inner stages' afterwards (see `measure`)
-    fast.builder.build = timer.wrap("build", fast.builder.build)
-    fast.forward = timer.wrap("fastpath", fast.forward)
+    # the stages: each wrapper adds its own time; "executor" is `execute` less the build and launch inside it
+    for name in ("prepare", "compact"):
+        setattr(fast.builder, name, timer.wrap("build", getattr(fast.builder, name)))
+    fast.launch = timer.wrap("launch", fast.launch)
     scheduler.schedule = timer.wrap("schedule", scheduler.schedule)
-    executor.execute = timer.wrap("execute", executor.execute)
-    engine._after_step = timer.wrap("after_step", engine._after_step)
-    engine._flush = timer.wrap("flush", engine._flush)
+    execute = timer.wrap("executor", executor.execute)
+
+    def execute_less_forward(plan):
+        inner = timer.current["build"] + timer.current["launch"]
+        try:
+            return execute(plan)
+        finally:
+            timer.current["executor"] -= timer.current["build"] + timer.current["launch"] - inner
+    executor.execute = execute_less_forward
+    engine._take = timer.wrap("accept", engine._take)
+    engine._flush = timer.wrap("emit", engine._flush)
     return engine
-
-
-class StreamLoop:
-    """The server's event loop on its own thread: the requests' `RequestStream`s, each drained through its
-    `outputs` iterator as the gRPC servicer does (undrained queues would grow, and the garbage collector's
-    passes over them with it)."""
-
-    def __init__(self) -> None:
-        self.thread = TransferThread("bench-streams")
-        self._run = self.thread.run
-        self.tasks: list[asyncio.Task] = []
-
-    def stream(self) -> RequestStream:
-        async def make() -> RequestStream:
-            return RequestStream()
-        return self._run(make())
-
-    def drain(self, stream: RequestStream, engine: Engine, req: EngineRequest) -> None:
-        async def consume() -> None:
-            async for _ in stream.outputs(engine, req):
-                pass
-
-        async def spawn() -> None:
-            self.tasks.append(asyncio.get_running_loop().create_task(consume()))
-        self._run(spawn())
-
-    def close(self) -> None:
-        async def finish() -> None:
-            for task in self.tasks:
-                task.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
-        self._run(finish())
-        self.thread.close()
 
 
 def fill(engine: Engine, manager: PrefixCacheManager, batch: int, context: int, streams: StreamLoop) -> None:
@@ -217,26 +205,29 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
     timer, streams = StageTimer(), StreamLoop()
     engine = build_engine(args, batch, timer, streams)
     rows: dict[str, list[float]] = defaultdict(list)
-    sample_rows = engine_module.sample_rows
-    engine_module.sample_rows = timer.wrap("sample", sample_rows)  # the engine loop's batched draw
+    draw, result = sampler.sample_rows_async, sampler.SampledTokens.result
+
+    def tokens(handle: sampler.SampledTokens) -> list[int]:
+        out = timer.wrap("sample", result)(handle)
+        timer.tokens_ready()
+        return out
+    sampler.sample_rows_async = decode_overlap.sample_rows_async = timer.wrap("sample", draw)
+    sampler.SampledTokens.result = tokens  # type: ignore[method-assign]
     try:
         steps = run_steps(engine, timer, args.warmup + args.steps)
+        engine.overlap.settle()  # the last step's tokens
     finally:
-        engine_module.sample_rows = sample_rows
+        sampler.sample_rows_async = decode_overlap.sample_rows_async = draw
+        sampler.SampledTokens.result = result  # type: ignore[method-assign]
         engine.executor.close()
         streams.close()
     for total, t in steps[args.warmup:]:
-        staged = {"schedule": t["schedule"], "build": t["build"], "launch": t["fastpath"] - t["build"],
-                  "executor": t["execute"] - t["fastpath"], "sample": t["sample"],
-                  "accept": t["after_step"] - t["sample"]}
-        staged["emit"] = t["flush"]
-        staged["other"] = total - t["schedule"] - t["execute"] - t["after_step"] - t["flush"]
-        staged["step"] = total
-        staged["idle"] = total - staged["executor"] - staged["emit"]
+        staged = {stage: t[stage] for stage in STAGES if stage not in ("other", "step", "idle")}
+        staged.update(other=total - sum(staged.values()), step=total, idle=t["idle"])
         for stage, seconds in staged.items():
             rows[stage].append(1e3 * seconds)
     assert all(len(r.output) == 1 + args.warmup + args.steps for r in engine.scheduler.running)
-    return {"batch": batch, "context": args.context,
+    return {"batch": batch, "context": args.context, "overlap": engine.overlap.enabled,
             **{stage: {"p50_ms": float(np.percentile(rows[stage], 50)), "p99_ms": float(np.percentile(rows[stage], 99))}
                for stage in STAGES}}
 
@@ -250,7 +241,7 @@ def sampled_rows_ms(vocab: int, batch: int, reps: int = 20) -> dict:
     times = []
     for index in range(reps):
         began = time.perf_counter()
-        engine_module.sample_rows(logits, [(row, options, index) for row, options, _ in rows])
+        sampler.sample_rows(logits, [(row, options, index) for row, options, _ in rows])
         times.append(1e3 * (time.perf_counter() - began))
     return {"p50_ms": float(np.percentile(times, 50)), "p99_ms": float(np.percentile(times, 99))}
 

@@ -107,16 +107,18 @@ class Rank:
         self.last_logits = logits[-1]
         return int(logits[-1].argmax()), hit
 
-    def fill(self, rids: list[str], context: int) -> None:
-        """Requests at `context` tokens without a forward (pages reserved, marked computed)."""
+    def fill(self, rids: list[str], context: int) -> list[list[int]]:
+        """Requests at `context` tokens without a forward (pages reserved, marked computed); their prompts."""
         manager = self.manager
-        for i, rid in enumerate(rids):
-            hit = manager.add_request(rid, [(7919 * i + 31 * j + context) % self.vocab + 1 for j in range(context)])
+        prompts = [[(7919 * i + 31 * j + context) % self.vocab + 1 for j in range(context)] for i in range(len(rids))]
+        for rid, prompt in zip(rids, prompts, strict=True):
+            hit = manager.add_request(rid, prompt)
             manager.reserve(rid, context - hit)
         manager.pre_forward()
         for rid in rids:
             manager.forward_done(rid)
         manager.commit_step()
+        return prompts
 
     def next_tokens(self, batch: int, step: int) -> list[int]:
         """The tokens fed back: one pseudo-random id per row and step. (The greedy argmax of random weights

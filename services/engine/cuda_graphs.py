@@ -47,9 +47,19 @@ class DecodeGraphs:
 
     def run(self, fill: Callable[[np.ndarray, int], None], batch: int) -> torch.Tensor:
         """Replay the bucket of `batch` rows after `fill(host image, size)`; logits [batch, V] (a view)."""
+        fill(*self.staging(batch))
+        return self.launch(batch)
+
+    def staging(self, batch: int) -> tuple[np.ndarray, int]:
+        """The pinned host image of `batch`'s bucket and the bucket size, free to fill (its previous copy to
+        the device has landed): a step may be built here while the previous one replays."""
         captured = self._get(self.bucket(batch))
-        captured.copied.synchronize()  # the previous copy out of this staging buffer has landed
-        fill(captured.host_inputs.numpy(), captured.logits.shape[0])
+        captured.copied.synchronize()
+        return captured.host_inputs.numpy(), captured.logits.shape[0]
+
+    def launch(self, batch: int) -> torch.Tensor:
+        """Copy the bucket's filled staging image to the graph's inputs and replay; logits [batch, V]."""
+        captured = self._get(self.bucket(batch))
         captured.device_inputs.copy_(captured.host_inputs, non_blocking=True)
         captured.copied.record()
         captured.graph.replay()

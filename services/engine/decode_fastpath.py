@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 
 from k3core.cache.manager import PrefixCacheManager
@@ -65,10 +66,25 @@ class DecodeFastPath:
         """Logits [B, V] of one new token per request (tokens[i] at position num_computed), in the model's
         dtype: sampling reads bf16 as it is (a float32 copy of [256, V] is ~170 MB of device traffic a step);
         with CUDA graphs a view of the graph's output, valid until the next replay."""
-        batch = len(requests)
+        image, size = self.prepare(requests, len(requests))
+        self.builder.set_tokens(image, size, slice(0, len(requests)), tokens)
+        return self.launch(image, len(requests))
+
+    def prepare(self, requests: list[CachedRequest], batch: int) -> tuple[np.ndarray, int]:
+        """The host image of a step of `batch` rows (the first len(requests) real) and its row count, all
+        but the tokens (`DecodeInputBuilder.prepare`); with CUDA graphs the bucket's staging buffer, so it
+        may be built while the previous step replays. Launch it with `launch`."""
+        host, size = self.staging(batch)
+        return self.builder.prepare(requests, size, out=host), size
+
+    def staging(self, batch: int) -> tuple[np.ndarray, int]:
+        """A host buffer for the image of a step of `batch` rows, and its row count (the bucket's)."""
         if self.graphs is not None:
-            def fill(host, size: int) -> None:
-                self.builder.build(requests, tokens, size, out=host)
-            return self.graphs.run(fill, batch)
-        host = torch.from_numpy(self.builder.build(requests, tokens, batch))
-        return self.decoder.forward(self.builder.view(host.to(self.device), batch))
+            return self.graphs.staging(batch)
+        return np.empty(self.builder.numel(batch), dtype=np.int64), batch
+
+    def launch(self, image: np.ndarray, batch: int) -> torch.Tensor:
+        """Run the prepared (and completed) image of `batch` rows: logits [batch, V] as `forward` returns."""
+        if self.graphs is not None:
+            return self.graphs.launch(batch)  # `image` is the bucket's staging buffer
+        return self.decoder.forward(self.builder.view(torch.from_numpy(image).to(self.device), batch))

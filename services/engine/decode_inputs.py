@@ -127,14 +127,19 @@ class DecodeInputBuilder:
     def build(self, requests: list[CachedRequest], tokens: list[int], size: int,
               out: np.ndarray | None = None) -> np.ndarray:
         """Host int64 image for `size` rows (len(requests) real rows, the rest padding), into `out` if given."""
+        out = self.prepare(requests, size, out)
+        self._host_parts(out, size)[0][: len(requests)] = tokens
+        return out
+
+    def prepare(self, requests: list[CachedRequest], size: int, out: np.ndarray | None = None) -> np.ndarray:
+        """`build` without the tokens (left 0): every row's pages and position (num_computed) are known
+        before the token is. A row whose position starts a block it does not hold yet gets that block
+        through `refresh` once it is reserved."""
         n, per_block = len(requests), self.layout.tokens_per_block
         out = np.empty(self.numel(size), dtype=np.int64) if out is None else out[: self.numel(size)]
         tok, slots, table, lengths, base = self._host_parts(out, size)
-        tok[n:] = 0
-        slots[:, n:] = self.scratch_kda
-        table[:, n:] = self.scratch_mla
-        lengths[n:] = 1
-        base[:, n:] = self._scratch_base
+        tok[:] = 0
+        self._pad(slots, table, lengths, base, slice(n, None))
         if not n:
             return out
         self._prune(requests)
@@ -143,12 +148,47 @@ class DecodeInputBuilder:
         blocks = np.fromiter((len(r.blocks) for r in requests), dtype=np.int64, count=n)
         for i in np.flatnonzero(blocks != self._filled[rows]).tolist():
             self._extend_table(requests[i], int(rows[i]))
-        tok[:n] = tokens
         slots[:, :n] = self._slots[rows].T
         table[:, :n] = self._tables[rows].transpose(1, 0, 2)
         position = np.fromiter((r.num_computed for r in requests), dtype=np.int64, count=n)
         lengths[:n] = position + 1
-        pages = table[:, np.arange(n), position // per_block]  # [mla groups, n]
+        pages = table[:, np.arange(n), np.minimum(position // per_block, self.max_pages - 1)]  # [mla groups, n]
         base[:, :n] = (pages * per_block + position % per_block) * self.layout.layers_per_group
         self._free.extend(replaced)
         return out
+
+    def _pad(self, slots: np.ndarray, table: np.ndarray, lengths: np.ndarray, base: np.ndarray, rows) -> None:
+        slots[:, rows] = self.scratch_kda
+        table[:, rows] = self.scratch_mla
+        lengths[rows] = 1
+        base[:, rows] = self._scratch_base
+
+    def compact(self, src: np.ndarray, src_size: int, rows: list[int], out: np.ndarray, size: int) -> np.ndarray:
+        """Rows `rows` of a prepared image, in order, as the first rows of an image of `size` rows in `out`
+        (which may be `src` itself), the rest padding: the batch a fresh `prepare` of those requests gives."""
+        out = out[: self.numel(size)]
+        picked = [part[..., rows] if part.ndim == 1 else part[:, rows] for part in self._host_parts(src, src_size)]
+        tok, slots, table, lengths, base = parts = self._host_parts(out, size)
+        for part, values in zip(parts, picked, strict=True):
+            if part.ndim == 1:
+                part[: len(rows)] = values
+            else:
+                part[:, : len(rows)] = values
+        tok[len(rows):] = 0
+        self._pad(slots, table, lengths, base, slice(len(rows), None))
+        return out
+
+    def refresh(self, out: np.ndarray, size: int, requests: list[CachedRequest], rows: list[int]) -> None:
+        """Rewrite rows of a prepared image from their requests (a block reserved since `prepare`)."""
+        _, _, table, _, base = self._host_parts(out, size)
+        per_block = self.layout.tokens_per_block
+        for req, i in zip(requests, rows, strict=True):
+            row = self._rows[req.rid][2]
+            self._extend_table(req, row)
+            table[:, i] = self._tables[row]
+            position = req.num_computed
+            base[:, i] = (table[:, i, position // per_block] * per_block + position % per_block) \
+                * self.layout.layers_per_group
+
+    def set_tokens(self, out: np.ndarray, size: int, rows: list[int] | slice, tokens: list[int]) -> None:
+        self._host_parts(out, size)[0][rows] = tokens

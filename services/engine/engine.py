@@ -14,6 +14,7 @@ from typing import Any
 from k3.v1 import common_pb2
 from k3core.cache.hashing import chain_hashes
 from services.engine.acceptance import accept_drafts
+from services.engine.decode_overlap import DecodeOverlap
 from services.engine.draft_runner import Proposal
 from services.engine.executor import Executor, StepResult
 from services.engine.metrics import EngineMetrics
@@ -50,6 +51,8 @@ class Engine:
         self._step_tokens = 0  # streamed in this step: counted into the metrics once, at its end
         # Outputs for the request streams, handed over after the next step's launch (`_flush`).
         self._outbox: list[tuple[EngineRequest, StepOutput]] = []
+        # Decode steps planned while the previous one computes (decode_overlap.py).
+        self.overlap = DecodeOverlap(self)
 
     # ---- called from the server's event loop ----------------------------------------------------------
     def start(self) -> None:
@@ -82,10 +85,10 @@ class Engine:
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():
-                self._drain_inbox(block=not self.scheduler.has_work)
+                self._drain_inbox(block=not self._has_work)
                 if self._stopped.is_set():
                     break
-                if self.scheduler.has_work:
+                if self._has_work:
                     self._step()
         except BaseException as exc:  # noqa: BLE001 - a dead engine must fail every stream, not hang them
             log.exception("engine loop died")
@@ -100,6 +103,10 @@ class Engine:
                 except Exception:  # noqa: BLE001 - peers may be gone already
                     pass
             self.executor.close()
+
+    @property
+    def _has_work(self) -> bool:
+        return self.scheduler.has_work or self.overlap.inflight is not None
 
     def _drain_inbox(self, block: bool) -> None:
         if block:
@@ -124,6 +131,7 @@ class Engine:
                 self.scheduler.add(req)
             elif kind == "call":
                 fn, future = item  # type: ignore[misc]
+                self.overlap.settle()  # between steps means with no step in flight (e.g. a weight reload)
                 try:
                     future.set_result(fn(self.manager.manager))
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
@@ -135,6 +143,8 @@ class Engine:
                     self._emit(req, StepOutput([], finish_reason=common_pb2.FINISH_REASON_CANCELLED))
 
     def _step(self) -> None:
+        if self.overlap.inflight is not None and self.overlap.advance():
+            return
         started = time.perf_counter()
         proposals = self.speculator.propose(self.scheduler.running) if self.speculator is not None else {}
         if proposals:
@@ -154,7 +164,13 @@ class Engine:
             self._verify(plan, proposals)
         result = self.executor.execute(plan)
         self._flush()  # the previous step's outputs, while this step's forward runs (no sync before here)
-        self._after_step(plan, result)
+        if self.overlap.eligible(plan):
+            self.overlap.begin(plan, result)  # its tokens are accepted by the next step, after its launch
+        else:
+            self._after_step(plan, result)
+        self._end_step(started)
+
+    def _end_step(self, started: float) -> None:
         if self._step_tokens:
             self.metrics.record_tokens(self._step_tokens)
             self._step_tokens = 0
@@ -190,12 +206,20 @@ class Engine:
         logprobs = iter(token_logprobs(result.logits, asked))
         tokens = iter(sampled)
         for _, req in live:
-            if not req.output and not req.preemptions:
-                self.metrics.prompt_tokens.inc(len(req.prompt) - req.cached_tokens)
             if req.forced:
+                self._count_prompt(req)
                 self._accept_forced(req)
             else:
-                self._accept(req, next(tokens), next(logprobs) if req.options.logprobs else None)
+                self._take(req, next(tokens), next(logprobs) if req.options.logprobs else None)
+
+    def _count_prompt(self, req: EngineRequest) -> None:
+        if not req.output and not req.preemptions:
+            self.metrics.prompt_tokens.inc(len(req.prompt) - req.cached_tokens)
+
+    def _take(self, req: EngineRequest, token: int, logprob: common_pb2.TokenLogprob | None = None) -> None:
+        """Accept a sampled token of a running request (its stream, stop checks, the manager's append)."""
+        self._count_prompt(req)
+        self._accept(req, token, logprob)
 
     def _verify(self, plan: StepPlan, proposals: dict[str, Proposal]) -> None:
         """Run the step's verify windows before the executor's forward (its step stays open until then):

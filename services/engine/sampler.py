@@ -66,19 +66,48 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[tuple[int, GenerationOption
     request. Greedy rows take the argmax of the raw logits; sampled rows (temperature > 0) the Gumbel-max
     draw over `truncated_scores`, an exact draw from `sampling_probs`. One device pass for all rows and one
     host copy of all tokens."""
+    return sample_rows_async(logits, rows).result()
+
+
+class SampledTokens:
+    """The tokens of `sample_rows_async`: the draw is queued on the device, its host copy in flight."""
+
+    def __init__(self, device_tokens: torch.Tensor | None, rows: Sequence[tuple[int, GenerationOptions, int]],
+                 sampled: list[int]) -> None:
+        self._rows, self._sampled = rows, sampled
+        self._event: torch.cuda.Event | None = None
+        self._host = device_tokens
+        if device_tokens is not None and device_tokens.device.type == "cuda":
+            self._host = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=True)
+            self._host.copy_(device_tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> list[int]:
+        """The token of each row (waits for the device's draw and copy)."""
+        if self._host is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+        host, rows = self._host.tolist(), self._rows
+        if not self._sampled:
+            return [host[row] for row, _, _ in rows]
+        drawn = dict(zip(self._sampled, host[len(host) - len(self._sampled):], strict=True))  # after the argmax
+        return [drawn[i] if i in drawn else host[row] for i, (row, _, _) in enumerate(rows)]
+
+
+def sample_rows_async(logits: torch.Tensor, rows: Sequence[tuple[int, GenerationOptions, int]]) -> SampledTokens:
+    """`sample_rows` without waiting: the draw is queued on the logits' device and its tokens copied to
+    pinned host memory behind it (no sync), so the host can work on while the device computes."""
     if not rows:
-        return []
+        return SampledTokens(None, rows, [])
     sampled = [i for i, (_, options, _) in enumerate(rows) if options.temperature != 0]
     parts = [logits.argmax(-1)] if len(sampled) < len(rows) else []
     if sampled:
         at = [rows[i][0] for i in sampled]
         chosen = logits if at == list(range(len(logits))) else logits[_to_device(at, logits.device)]
         parts.append(_gumbel_max(chosen, [rows[i][1] for i in sampled], [rows[i][2] for i in sampled]))
-    host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the one host copy
-    if not sampled:
-        return [host[row] for row, _, _ in rows]
-    drawn = dict(zip(sampled, host[len(host) - len(sampled):], strict=True))  # after every row's argmax, if any
-    return [drawn[i] if i in drawn else host[row] for i, (row, _, _) in enumerate(rows)]
+    return SampledTokens(torch.cat(parts) if len(parts) > 1 else parts[0], rows, sampled)
 
 
 def _gumbel_max(logits: torch.Tensor, options: Sequence[GenerationOptions], indices: Sequence[int]) -> torch.Tensor:

@@ -80,9 +80,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self.rejected = []
-        for rid, keep in self._leaving.items():
-            self.manager.call("finish", rid, keep)
-        self._leaving.clear()
+        self.finish_leaving()
         budget = self.budget
         self._pool_full = False
         # Decode steps first (one token each, latency-critical), then prefill chunks, oldest first.
@@ -102,6 +100,12 @@ class Scheduler:
         plan.manager_calls = self.manager.take_calls()
         self._drafts = {}
         return plan
+
+    def finish_leaving(self) -> None:
+        """Release the pages of the requests that ended since the last step (the start of every step)."""
+        for rid, keep in self._leaving.items():
+            self.manager.call("finish", rid, keep)
+        self._leaving.clear()
 
     def _remaining(self, req: EngineRequest) -> int:
         cached = self.manager.manager.requests[req.rid]

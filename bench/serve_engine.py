@@ -1,0 +1,138 @@
+"""A decode row of bench/serve.py through the engine's own loop: `Engine._step` (scheduler, executor, the decode
+fast path in its CUDA graphs, the host/device overlap of `decode_overlap`, batched sampling, output
+processing, streaming into real `RequestStream`s) on the rank's pool, model and fast path.
+
+The engine needs the service runtime's packages (grpcio, prometheus-client; on the device from
+`.device/wheels`, see /tmp/k3team/GPU.md and bench/gpu_session.sh). The one departure from a served
+request: each row is fed a pseudo-random next token (`Rank.next_tokens`): the engine's draw runs on the
+device and is waited for as always, then its values are replaced (the argmax of random weights is one token
+for every row, which would route the whole batch to four experts).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from bench.serve_rank import Rank, sync
+from bench.serve_streams import StreamLoop
+from k3.v1 import common_pb2
+from services.engine import sampler
+from services.engine.engine import Engine
+from services.engine.executor import Executor
+from services.engine.metrics import EngineMetrics
+from services.engine.output import OutputProcessor
+from services.engine.params import GenerationOptions
+from services.engine.plan import RecordingManager
+from services.engine.request import EngineRequest, Phase
+from services.engine.scheduler import Scheduler
+
+OPTIONS = GenerationOptions(temperature=0.0, top_k=0, top_p=1.0, seed=0, max_tokens=1 << 20, stop=(),
+                            stop_token_ids=frozenset(), ignore_eos=True)
+
+
+class StepClock:
+    """Per step: from the moment the previous step's tokens are on the host (the device has nothing left to
+    run) to the end of this step's launched forward: CUDA events on a GPU, wall time on the CPU."""
+
+    def __init__(self) -> None:
+        self.cuda = torch.cuda.is_available()
+        self._start: object | None = None
+        self.pairs: list[tuple[object, object]] = []
+
+    def _mark(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def tokens_ready(self) -> None:
+        self._start = self._mark()
+
+    def launched(self) -> None:
+        if self._start is not None:
+            self.pairs.append((self._start, self._mark()))
+            self._start = None
+
+    def median_seconds(self) -> float:
+        sync()
+        times = sorted(s.elapsed_time(e) / 1e3 if self.cuda else e - s for s, e in self.pairs)  # type: ignore[union-attr,operator]
+        return times[len(times) // 2] if times else float("nan")
+
+
+def build_engine(rank: Rank, batch: int) -> Engine:
+    """An engine over the rank's manager, model and fast path (TP 1, greedy, no tokenizer)."""
+    runner = rank.runner
+    runner.decode_fastpath = lambda manager, tp_size: rank.fast  # the executor takes the rank's fast path
+    config = runner.model.config
+    executor = Executor(rank.manager, runner, rank=0, tp_size=1, total_heads=config.kda_num_heads,
+                        instance=common_pb2.InstanceId(service="bench"))
+    recording = RecordingManager(rank.manager)
+    scheduler = Scheduler(recording, hash_block_tokens=rank.manager.layout.hash_block_tokens, max_running=batch,
+                          step_token_budget=max(8192, batch), model_name="bench")
+    return Engine(executor, scheduler, recording, OutputProcessor(None, config.eos_token_id),
+                  EngineMetrics.for_role("bench_serve"))
+
+
+def admit(engine: Engine, rank: Rank, rids: list[str], prompts: list[list[int]], streams: StreamLoop) -> None:
+    """The rows as running requests with one pending token each (their prompts computed by `Rank.fill`)."""
+    for row, (rid, prompt) in enumerate(zip(rids, prompts, strict=True)):
+        stream = streams.stream()
+        req = EngineRequest(rid, prompt, OPTIONS, emit=stream.emit, phase=Phase.RUNNING,
+                            output=rank.next_tokens(len(rids), -1)[row:row + 1])
+        rank.manager.append_tokens(rid, req.output)
+        streams.drain(stream, engine, req)
+        req.first_token_at = req.last_token_at = time.monotonic()
+        engine.requests[rid] = req
+        engine.scheduler.running.append(req)
+
+
+def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tuple[float, float]:
+    """(wall seconds per engine step, median seconds from one step's tokens on the host to the end of the
+    next step's forward) of a request per rid at `context` tokens, left running in the pool (`Rank.finish`)."""
+    prompts = rank.fill(rids, context)
+    streams, clock = StreamLoop(), StepClock()
+    engine = build_engine(rank, len(rids))
+    admit(engine, rank, rids, prompts, streams)
+    fed = [0]
+    result, launch = sampler.SampledTokens.result, rank.fast.launch if rank.fast is not None else None
+
+    def fed_tokens(handle: sampler.SampledTokens) -> list[int]:
+        drawn = result(handle)
+        clock.tokens_ready()
+        fed[0] += 1
+        return rank.next_tokens(len(drawn), fed[0])
+
+    def timed_launch(*args) -> torch.Tensor:
+        logits = launch(*args)  # type: ignore[misc]
+        clock.launched()
+        return logits
+
+    sampler.SampledTokens.result = fed_tokens  # type: ignore[method-assign]
+    if rank.fast is not None:  # else the reference layers run (fwd stays NaN)
+        rank.fast.launch = timed_launch  # type: ignore[method-assign]
+    try:
+        run(engine._step, 3)  # captures this bucket's graph, then warm
+        clock.pairs.clear()
+        sync()
+        started = time.perf_counter()
+        run(engine._step, steps)
+        engine.overlap.settle()  # the last step's tokens
+        sync()
+        wall = (time.perf_counter() - started) / steps
+    finally:
+        sampler.SampledTokens.result = result  # type: ignore[method-assign]
+        if rank.fast is not None:
+            del rank.fast.launch
+        streams.close()
+        engine.executor.close()
+    assert all(len(engine.requests[r].output) == 4 + steps for r in rids), "a row missed a step"
+    return wall, clock.median_seconds()
+
+
+def run(step: Callable[[], None], count: int) -> None:
+    for _ in range(count):
+        step()

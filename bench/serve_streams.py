@@ -1,0 +1,44 @@
+"""The server's side of a request stream for the serving benchmarks: `RequestStream`s on an event-loop thread,
+each drained by a task as the gRPC servicer drains it (without gRPC)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.engine.engine import Engine
+from services.engine.request import EngineRequest
+from services.engine.streams import RequestStream
+from services.kvtransfer.transfer_thread import TransferThread
+
+
+class StreamLoop:
+    """The server's event loop on its own thread: the requests' `RequestStream`s, each drained through its
+    `outputs` iterator as the gRPC servicer does (undrained queues would grow, and the garbage collector's
+    passes over them with it)."""
+
+    def __init__(self) -> None:
+        self.thread = TransferThread("bench-streams")
+        self._run = self.thread.run
+        self.tasks: list[asyncio.Task] = []
+
+    def stream(self) -> RequestStream:
+        async def make() -> RequestStream:
+            return RequestStream()
+        return self._run(make())
+
+    def drain(self, stream: RequestStream, engine: Engine, req: EngineRequest) -> None:
+        async def consume() -> None:
+            async for _ in stream.outputs(engine, req):
+                pass
+
+        async def spawn() -> None:
+            self.tasks.append(asyncio.get_running_loop().create_task(consume()))
+        self._run(spawn())
+
+    def close(self) -> None:
+        async def finish() -> None:
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+        self._run(finish())
+        self.thread.close()

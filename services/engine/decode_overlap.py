@@ -1,0 +1,187 @@
+"""Decode steps that keep the device busy: step N+1 is planned while step N's forward runs.
+
+A step's inputs are known before its tokens are, except the tokens themselves: while step N computes, the
+host prepares N+1's input image for N's rows (KDA slots, page tables, positions: `DecodeFastPath.prepare`)
+and the precomputed stop-check tables. When N's tokens reach the host, only this runs before N+1's launch:
+
+1. the stop check, vectorised: a row is a *candidate* if its token is any row's stop token id or the EOS,
+   if it has stop strings, or if the token reaches its max_tokens; candidates (and only they) go through
+   the engine's full acceptance (output processing; a request that ends is finished as in a plain step);
+2. the requests that ended (here or by a cancellation) leave the cache manager, as at the start of a
+   plain step; their rows leave the prepared image (the rest move up, as a fresh build for the remaining
+   rows would place them), so a request that stopped is never advanced by an extra step: its KDA state,
+   updated in place, stays the one its last token left, which is what the prefix cache keeps as its turn
+   checkpoint, and the batch is the one a plain step runs;
+3. rows whose next token starts a new block accept their token and reserve the block (in the plain
+   schedule's order, so pages are allocated as a plain step allocates them), their image rows refreshed;
+4. the tokens are written into the image, and N+1 is launched; its draw is queued behind it.
+
+Then, while N+1 computes: the other rows' tokens are accepted (streamed text, metrics, the manager's
+`append_tokens`, then their one-token `reserve`), N+1's forward is marked done in the manager, N's outputs
+are handed to the streams, and N+2 is prepared. The manager sees the calls of a plain step (a row's
+append before its reserve, the finishes before any allocation); only reserves that allocate nothing move
+after the launch. Token i of a request is drawn from the logits of the same forward as in a plain step,
+with the same (seed, i): the streams are the plain engine's.
+
+A step goes back to the plain path (its tokens accepted in full first: `settle`) whenever the next step is
+not a decode step of the same rows: a request waits to join, a cross-thread `Engine.call` must run between
+steps, the pool cannot give the new blocks without preempting, logprobs or forced tokens are asked for, the
+budget is smaller than the batch. Only at TP 1 (ranks > 0 would need the plan before the tokens) without a
+draft model, and only on the decode fast path. K3_DECODE_OVERLAP=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from services.engine.executor import StepResult
+from services.engine.plan import StepPlan
+from services.engine.request import EngineRequest, Phase
+from services.engine.sampler import SampledTokens, sample_rows_async
+
+if TYPE_CHECKING:
+    from services.engine.engine import Engine
+
+ENV = "K3_DECODE_OVERLAP"  # "0": every step waits for its tokens before the next is planned
+
+
+@dataclass
+class InFlight:
+    """A launched decode step whose tokens are not yet accepted, and the next step prepared for its rows."""
+
+    requests: list[EngineRequest]  # the step's sampling rows = the prepared image's rows, in order
+    tokens: SampledTokens  # one per request, in order
+    image: np.ndarray
+    size: int  # rows of the image (bucket)
+    crossing: list[int]  # image rows whose next position starts a block not reserved yet
+    always_check: np.ndarray  # [rows] bool: stop strings, or the token reaches max_tokens
+    stop_ids: np.ndarray  # every row's stop token ids and the EOS: a row holding one is checked
+
+
+def _plain(req: EngineRequest) -> bool:
+    return req.phase is Phase.RUNNING and not req.forced and not req.options.logprobs
+
+
+class DecodeOverlap:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.enabled = (os.environ.get(ENV, "1") != "0" and engine.broadcast is None and engine.speculator is None
+                        and engine.executor.fastpath is not None)
+        self.inflight: InFlight | None = None
+
+    # ---- entering from a plain step ---------------------------------------------------------------------
+    def eligible(self, plan: StepPlan) -> bool:
+        """A plain step just launched `plan`: may its tokens be left in flight while the next is planned?"""
+        engine = self.engine
+        if not self.enabled or plan.imports or plan.exports or plan.verify or not plan.forward:
+            return False
+        if len(plan.forward) != len(engine.scheduler.running) or len(plan.forward) > engine.scheduler.budget:
+            return False
+        if not all(len(f.token_ids) == 1 and f.sample for f in plan.forward):
+            return False
+        requests = [engine.requests.get(f.rid) for f in plan.forward]
+        if not all(r is not None and _plain(r) for r in requests):
+            return False
+        manager = engine.executor.manager
+        return engine.executor.fastpath.supports([manager.requests[f.rid] for f in plan.forward])
+
+    def begin(self, plan: StepPlan, result: StepResult) -> None:
+        requests = [self.engine.requests[f.rid] for f in plan.forward]
+        drawn = [(row, req.options, len(req.output)) for row, req in enumerate(requests)]
+        self.inflight = self._prepare(requests, sample_rows_async(result.logits, drawn))
+
+    def _prepare(self, requests: list[EngineRequest], tokens: SampledTokens) -> InFlight:
+        """Step N+1's image for N's rows, all but the tokens, and the tables of the stop check."""
+        engine = self.engine
+        manager = engine.executor.manager
+        cached = [manager.requests[r.rid] for r in requests]
+        image, size = engine.executor.fastpath.prepare(cached, len(cached))
+        per_block = manager.layout.tokens_per_block
+        crossing = [i for i, c in enumerate(cached) if c.num_computed >= len(c.blocks) * per_block]
+        always = np.fromiter((bool(r.options.stop) or len(r.output) + 1 >= r.options.max_tokens for r in requests),
+                             dtype=bool, count=len(requests))
+        stop_ids = {t for r in requests for t in r.options.stop_token_ids}
+        eos = engine.output.eos_token_id
+        if eos is not None and not all(r.options.ignore_eos for r in requests):
+            stop_ids.add(eos)
+        return InFlight(requests, tokens, image, size, crossing, always, np.fromiter(stop_ids, dtype=np.int64))
+
+    # ---- leaving to a plain step ------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Accept the in-flight step's tokens in full (waiting for them) and drop the prepared step."""
+        inflight, self.inflight = self.inflight, None
+        if inflight is not None:
+            self._accept_rows(inflight, inflight.tokens.result(), range(len(inflight.requests)))
+
+    def _accept_rows(self, inflight: InFlight, tokens: list[int], rows) -> None:
+        for i in rows:
+            req = inflight.requests[i]
+            if req.phase is Phase.RUNNING:  # not cancelled meanwhile
+                self.engine._take(req, tokens[i])
+
+    # ---- the overlapped step ----------------------------------------------------------------------------
+    def advance(self) -> bool:
+        """Launch the prepared step once the in-flight one's tokens are in; False (after settling) where the
+        next step must be a plain one."""
+        engine, inflight = self.engine, self.inflight
+        assert inflight is not None
+        started = time.perf_counter()
+        self.inflight = None
+        tokens = inflight.tokens.result()  # the device finished step N
+        candidates = inflight.always_check | np.isin(np.asarray(tokens, dtype=np.int64), inflight.stop_ids)
+        accepted = candidates.copy()
+        self._accept_rows(inflight, tokens, np.flatnonzero(candidates).tolist())
+        requests = inflight.requests
+        live = [i for i, req in enumerate(requests) if req.phase is Phase.RUNNING]
+        scheduler, manager = engine.scheduler, engine.executor.manager
+        scheduler.finish_leaving()
+        crossing = [i for i in inflight.crossing if requests[i].phase is Phase.RUNNING]
+        fits = all(len(manager.requests[requests[i].rid].blocks) < engine.executor.fastpath.builder.max_pages
+                   for i in crossing)
+        joins = scheduler.waiting and len(live) < scheduler.max_running  # a plain step would admit
+        if (joins or not live or len(live) != len(scheduler.running) or len(live) > scheduler.budget or not fits
+                or len(crossing) * manager.layout.num_mla_groups > manager.pool.num_available):
+            self._accept_rows(inflight, tokens, np.flatnonzero(~accepted).tolist())
+            return False
+        # Rows whose token starts a block: accepted and reserved now, in the plain schedule's order.
+        running = scheduler.running
+        for i in sorted(crossing, key=lambda i: (requests[i].arrival, running.index(requests[i]))):
+            if not accepted[i]:
+                engine._take(requests[i], tokens[i])
+                accepted[i] = True
+            engine.manager.call("reserve", requests[i].rid, 1)
+        fast = engine.executor.fastpath
+        image, size = inflight.image, inflight.size
+        if len(live) < len(requests):  # the rows of requests that ended leave the batch, as in a plain step
+            buffer, compacted = fast.staging(len(live))
+            image, size = fast.builder.compact(image, size, live, buffer, compacted), compacted
+        at = {i: k for k, i in enumerate(live)}  # request row -> image row
+        fast.builder.refresh(image, size, [manager.requests[requests[i].rid] for i in crossing],
+                             [at[i] for i in crossing])
+        fast.builder.set_tokens(image, size, slice(0, len(live)), [tokens[i] for i in live])
+        manager.pre_forward()
+        logits = fast.launch(image, len(live))
+        # ---- step N+1 runs: N's bookkeeping overlaps it
+        drawn = [(k, requests[i].options, len(requests[i].output) + (not accepted[i])) for k, i in enumerate(live)]
+        next_tokens = sample_rows_async(logits, drawn)
+        reserved = set(crossing)
+        for i in live:
+            if not accepted[i]:
+                engine._take(requests[i], tokens[i])
+                if requests[i].phase is not Phase.RUNNING:
+                    raise RuntimeError(f"request {requests[i].rid!r} stopped on a token the stop check passed")
+            if i not in reserved:
+                engine.manager.call("reserve", requests[i].rid, 1)
+        for i in live:
+            manager.forward_done(requests[i].rid)
+        manager.commit_step()
+        engine.manager.take_calls()  # TP 1: no rank replays them
+        engine._flush()
+        self.inflight = self._prepare([requests[i] for i in live], next_tokens)
+        engine._end_step(started)
+        return True

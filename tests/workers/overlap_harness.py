@@ -1,0 +1,105 @@
+"""An in-process engine (real scheduler, executor, cache manager, decode fast path with the kernels'
+references, output processing with the byte tokenizer) driven step by step from a script of arrivals and
+cancellations, so that the same interleaving runs with and without the decode overlap."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.v1 import common_pb2
+from k3core.cache.manager import PrefixCacheManager
+from k3core.tokenizer import ByteTokenizer
+from services.engine.config import WorkerConfig
+from services.engine.decode_fastpath import DecodeFastPath
+from services.engine.engine import Engine
+from services.engine.executor import Executor
+from services.engine.metrics import EngineMetrics
+from services.engine.model_runner import ModelRunner
+from services.engine.output import OutputProcessor
+from services.engine.params import GenerationOptions
+from services.engine.plan import RecordingManager
+from services.engine.request import EngineRequest, StepOutput
+from services.engine.scheduler import Scheduler
+from tests.workers.cluster import OVERRIDES
+
+HASH_BLOCK = 16
+MAX_LEN = 256
+
+
+@dataclass
+class Stream:
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    reason: int = 0
+    error: Exception | None = None
+
+    def __call__(self, out: StepOutput) -> None:
+        self.tokens += out.token_ids
+        self.text += out.text
+        self.reason = out.finish_reason or self.reason
+        self.error = out.error or self.error
+
+
+def options(vocab: int, **params) -> GenerationOptions:
+    return GenerationOptions.from_proto(common_pb2.SamplingParams(**params), vocab_size=vocab, max_tokens_limit=999)
+
+
+class ScriptedEngine:
+    """`Engine` without its thread: `run(script)` submits and cancels at the given step numbers."""
+
+    def __init__(self, model, overlap: bool, *, num_pages: int = 160, max_running: int = 8, budget: int = 64):
+        model = copy.deepcopy(model)  # the fast path fuses weights in place: one model per engine
+        config = WorkerConfig.load("decode", ["--model-overrides", json.dumps(OVERRIDES), "--hash-block-tokens",
+                                              str(HASH_BLOCK), "--num-pages", str(num_pages)], env={})
+        self.manager = PrefixCacheManager(config.pool_layout(), num_pages, device="cpu")
+        executor = Executor(self.manager, ModelRunner(model, "cpu", max_model_len=MAX_LEN), rank=0, tp_size=1,
+                            total_heads=model.config.kda_num_heads, instance=common_pb2.InstanceId())
+        executor.fastpath = DecodeFastPath(model, self.manager, max_model_len=MAX_LEN, max_batch=max_running)
+        recording = RecordingManager(self.manager)
+        scheduler = Scheduler(recording, hash_block_tokens=HASH_BLOCK, max_running=max_running,
+                              step_token_budget=budget, model_name="nano")
+        tokenizer = ByteTokenizer()
+        self.engine = Engine(executor, scheduler, recording, OutputProcessor(tokenizer, model.config.eos_token_id),
+                             EngineMetrics.for_role("overlap_test"))
+        self.engine.overlap.enabled = overlap
+        self.overlapped = 0  # steps launched by the overlap
+        advance = self.engine.overlap.advance
+        self.engine.overlap.advance = lambda: self._count(advance())
+        self.streams: dict[str, Stream] = {}
+        self.finished_state: dict[str, torch.Tensor] = {}  # rid -> its KDA state pages' bytes when it left
+        self.computed: dict[str, int] = {}  # rid -> tokens its forwards computed when it left
+        finish = self.manager.finish
+        self.manager.finish = lambda rid, keep=True: (self._snapshot(rid), finish(rid, keep))[1]
+
+    def _count(self, launched: bool) -> bool:
+        self.overlapped += launched
+        return launched
+
+    def _snapshot(self, rid: str) -> None:
+        pages = self.manager.requests[rid].state_pages
+        self.computed[rid] = self.manager.requests[rid].num_computed
+        self.finished_state[rid] = self.manager.store.data[pages].clone()
+
+    def run(self, script: dict[int, list[tuple]], max_steps: int = 400) -> dict[str, Stream]:
+        """script: step -> [("add", rid, prompt, options) | ("cancel", rid)]."""
+        engine, last = self.engine, max(script, default=0)
+        for step in range(max_steps):
+            for event in script.get(step, []):
+                if event[0] == "add":
+                    self.streams[event[1]] = Stream()
+                    engine.submit(EngineRequest(event[1], event[2], event[3], self.streams[event[1]]))
+                else:
+                    engine.cancel(event[1])
+            engine._drain_inbox(block=False)
+            if engine._has_work:
+                engine._step()
+            elif step > last:
+                break
+        else:
+            raise AssertionError("the engine did not finish its requests")
+        engine._flush()
+        return self.streams

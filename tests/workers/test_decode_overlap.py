@@ -1,0 +1,118 @@
+"""The decode overlap (services/engine/decode_overlap.py) against the plain engine loop.
+
+Oracle: the same engine with the overlap off, run on the same script of arrivals and cancellations (real
+scheduler, cache manager, decode fast path on CPU, byte tokenizer). With the overlap on, every request's
+stream (tokens, text, finish reason) is the plain one; a cancelled request's stream is a prefix of it or
+extends it (a cancellation races the step in flight in both loops); and when a request leaves the cache
+manager its KDA state pages hold the bytes they hold in the plain loop, and it computed exactly its prompt
+and all but its last token: a request that stopped was never advanced by an extra step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from k3.v1 import common_pb2
+from tests.workers.cluster import OVERRIDES
+from tests.workers.oracle import build_reference
+from tests.workers.overlap_harness import ScriptedEngine, options
+
+STOP = common_pb2.FINISH_REASON_STOP
+
+
+@pytest.fixture(scope="module")
+def nano():
+    return build_reference("nano", OVERRIDES)
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    return [(7 * i + 13 * j) % 250 + 1 for j in range(n)]
+
+
+def _compare(model, script: dict, **engine_args) -> tuple[ScriptedEngine, ScriptedEngine]:
+    plain, overlap = ScriptedEngine(model, False, **engine_args), ScriptedEngine(model, True, **engine_args)
+    want, got = plain.run(script), overlap.run(script)
+    cancelled = {e[1] for events in script.values() for e in events if e[0] == "cancel"}
+    assert want.keys() == got.keys()
+    for rid in want:
+        a, b = want[rid], got[rid]
+        if rid in cancelled:
+            shorter, longer = sorted((a.tokens, b.tokens), key=len)
+            assert longer[: len(shorter)] == shorter, rid
+            continue
+        assert (b.tokens, b.text, b.reason, b.error) == (a.tokens, a.text, a.reason, a.error), rid
+    for rid, state in plain.finished_state.items():
+        if rid not in cancelled and rid in overlap.finished_state:
+            assert torch.equal(overlap.finished_state[rid], state), f"{rid}: KDA state differs when it left"
+    assert plain.overlapped == 0
+    return plain, overlap
+
+
+def test_stops_mid_batch_leave_the_streams_and_states_of_the_plain_loop(nano):
+    vocab = nano.config.vocab_size
+    # A plain greedy run tells which tokens come when; then stop ids, a stop string and max_tokens are set to
+    # end the requests at different steps of one batch, including one whose block is full (44 + 4 = 48).
+    probe = ScriptedEngine(nano, False).run({0: [("add", f"r{i}", _prompt(i, n), options(vocab, max_tokens=12,
+                                                                                        ignore_eos=True))
+                                                 for i, n in enumerate((5, 44, 17, 30))]})
+    stream = {rid: s for rid, s in probe.items()}
+    r0, r1 = stream["r0"].tokens, stream["r1"].tokens
+    text2 = stream["r2"].text
+    requests = [
+        ("r0", 5, options(vocab, max_tokens=12, stop_token_ids=[r0[3]], ignore_eos=True)),
+        ("r1", 44, options(vocab, max_tokens=12, stop_token_ids=[r1[6]], ignore_eos=True)),
+        ("r2", 17, options(vocab, max_tokens=12, stop=[text2[5:7]] if len(text2) > 7 else [], ignore_eos=True)),
+        ("r3", 30, options(vocab, max_tokens=9, ignore_eos=True)),
+        ("r4", 9, options(vocab, temperature=0.9, seed=4, max_tokens=11, ignore_eos=True)),
+    ]
+    script = {0: [("add", rid, _prompt(i, n), o) for i, (rid, n, o) in enumerate(requests)]}
+    plain, overlap = _compare(nano, script)
+    assert overlap.overlapped >= 5  # the overlap did run the decode steps
+    got = overlap.streams
+    assert got["r0"].reason == got["r1"].reason == STOP
+    assert got["r0"].tokens[-1] == r0[3] and len(got["r0"].tokens) <= 4
+    assert len({len(s.tokens) for s in got.values()}) >= 3  # they left at different steps
+    for rid, n, _ in requests:  # computed: the prompt and every token but the last
+        assert overlap.computed[rid] == n + len(got[rid].tokens) - 1, rid
+
+
+def test_cancellation_and_arrivals_mid_stream(nano):
+    vocab = nano.config.vocab_size
+    greedy = options(vocab, max_tokens=10, ignore_eos=True)
+    script = {0: [("add", "a", _prompt(0, 6), greedy), ("add", "b", _prompt(1, 20), greedy)],
+              2: [("add", "c", _prompt(2, 3), options(vocab, temperature=0.7, seed=9, max_tokens=8))],
+              4: [("cancel", "b")], 5: [("add", "d", _prompt(3, 12), greedy)], 6: [("add", "e", [3], greedy)]}
+    _, overlap = _compare(nano, script)
+    assert overlap.overlapped > 0
+
+
+def test_preemption_under_a_full_pool(nano):
+    vocab = nano.config.vocab_size
+    # 12 usable pages: four requests of 2 KDA pages + 1 MLA page (80 tokens) each; crossing 80 tokens needs one more.
+    script = {0: [("add", f"p{i}", _prompt(i, 70 + 2 * i), options(vocab, temperature=0.5 * (i % 2), seed=i,
+                                                                       max_tokens=14, ignore_eos=True))
+                  for i in range(4)]}
+    _, overlap = _compare(nano, script, num_pages=14)
+    assert overlap.engine.scheduler.preemptions > 0
+    assert overlap.overlapped > 0
+
+
+_request = st.tuples(st.integers(1, 50), st.sampled_from([0.0, 0.9]), st.integers(0, 9), st.integers(1, 9),
+                     st.lists(st.integers(1, 262), max_size=3), st.integers(0, 5), st.one_of(st.none(), st.integers(1, 8)))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(requests=st.lists(_request, min_size=2, max_size=4), pages=st.sampled_from([16, 160]))
+def test_interleavings_give_the_plain_streams(nano, requests, pages):
+    vocab = nano.config.vocab_size
+    script: dict[int, list[tuple]] = {}
+    for i, (n, temperature, seed, max_tokens, stop_ids, arrive, cancel) in enumerate(requests):
+        o = options(vocab, temperature=temperature, seed=seed, max_tokens=max_tokens, stop_token_ids=stop_ids,
+                    ignore_eos=bool(i % 2))
+        script.setdefault(arrive, []).append(("add", f"h{i}", _prompt(i, n), o))
+        if cancel is not None:
+            script.setdefault(arrive + cancel, []).append(("cancel", f"h{i}"))
+    _compare(nano, script, num_pages=pages)
