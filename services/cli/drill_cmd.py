@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from services.cli import fleet
@@ -22,6 +21,7 @@ from services.cli.drill.faults import KINDS, KubeFault, LocalFault
 from services.cli.drill.load import LoadGenerator, LoadSpec
 from services.cli.drill.observe import FleetObserver
 from services.cli.drill.slo import parse_slo
+from services.runtime.metrics_scrape import ScrapeFailed, scrape
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -137,14 +137,12 @@ def scrape_failovers(metrics_address: str) -> dict[str, float] | None:
     if not metrics_address:
         return None
     try:
-        text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=2).read().decode()
-    except OSError:
+        samples = scrape(metrics_address, timeout=2)
+    except ScrapeFailed:
         return None
-    found = {}
-    for line in text.splitlines():
-        if line.startswith("k3_gateway_failovers_total{"):
-            stage = line.split('stage="')[1].split('"')[0]
-            found[stage] = float(line.split()[-1])
+    found: dict[str, float] = {}
+    for labels, value in samples.series("k3_gateway_failovers_total"):
+        found[labels["stage"]] = found.get(labels["stage"], 0.0) + value
     return found
 
 

@@ -11,6 +11,7 @@ import urllib.request
 
 from services.cli import fleet
 from services.cli.health_cmd import check
+from services.runtime import metrics_scrape
 
 # Summed over label sets; the `status` table shows those a member exports.
 KEY_METRICS = ("k3_registry_connected", "k3_rpc_in_flight", "k3_gateway_in_flight", "k3_gateway_requests_total",
@@ -113,12 +114,8 @@ def scrape(address: str) -> str:
     if not address:
         return ""
     try:
-        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=1).read().decode()
-    except OSError:
+        samples = metrics_scrape.scrape(address, timeout=1)
+    except metrics_scrape.ScrapeFailed:
         return "metrics unreachable"
-    values = {}
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in KEY_METRICS and not line.startswith("#"):
-            values[name.removeprefix("k3_")] = values.get(name.removeprefix("k3_"), 0.0) + float(line.split()[-1])
-    return " ".join(f"{k}={v:g}" for k, v in values.items())
+    totals = {name: samples.total(name) for name in KEY_METRICS}
+    return " ".join(f"{name.removeprefix('k3_')}={total:g}" for name, total in totals.items() if total is not None)

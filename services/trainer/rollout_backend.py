@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 
 from k3.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.runtime.client import aio_channel
+from services.runtime.metrics_scrape import scrape
 from services.trainer.throttle import EngineSignals
 
 VERSION_METRIC = "k3_decode_weights_version"
@@ -49,9 +49,9 @@ class DecodeBackend:
         return EngineSignals(running=load.running, waiting=load.waiting, kv_usage=load.pool_usage)
 
     def served_version(self) -> int:
-        text = urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=10).read().decode()
-        return next((int(float(line.split()[1])) for line in text.splitlines()
-                     if line.startswith(VERSION_METRIC + " ")), 0)
+        """The weight version the worker serves (0 before its first swap exports one); ScrapeFailed (an
+        OSError) when its metrics endpoint cannot be read."""
+        return int(scrape(self.metrics_address, timeout=10).get(VERSION_METRIC, default=0.0))
 
     async def wait_version(self, version: int, timeout: float = 120.0) -> None:
         """Until the worker serves `version` (it swaps once idle; the driver is paused meanwhile)."""
