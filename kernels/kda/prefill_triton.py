@@ -164,13 +164,14 @@ def kda_prefill_block(
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
     norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
     prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 2, f32_dots: bool = False,
-    ut_maxnreg: int | None = 168, ut_doubling: bool = True, prep_gate_apart: bool = False,
+    ut_maxnreg: int | None = 168, ut_doubling: bool = True, prep_gate_apart: bool = False, few_block_v: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
     The softplus gate (lower_bound=None) is unbounded, so the sub-block decay split is not safe for it:
     that case runs the reference. Tuning (H200 measurements in docs/kernels.md):
-    - block_v: value columns per recurrence program (default 64, or 32 when sequences x heads are few).
+    - block_v: value columns per recurrence program (default 64, or few_block_v when sequences x heads are
+      few: 64-column programs would leave most SMs idle).
     - k_block: key columns per step of the UT-transform pass (a divisor of D, >= 16; default 32; 16 is no faster).
     - num_warps: the output pass; prep_warps: the prologue pass (8: no spills, 4 spills); ut_warps: the
       UT-transform pass; recurrence_warps.
@@ -223,8 +224,8 @@ def kda_prefill_block(
             qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
             torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,
             BK=k_block, F32_DOTS=f32_dots, DOUBLING=ut_doubling, num_warps=ut_warps, maxnreg=ut_maxnreg)
-    if not block_v:  # 32 columns when 64-column programs would leave most SMs idle (B=1, T=32K: -3 %)
-        block_v = min(64 if N * H * (D // 64) >= 2 * sm_count(dev, cpu=1) else 32, D)
+    if not block_v:  # 32 columns instead of 64 at B=1, T=32K: -3 % (old recurrence)
+        block_v = min(64 if N * H * (D // 64) >= 2 * sm_count(dev, cpu=1) else few_block_v, D)
     require(D % block_v == 0 and block_v >= 16, f"block_v must divide {D} and be >= 16, got {block_v}")
     y = torch.empty_like(q)
     final_state = torch.empty(N, H, D, D, device=dev, dtype=torch.float32)

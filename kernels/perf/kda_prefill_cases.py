@@ -39,8 +39,9 @@ VARIANTS = (
     ("default", {}, None),
     ("ut substitution", {"ut_doubling": False}, "_kda_chunk_ut_kernel"),
     ("kb=16", {"k_block": 16}, "_kda_chunk_ut_kernel"),
-    ("bv=16", {"block_v": 16}, "_kda_chunk_recurrence_kernel"),
+    ("few bv=16", {"few_block_v": 16}, "_kda_chunk_recurrence_kernel"),
     ("stages 3", {"stages": 3}, "_kda_chunk_recurrence_kernel"),
+    ("few bv=16 stages 3", {"few_block_v": 16, "stages": 3}, "_kda_chunk_recurrence_kernel"),
     ("prep w16", {"prep_warps": 16}, "_kda_prep_kernel"),
     ("prep gate apart", {"prep_gate_apart": True}, "_kda_prep_kernel"),
     ("ut no cap", {"ut_maxnreg": None}, "_kda_chunk_ut_kernel"),
@@ -75,7 +76,9 @@ def pick_tuning(rows: list[dict], variants=VARIANTS, margin: float = 0.01) -> di
     beats the default's by more than `margin` (rows of bench/kernels.py's JSON, variants timed without
     KDA_PREFILL_TUNING). A variant counts only if it ran at every shape the default ran, within MAX_REL_ERR.
     The kernels are separate launches, so their best forms combine; the combination still needs its own
-    timing (the picked tuning is what the next run times against the peer)."""
+    timing (the picked tuning is what the next run times against the peer). KDA_PREFILL_ROWS (a path) makes
+    prefill_rows append each row there as a JSON line, which `python -m kernels.perf.kda_prefill_cases
+    ROWS.jsonl...` reads to print the picked tuning."""
     by_label: dict[str, dict[str, dict]] = {}
     for r in rows:
         if r["kernel"] == "kda_prefill_block" and r["impl"].startswith("ours(") and r["ms"] == r["ms"]:
@@ -201,6 +204,9 @@ def _measure(label: str, impl: str, fn, nbytes: float, extra: dict) -> Row:
     except Exception:  # noqa: BLE001 - one failing variant must not hide the others
         row = Row("kda_prefill_block", label, impl, float("nan"), note=traceback.format_exc()[-400:], extra=extra)
     print(f"{label} {impl}: {row.ms:.4f} ms {row.note[-200:]} {row.extra}", file=sys.stderr, flush=True)
+    if os.environ.get("KDA_PREFILL_ROWS"):  # one JSON line per row as it is measured: a later fault keeps it
+        with open(os.environ["KDA_PREFILL_ROWS"], "a") as f:
+            f.write(json.dumps(row.as_dict()) + "\n")
     return row
 
 
@@ -226,10 +232,15 @@ def prefill_rows(shapes=None, variants=None) -> list[Row]:
     return rows
 
 
-if __name__ == "__main__":  # python -m kernels.perf.kda_prefill_cases RESULTS.json...: the picked tuning, as JSON
-    picked_rows = []
-    for path in sys.argv[1:]:
+def pick_from_files(paths: list[str]) -> dict:
+    """pick_tuning over the rows of KDA_PREFILL_ROWS files (missing files: no rows)."""
+    rows = []
+    for path in paths:
         if os.path.exists(path):
             with open(path) as f:
-                picked_rows += json.load(f)["rows"]
-    print(json.dumps(pick_tuning(picked_rows)))
+                rows += [json.loads(line) for line in f if line.strip()]
+    return pick_tuning(rows)
+
+
+if __name__ == "__main__":  # python -m kernels.perf.kda_prefill_cases ROWS.jsonl...: the picked tuning, as JSON
+    print(json.dumps(pick_from_files(sys.argv[1:])))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kernels.perf.kda_prefill_cases import VARIANTS, pick_tuning, selected_shapes
+import json
+
+from kernels.perf.kda_prefill_cases import VARIANTS, pick_from_files, pick_tuning, selected_shapes
 
 UT, REC = "_kda_chunk_ut_kernel", "_kda_chunk_recurrence_kernel"
 SHAPES = ("B=1,T=32K,H=16", "B=8,T=4K,H=32")
@@ -15,15 +17,21 @@ def _rows(label: str, ut: float, rec: float, err: float = 4e-3, shapes=SHAPES) -
 
 def test_each_kernel_takes_its_fastest_accurate_variant():
     rows = (_rows("default", 1.0, 0.8) + _rows("kb=16", 0.7, 0.9) + _rows("ut no cap", 0.6, 0.8, err=0.02)
-            + _rows("bv=16", 1.1, 0.6) + _rows("stages 3", 1.0, 0.7))
-    # kb=16's recurrence time and bv=16's UT time are noise of kernels they do not tune; ut no cap is wrong.
-    assert pick_tuning(rows) == {"k_block": 16, "block_v": 16}
+            + _rows("few bv=16", 1.1, 0.6) + _rows("stages 3", 1.0, 0.7))
+    # kb=16's recurrence time and few bv=16's UT time are noise of kernels they do not tune; ut no cap is wrong.
+    assert pick_tuning(rows) == {"k_block": 16, "few_block_v": 16}
 
 
 def test_a_variant_within_the_margin_or_missing_a_shape_is_not_picked():
-    rows = _rows("default", 1.0, 0.8) + _rows("kb=16", 0.995, 0.8) + _rows("bv=16", 1.0, 0.1, shapes=SHAPES[:1])
+    rows = _rows("default", 1.0, 0.8) + _rows("kb=16", 0.995, 0.8) + _rows("stages 3", 1.0, 0.1, shapes=SHAPES[:1])
     assert pick_tuning(rows) == {}
     assert pick_tuning([]) == {}
+
+
+def test_rows_files_are_json_lines_and_a_missing_file_adds_none(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _rows("default", 1.0, 0.8) + _rows("kb=16", 0.5, 0.8)))
+    assert pick_from_files([str(path), str(tmp_path / "none.jsonl")]) == {"k_block": 16}
 
 
 def test_every_variant_names_a_kernel_and_shapes_are_selected_by_prefix(monkeypatch):
