@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import next_pow2, require, tl, triton
+from kernels.moe.tiles import Tile, default_tiles
 
 if triton is not None:
     from kernels.moe.mxfp4_tile_triton import mxfp4_tile, unshift
@@ -78,13 +79,13 @@ if triton is not None:
     def _gate_up_kernel(x, ids, wgu, sgu, h, T, K, F, beta1, beta2, L: tl.constexpr, BR: tl.constexpr,
                         G: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                         X_PARTS: tl.constexpr, HP: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr):
-        e, leader, first, _, _ = _expert_tokens(ids, tl.program_id(0), T, K, TP, BK)
+        e, leader, first, _match, _index = _expert_tokens(ids, tl.program_id(0), T, K, TP, BK)
         if leader:
             rows = tl.program_id(1) * BR + tl.arange(0, BR)
             ok = rows < F
             words, scales = wgu + e * (2 * F) * (L // 8), sgu + e * (2 * F) * (L // 32)
             for n0 in range(0, tl.sum((first < (1 << 30)).to(tl.int32)), BT):
-                _, pair, used = _slots(first, n0, BT)
+                _hit, pair, used = _slots(first, n0, BT)
                 g = tl.zeros([BT, BR], dtype=tl.float32)
                 u = tl.zeros([BT, BR], dtype=tl.float32)
                 for g0 in tl.range(0, L // 32, G, num_stages=STAGES):
@@ -148,31 +149,20 @@ def _parts(dtype: torch.dtype) -> int:
     return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
 
 
-def _tile(rows: int, cols: int, depth: int) -> tuple[int, int]:
-    """(rows, 32-column groups per step) of one kernel's tile over a reduction of `depth` columns."""
-    cols = min(cols, depth)
-    require(rows >= 16 and rows == next_pow2(rows), f"block rows must be a power of two >= 16, got {rows}")
-    require(cols % 32 == 0 and cols == 32 * next_pow2(cols // 32) and depth % cols == 0,
-            f"block_cols={cols} must be 32 x a power of two dividing {depth}")
-    return rows, cols // 32
-
-
 def latent_moe_decode(
     x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
     gate_up_packed: torch.Tensor, gate_up_scales: torch.Tensor, down_packed: torch.Tensor,
-    down_scales: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0, block_rows: int = 128,
-    block_cols: int = 128, num_warps: int = 4, num_stages: int = 3, token_block: int = 16,
-    h_parts: int | None = None, down_block_rows: int | None = None, down_block_cols: int | None = None,
+    down_scales: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None,
+    down_tile: Tile | None = None, token_block: int = 16, h_parts: int | None = None,
 ) -> torch.Tensor:
     """u = sum_j p_j E_{id_j}(x) per token (eq.11's routed sum, in the latent width l).
 
     x [T, l]; expert_ids, expert_weights [T, k]; gate_up_* for W_gate;W_up stacked [E, 2F, l] and down_*
-    for W_down [E, l, F], both MXFP4-packed. Returns u [T, l] in x's dtype. Tuning: `block_rows` weight
-    rows per program (a power of two >= 16) and `block_cols` columns per step (32 x a power of two, capped
-    at the reduction width) for gate/up, `down_block_*` for down (default: the same), `token_block` tokens
-    of one expert per product (>= 16; an expert chosen by more tokens takes several passes), `h_parts` bf16
-    parts of the SiTU-GLU output h in the down product (default: as many as x's dtype needs, so h keeps
-    x's precision: 1 for bf16, 2 for fp16, 3 for float32).
+    for W_down [E, l, F], both MXFP4-packed. Returns u [T, l] in x's dtype. Tuning: `gate_up_tile` and
+    `down_tile` (kernels.moe.tiles.Tile; default: `default_tiles(T k)`), `token_block` tokens of one expert
+    per product (>= 16; an expert chosen by more tokens takes several passes), `h_parts` bf16 parts of the
+    SiTU-GLU output h in the down product (default: as many as x's dtype needs, so h keeps x's precision:
+    1 for bf16, 2 for fp16, 3 for float32).
     """
     T, L = x.shape
     E, two_f, half_l = gate_up_packed.shape
@@ -191,21 +181,22 @@ def latent_moe_decode(
             f"token_block must be a power of two >= 16, got {token_block}")
     hp = h_parts or _parts(x.dtype)
     require(1 <= hp <= 3, f"h_parts must be 1, 2 or 3, got {h_parts}")
-    gu_rows, gu_groups = _tile(block_rows, block_cols, L)
-    d_rows, d_groups = _tile(down_block_rows or block_rows, down_block_cols or block_cols, F)
+    default_gu, default_down = default_tiles(T * K)
+    gu_tile, d_tile = gate_up_tile or default_gu, down_tile or default_down
+    gu_groups, d_groups = gu_tile.groups(L), d_tile.groups(F)
     ids = expert_ids.contiguous()
     # Token tiles of at least 16 rows: one build serves every decode batch up to 16.
-    common = {"TP": max(16, next_pow2(T)), "BK": next_pow2(K), "BT": token_block, "HP": hp,
-              "STAGES": num_stages, "USE_ASM": x.is_cuda, "num_warps": num_warps}
+    common = {"TP": max(16, next_pow2(T)), "BK": next_pow2(K), "BT": token_block, "HP": hp, "USE_ASM": x.is_cuda}
     h = torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device)
-    _gate_up_kernel[(T * K, triton.cdiv(F, gu_rows))](
+    _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
         x, ids, _words(gate_up_packed), gate_up_scales, h, T, K, F, beta1, beta2, L=L,
-        X_PARTS=_parts(x.dtype), BR=gu_rows, G=gu_groups, **common,
+        X_PARTS=_parts(x.dtype), BR=gu_tile.rows, G=gu_groups, STAGES=gu_tile.stages, **common,
+        **gu_tile.launch_options(),
     )
     partial = torch.empty(T * K, L, dtype=torch.float32, device=x.device)
-    _down_kernel[(T * K, triton.cdiv(L, d_rows))](
+    _down_kernel[(T * K, triton.cdiv(L, d_tile.rows))](
         h, ids, expert_weights.contiguous(), _words(down_packed), down_scales, partial, T, K, L, F=F,
-        BR=d_rows, G=d_groups, **common,
+        BR=d_tile.rows, G=d_groups, STAGES=d_tile.stages, **common, **d_tile.launch_options(),
     )
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     _sum_pairs_kernel[(T, triton.cdiv(L, 128))](partial, ids, out, K, L, BK=next_pow2(K), BL=128)

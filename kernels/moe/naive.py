@@ -6,6 +6,7 @@ import torch
 
 from k3core.ops.moe import situ_glu
 from k3core.quant.mxfp4 import dequantize
+from kernels.moe.tiles import Tile
 
 F32 = torch.float32
 
@@ -13,13 +14,12 @@ F32 = torch.float32
 def latent_moe_decode(
     x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
     gate_up_packed: torch.Tensor, gate_up_scales: torch.Tensor, down_packed: torch.Tensor,
-    down_scales: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0, block_rows: int = 128,
-    block_cols: int = 128, num_warps: int = 4, num_stages: int = 3, token_block: int = 16,
-    h_parts: int | None = None, down_block_rows: int | None = None, down_block_cols: int | None = None,
+    down_scales: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None,
+    down_tile: Tile | None = None, token_block: int = 16, h_parts: int | None = None,
 ) -> torch.Tensor:
     """Reference of kernels.moe.latent_moe_decode_triton.latent_moe_decode (tuning ignored): dequantise
     each selected expert, gate/up matvec, SiTU-GLU, down matvec, weighted sum; float32 throughout."""
-    del block_rows, block_cols, num_warps, num_stages, token_block, h_parts, down_block_rows, down_block_cols
+    del gate_up_tile, down_tile, token_block, h_parts
     out = torch.zeros(x.shape, dtype=F32, device=x.device)
     F = gate_up_packed.shape[1] // 2
     for t in range(x.shape[0]):

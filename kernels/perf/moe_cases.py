@@ -1,26 +1,39 @@
 """Latent-MoE routed-expert decode with MXFP4 weights on the H200 (GPU only).
 
-    python -m kernels.perf.moe_cases [--variants all]   # sweep: prints the table and per-kernel times
+    python -m kernels.perf.moe_cases [--variants sweep|default]   # prints the table and per-kernel times
+    K3_MOE_VARIANTS=sweep python -m bench.kernels --only moe   # the sweep's rows into kernels.json
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from functools import partial
 
 import torch
 
 from k3core.quant.mxfp4 import BLOCK, dequantize, quantize
 from kernels.moe import latent_moe_decode_triton, naive
+from kernels.moe.tiles import Tile
 from kernels.perf.harness import Row, copy_bandwidth, kernel_ms, rel_err, time_ms
 
 E, L, F, TOP_K = 256, 2048, 1024, 16
-# gate/up rows, cols, warps, stages, h parts (None: x's precision), down rows, cols (None: as gate/up)
-VARIANTS = ((128, 128, 4, 3, None, None, None), (64, 256, 4, 3, None, None, None),
-            (128, 128, 4, 3, None, 32, 512), (32, 512, 4, 3, None, 32, 512))
-SWEEP = VARIANTS + ((128, 128, 4, 3, 2, None, None), (64, 128, 4, 3, None, None, None),
-                    (128, 128, 4, 3, None, 64, 256))
+# (gate/up tile, down tile) pairs: rows, cols, warps, stages[, register cap]. Each row of the sweep times
+# both kernels, so every gate/up tile and every down tile is measured on its own (kernel_us).
+VARIANTS = ((Tile(128, 128), Tile(128, 128)),)
+SWEEP = VARIANTS + (
+    (Tile(64, 256), Tile(64, 256)), (Tile(128, 64, 4, 4), Tile(128, 256)), (Tile(128, 128, 8), Tile(256, 128, 8)),
+    (Tile(64, 128, 4, 3, 128), Tile(64, 128, 4, 3, 128)), (Tile(128, 128, 8, 3, 128), Tile(128, 256, 8)),
+    (Tile(256, 128, 8), Tile(64, 512)), (Tile(32, 256), Tile(128, 512, 8)), (Tile(64, 128, 4, 4), Tile(128, 64, 4, 4)),
+    (Tile(128, 256, 8), Tile(256, 256, 8)), (Tile(32, 128, 4, 4, 128), Tile(32, 256, 4, 4, 128)),
+)
 MAX_REL_ERR = 1e-2  # a variant further than this from the float32 oracle is wrong, whatever its time
+
+
+def variants() -> tuple:
+    """K3_MOE_VARIANTS=sweep times every tile pair of SWEEP (bench.kernels --only moe then records them all)."""
+    return SWEEP if os.environ.get("K3_MOE_VARIANTS") == "sweep" else VARIANTS
+
 
 def _experts(dev: str = "cuda"):
     # Quantise in chunks of experts: the float32 copy of all of them at once would be large.
@@ -49,15 +62,36 @@ def _torch_peer(x, ids, weights, packs):
     return (y.reshape(*ids.shape, L) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
-def _label(br: int, bc: int, nw: int, ns: int, hp: int | None, dr: int | None, dc: int | None) -> str:
-    down = f",down={dr}x{dc}" if dr or dc else ""
-    return f"ours({br}x{bc},w={nw},st={ns},h_parts={hp or 'auto'}{down})"
+def _label(gate_up: Tile, down: Tile) -> str:
+    return f"ours(gu={gate_up.label()},down={down.label()})"
 
 
-def moe_rows(batches: tuple[int, ...] = (1, 4, 16), variants: tuple = VARIANTS, peer: bool = True,
+def precompile(batches: tuple[int, ...], tiles: tuple, packs: list) -> None:
+    """Build every (batch, tile pair) specialization in parallel processes before timing: one process
+    compiling them one by one would spend most of a short device session in ptxas. The kernels land in
+    Triton's on-disk cache, where the timed launches find them."""
+    from kernels.compile_check import compile_specs, record_launches
+
+    with record_launches() as recorder:
+        for T in batches:
+            x = torch.empty(T, L, device="cuda", dtype=torch.bfloat16)
+            ids = torch.zeros(T, TOP_K, device="cuda", dtype=torch.int32)
+            for gate_up, down in tiles:
+                latent_moe_decode_triton.latent_moe_decode(x, ids, ids.float(), *packs, gate_up_tile=gate_up,
+                                                           down_tile=down)
+    compile_specs(recorder.unique(), workers=max(1, (os.cpu_count() or 2) - 2))
+
+
+def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple | None = None, peer: bool = True,
              on_row=lambda row: None) -> list[Row]:
     rows: list[Row] = []
+    tiles = tiles or variants()
     packs = _experts()
+    if len(tiles) > 1:
+        try:
+            precompile(batches, tiles, packs)
+        except Exception as e:  # noqa: BLE001 - only a head start: the timed launches compile what is missing
+            print(f"precompile failed, compiling at first launch: {e!r}"[:500], flush=True)
     for T in batches:
         x = torch.randn(T, L, device="cuda", dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(E, device="cuda")[:TOP_K] for _ in range(T)]).int()
@@ -67,10 +101,9 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), variants: tuple = VARIANTS, 
             ids[1, 0] = ids[0, 0]
         ref = naive.latent_moe_decode(x.float(), ids, weights, *packs)  # float32 h and output: the oracle
         shape = f"T={T},E={E},k={TOP_K},l={L},F={F},mxfp4"
-        for br, bc, nw, ns, hp, dr, dc in variants:
-            tuning = {"block_rows": br, "block_cols": bc, "num_warps": nw, "num_stages": ns, "h_parts": hp,
-                      "down_block_rows": dr, "down_block_cols": dc}
-            call = partial(latent_moe_decode_triton.latent_moe_decode, x, ids, weights, *packs, **tuning)
+        for gate_up, down in tiles:
+            call = partial(latent_moe_decode_triton.latent_moe_decode, x, ids, weights, *packs,
+                           gate_up_tile=gate_up, down_tile=down)
             try:
                 err = rel_err(call(), ref)
                 ms, how = time_ms(call)
@@ -79,7 +112,7 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), variants: tuple = VARIANTS, 
                     ms, how = float("nan"), f"WRONG: rel err {err:.1e}"
             except Exception as e:  # noqa: BLE001 - a variant that does not build must not hide the others
                 ms, how, extra = float("nan"), f"failed: {e!r}"[-300:], {}
-            rows.append(Row("latent_moe_decode", shape, _label(br, bc, nw, ns, hp, dr, dc), ms,
+            rows.append(Row("latent_moe_decode", shape, _label(gate_up, down), ms,
                             expert_bytes(ids), note=how, extra=extra))
             on_row(rows[-1])
         if peer:
@@ -91,7 +124,7 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), variants: tuple = VARIANTS, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="MoE decode variant sweep")
-    parser.add_argument("--variants", choices=("default", "all"), default="all")
+    parser.add_argument("--variants", choices=("default", "sweep"), default="sweep")
     args = parser.parse_args()
     copy_bps = copy_bandwidth()
     print(f"copy {copy_bps / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}")
@@ -102,7 +135,7 @@ def main() -> None:
         print(f"{r.shape:<36} {r.impl:<44} {r.ms * 1e3:8.1f} us {100 * frac:5.1f} % err {err:.1e} "
               f"{r.extra.get('kernels_ms', r.note)}", flush=True)
 
-    moe_rows(variants=SWEEP if args.variants == "all" else VARIANTS, peer=False, on_row=show)
+    moe_rows(tiles=SWEEP if args.variants == "sweep" else VARIANTS, peer=False, on_row=show)
 
 
 if __name__ == "__main__":

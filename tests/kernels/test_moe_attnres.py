@@ -11,8 +11,10 @@ from kernels.attnres import merge_norm_triton
 from kernels.attnres import naive as attnres_naive
 from kernels.moe import latent_moe_decode_triton, situ_glu_triton
 from kernels.moe import naive as moe_naive
+from kernels.moe.tiles import Tile
 
 T, K, E, L, F = 2, 3, 4, 64, 32  # 6 picks from 4 experts: the two tokens share at least two experts
+SMALL = Tile(16, 32)  # several row blocks and column steps on these tiny shapes
 
 
 def _moe_case(seed: int, experts: int = E):
@@ -44,7 +46,7 @@ def test_triton_moe_decode_matches_reference(interpreted):
     shared = set(case[1][0].tolist()) & set(case[1][1].tolist())
     assert len(shared) >= 2
     # 2 column steps over l and 2 row blocks over F (gate/up); 2 row blocks over l (down, its own tile).
-    out = latent_moe_decode_triton.latent_moe_decode(*case, block_cols=32, block_rows=16, down_block_rows=32)
+    out = latent_moe_decode_triton.latent_moe_decode(*case, gate_up_tile=Tile(16, 32), down_tile=Tile(32, 32))
     torch.testing.assert_close(out, moe_naive.latent_moe_decode(*case), rtol=1e-5, atol=1e-5)
 
 
@@ -52,7 +54,7 @@ def test_triton_moe_decode_bf16_activations(interpreted):
     """bf16 x (one bf16 part, h rounded to bf16 like x) against the float32 reference of the same x."""
     x, ids, w, *packs = _moe_case(3)
     x = x.bfloat16()
-    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, block_cols=32, block_rows=16)
+    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, gate_up_tile=SMALL, down_tile=SMALL)
     ref = moe_naive.latent_moe_decode(x.float(), ids, w, *packs)
     assert out.dtype == torch.bfloat16
     assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-2
@@ -67,7 +69,7 @@ def test_triton_moe_decode_expert_with_more_tokens_than_a_token_block(interprete
     packs = (*quantize(torch.randn(2, 2 * F, L, generator=gen) * 0.2),
              *quantize(torch.randn(2, L, F, generator=gen) * 0.2))
     w = torch.rand(20, 1, generator=gen)
-    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, block_cols=32, block_rows=32)
+    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, gate_up_tile=Tile(32, 32), down_tile=Tile(32, 32))
     torch.testing.assert_close(out, moe_naive.latent_moe_decode(x, ids, w, *packs), rtol=1e-5, atol=1e-5)
 
 
@@ -75,7 +77,7 @@ def test_triton_moe_decode_single_token(interpreted):
     """Batch 1 (one-wide token axis in the kernel) against the reference."""
     x, ids, w, *packs = _moe_case(8)
     one = (x[:1], ids[:1], w[:1], *packs)
-    out = latent_moe_decode_triton.latent_moe_decode(*one, block_cols=32, block_rows=16)
+    out = latent_moe_decode_triton.latent_moe_decode(*one, gate_up_tile=SMALL, down_tile=SMALL)
     torch.testing.assert_close(out, moe_naive.latent_moe_decode(*one), rtol=1e-5, atol=1e-5)
 
 
@@ -83,7 +85,7 @@ def test_triton_moe_decode_token_naming_an_expert_twice(interpreted):
     """A token that names one expert in two slots gets both router weights (as the reference does)."""
     x, ids, w, *packs = _moe_case(6, experts=3)
     ids[0, 2] = ids[0, 0]
-    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, block_cols=32, block_rows=16)
+    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, gate_up_tile=SMALL, down_tile=SMALL)
     torch.testing.assert_close(out, moe_naive.latent_moe_decode(x, ids, w, *packs), rtol=1e-5, atol=1e-5)
 
 
@@ -93,10 +95,10 @@ def test_moe_bad_arguments_name_the_field(interpreted):
         latent_moe_decode_triton.latent_moe_decode(x, ids, w, gu_p, gu_s, d_p, d_s[:, :1])
     with pytest.raises(ValueError, match="h_parts"):
         latent_moe_decode_triton.latent_moe_decode(x, ids, w, gu_p, gu_s, d_p, d_s, h_parts=4)
-    with pytest.raises(ValueError, match="block_cols"):
-        latent_moe_decode_triton.latent_moe_decode(x, ids, w, gu_p, gu_s, d_p, d_s, block_cols=24)
-    with pytest.raises(ValueError, match="block rows"):
-        latent_moe_decode_triton.latent_moe_decode(x, ids, w, gu_p, gu_s, d_p, d_s, down_block_rows=8)
+    with pytest.raises(ValueError, match="tile cols"):
+        latent_moe_decode_triton.latent_moe_decode(x, ids, w, gu_p, gu_s, d_p, d_s, gate_up_tile=Tile(16, 24))
+    with pytest.raises(ValueError, match="tile rows"):
+        latent_moe_decode_triton.latent_moe_decode(x, ids, w, gu_p, gu_s, d_p, d_s, down_tile=Tile(8, 32))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # sigmoid of a large negative: 0, as wanted

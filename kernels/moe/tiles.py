@@ -1,0 +1,49 @@
+"""Tile shapes of the latent-MoE decode kernels (one per kernel: gate/up and down tune apart).
+
+Both kernels stream weight rows: a program owns `rows` rows of one expert and walks the reduction `cols`
+columns per step. Each step decodes rows x cols MXFP4 weights in registers, so the tile sets both how many
+programs exist (rows) and how much fixed per-step work (activation fragments, scale bytes, pipeline
+bookkeeping) each decoded word carries (rows x cols); `max_registers` caps ptxas so that more programs
+share an SM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels._triton import next_pow2, require
+
+
+@dataclass(frozen=True)
+class Tile:
+    rows: int = 128
+    cols: int = 128
+    warps: int = 4
+    stages: int = 3
+    max_registers: int | None = None
+
+    def label(self) -> str:
+        cap = f",r{self.max_registers}" if self.max_registers else ""
+        return f"{self.rows}x{self.cols},w{self.warps},s{self.stages}{cap}"
+
+    def groups(self, depth: int) -> int:
+        """32-column groups per step over a reduction of `depth` columns (cols capped at depth)."""
+        rows, cols = self.rows, min(self.cols, depth)
+        require(rows >= 16 and rows == next_pow2(rows), f"tile rows must be a power of two >= 16, got {rows}")
+        require(cols % 32 == 0 and cols == 32 * next_pow2(cols // 32) and depth % cols == 0,
+                f"tile cols={self.cols} must be 32 x a power of two dividing {depth}")
+        require(self.warps in (1, 2, 4, 8, 16), f"tile warps must be a power of two <= 16, got {self.warps}")
+        require(self.stages >= 1, f"tile stages must be >= 1, got {self.stages}")
+        return cols // 32
+
+    def launch_options(self) -> dict:
+        opts: dict = {"num_warps": self.warps}
+        if self.max_registers:
+            opts["maxnreg"] = self.max_registers
+        return opts
+
+
+def default_tiles(pairs: int) -> tuple[Tile, Tile]:
+    """(gate/up, down) tiles for a step with `pairs` (token, expert) pairs (T x k)."""
+    del pairs
+    return Tile(128, 128), Tile(128, 128)
