@@ -1,29 +1,179 @@
-"""bench/serve.py TTFT: a long prompt uncached, then the same prefix restored from the prefix cache."""
+"""TTFT of a long prompt uncached, then with its prefix restored from the prefix cache (bench/serve.py's TTFT
+section, or alone over several sizes):
+
+    python -m bench.serve_ttft [--model mini] --prefix 32768 131072 --increment 512 4096 [--num-pages 3000]
+
+Each row: the first prefill of the row (`warmup_s`: an unrelated 2048-token prompt; in a fresh process it
+includes the one-time JIT of the prefill kernels, which a worker pays once at start, not per request, so
+it is reported and kept out of the rows below), a second such prompt (`warmup_again_s`), the prompt uncached,
+its first prefix hit (`hit_cold_s`: the first restore of that entry) and the median of two more hits with
+other increments (`hit_warm_s`), with one hit's time split into admission (lookup, integrity check,
+restore copies), forward, and step commit (snapshot of the new prompt end). Each row's prefix has its own
+tokens, so no row hits another's. With two or more prefix sizes at one increment, the uncached time is fit
+as a*P + b*P^2 (the MLA attention is quadratic) and the hit as c + d*P, and both are extrapolated to
+`--extrapolate` tokens (the K3 report's 400K-token prefix).
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import statistics
 import time
+from collections.abc import Callable
+from pathlib import Path
 
-from bench.serve_rank import Rank, sync
+import torch
+
+from bench.serve_rank import Rank, random_model, sync
+from k3core.presets import preset
+
+WARMUP_TOKENS = 2048
 
 
-def ttft(rank: Rank, prefix: list[int], increment: int) -> dict:
+def _seconds(run: Callable[[], object]) -> float:
+    sync()
+    started = time.perf_counter()
+    run()
+    sync()
+    return time.perf_counter() - started
+
+
+def _prefill(rank: Rank, rid: str, tokens: list[int], keep_turn: bool = False) -> tuple[float, int]:
+    """(seconds to the first token, prompt tokens served by the cache) of one prompt, then finished."""
+    hit = 0
+
+    def run() -> None:
+        nonlocal hit
+        hit = rank.prefill(rid, tokens)[1]
+
+    seconds = _seconds(run)
+    rank.finish([rid], keep_turn)
+    return seconds, hit
+
+
+def _split(rank: Rank, rid: str, tokens: list[int]) -> dict[str, float]:
+    """One hit's seconds by phase (each phase synced, so they add up to a little more than the hit)."""
+    phases = {"admission_s": 0.0, "forward_s": 0.0, "commit_s": 0.0}
+    targets = [(rank.manager, "add_request", "admission_s"), (rank.manager, "pre_forward", "admission_s"),
+               (rank.runner, "forward", "forward_s"), (rank.manager, "forward_done", "commit_s"),
+               (rank.manager, "commit_step", "commit_s")]
+    for obj, name, phase in targets:
+        def timed(*args, _call=getattr(obj, name), _phase=phase, **kwargs):
+            out = None
+
+            def run() -> None:
+                nonlocal out
+                out = _call(*args, **kwargs)
+
+            phases[_phase] += _seconds(run)
+            return out
+
+        setattr(obj, name, timed)  # an instance attribute over the method, removed below
+    try:
+        _prefill(rank, rid, tokens)
+    finally:
+        for obj, name, _ in targets:
+            delattr(obj, name)
+    return phases
+
+
+def ttft(rank: Rank, prefix: list[int], increment: int, row: int = 0) -> dict:
     """Time to first token of `prefix` + `increment` new tokens, uncached and with the prefix cached (MLA
-    blocks + the KDA checkpoint at the prefix end)."""
-    rank.prefill("warm", [(t * 5) % rank.vocab + 1 for t in prefix[:2048]])  # warm kernels and allocator, no shared prefix
-    rank.finish(["warm"])
-    rank.budget = math.gcd(rank.budget, len(prefix))  # a forward ends at the prefix: its checkpoint is kept
-    sync()
-    started = time.perf_counter()
-    rank.prefill("miss", prefix + [5] * increment)
-    sync()
-    uncached = time.perf_counter() - started
-    rank.finish(["miss"], keep_turn=True)
-    started = time.perf_counter()
-    _, hit = rank.prefill("hit", prefix + [9] * increment)
-    sync()
-    cached = time.perf_counter() - started
-    rank.finish(["hit"])
-    return {"prefix": len(prefix), "increment": increment, "uncached_s": uncached, "cached_s": cached,
-            "hit_tokens": hit, "speedup": uncached / cached}
+    blocks + the KDA checkpoint at the prefix end). `row` keeps the request ids and warm-up prompts of
+    several calls on one rank apart."""
+    vocab, tag = rank.vocab, str(row)
+    warm = [_prefill(rank, f"warm{tag}{k}", [(t * (5 + k) + 31 * row) % vocab + 1 for t in range(WARMUP_TOKENS)])[0]
+            for k in range(2)]
+    budget = rank.budget
+    rank.budget = math.gcd(budget, len(prefix))  # a forward ends at the prefix: its checkpoint is kept
+    try:
+        uncached, _ = _prefill(rank, f"miss{tag}", prefix + [5] * increment, keep_turn=True)
+        cold, hit = _prefill(rank, f"hit{tag}", prefix + [9] * increment)
+        warm_hits = [_prefill(rank, f"hit{tag}w{k}", prefix + [20 + k] * increment)[0] for k in range(2)]
+        phases = _split(rank, f"hit{tag}s", prefix + [30] * increment)
+    finally:
+        rank.budget = budget
+    cached = statistics.median(warm_hits)
+    return {"prefix": len(prefix), "increment": increment, "warmup_s": warm[0], "warmup_again_s": warm[1],
+            "uncached_s": uncached, "hit_cold_s": cold, "hit_warm_s": cached, "cached_s": cached,
+            "hit_split": phases, "hit_tokens": hit, "speedup": uncached / cached, "speedup_cold": uncached / cold}
+
+
+def extrapolate(rows: list[dict], target: int) -> dict | None:
+    """Uncached a*P + b*P^2 and hit c + d*P through the two largest prefixes of the most common increment,
+    at `target` prefix tokens; None without two prefix sizes at one increment."""
+    increment = statistics.mode(r["increment"] for r in rows)
+    same = sorted({r["prefix"]: r for r in rows if r["increment"] == increment}.values(), key=lambda r: r["prefix"])
+    if len(same) < 2:
+        return None
+    (p1, u1, h1), (p2, u2, h2) = ((r["prefix"], r["uncached_s"], r["hit_warm_s"]) for r in same[-2:])
+    b = (u2 / p2 - u1 / p1) / (p2 - p1)
+    a = u1 / p1 - b * p1
+    d = (h2 - h1) / (p2 - p1)
+    uncached, hit = a * target + b * target**2, h1 + d * (target - p1)
+    return {"prefix": target, "increment": increment, "from_prefixes": [p1, p2], "uncached_s": uncached,
+            "hit_s": hit, "speedup": uncached / hit}
+
+
+def prefix_tokens(length: int, row: int, vocab: int) -> list[int]:
+    """A prefix of its own per row (the first token already differs, so no row hits another's cache)."""
+    return [(11 * j + 17 * row) % vocab + 1 for j in range(length)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="mini")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--prefix", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--increment", type=int, nargs="+", default=[4096], help="one, or one per prefix")
+    parser.add_argument("--num-pages", type=int, default=3000)
+    parser.add_argument("--hash-block", type=int, default=512)
+    parser.add_argument("--budget", type=int, default=8192, help="prefill tokens per forward")
+    parser.add_argument("--extrapolate", type=int, default=400_000)
+    parser.add_argument("--time-limit", type=float, default=300.0, help="skip rows that would start after this")
+    parser.add_argument("--out", default="bench/results/serve_ttft.json")
+    args = parser.parse_args()
+    increments = args.increment * len(args.prefix) if len(args.increment) == 1 else args.increment
+    if len(increments) != len(args.prefix):
+        parser.error(f"--increment takes one value or one per prefix ({len(args.prefix)}), got {len(increments)}")
+    began = time.perf_counter()
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = random_model(preset(args.model), args.device, dtype)
+    # Rank sizes its runner for args.prefix + args.increment; the batch is one sequence, no decode steps.
+    longest = max(p + i for p, i in zip(args.prefix, increments, strict=True))
+    sizing = argparse.Namespace(**{**vars(args), "prefix": longest, "increment": 0, "batches": [1], "steps": 0})
+    rank = Rank(model, args.model, sizing, dtype)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    result: dict = {"model": args.model, "device": f"{device}, torch {torch.__version__}", "dtype": str(dtype),
+                    "rows": [], "skipped": []}
+    print(f"{'prefix':>8} {'incr':>6} {'1st prefill':>11} {'again':>7} {'uncached':>9} {'hit cold':>9} "
+          f"{'hit warm':>9} {'ratio':>6}  hit split (admission / forward / commit ms)")
+    for row, (length, increment) in enumerate(zip(args.prefix, increments, strict=True)):
+        if time.perf_counter() - began > args.time_limit:
+            result["skipped"].append(f"prefix {length} increment {increment}")
+            continue
+        r = ttft(rank, prefix_tokens(length, row, rank.vocab), increment, row)
+        split = " / ".join(f"{1e3 * v:.1f}" for v in r["hit_split"].values())
+        print(f"{length:>8} {increment:>6} {r['warmup_s']:>10.3f}s {r['warmup_again_s']:>6.3f}s "
+              f"{r['uncached_s']:>8.3f}s {r['hit_cold_s']:>8.3f}s {r['hit_warm_s']:>8.3f}s {r['speedup']:>5.0f}x  "
+              f"{split}", flush=True)
+        result["rows"].append(r)
+        save(args.out, result)
+    result["extrapolated"] = extrapolate(result["rows"], args.extrapolate) if result["rows"] else None
+    if result["extrapolated"]:
+        e = result["extrapolated"]
+        print(f"extrapolated to {e['prefix']}+{e['increment']} (from {e['from_prefixes']}): uncached "
+              f"{e['uncached_s']:.1f} s, hit {e['hit_s']:.3f} s: {e['speedup']:.0f}x")
+    result["wall_s"] = time.perf_counter() - began
+    save(args.out, result)
+
+
+def save(path: str, result: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

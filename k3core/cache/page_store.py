@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3core.cache.hashing import fingerprint
+from k3core.cache.hashing import checksum, fingerprint
 from k3core.cache.layout import PoolLayout
 from k3core.cache.pool import PageKind, PagePool
 
@@ -81,7 +81,8 @@ class PageStore:
         return self.data[page, :num_bytes].to("cpu", copy=True)
 
     def fingerprint(self, page: int, num_bytes: int) -> int:
-        return fingerprint(self.data[page, :num_bytes].cpu())
+        """The integrity checksum of a page's first bytes, computed on the pool's device (`hashing.checksum`)."""
+        return checksum(self.data[page, :num_bytes])
 
     def zero(self, page: int) -> None:
         self.data[page].zero_()

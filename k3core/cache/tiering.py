@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from k3core.cache.checkpoints import Checkpoint
 from k3core.cache.cpu_tier import HostBlock, HostCheckpoint
-from k3core.cache.hashing import fingerprint
+from k3core.cache.hashing import checksum
 from k3core.cache.lookup import BlockSource, CheckpointSource, Hit
 from k3core.cache.page_store import CopyOp
 from k3core.cache.pool import PageKind
@@ -151,16 +151,16 @@ class Tiering:
 
     def _host_bytes(self, pages: list[int], nbytes: int, known: list[int] | None) -> tuple[
             list | None, list[int] | None, bool]:
-        """(bytes, fingerprints, intact) of pages read for the host; checked against `known` if given."""
+        """(bytes, checksums, intact) of pages read for the host; checked against `known` first, if given (on
+        the pool's device, where `known` was computed)."""
         store = self.m.store
         if store is None:
             return None, None, True
-        data = [store.read(p, nbytes) for p in pages]
-        prints = [fingerprint(d) for d in data]
-        if known is not None and prints != known:
+        if known is not None and [store.fingerprint(p, nbytes) for p in pages] != known:
             self._integrity_error("write_back")
             return None, None, False
-        return data, prints, True
+        data = [store.read(p, nbytes) for p in pages]
+        return data, [checksum(d) for d in data], True
 
     def _write_back_block(self, block: Block) -> None:
         assert self.m.cpu is not None

@@ -62,8 +62,11 @@ class GatedMLA(nn.Module):
         keys = torch.cat([kv[..., : self.nope], k_pe], dim=-1).transpose(0, 1)
         values = kv[..., self.nope :].transpose(0, 1)
         mask = causal_lower_right(q.shape[0], latent.shape[0])
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale)
-        return o.transpose(0, 1)
+        # 4-D (a batch of one): SDPA's fused kernels take only 4-D inputs. A 3-D call fell back to the math
+        # path, which materialises the mask and float32 scores [H, T, S] (17 GB at T=8K, S=32K on mini).
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                           scale=self.scale)
+        return o[0].transpose(0, 1)
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, cache: BatchCache) -> torch.Tensor:
         q = self.queries(x)

@@ -5,6 +5,8 @@ is the Kimi Linear MoE."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -50,6 +52,10 @@ class SparseMoE(nn.Module):
             self.routed_expert_norm = (
                 RMSNorm(width, config.rms_norm_eps) if config.latent_moe_use_norm else None
             )
+        # While set, `forward` runs this instead: the same layer in a faster form that the serving engine
+        # provides (its sync-free grouped MoE, services.engine.model_runner). The loop below syncs with the
+        # device once per expert, which dominates a short prefill chunk on a GPU.
+        self.fast_form: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weights [N, k], expert ids [N, k], unbiased sigmoid scores [N, E]); the scores feed QB updates
@@ -61,6 +67,8 @@ class SparseMoE(nn.Module):
         return weights, indices, torch.sigmoid(logits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast_form is not None:
+            return self.fast_form(x)
         weights, indices, _ = self.route(x)
         z = self.routed_expert_down_proj(x) if self.latent else x
         routed = torch.zeros(z.shape, dtype=weights.dtype, device=z.device)
