@@ -92,8 +92,9 @@ if triton is not None:
         H, D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, F32_DOTS: tl.constexpr,
         DOUBLING: tl.constexpr,
     ):
-        """Grid (chunks, H). Token-major [T_total, H, *] in and out; g float32, beta [T_total, H] float32
-        (already through the sigmoid); gc_out [chunks, H, D]; akk_ws [chunks, H, C, C] float32 scratch.
+        """Grid (chunks, H). Token-major [T_total, H, *] in and out; g float32 in log2 units (G * log2(e): the
+        decay factors are bare exp2, one MUFU op each, where exp costs a multiply and a range fix-up more),
+        beta [T_total, H] float32 (already through the sigmoid); gc_out [chunks, H, D]; akk_ws [chunks, H, C, C] float32 scratch.
         F32_DOTS: float32 (TF32 on the GPU) dot operands instead of the input dtype; DOUBLING: the diagonal
         blocks' inverses by block doubling (see _diagonal_block_inverses)."""
         ci = tl.program_id(0).to(tl.int64)
@@ -129,12 +130,12 @@ if triton is not None:
                 # Split at the end of key sub-block blk: factors <= 1 off the diagonal block, <= e^80 on it;
                 # rows before the block are causally masked (factor 0 here).
                 ref = tl.load(g + tl.minimum(blk * BC + BC - 1, last) * HD + cols)
-                row_decay = tl.exp(tl.where(rows[:, None] >= blk * BC, G - ref[None, :], -1e30))
+                row_decay = tl.math.exp2(tl.where(rows[:, None] >= blk * BC, G - ref[None, :], -1e30))
                 key_rel = (blk * BC + sub)[:, None] * HD + cols[None, :]
                 key_ok = (blk * BC + sub < n_valid)[:, None]
                 k_key = tl.load(k + key_rel, mask=key_ok, other=0.0).to(tl.float32)
                 g_key = tl.load(g + key_rel, mask=key_ok, other=0.0)
-                k_col = tl.trans((k_key * tl.exp(ref[None, :] - g_key)).to(dt))
+                k_col = tl.trans((k_key * tl.math.exp2(ref[None, :] - g_key)).to(dt))
                 part_k = tl.dot((kc * row_decay).to(dt), k_col)
                 part_q = tl.dot((qc * row_decay).to(dt), k_col)
                 if blk == 0:
@@ -164,11 +165,12 @@ if triton is not None:
             rel = rows[:, None] * HD + cols[None, :]
             G, g_end = _flat_gate(g, rel, io_mask, last, HD, cols)
             kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
-            decay = tl.exp(G)
+            decay = tl.math.exp2(G)
             w_blk = tl.dot(T, (kc * decay * bt[:, None]).to(dt))
             tl.store(w_out + rel, w_blk.to(w_out.dtype.element_ty), mask=io_mask)
-            tl.store(kg_out + rel, (kc * tl.exp(g_end[None, :] - G)).to(kg_out.dtype.element_ty), mask=io_mask)
-            tl.store(gc_out + cols, tl.exp(g_end))
+            kg_blk = kc * tl.math.exp2(g_end[None, :] - G)
+            tl.store(kg_out + rel, kg_blk.to(kg_out.dtype.element_ty), mask=io_mask)
+            tl.store(gc_out + cols, tl.math.exp2(g_end))
             qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
             tl.store(qg_out + rel, (qc * decay * scale).to(qg_out.dtype.element_ty), mask=io_mask)
         for vb in range(0, D // BK):

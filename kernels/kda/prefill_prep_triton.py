@@ -2,7 +2,7 @@
 
 From the raw projections: ShortConv + Swish of q, k, v (the W-1 inputs before a sequence start come from
 the carried conv state), L2Norm of q and k, the bounded gate g = lower_bound * sigmoid(e^A_log (z + b))
-and its in-chunk cumulative sum G (float32: it reaches -5 * 64), and sigmoid(beta).
+and its in-chunk cumulative sum G (float32: it reaches -5 * 64; in log2 units), and sigmoid(beta).
 Why a pass of its own: computing all of this inside the chunk's UT-transform kernel kept q, k, G and the
 decay factors live as [64, 128] float32 tiles at once (255 registers + ~9 KB of spills per thread, 5.7 of
 6.8 ms at B=1, T=32K, H=16 on the H200). Here one stream at a time is live; the bf16 round trip of the
@@ -87,7 +87,8 @@ if triton is not None:
         if stream == GATE_STREAM:
             zt = tl.load(z + base + rel, mask=io_mask, other=0.0).to(tl.float32)
             zt += tl.load(dt_bias + h * D + offs).to(tl.float32)[None, :]
-            g = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + h).to(tl.float32)) * zt)
+            # In log2 units (G * log2(e)): the UT pass then forms its decay factors with bare exp2.
+            g = (lower_bound * 1.4426950408889634) * tl.sigmoid(tl.exp(tl.load(A_log + h).to(tl.float32)) * zt)
             tl.store(g_out + base + rel, tl.cumsum(tl.where(io_mask, g, 0.0), axis=0), mask=io_mask)
             bt = tl.sigmoid(tl.load(beta + (start + rows) * H + h, mask=valid, other=0.0).to(tl.float32))
             tl.store(beta_out + (start + rows) * H + h, bt, mask=valid)
