@@ -1,14 +1,17 @@
-"""The MoE router's selection of one decode step in one launch (K3 report eq.13): float32 logits [T, E] ->
-sigmoid scores, selection = scores + bias, top-k, weights from the unbiased scores, renormalised, scaled
-(replaces sigmoid, the bias add, top-k's two kernels, gather, sum, divide and scale).
+"""The MoE router of one decode step in one launch (K3 report eq.13): tokens x [T, H] -> logits x @ W^T
+accumulated in float32 -> sigmoid scores, selection = scores + bias, top-k, weights from the unbiased
+scores, renormalised, scaled (replaces x.float()'s copy, cuBLAS's float32 GEMM and its split-K reduction,
+sigmoid, the bias add, top-k's two kernels, gather, sum, divide and scale).
 
-The logits come from a cuBLAS float32 GEMM (x.float() @ W_router^T): a first version computed them inside
-this kernel (tl.dot in IEEE float32, one program per 16 tokens looping over the hidden size) and took 78 us
-a launch on the H200 at any batch (1.25 ms of a 4.1 ms forward at batch 64: a serial loop of strided
-loads in one to four programs), where the GEMM + this selection take a few us.
-Program = BLOCK_T tokens: k rounds of (max, lowest index reaching it, mask it out). NaN selections count as
-the largest (torch.topk's rule), so every pick is a valid expert id whatever the activations hold. Picks
-come out in descending selection order, as torch.topk's sorted output.
+Logits: a tensor-core dot of x and W in their own dtype (bf16 at serving) with float32 accumulation. A bf16
+product is exact in float32, so the logits equal MoEGate's x.float() @ W.float()^T up to the order of the
+float32 sums (as any GEMM's split does). A first in-kernel version ran tl.dot in IEEE float32 (CUDA-core
+FMAs) and took 78 us a launch on the H200; a cuBLAS float32 GEMM + a selection kernel then took ~12 us a
+layer in four launches (the cast's copy, the sgemm, its split-K reduce, the selection).
+Program = BLOCK_T tokens against all experts (top-k needs the whole row): a K loop of BLOCK_H slices, then
+k rounds of (max, lowest index reaching it, mask it out). NaN selections count as the largest (torch.topk's
+rule), so every pick is a valid expert id whatever the activations hold. Picks come out in descending
+selection order, as torch.topk's sorted output.
 """
 
 from __future__ import annotations
@@ -20,15 +23,26 @@ from kernels._triton import next_pow2, require, tl, triton
 if triton is not None:
 
     @triton.jit
-    def _route_kernel(logits, bias, weights_out, indices_out, T, E, stride_t, scaling, TOP_K: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _route_kernel(x, w, bias, weights_out, indices_out, T, E, H, stride_x, stride_w, scaling,
+                      TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, EVEN_H: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
         tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         experts = tl.arange(0, BLOCK_E)
+        hs = tl.arange(0, BLOCK_H)
         token_ok, expert_ok = tokens < T, experts < E
-        x = tl.load(logits + tokens.to(tl.int64)[:, None] * stride_t + experts[None, :],
-                    mask=token_ok[:, None] & expert_ok[None, :], other=0.0).to(tl.float32)
-        scores = tl.sigmoid(x)
+        x_at = x + tokens.to(tl.int64)[:, None] * stride_x + hs[None, :]
+        w_at = w + experts.to(tl.int64)[:, None] * stride_w + hs[None, :]
+        logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            x_ok, w_ok = token_ok[:, None], expert_ok[:, None]
+            if not EVEN_H:
+                x_ok = x_ok & (h0 + hs < H)[None, :]
+                w_ok = w_ok & (h0 + hs < H)[None, :]
+            logits = tl.dot(tl.load(x_at, mask=x_ok, other=0.0), tl.trans(tl.load(w_at, mask=w_ok, other=0.0)),
+                            logits, input_precision="ieee")
+            x_at += BLOCK_H
+            w_at += BLOCK_H
+        scores = tl.sigmoid(logits)
         selection = scores
         if HAS_BIAS:
             selection = scores + tl.load(bias + experts, mask=expert_ok, other=0.0).to(tl.float32)[None, :]
@@ -54,18 +68,24 @@ if triton is not None:
         tl.store(indices_out + out, picked_i, mask=ok)
 
 
-def moe_route_logits(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool = True,
-                     scaling: float = 1.0, block_t: int = 16, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] float32 (unit column stride) -> (weights [T, k] float32, expert ids [T, k] int64)."""
-    require(logits.dim() == 2 and logits.stride(1) == 1 and logits.dtype == torch.float32,
-            f"logits must be float32 [T, E] with unit column stride, got {logits.dtype} {tuple(logits.shape)}")
-    tokens, experts = logits.shape
+def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+              renormalize: bool = True, scaling: float = 1.0, block_t: int = 16, block_h: int = 128,
+              num_warps: int = 4, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as kernels.fused.naive.moe_route: x [T, H] (row-strided allowed) and weight [E, H] of one
+    dtype -> (weights [T, k] float32, expert ids [T, k] int64)."""
+    require(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and x.stride(1) == 1
+            and weight.stride(1) == 1, f"x must be [T, H] and weight [E, H] with unit column stride, got "
+            f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    require(x.dtype == weight.dtype, f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
+    (tokens, hidden), experts = x.shape, weight.shape[0]
     require(1 <= top_k <= experts, f"top_k must be in [1, {experts}], got {top_k}")
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
-    indices = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
+    indices = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
     if tokens:
+        block_h = min(block_h, max(16, next_pow2(hidden)))
         _route_kernel[(triton.cdiv(tokens, block_t),)](
-            logits, logits if bias is None else bias, weights, indices, tokens, experts, logits.stride(0),
-            float(scaling), TOP_K=top_k, HAS_BIAS=bias is not None, RENORMALIZE=renormalize, BLOCK_T=block_t,
-            BLOCK_E=next_pow2(experts), BLOCK_K=next_pow2(top_k), num_warps=num_warps)
+            x, weight, x if bias is None else bias, weights, indices, tokens, experts, hidden, x.stride(0),
+            weight.stride(0), float(scaling), TOP_K=top_k, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
+            EVEN_H=hidden % block_h == 0, BLOCK_T=block_t, BLOCK_E=max(16, next_pow2(experts)), BLOCK_H=block_h,
+            BLOCK_K=next_pow2(top_k), num_warps=num_warps, num_stages=num_stages)
     return weights, indices

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from k3core.ops.mla import sigmoid_output_gate
 from k3core.ops.moe import sigmoid_router, situ_glu, swiglu
@@ -11,11 +12,27 @@ from k3core.ops.norm import rms_norm
 ACTIVATIONS = ("situ", "swiglu")
 
 
-def moe_route_logits(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool = True,
-                     scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sigmoid router's selection on float32 logits [T, E] (MoEGate's x.float() @ W^T): sigmoid, + bias,
-    top-k, weights from the unbiased scores, renormalise, scale (k3core's `sigmoid_router`)."""
-    return sigmoid_router(logits, top_k, bias, renormalize, scaling)
+def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+              renormalize: bool = True, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sigmoid router of tokens x [T, H] with weight [E, H]: logits in float32 (MoEGate's x.float() @ W^T),
+    sigmoid, + bias, top-k, weights from the unbiased scores, renormalise, scale (k3core's `sigmoid_router`)
+    -> (weights [T, k] float32, expert ids [T, k])."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    return sigmoid_router(F.linear(x.to(dtype), weight.to(dtype)), top_k, bias, renormalize, scaling)
+
+
+def expert_gate_up_glu(z: torch.Tensor, w13: torch.Tensor, activation: str = "situ", beta1: float = 4.0,
+                       beta2: float = 25.0) -> torch.Tensor:
+    """Every expert's gate|up GEMM and GLU: z [T, l], w13 [E, 2F, l] (each expert's gate rows, then up rows)
+    -> act [E, T, F]."""
+    experts, two_f, width = w13.shape
+    gate_up = F.linear(z, w13.reshape(experts * two_f, width)).view(z.shape[0], experts, two_f)
+    return glu(gate_up, activation, beta1, beta2).transpose(0, 1).contiguous()
+
+
+def expert_down(act: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Every expert's down projection: act [E, T, F], w2 [E, l, F] -> [E, T, l]."""
+    return torch.bmm(act, w2.transpose(1, 2))
 
 
 def moe_align(indices: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,17 +1,18 @@
 """Feed-forward of the decode fast path: gated MLPs with one gate|up GEMM, and the latent MoE in a handful of
 launches (no per-expert loop, no host sync).
 
-Latent MoE at one step (`MoeDecode`): the router's float32 logits by cuBLAS, then one selection kernel
-(`dispatch.moe_route_logits`: sigmoid, bias, top-k, renormalise, scale); one GEMM for everything that reads x (the routed down projection
-and the shared experts' gate|up); the routed experts (below); one kernel for the tail
+Latent MoE at one step (`MoeDecode`): the router in one kernel (`dispatch.moe_route`: logits accumulated in
+float32, sigmoid, bias, top-k, renormalise, scale); one GEMM for everything that reads x (the routed down
+projection and the shared experts' gate|up); the routed experts (below); one kernel for the tail
 (`dispatch.moe_combine`: the picked expert rows weighted and summed, the latent RMSNorm, the shared experts'
 activation beside it); one GEMM of that against [W_up | W_shared_down] (a derived, refreshable copy), with
 the residual added in the GEMM's epilogue.
 Routed experts: the weights are stacked once into [E, 2F, l] and [E, l, F] (the modules' weights become
 views of them). Few tokens (few experts read) or many: pairs sorted by expert and `torch._grouped_mm` over
-each expert's run of rows. Mid-size batches where every expert is read anyway: one GEMM of the latent rows
-against every expert's gate|up, the activation, one batched GEMM per expert for the down projection; the
-combine then reads only the picked (expert, token) rows.
+each expert's run of rows. Mid-size batches where every expert is read anyway: one kernel for every
+expert's gate|up GEMM with the activation in its epilogue (`dispatch.expert_gate_up_glu`), one for every
+expert's down projection (`dispatch.expert_down`); the combine then reads only the picked (expert, token)
+rows.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ class MoeDecode:
             up = moe.routed_expert_up_proj.weight
             self.out_weight = up if shared is None else \
                 self.derived.derive(lambda: torch.cat([up, shared.down_proj.weight], dim=1))
-        # Routing runs in float32 (MoEGate): cast once here (the weight itself in a float32 model).
-        self.router = self.derived.derive(lambda: moe.gate.weight.float())
+        # The router kernel accumulates in float32 (MoEGate's float32 logits) from the weight as stored.
+        self.router = moe.gate.weight.detach()
         self.activation = "situ" if config.hidden_act == "situ" else "swiglu"
         # Set by a tensor-parallel rank (fast_tensor_parallel.ShardedMoe): the routed sum goes through it (this
         # rank's experts' share, all-reduced between the sum and the latent norm), so the tail runs unfused.
@@ -96,12 +97,11 @@ class MoeDecode:
 
     def _expert_rows_dense(self, z: torch.Tensor, indices: torch.Tensor) -> ExpertRows:
         """Every expert on every token: [E*T, l] rows, token t's pick of expert e at row e*T + t."""
-        experts, two_f, width = self.w13.shape
-        tokens = z.shape[0]
-        gate_up = F.linear(z, self.w13.view(experts * two_f, width))  # [T, E*2F]: one GEMM
-        act = glu_activation(self.config, gate_up.view(tokens * experts, two_f)).view(tokens, experts, -1)
-        out = torch.bmm(act.transpose(0, 1), self.w2.transpose(1, 2))  # [E, T, l]
-        return out.view(experts * tokens, out.shape[-1]), indices, tokens, 1
+        act = dispatch.expert_gate_up_glu(z, self.w13, self.activation, self.config.situ_beta,
+                                          self.config.situ_linear_beta)  # [E, T, F]
+        out = dispatch.expert_down(act, self.w2)  # [E, T, l]
+        experts, tokens, width = out.shape
+        return out.view(experts * tokens, width), indices, tokens, 1
 
     def _expert_rows_grouped(self, z: torch.Tensor, indices: torch.Tensor) -> ExpertRows:
         """Each (token, expert) pair once: rows sorted by expert, token t's j-th pick at row position[t, j]."""
@@ -117,10 +117,11 @@ class MoeDecode:
         return dispatch.moe_combine(rows, index, weights, index_stride, token_stride, out_dtype=weights.dtype)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, expert ids [T, k]): float32 logits by cuBLAS, then one selection kernel."""
+        """(weights [T, k] float32, expert ids [T, k]) in one kernel (x cast only if the router weight is kept in
+        another dtype than the model's, e.g. float32)."""
         moe = self.moe
-        return dispatch.moe_route_logits(F.linear(x.float(), self.router), moe.gate.e_score_correction_bias,
-                                         moe.top_k, moe.renormalize, moe.scaling)
+        return dispatch.moe_route(x.to(self.router.dtype), self.router, moe.gate.e_score_correction_bias,
+                                  moe.top_k, moe.renormalize, moe.scaling)
 
     def _dense(self, tokens: int) -> bool:
         """Dense over all experts when every expert is likely touched anyway and the extra FLOPs stay under

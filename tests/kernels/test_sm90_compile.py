@@ -30,6 +30,7 @@ from kernels import compile_check
 from kernels._triton import tl, triton
 from kernels.attnres import inter_triton, merge_norm_triton
 from kernels.fused import (
+    expert_gemm_triton,
     gated_heads_triton,
     mla_latent_write_triton,
     moe_align_triton,
@@ -139,14 +140,15 @@ def attnres(tokens: int, **tuning) -> None:
 
 def moe_step(tokens: int) -> None:
     """services/engine/fast_ffn.MoeDecode (latent MoE): routing, grouped or dense expert rows, the fused tail."""
-    weights, ids = moe_router_triton.moe_route_logits(empty(tokens, E, dtype=F32), empty(E, dtype=F32), TOP_K)
+    weights, ids = moe_router_triton.moe_route(empty(tokens, HIDDEN), empty(E, HIDDEN), empty(E), TOP_K)
     h = empty(tokens, LATENT + 2 * 2 * F_MOE)  # [z | shared experts' gate_up]: one GEMM's output
     shared = h[:, LATENT:]
     _, _, position = moe_align_triton.moe_align(ids, E)
     situ_glu_triton.situ_glu_fused(empty(tokens * TOP_K, 2 * F_MOE))
     moe_combine_triton.moe_combine(empty(tokens * TOP_K, LATENT), position, weights, 1, 0, empty(LATENT), 1e-6,
                                    shared, out_dtype=BF16)
-    situ_glu_triton.situ_glu_fused(empty(tokens * E, 2 * F_MOE))
+    act = expert_gemm_triton.expert_gate_up_glu(h[:, :LATENT], empty(E, 2 * F_MOE, LATENT))
+    expert_gemm_triton.expert_down(act, empty(E, LATENT, F_MOE))
     moe_combine_triton.moe_combine(empty(E * tokens, LATENT), ids, weights, tokens, 1, empty(LATENT), 1e-6, shared,
                                    out_dtype=BF16)
 
