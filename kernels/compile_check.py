@@ -35,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 KERNELS_DIR = Path(__file__).resolve().parent
+# A directory holding another Triton (e.g. the device's: `pip install --no-deps --target DIR triton==3.6.0`)
+# for the compile workers to use instead of this environment's; its wheel ships ptxas as well.
+TRITON_PATH_ENV = "K3_COMPILE_CHECK_TRITON_PATH"
 H200_SMS = 132
 H200_SHARED_BYTES = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin of the H200 (227 KiB)
 # The device's default: Triton 3.9 warns when this is unset (its default flips in 3.10); 3.6 fuses.
@@ -67,6 +70,7 @@ class CompileSpec:
 @dataclass
 class CompileResult:
     ok: bool
+    triton_version: str
     error: str = ""
     shared: int = 0  # bytes of shared memory the compiled kernel needs
 
@@ -191,10 +195,11 @@ def record_launches(device_constexprs: dict[str, Any] | None = None) -> Iterator
 
 def compile_specs(specs: list[CompileSpec], workers: int = 2, timeout: float = 600) -> list[CompileResult]:
     """Compile each spec for sm_90 in `workers` fresh processes (TRITON_INTERPRET unset); results in order.
-    Triton's on-disk cache (TRITON_CACHE_DIR) makes repeated runs of unchanged kernels cheap."""
+    Triton's on-disk cache (TRITON_CACHE_DIR) makes repeated runs of unchanged kernels cheap; the workers
+    use the Triton in $K3_COMPILE_CHECK_TRITON_PATH when set."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | FP_FUSION_ENV
     root = str(KERNELS_DIR.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get(TRITON_PATH_ENV), root, env.get("PYTHONPATH")) if p)
     shares = [list(range(i, len(specs), workers)) for i in range(min(workers, len(specs)))]
     procs = [subprocess.Popen([sys.executable, "-m", "kernels.compile_check"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=root) for _ in shares]
@@ -218,8 +223,8 @@ def _compile_one(spec: CompileSpec) -> CompileResult:
         compiled = triton.compile(ASTSource(fn, spec.signature, spec.constexprs, spec.attrs), target=_target(),
                                   options=spec.options)
     except Exception as e:  # noqa: BLE001 - the compiler's message is the result
-        return CompileResult(False, f"{type(e).__name__}: {e}")
-    return CompileResult(True, shared=int(compiled.metadata.shared))
+        return CompileResult(False, triton.__version__, f"{type(e).__name__}: {e}")
+    return CompileResult(True, triton.__version__, shared=int(compiled.metadata.shared))
 
 
 def _module_name(path: Path) -> str:
