@@ -29,9 +29,9 @@ if triton is not None:
         (row-major float32 at ws), as [C / BC, BC, BC], exact float32 arithmetic.
         DOUBLING: block doubling with batched dots, log2(BC) = 4 levels: with X_s the inverse of the s x s
         diagonal blocks and L_s the entries of M between the two s-halves of each 2s-block,
-        X_2s = X_s - X_s L_s X_s (exact, since (L_s X_s)^2 = 0): 8 small dots and ~15 barriers.
-        Otherwise forward substitution row by row, all blocks at once (two reductions per row: ~200 barriers
-        at 4 warps, the UT pass's largest cost)."""
+        X_2s = X_s - X_s L_s X_s (exact, since (L_s X_s)^2 = 0): 6 small dots.
+        Otherwise forward substitution row by row, all blocks at once: two cross-thread reductions per row,
+        a serial chain (sm_90a SASS, Triton 3.6: 119 barrier and 240 shuffle instructions vs 17 and 0)."""
         NB: tl.constexpr = C // BC
         b3 = tl.arange(0, NB)[:, None, None]
         r3 = tl.arange(0, BC)[None, :, None]
@@ -39,7 +39,8 @@ if triton is not None:
         diag = tl.load(ws + (b3 * BC + r3) * C + b3 * BC + j3)
         X = tl.where(r3 == j3, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
         if DOUBLING:
-            for level in tl.static_range(BC.bit_length() - 1):
+            X -= tl.where((r3 == j3 + 1) & (r3 % 2 == 1), diag, 0.0)  # X_1 = I: X_2 = I - L_1, no dots
+            for level in tl.static_range(1, BC.bit_length() - 1):
                 s = 1 << level
                 L = tl.where((r3 // (2 * s) == j3 // (2 * s)) & (r3 // s > j3 // s), diag, 0.0)
                 X -= tl.dot(tl.dot(X, L, input_precision="ieee"), X, input_precision="ieee")

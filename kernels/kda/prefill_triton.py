@@ -179,8 +179,8 @@ def kda_prefill_block(
     - ut_maxnreg: register cap of the UT pass (None: none). ptxas (sm_90a): 213 registers at k_block 32 = 2
       programs per SM; under 168 (16 B of spills) 3 fit: UT pass 1.34 -> 1.14 ms at B=1, T=32K on the H200.
     - prep_gate_apart: the prologue's gate + cumsum + beta in programs of their own instead of with v's conv.
-    - ut_doubling: the UT pass inverts the 16x16 diagonal blocks by block doubling (8 small dots, ~15
-      barriers) instead of row-by-row forward substitution (~200 barriers at 4 warps).
+    - ut_doubling: the UT pass inverts the 16x16 diagonal blocks by block doubling (6 small dots) instead of
+      row-by-row forward substitution (a serial chain of cross-thread reductions).
     - f32_dots: float32 (TF32) operands in the UT transform's dots instead of the input dtype.
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)

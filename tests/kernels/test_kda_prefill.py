@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from kernels import dispatch
+from kernels._triton import tl, triton
 from kernels.kda import naive, prefill_triton
+from kernels.kda.prefill_chunk_triton import _diagonal_block_inverses
 from tests.kernels.kda_inputs import KdaCase
 from tests.kernels.test_kda_decode import _float64_step
 
@@ -103,6 +105,25 @@ def test_triton_prefill_with_nearly_parallel_keys(interpreted, doubling):
     z, beta = torch.full_like(z, -30.0), beta.abs() + 8.0
     got = prefill_triton.kda_prefill_block(q, k, v, z, beta, gate, *params, ut_doubling=doubling)
     _close(got, naive.kda_prefill_block(q, k, v, z, beta, gate, *params))
+
+
+@triton.jit
+def _inverses_kernel(m, out, C: tl.constexpr, BC: tl.constexpr, DOUBLING: tl.constexpr):
+    x = _diagonal_block_inverses(m, C, BC, DOUBLING)
+    blocks = tl.arange(0, C // BC)[:, None, None] * BC * BC
+    tl.store(out + blocks + tl.arange(0, BC)[None, :, None] * BC + tl.arange(0, BC)[None, None, :], x)
+
+
+@pytest.mark.parametrize("doubling", [True, False])
+def test_diagonal_block_inverses_match_float64(interpreted, doubling):
+    """The UT pass's 16x16 diagonal-block inverses of I + M (M strictly lower) against torch in float64."""
+    m = torch.randn(64, 64, generator=torch.Generator().manual_seed(19)).tril(-1)
+    got = torch.empty(4, 16, 16)
+    _inverses_kernel[(1,)](m, got, C=64, BC=16, DOUBLING=doubling)
+    for b in range(4):
+        block = m[16 * b:16 * (b + 1), 16 * b:16 * (b + 1)].double()
+        want = torch.linalg.inv(torch.eye(16, dtype=torch.float64) + block)
+        torch.testing.assert_close(got[b].double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 def test_softplus_gate_runs_the_reference_and_dispatch_routes_cpu_to_it():
