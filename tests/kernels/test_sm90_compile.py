@@ -148,8 +148,7 @@ def moe_step(tokens: int) -> None:
     situ_glu_triton.situ_glu_fused(empty(tokens * TOP_K, 2 * F_MOE))
     moe_combine_triton.moe_combine(empty(tokens * TOP_K, LATENT), position, weights, 1, 0, empty(LATENT), 1e-6,
                                    shared, out_dtype=BF16)
-    act = expert_gemm_triton.expert_gate_up_glu(h[:, :LATENT], empty(E, 2 * F_MOE, LATENT))
-    expert_gemm_triton.expert_down(act, empty(E, LATENT, F_MOE))
+    expert_gemm_triton.expert_gate_up_glu(h[:, :LATENT], empty(E, 2 * F_MOE, LATENT))
     moe_combine_triton.moe_combine(empty(E * tokens, LATENT), ids, weights, tokens, 1, empty(LATENT), 1e-6, shared,
                                    out_dtype=BF16)
 
@@ -187,19 +186,18 @@ def _bench_variants() -> dict:
         cases[f"kda decode {v}"] = lambda v=v: [decode_step_triton.kda_decode_split(
             *kda_tokens(b), *kda_params(), *kda_pool(b), -5.0, None, 1e-6, 1e-6, v.block_v, v.warps, v.evict_first,
             v.stream_store, v.heads_first) for b in DECODE_BATCHES]
-    for label, tuning in kda_prefill_cases.VARIANTS:
+    for label, tuning, *_ in kda_prefill_cases.VARIANTS:
         cases[f"kda prefill {label}"] = lambda t=tuning: kda_prefill(**t)
     for v in mla_cases.VARIANTS:
         cases[f"mla decode {v}"] = lambda v=v: [mla_step(b, **v) for b in DECODE_BATCHES]
     for kind, tokens in (("decode", DECODE_BATCHES), ("prefill", (PREFILL_TOKENS,))):
         for v in attnres_cases.INTER_VARIANTS[kind]:
             cases[f"attnres {kind} {v}"] = lambda v=v, ts=tokens: [attnres(m, **v) for m in ts]
-    for br, bc, nw, ns, hp, dr, dc in moe_cases.VARIANTS:
-        tuning = {"block_rows": br, "block_cols": bc, "num_warps": nw, "num_stages": ns, "h_parts": hp,
-                  "down_block_rows": dr, "down_block_cols": dc}
-        # At the bench's MoE shape: some variants' tiles do not divide mini's widths.
-        cases[f"latent moe {tuning}"] = lambda t=tuning: [latent_moe(n, moe_cases.E, moe_cases.L, moe_cases.F,
-                                                                     moe_cases.TOP_K, **t) for n in DECODE_BATCHES]
+    for gate_up, down in moe_cases.SWEEP:  # the tile sweep (VARIANTS is its first pair), at the bench's shape:
+        # some tiles do not divide mini's widths
+        cases[f"latent moe {gate_up.label()} | {down.label()}"] = lambda g=gate_up, d=down: [
+            latent_moe(n, moe_cases.E, moe_cases.L, moe_cases.F, moe_cases.TOP_K, gate_up_tile=g, down_tile=d)
+            for n in DECODE_BATCHES]
     return cases
 
 
