@@ -27,9 +27,44 @@ from pathlib import Path
 import torch
 
 from bench.serve_rank import Rank, random_model, sync
+from k3core.model import K3Model
 from k3core.presets import preset
 
-WARMUP_TOKENS = 2048
+WARMUP_TOKENS = 2048 + 7  # a hash-aligned chunk and an unaligned tail: both shapes' kernel variants
+
+
+def gemm_flops_per_s(device: str, n: int = 8192) -> float:
+    """Dense bf16 (float32 on the CPU) matmul throughput measured here: the compute roofline of the rows."""
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    n = n if device.startswith("cuda") else 1024
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    a @ b
+    reps = 10
+    return 2 * n**3 * reps / _seconds(lambda: [a @ b for _ in range(reps)])
+
+
+def forward_flops(model: K3Model, context: int, new: int) -> float:
+    """Matmul FLOPs of one prefill forward of `new` tokens after `context` cached ones: every token through
+    the weights it reads (the routed experts' share top_k / E), each MLA layer's expansion of every cached
+    latent into keys and values, and its attention of the new queries over their causal keys."""
+    c = model.config
+    dense = experts = 0
+    for name, param in model.named_parameters():
+        if "embed_tokens" not in name and "lm_head" not in name:
+            if ".experts." in name:
+                experts += param.numel()
+            else:
+                dense += param.numel()
+    active = dense + experts * c.num_experts_per_token / max(c.num_experts, 1)
+    mla, heads = len(c.mla_layers), c.num_attention_heads
+    expand = 2 * (context + new) * c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
+    attend = 2 * heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * new * (context + (new + 1) / 2)
+    return 2 * active * new + mla * (expand + attend)
+
+
+def prompt_flops(model: K3Model, start: int, end: int, chunk: int) -> float:
+    """FLOPs of prefilling tokens [start, end) in forwards of at most `chunk` tokens."""
+    return sum(forward_flops(model, pos, min(chunk, end - pos)) for pos in range(start, end, chunk))
 
 
 def _seconds(run: Callable[[], object]) -> float:
@@ -79,10 +114,11 @@ def _split(rank: Rank, rid: str, tokens: list[int]) -> dict[str, float]:
     return phases
 
 
-def ttft(rank: Rank, prefix: list[int], increment: int, row: int = 0) -> dict:
+def ttft(rank: Rank, prefix: list[int], increment: int, row: int = 0, peak: float | None = None) -> dict:
     """Time to first token of `prefix` + `increment` new tokens, uncached and with the prefix cached (MLA
     blocks + the KDA checkpoint at the prefix end). `row` keeps the request ids and warm-up prompts of
-    several calls on one rank apart."""
+    several calls on one rank apart. `work_ratio` is the uncached over the hit matmul FLOPs: the speedup if
+    both ran equally efficiently; with `peak` (FLOP/s), each one's time at that roofline too."""
     vocab, tag = rank.vocab, str(row)
     warm = [_prefill(rank, f"warm{tag}{k}", [(t * (5 + k) + 31 * row) % vocab + 1 for t in range(WARMUP_TOKENS)])[0]
             for k in range(2)]
@@ -96,9 +132,16 @@ def ttft(rank: Rank, prefix: list[int], increment: int, row: int = 0) -> dict:
     finally:
         rank.budget = budget
     cached = statistics.median(warm_hits)
+    model, total = rank.runner.model, len(prefix) + increment
+    work = {"uncached_tflop": prompt_flops(model, 0, total, math.gcd(budget, len(prefix))) / 1e12,
+            "hit_tflop": prompt_flops(model, hit, total, budget) / 1e12}
+    work["work_ratio"] = work["uncached_tflop"] / work["hit_tflop"]
+    if peak:
+        work |= {"uncached_roof_s": work["uncached_tflop"] * 1e12 / peak, "hit_roof_s": work["hit_tflop"] * 1e12 / peak}
     return {"prefix": len(prefix), "increment": increment, "warmup_s": warm[0], "warmup_again_s": warm[1],
             "uncached_s": uncached, "hit_cold_s": cold, "hit_warm_s": cached, "cached_s": cached,
-            "hit_split": phases, "hit_tokens": hit, "speedup": uncached / cached, "speedup_cold": uncached / cold}
+            "hit_split": phases, "hit_tokens": hit, "speedup": uncached / cached, "speedup_cold": uncached / cold,
+            **work}
 
 
 def extrapolate(rows: list[dict], target: int) -> dict | None:
@@ -146,26 +189,30 @@ def main() -> None:
     sizing = argparse.Namespace(**{**vars(args), "prefix": longest, "increment": 0, "batches": [1], "steps": 0})
     rank = Rank(model, args.model, sizing, dtype)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    peak = gemm_flops_per_s(args.device)
     result: dict = {"model": args.model, "device": f"{device}, torch {torch.__version__}", "dtype": str(dtype),
-                    "rows": [], "skipped": []}
-    print(f"{'prefix':>8} {'incr':>6} {'1st prefill':>11} {'again':>7} {'uncached':>9} {'hit cold':>9} "
-          f"{'hit warm':>9} {'ratio':>6}  hit split (admission / forward / commit ms)")
+                    "gemm_flops_per_s": peak, "rows": [], "skipped": []}
+    print(f"{args.model} on {device} ({dtype}); dense matmul {peak / 1e12:.0f} TFLOP/s measured (the roofline)")
+    print(f"{'prefix':>8} {'incr':>6} {'1st prefill':>11} {'again':>7} {'uncached':>9} {'roof':>7} {'hit cold':>9} "
+          f"{'hit warm':>9} {'roof':>7} {'ratio':>6} {'work':>6}  hit split (admission / forward / commit ms)")
     for row, (length, increment) in enumerate(zip(args.prefix, increments, strict=True)):
         if time.perf_counter() - began > args.time_limit:
             result["skipped"].append(f"prefix {length} increment {increment}")
             continue
-        r = ttft(rank, prefix_tokens(length, row, rank.vocab), increment, row)
+        r = ttft(rank, prefix_tokens(length, row, rank.vocab), increment, row, peak)
         split = " / ".join(f"{1e3 * v:.1f}" for v in r["hit_split"].values())
         print(f"{length:>8} {increment:>6} {r['warmup_s']:>10.3f}s {r['warmup_again_s']:>6.3f}s "
-              f"{r['uncached_s']:>8.3f}s {r['hit_cold_s']:>8.3f}s {r['hit_warm_s']:>8.3f}s {r['speedup']:>5.0f}x  "
+              f"{r['uncached_s']:>8.3f}s {r['uncached_roof_s']:>6.3f}s {r['hit_cold_s']:>8.3f}s "
+              f"{r['hit_warm_s']:>8.3f}s {r['hit_roof_s']:>6.3f}s {r['speedup']:>5.0f}x {r['work_ratio']:>5.0f}x  "
               f"{split}", flush=True)
         result["rows"].append(r)
         save(args.out, result)
-    result["extrapolated"] = extrapolate(result["rows"], args.extrapolate) if result["rows"] else None
-    if result["extrapolated"]:
-        e = result["extrapolated"]
+    e = result["extrapolated"] = extrapolate(result["rows"], args.extrapolate) if result["rows"] else None
+    if e:
+        end = e["prefix"] + e["increment"]
+        e["work_ratio"] = prompt_flops(model, 0, end, args.budget) / prompt_flops(model, e["prefix"], end, args.budget)
         print(f"extrapolated to {e['prefix']}+{e['increment']} (from {e['from_prefixes']}): uncached "
-              f"{e['uncached_s']:.1f} s, hit {e['hit_s']:.3f} s: {e['speedup']:.0f}x")
+              f"{e['uncached_s']:.1f} s, hit {e['hit_s']:.3f} s: {e['speedup']:.0f}x (work ratio {e['work_ratio']:.0f}x)")
     result["wall_s"] = time.perf_counter() - began
     save(args.out, result)
 
