@@ -3,26 +3,21 @@
 For each token row, the N completed block sums are scored by all Q pseudo-queries of the block's sites:
 logits = q_eff . RMSNorm(block) (q_eff = query * key-norm weight); per site the online-softmax statistics
 (max, denominator, accumulator) follow, which phase 2 (`merge_norm_triton`) folds the intra-block partial
-sum into. The bytes that must move are the blocks (read once) and the Q float32 accumulator rows per token
-(written once; at N=8, Q=24 they are 6x the block reads). The softmax needs full-D dot products before any
-accumulator column can be written, so the work is cut into (row tile, D chunk) programs, each in two phases:
-- scores: partial dot products and sums of squares of its `score_rows` rows over its D chunk (so a few
-  decode rows still occupy every SM, and the queries are read once per row tile), stored for its peers;
-- barrier: the chunk programs of a row tile are launched next to each other; each counts itself in on the
-  tile's counter and waits until all have (the cross-CTA reduction of the softmax statistics);
-- apply: per `apply_rows` rows, the chunks' partials are added up, the softmax taken and the accumulators of
-  its D chunk written, from the block columns that this program read moments ago (L2, not HBM).
-So HBM sees the blocks once, in one launch. Waiting on peers is deadlock-free because CTAs are dispatched in
-launch order and a tile has at most one SM's worth of chunks: the lowest unfinished tile's programs are
-always resident (see `plan_inter`). The counter is reset by the tile's last program to leave, so it is zero
-between calls. The interpreter runs programs one after another, so there (and with `barrier=False`) the
-same kernel is launched twice instead: scores for all programs, then apply.
+sum into. The Q float32 accumulator rows per token are most of the bytes (at N=8, Q=24: 6x the block
+reads), so everything is arranged around writing them at full speed:
+- the softmax needs full-D dot products before any accumulator column can be written, so a scores kernel
+  (partial dot products and sums of squares over D chunks, so that a few decode rows still occupy every
+  SM) runs first, then an apply kernel per (`apply_rows` rows, D chunk) adds the chunks up, takes the
+  softmax and writes the accumulators;
+- `fused=True`: one program per row tile does both passes, re-reading its rows' blocks from L2 (HBM sees
+  the blocks once). Measured slower on the H200 (docs/kernels.md): L2 does not keep the blocks against
+  the accumulator stream, and every row tile re-reads all Q queries.
 The accumulator of `apply_rows` rows is one product [Q * rows, rows * N] x [rows * N, D tile] with a
 block-diagonal weight matrix (each row's sites see only that row's blocks). Both products multiply a
 float32 matrix (queries, weights) by the blocks: bf16 blocks are exact in bf16, so the float32 side is cut
 into three bf16 parts (24 mantissa bits) and three bf16 MMAs give float32 products (half the tensor-core
-time of 3xTF32, which other dtypes take). Tensor-core accumulation over one D chunk (<= `chunk_d` columns)
-keeps the accumulators within ~1e-6 of float32 math (one chain over D=7168 measured 1.1e-5).
+time of 3xTF32, which other dtypes take). On the H200 one scores accumulation chain over all of D=7168
+measured 1.1e-5 relative in the accumulators (5e-7 with D cut into 28 chunks at decode).
 """
 
 from __future__ import annotations
@@ -44,9 +39,28 @@ if triton is not None:
         r, n = j // BN, j % BN
         ok = ((n < N) & (m0 + r < M))[:, None] & (d < D)[None, :]
         ptrs = blocks + (n[:, None] * M + m0 + r[:, None]) * D + d[None, :]
-        if REREAD:  # the apply phase: its last use
+        if REREAD:  # the second (apply) pass: its last use
             return tl.load(ptrs, mask=ok, other=0.0, eviction_policy="evict_first")
-        return tl.load(ptrs, mask=ok, other=0.0, eviction_policy="evict_last")  # kept for the apply phase
+        return tl.load(ptrs, mask=ok, other=0.0, eviction_policy="evict_last")
+
+    @triton.jit
+    def _partial_scores(queries, norm_w, blocks, m0, d_lo, d_hi, N, Q, M, D, HAS_NORM_W: tl.constexpr,
+                        SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
+                        BD: tl.constexpr):
+        """q_eff . blocks[:, m0 + r] [BQ, BM * BN] and the blocks' sums of squares [BM * BN] over d_lo..d_hi."""
+        qs = tl.arange(0, BQ)
+        dots = tl.zeros([BQ, BM * BN], dtype=tl.float32)
+        sq = tl.zeros([BM * BN], dtype=tl.float32)
+        for d0 in range(d_lo, d_hi, BD):
+            d = d0 + tl.arange(0, BD)
+            q_ok = (qs < Q)[:, None] & (d < D)[None, :]
+            blk = _block_tile(blocks, m0, d, N, M, D, BM, BN, False)
+            q = tl.load(queries + qs[:, None] * D + d[None, :], mask=q_ok, other=0.0).to(tl.float32)
+            if HAS_NORM_W:
+                q = q * tl.load(norm_w + qs[:, None] * D + d[None, :], mask=q_ok, other=0.0).to(tl.float32)
+            sq += tl.sum(blk.to(tl.float32) * blk.to(tl.float32), 1)
+            dots = _dot_exact(q, tl.trans(blk), dots, SPLIT)
+        return dots, sq
 
     @triton.jit
     def _dot_exact(a, b, acc, SPLIT: tl.constexpr):
@@ -69,100 +83,48 @@ if triton is not None:
         return tl.dot(hi.to(tl.float32), bf, acc, input_precision="ieee")
 
     @triton.jit
-    def _partials_at(c, m0, Q, M, BM: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr):
+    def _partials_at(c, m0, M, BM: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr):
         """Where D chunk c's partial results of rows m0 .. m0 + BM live: offsets of the scores [BQ, BM * BN]
-        in scores [chunks, M, Q, BN] and of the sums of squares [BM * BN] in squares [chunks, M, BN] (column
-        j = r * BN + n is row m0 + r, block n), their masks (rows < M; and sites < Q). The scores phase
-        writes there, the apply phase reads (every program of a tile reads all its chunks' partials, so
-        the padding sites are not stored)."""
+        in scores [chunks, M, BQ, BN] and of the sums of squares [BM * BN] in squares [chunks, M, BN] (column
+        j = r * BN + n is row m0 + r, block n), and the mask of rows < M. The scores kernel writes there, the
+        apply kernel reads."""
         j = tl.arange(0, BM * BN)
-        qs = tl.arange(0, BQ)
         r, n = j // BN, j % BN
         base = c * M + m0 + r  # [BM * BN]: the (chunk, row) of each column
-        rows_in = m0 + r < M
-        return ((base[None, :] * Q + qs[:, None]) * BN + n[None, :], (qs < Q)[:, None] & rows_in[None, :],
-                base * BN + n, rows_in)
+        return (base[None, :] * BQ + tl.arange(0, BQ)[:, None]) * BN + n[None, :], base * BN + n, m0 + r < M
 
     @triton.jit
-    def _query_parts_kernel(queries, norm_w, parts, Q, D, HAS_NORM_W: tl.constexpr, SPLIT: tl.constexpr,
-                            BQ: tl.constexpr, BD: tl.constexpr):
-        """parts [3, Q, D]: q_eff = query * key-norm weight cut into three bf16 parts (SPLIT 1; float32
-        copies of them for the interpreter, SPLIT 2), or q_eff itself in part 0 (SPLIT 0)."""
-        qs = tl.arange(0, BQ)
-        d = tl.program_id(0) * BD + tl.arange(0, BD)
-        ok = (qs < Q)[:, None] & (d < D)[None, :]
-        offs = qs[:, None] * D + d[None, :]
-        q = tl.load(queries + offs, mask=ok, other=0.0).to(tl.float32)
-        if HAS_NORM_W:
-            q = q * tl.load(norm_w + offs, mask=ok, other=0.0).to(tl.float32)
-        if SPLIT == 0:
-            tl.store(parts + offs, q, mask=ok)
-        else:
-            hi = q.to(tl.bfloat16)
-            rest = q - hi.to(tl.float32)
-            mid = rest.to(tl.bfloat16)
-            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-            tl.store(parts + offs, hi.to(parts.dtype.element_ty), mask=ok)
-            tl.store(parts + Q * D + offs, mid.to(parts.dtype.element_ty), mask=ok)
-            tl.store(parts + 2 * Q * D + offs, lo.to(parts.dtype.element_ty), mask=ok)
+    def _scores_kernel(queries, norm_w, blocks, scores, squares, N, Q, M, D, CHUNK,
+                       HAS_NORM_W: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BQ: tl.constexpr, BD: tl.constexpr):
+        """scores[c, m, q, n] = q_eff[q] . blocks[n, m] and squares[c, m, n] over D chunk c."""
+        m0 = tl.program_id(0).to(tl.int64) * BM
+        c = tl.program_id(1).to(tl.int64)
+        dots, sq = _partial_scores(queries, norm_w, blocks, m0, c * CHUNK, tl.minimum(c * CHUNK + CHUNK, D),
+                                   N, Q, M, D, HAS_NORM_W, SPLIT, BM, BN, BQ, BD)
+        score_offs, square_offs, ok = _partials_at(c, m0, M, BM, BN, BQ)
+        tl.store(scores + score_offs, dots, mask=ok[None, :])
+        tl.store(squares + square_offs, sq, mask=ok)
 
     @triton.jit
-    def _scores(parts, blocks, scores, squares, m0, c, d_lo, d_hi, N, Q, M, D, SPLIT: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr):
-        """Stores q_eff . blocks[:, m0 + r] [BQ, BM * BN] and the blocks' sums of squares over d_lo..d_hi.
-        The loop is a plain tiled product whose loads feed the dots directly, so the compiler pipelines
-        them. The queries are the product's rows (32: mma.sync): with the blocks as the rows (64: wgmma,
-        Triton 3.6) the H200 returned wrong partial dots now and then at 16 steps per chunk."""
-        qs = tl.arange(0, BQ)
-        dots = tl.zeros([BQ, BM * BN], dtype=tl.float32)
-        sq = tl.zeros([BM * BN], dtype=tl.float32)
-        for d0 in range(d_lo, d_hi, BD):
-            d = d0 + tl.arange(0, BD)
-            blk = _block_tile(blocks, m0, d, N, M, D, BM, BN, False)
-            sq += tl.sum(blk.to(tl.float32) * blk.to(tl.float32), 1)
-            q_ptrs = parts + qs[:, None] * D + d[None, :]  # [BQ, BD]
-            q_ok = (qs < Q)[:, None] & (d < D)[None, :]
-            if SPLIT == 0:
-                dots = tl.dot(tl.load(q_ptrs, mask=q_ok, other=0.0), tl.trans(blk.to(tl.float32)), dots,
-                              input_precision="tf32x3")
-            elif SPLIT == 1:  # smallest part first
-                for p in tl.static_range(2, -1, -1):
-                    dots = tl.dot(tl.load(q_ptrs + p * Q * D, mask=q_ok, other=0.0), tl.trans(blk), dots)
-            else:
-                for p in tl.static_range(2, -1, -1):
-                    dots = tl.dot(tl.load(q_ptrs + p * Q * D, mask=q_ok, other=0.0), tl.trans(blk.to(tl.float32)),
-                                  dots, input_precision="ieee")
-        score_offs, score_ok, square_offs, rows_in = _partials_at(c, m0, Q, M, BM, BN, BQ)
-        tl.store(scores + score_offs, dots, mask=score_ok)
-        tl.store(squares + square_offs, sq, mask=rows_in)
-
-    @triton.jit
-    def _wait_for_peers(counter, CHUNKS):
-        """Count this program in on its row tile's counter and wait until all CHUNKS have; the last one to
-        leave resets it. The CTA barrier orders every thread's partial stores before the (single-thread)
-        release, and the acquire before any thread's loads of the peers' partials."""
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") + 1
-        while arrived < CHUNKS:
-            arrived = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-        if tl.atomic_add(counter, 1, sem="relaxed", scope="gpu") == 2 * CHUNKS - 1:
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        tl.debug_barrier()
-
-    @triton.jit
-    def _apply(blocks, scores, squares, acc_out, max_out, denom_out, m0, c, d_lo, d_hi, N, Q, M, D, CHUNKS,
-               eps, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
-               BD: tl.constexpr, STREAM_STORES: tl.constexpr):
-        """Rows m0 .. m0 + BM: add up the chunks' partials, softmax, write the accumulators of d_lo..d_hi
-        (and max, denominator from chunk 0)."""
+    def _apply_kernel(queries, norm_w, blocks, scores, squares, acc_out, max_out, denom_out, N, Q, M, D, CHUNK,
+                      eps, FUSED: tl.constexpr, CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr,
+                      SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
+                      BD_SCORES: tl.constexpr, BD: tl.constexpr, STREAM_STORES: tl.constexpr):
+        m0 = tl.program_id(0).to(tl.int64) * BM
+        c = tl.program_id(1)
         j = tl.arange(0, BM * BN)
         r, n = j // BN, j % BN
-        dots = tl.zeros([BQ, BM * BN], dtype=tl.float32)
-        sq = tl.zeros([BM * BN], dtype=tl.float32)
-        for part in range(CHUNKS):  # .cg: written by other programs, so never from this SM's L1
-            score_offs, score_ok, square_offs, rows_in = _partials_at(part, m0, Q, M, BM, BN, BQ)
-            dots += tl.load(scores + score_offs, mask=score_ok, other=0.0, cache_modifier=".cg")
-            sq += tl.load(squares + square_offs, mask=rows_in, other=0.0, cache_modifier=".cg")
+        if FUSED:
+            dots, sq = _partial_scores(queries, norm_w, blocks, m0, 0, D, N, Q, M, D, HAS_NORM_W, SPLIT, BM, BN,
+                                       BQ, BD_SCORES)
+        else:
+            dots = tl.zeros([BQ, BM * BN], dtype=tl.float32)
+            sq = tl.zeros([BM * BN], dtype=tl.float32)
+            for part in tl.static_range(CHUNKS):
+                score_offs, square_offs, rows_in = _partials_at(part, m0, M, BM, BN, BQ)
+                dots += tl.load(scores + score_offs, mask=rows_in[None, :], other=0.0)
+                sq += tl.load(squares + square_offs, mask=rows_in, other=0.0)
         logits = dots * tl.rsqrt(sq / D + eps)[None, :]
         # Block-diagonal expansion: output row (q, r) weighs only row r's blocks.
         own = (r[None, None, :] == tl.arange(0, BM)[None, :, None]) & (n < N)[None, None, :]
@@ -176,7 +138,7 @@ if triton is not None:
         if c == 0:
             tl.store(max_out + out_row, top, mask=row_ok)
             tl.store(denom_out + out_row, tl.sum(weights, 1), mask=row_ok)
-        for d0 in range(d_lo, d_hi, BD):
+        for d0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, D), BD):
             d = d0 + tl.arange(0, BD)
             blk = _block_tile(blocks, m0, d, N, M, D, BM, BN, True)
             acc = _dot_exact(weights, blk, tl.zeros([BQ * BM, BD], dtype=tl.float32), SPLIT)
@@ -186,137 +148,70 @@ if triton is not None:
             else:
                 tl.store(ptrs, acc, mask=in_bounds)
 
-    @triton.jit
-    def _inter_kernel(parts, blocks, scores, squares, counters, acc_out, max_out, denom_out, N, Q, M, D, CHUNK,
-                      CHUNKS, eps, PHASE: tl.constexpr, SPLIT: tl.constexpr,
-                      BM_S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
-                      BD_S: tl.constexpr, BD: tl.constexpr, STREAM_STORES: tl.constexpr):
-        """Program (row tile, D chunk), chunks of a tile adjacent. PHASE 0: scores, barrier, apply (one
-        launch); 1: scores only; 2: apply only (the two-launch form)."""
-        pid = tl.program_id(0)
-        tile, c = pid // CHUNKS, pid % CHUNKS
-        m_tile = tile.to(tl.int64) * BM_S
-        d_lo = c * CHUNK
-        d_hi = tl.minimum(d_lo + CHUNK, D)
-        if PHASE != 2:
-            _scores(parts, blocks, scores, squares, m_tile, c, d_lo, d_hi, N, Q, M, D, SPLIT, BM_S, BN, BQ, BD_S)
-        if PHASE == 0:
-            _wait_for_peers(counters + tile, CHUNKS)
-        if PHASE != 1:
-            for sub in range(0, BM_S, BM):
-                _apply(blocks, scores, squares, acc_out, max_out, denom_out, m_tile + sub, c, d_lo, d_hi, N, Q,
-                       M, D, CHUNKS, eps, SPLIT, BM, BN, BQ, BD, STREAM_STORES)
 
-
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 barrier counters, one per row tile, kept per (device, stream): the kernel leaves them
-    zero, so they are allocated (and zeroed) only when a call needs more than any before it on that stream."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    have = _COUNTERS.get(key)
-    if have is None or have.numel() < tiles:
-        have = _COUNTERS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-    return have
-
-
-def _split_mode(dtype: torch.dtype) -> int:
-    """How the scores multiply by q_eff: see `_dot_exact`'s SPLIT."""
-    return 0 if dtype != torch.bfloat16 else 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
-
-
-def query_parts(queries: torch.Tensor, norm_weights: torch.Tensor | None, blocks_dtype: torch.dtype,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """q_eff = queries [Q, D] * key-norm weights, cut into the parts the scores multiply by ([3, Q, D] bf16
-    for bf16 blocks; [1, Q, D] float32 q_eff otherwise): one small launch per `attnres_inter` call, or done
-    once by a caller whose queries are weights (then passed as `parts`)."""
-    Q, D = queries.shape
-    split = _split_mode(blocks_dtype)
-    if out is None:
-        out = torch.empty(3 if split else 1, Q, D, dtype=torch.bfloat16 if split == 1 else torch.float32,
-                          device=queries.device)
-    BD = min(128, next_pow2(D))
-    q = queries.contiguous()
-    _query_parts_kernel[(triton.cdiv(D, BD),)](
-        q, norm_weights.contiguous() if norm_weights is not None else q, out, Q, D,
-        HAS_NORM_W=norm_weights is not None, SPLIT=split, BQ=next_pow2(Q), BD=BD,
-    )
-    return out
+def _chunks(programs: int, D: int, block_d: int, sms: int) -> int:
+    """D chunks that give about two programs per SM (1 when the rows alone do), each >= 4 column blocks."""
+    wanted = max(1, -(-2 * sms // programs))
+    return max(1, min(wanted, D // (4 * block_d)))
 
 
 @dataclass
 class InterLaunch:
-    """One phase-1 call, planned: its buffers and launch shape. `run()` = the query parts (unless given),
-    then one launch with the barrier, or `scores()` then `apply()` (the interpreter; `barrier=False`; the
-    benchmark times them apart)."""
+    """One phase-1 call, planned: its buffers and launch shapes. `run()` = `scores()` then `apply()` (the
+    benchmark times the two kernels apart); in the fused form `scores()` does nothing."""
 
-    queries: torch.Tensor
-    norm_w: torch.Tensor | None
-    parts: torch.Tensor  # [3 or 1, Q, D]
-    parts_given: bool
+    q: torch.Tensor
+    w: torch.Tensor
     blocks: torch.Tensor  # [N, M, D]
+    has_norm_w: bool
     eps: float
     rows: tuple
-    barrier: bool
-    grid: tuple[int]
-    chunk: int
-    chunks: int
-    consts: dict  # constexprs
+    fused: bool
+    score_grid: tuple[int, int]
+    apply_grid: tuple[int, int]
+    score_chunk: int
+    apply_chunk: int
+    consts: dict  # constexprs shared by both kernels
     num_warps: int
+    stream_stores: bool
     scores_buf: torch.Tensor
     squares_buf: torch.Tensor
-    out: OnlineSoftmax  # max, denom [Q, M]; acc [Q, M, D]
-
-    def _launch(self, phase: int) -> None:
-        N, M, D = self.blocks.shape
-        tiles = self.grid[0] // self.chunks
-        counters = _tile_counters(self.blocks.device, tiles) if phase == 0 else self.squares_buf
-        _inter_kernel[self.grid](
-            self.parts, self.blocks, self.scores_buf, self.squares_buf, counters, self.out.acc, self.out.max,
-            self.out.denom, N, self.parts.shape[1], M, D, self.chunk, self.chunks, self.eps, PHASE=phase,
-            **self.consts, num_warps=self.num_warps,
-        )
-
-    def prepare(self) -> None:
-        if not self.parts_given:
-            query_parts(self.queries, self.norm_w, self.blocks.dtype, out=self.parts)
 
     def scores(self) -> None:
-        self._launch(1)
+        if self.fused:
+            return
+        N, M, D = self.blocks.shape
+        c = self.consts
+        _scores_kernel[self.score_grid](
+            self.q, self.w, self.blocks, self.scores_buf, self.squares_buf, N, self.q.shape[0], M, D,
+            self.score_chunk, HAS_NORM_W=self.has_norm_w, SPLIT=c["SPLIT"], BM=c["BM_SCORES"], BN=c["BN"],
+            BQ=c["BQ"], BD=c["BD_SCORES"], num_warps=self.num_warps,
+        )
 
     def apply(self) -> OnlineSoftmax:
-        self._launch(2)
-        return self.result()
-
-    def result(self) -> OnlineSoftmax:
-        Q, D = self.parts.shape[1:]
-        o = self.out
-        return OnlineSoftmax(o.max.reshape(Q, *self.rows), o.denom.reshape(Q, *self.rows),
-                             o.acc.reshape(Q, *self.rows, D))
+        N, M, D = self.blocks.shape
+        Q, c = self.q.shape[0], self.consts
+        acc = torch.empty(Q, M, D, dtype=torch.float32, device=self.blocks.device)
+        top = torch.empty(Q, M, dtype=torch.float32, device=self.blocks.device)
+        denom = torch.empty_like(top)
+        _apply_kernel[self.apply_grid](
+            self.q, self.w, self.blocks, self.scores_buf, self.squares_buf, acc, top, denom, N, Q, M, D,
+            self.apply_chunk, self.eps, FUSED=self.fused, CHUNKS=self.score_grid[1], HAS_NORM_W=self.has_norm_w,
+            SPLIT=c["SPLIT"], BM=c["BM"], BN=c["BN"], BQ=c["BQ"], BD_SCORES=c["BD_SCORES"], BD=c["BD"],
+            STREAM_STORES=self.stream_stores, num_warps=self.num_warps,
+        )
+        return OnlineSoftmax(top.reshape(Q, *self.rows), denom.reshape(Q, *self.rows), acc.reshape(Q, *self.rows, D))
 
     def run(self) -> OnlineSoftmax:
-        self.prepare()
-        if not self.barrier:
-            self.scores()
-            return self.apply()
-        self._launch(0)
-        return self.result()
-
-
-def _chunks(tiles: int, D: int, step: int, chunk_d: int, sms: int) -> int:
-    """D chunks per row tile: at most `chunk_d` columns each (so the blocks a program re-reads are still in
-    L2), more while the grid has fewer than about two programs per SM, never more than one SM's worth."""
-    columns = D // step
-    wanted = max(-(-D // chunk_d), -(-2 * sms // tiles))
-    return max(1, min(wanted, columns, sms))
+        self.scores()
+        return self.apply()
 
 
 def plan_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None,
-               eps: float = 1e-6, block_d: int | None = None, score_rows: int | None = None, num_warps: int = 4,
-               chunks: int | None = None, apply_rows: int = 2, apply_block_d: int = 128, chunk_d: int = 1024,
-               stream_stores: bool = True, barrier: bool = True, parts: torch.Tensor | None = None) -> InterLaunch:
-    """Checks the arguments of `attnres_inter` and plans its launch."""
+               eps: float = 1e-6, block_d: int = 64, score_rows: int | None = None, num_warps: int = 4,
+               chunks: tuple[int, int] | None = None, apply_rows: int = 2, apply_block_d: int = 128,
+               fused: bool = False, stream_stores: bool = True) -> InterLaunch:
+    """Checks the arguments of `attnres_inter` and plans its launches."""
     N, D = blocks.shape[0], blocks.shape[-1]
     Q = queries.shape[0]
     require(queries.dim() == 2 and queries.shape[1] == D, f"queries must be [Q, {D}], got {tuple(queries.shape)}")
@@ -325,56 +220,43 @@ def plan_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.
     require(blocks.dtype != torch.float64 and queries.dtype != torch.float64, "float64 takes the reference")
     require(N >= 1 and blocks.dim() >= 2, "blocks must be [N >= 1, ..., D]")
     M, sms = blocks[0, ..., 0].numel(), sm_count(blocks.device, cpu=132)  # CPU: plan as on the H200
-    if score_rows is None:  # every program of a tile reads all its chunks' partials: few chunks per tile
-        score_rows = 8 if M >= 32 * sms else apply_rows  # (prefill), few rows (decode: the SMs need chunks)
-    for name, value in (("apply_rows", apply_rows), ("score_rows", score_rows)):
+    if score_rows is None:  # H200: 16 rows per scores program at M=8192 (2.55 vs 2.74 ms), 8 at decode
+        score_rows = 16 if M >= 32 * sms else 8
+    for name, value in (("score_rows", score_rows), ("apply_rows", apply_rows)):
         require(value >= 1 and value == next_pow2(value), f"{name} must be a power of two, got {value}")
-    require(apply_rows <= score_rows, f"apply_rows ({apply_rows}) must not exceed score_rows ({score_rows})")
-    if block_d is None:
-        block_d = 64
-    require(chunks is None or 1 <= chunks <= sms, f"chunks must be 1..{sms} (one SM's worth), got {chunks}")
     flat = blocks.reshape(N, M, D).contiguous()
-    split = _split_mode(flat.dtype)
-    if parts is not None:
-        require(parts.shape == (3 if split else 1, Q, D), f"parts must be query_parts' [3 or 1, {Q}, {D}]")
+    q = queries.contiguous()
     # Every tl.dot operand needs >= 16 along K: pad the block axis so that rows * blocks >= 16.
-    BN = max(next_pow2(N), 16 // apply_rows)
+    BN = max(next_pow2(N), 16 // apply_rows, 1 if fused else 16 // score_rows)
     BQ, BD, BDA = max(16, next_pow2(Q)), min(block_d, next_pow2(D)), min(apply_block_d, next_pow2(D))
-    tiles = triton.cdiv(M, score_rows)
-    step = max(BD, BDA)  # both D tiles are powers of two: a chunk is a multiple of each
-    n_chunks = chunks or _chunks(tiles, D, step, chunk_d, sms)
-    chunk = triton.cdiv(triton.cdiv(D, n_chunks), step) * step
-    n_chunks = triton.cdiv(D, chunk)
-    device = blocks.device
-    out = OnlineSoftmax(torch.empty(Q, M, dtype=torch.float32, device=device),
-                        torch.empty(Q, M, dtype=torch.float32, device=device),
-                        torch.empty(Q, M, D, dtype=torch.float32, device=device))
-    if parts is None:
-        parts_given, parts = False, torch.empty(3 if split else 1, Q, D, device=device,
-                                                dtype=torch.bfloat16 if split == 1 else torch.float32)
+    split = 0 if flat.dtype != torch.bfloat16 else 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+    apply_programs, row_blocks = triton.cdiv(M, apply_rows), triton.cdiv(M, score_rows)
+    if fused:
+        score_chunks, apply_chunks = 1, 1
+        scores = squares = torch.empty(0, dtype=torch.float32, device=blocks.device)  # computed in registers
     else:
-        parts_given = True
+        score_chunks, apply_chunks = chunks or (_chunks(row_blocks, D, BD, sms), _chunks(apply_programs, D, BDA, sms))
+        scores = torch.empty(score_chunks, M, BQ, BN, dtype=torch.float32, device=blocks.device)
+        squares = torch.empty(score_chunks, M, BN, dtype=torch.float32, device=blocks.device)
     return InterLaunch(
-        queries, norm_weights, parts, parts_given, flat, eps, tuple(blocks.shape[1:-1]),
-        barrier and os.environ.get("TRITON_INTERPRET") != "1", (tiles * n_chunks,), chunk, n_chunks,
-        {"SPLIT": split, "BM_S": score_rows, "BM": apply_rows, "BN": BN, "BQ": BQ, "BD_S": BD, "BD": BDA,
-         "STREAM_STORES": stream_stores},
-        num_warps, torch.empty(n_chunks, M, Q, BN, dtype=torch.float32, device=device),
-        torch.empty(n_chunks, M, BN, dtype=torch.float32, device=device), out,
+        q, norm_weights.contiguous() if norm_weights is not None else q, flat, norm_weights is not None, eps,
+        tuple(blocks.shape[1:-1]), fused, (row_blocks, score_chunks), (apply_programs, apply_chunks),
+        triton.cdiv(triton.cdiv(D, score_chunks), BD) * BD, triton.cdiv(triton.cdiv(D, apply_chunks), BDA) * BDA,
+        {"SPLIT": split, "BM": apply_rows, "BM_SCORES": score_rows, "BN": BN, "BQ": BQ, "BD_SCORES": BD, "BD": BDA},
+        num_warps, stream_stores, scores, squares,
     )
 
 
 def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None,
-                  eps: float = 1e-6, block_d: int | None = None, score_rows: int | None = None, num_warps: int = 4,
-                  chunks: int | None = None, apply_rows: int = 2, apply_block_d: int = 128, chunk_d: int = 1024,
-                  stream_stores: bool = True, barrier: bool = True, parts: torch.Tensor | None = None
-                  ) -> OnlineSoftmax:
+                  eps: float = 1e-6, block_d: int = 64, score_rows: int | None = None, num_warps: int = 4,
+                  chunks: tuple[int, int] | None = None, apply_rows: int = 2, apply_block_d: int = 128,
+                  fused: bool = False, stream_stores: bool = True) -> OnlineSoftmax:
     """queries [Q, D] of all sites of a block, blocks [N, ..., D] -> float32 statistics [Q, ...] (max,
     denominator) and [Q, ..., D] (accumulator), as k3core.ops.attnres.attnres_inter.
     Tuning: `block_d` / `apply_block_d` the D tiles of the scores / accumulators, `score_rows` /
-    `apply_rows` the rows per program / per apply step, `chunks` the D chunks per row tile (None: at most
-    `chunk_d` columns each, and about two programs per SM), `stream_stores` streaming (.cs) stores of the
-    accumulators, `barrier` one launch whose chunk programs wait for each other (False: two launches).
-    `parts`: `query_parts(queries, norm_weights, blocks.dtype)` computed beforehand (saves a launch)."""
+    `apply_rows` the rows per program of the scores / apply kernel (score_rows None: 16 for prefill-sized
+    M, else 8), `chunks` the D chunks of the two kernels (None: about two programs per SM), `fused` one
+    kernel per row tile that computes its own scores (measured slower: see docs/kernels.md),
+    `stream_stores` streaming (.cs) stores of the accumulators."""
     return plan_inter(queries, blocks, norm_weights, eps, block_d, score_rows, num_warps, chunks, apply_rows,
-                      apply_block_d, chunk_d, stream_stores, barrier, parts).run()
+                      apply_block_d, fused, stream_stores).run()

@@ -25,9 +25,9 @@ def attnres_merge_norm(
 
 
 def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None,
-                  eps: float = 1e-6, block_d: int | None = None, score_rows: int | None = None, num_warps: int = 4,
-                  chunks: int | None = None, apply_rows: int = 2, apply_block_d: int = 128, chunk_d: int = 1024,
-                  stream_stores: bool = True, barrier: bool = True) -> OnlineSoftmax:
+                  eps: float = 1e-6, block_d: int = 64, score_rows: int | None = None, num_warps: int = 4,
+                  chunks: tuple[int, int] | None = None, apply_rows: int = 2, apply_block_d: int = 128,
+                  fused: bool = False, stream_stores: bool = True) -> OnlineSoftmax:
     """Reference of kernels.attnres.inter_triton.attnres_inter (tuning arguments ignored)."""
-    del block_d, score_rows, num_warps, chunks, apply_rows, apply_block_d, chunk_d, stream_stores, barrier
+    del block_d, score_rows, num_warps, chunks, apply_rows, apply_block_d, fused, stream_stores
     return _inter(queries, blocks, norm_weights, eps)
