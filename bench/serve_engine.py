@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from bench.serve_rank import Rank, sync
@@ -98,20 +99,20 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
     engine = build_engine(rank, len(rids))
     admit(engine, rank, rids, prompts, streams)
     fed = [0]
-    result, launch = sampler.SampledTokens.result, rank.fast.launch if rank.fast is not None else None
+    result, launch = sampler.SampledTokens.array, rank.fast.launch if rank.fast is not None else None
 
-    def fed_tokens(handle: sampler.SampledTokens) -> list[int]:
+    def fed_tokens(handle: sampler.SampledTokens) -> np.ndarray:
         drawn = result(handle)
         clock.tokens_ready()
         fed[0] += 1
-        return rank.next_tokens(len(drawn), fed[0])
+        return np.array(rank.next_tokens(len(drawn), fed[0]), dtype=np.int64)
 
     def timed_launch(*args) -> torch.Tensor:
         logits = launch(*args)  # type: ignore[misc]
         clock.launched()
         return logits
 
-    sampler.SampledTokens.result = fed_tokens  # type: ignore[method-assign]
+    sampler.SampledTokens.array = fed_tokens  # type: ignore[method-assign]
     if rank.fast is not None:  # else the reference layers run (fwd stays NaN)
         rank.fast.launch = timed_launch  # type: ignore[method-assign]
     try:
@@ -124,7 +125,7 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
         sync()
         wall = (time.perf_counter() - started) / steps
     finally:
-        sampler.SampledTokens.result = result  # type: ignore[method-assign]
+        sampler.SampledTokens.array = result  # type: ignore[method-assign]
         if rank.fast is not None:
             del rank.fast.launch
         streams.close()

@@ -205,20 +205,20 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
     timer, streams = StageTimer(), StreamLoop()
     engine = build_engine(args, batch, timer, streams)
     rows: dict[str, list[float]] = defaultdict(list)
-    draw, result = sampler.sample_rows_async, sampler.SampledTokens.result
+    draw, result = sampler.sample_rows_async, sampler.SampledTokens.array
 
-    def tokens(handle: sampler.SampledTokens) -> list[int]:
+    def tokens(handle: sampler.SampledTokens) -> np.ndarray:
         out = timer.wrap("sample", result)(handle)
         timer.tokens_ready()
         return out
     sampler.sample_rows_async = decode_overlap.sample_rows_async = timer.wrap("sample", draw)
-    sampler.SampledTokens.result = tokens  # type: ignore[method-assign]
+    sampler.SampledTokens.array = tokens  # type: ignore[method-assign]
     try:
         steps = run_steps(engine, timer, args.warmup + args.steps)
         engine.overlap.settle()  # the last step's tokens
     finally:
         sampler.sample_rows_async = decode_overlap.sample_rows_async = draw
-        sampler.SampledTokens.result = result  # type: ignore[method-assign]
+        sampler.SampledTokens.array = result  # type: ignore[method-assign]
         engine.executor.close()
         streams.close()
     for total, t in steps[args.warmup:]:

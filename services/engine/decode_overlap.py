@@ -116,13 +116,13 @@ class DecodeOverlap:
         """Accept the in-flight step's tokens in full (waiting for them) and drop the prepared step."""
         inflight, self.inflight = self.inflight, None
         if inflight is not None:
-            self._accept_rows(inflight, inflight.tokens.result(), range(len(inflight.requests)))
+            self._accept_rows(inflight, inflight.tokens.array(), range(len(inflight.requests)))
 
-    def _accept_rows(self, inflight: InFlight, tokens: list[int], rows) -> None:
+    def _accept_rows(self, inflight: InFlight, tokens: np.ndarray, rows) -> None:
         for i in rows:
             req = inflight.requests[i]
             if req.phase is Phase.RUNNING:  # not cancelled meanwhile
-                self.engine._take(req, tokens[i])
+                self.engine._take(req, int(tokens[i]))
 
     # ---- the overlapped step ----------------------------------------------------------------------------
     def advance(self) -> bool:
@@ -132,13 +132,15 @@ class DecodeOverlap:
         assert inflight is not None
         started = time.perf_counter()
         self.inflight = None
-        tokens = inflight.tokens.result()  # the device finished step N
-        candidates = inflight.always_check | np.isin(np.asarray(tokens, dtype=np.int64), inflight.stop_ids)
+        tokens = inflight.tokens.array()  # the device finished step N
+        candidates = inflight.always_check | np.isin(tokens, inflight.stop_ids)
         accepted = candidates.copy()
         self._accept_rows(inflight, tokens, np.flatnonzero(candidates).tolist())
         requests = inflight.requests
-        live = [i for i, req in enumerate(requests) if req.phase is Phase.RUNNING]
         scheduler, manager = engine.scheduler, engine.executor.manager
+        # rows only leave the running list while a step is in flight (nothing joins): equal lengths, all live
+        live = range(len(requests)) if len(scheduler.running) == len(requests) else \
+            [i for i, req in enumerate(requests) if req.phase is Phase.RUNNING]
         scheduler.finish_leaving()
         crossing = [i for i in inflight.crossing if requests[i].phase is Phase.RUNNING]
         fits = all(len(manager.requests[requests[i].rid].blocks) < engine.executor.fastpath.builder.max_pages
@@ -152,7 +154,7 @@ class DecodeOverlap:
         running = scheduler.running
         for i in sorted(crossing, key=lambda i: (requests[i].arrival, running.index(requests[i]))):
             if not accepted[i]:
-                engine._take(requests[i], tokens[i])
+                engine._take(requests[i], int(tokens[i]))
                 accepted[i] = True
             engine.manager.call("reserve", requests[i].rid, 1)
         fast = engine.executor.fastpath
@@ -163,16 +165,16 @@ class DecodeOverlap:
         at = {i: k for k, i in enumerate(live)}  # request row -> image row
         fast.builder.refresh(image, size, [manager.requests[requests[i].rid] for i in crossing],
                              [at[i] for i in crossing])
-        fast.builder.set_tokens(image, size, slice(0, len(live)), [tokens[i] for i in live])
+        fast.builder.set_tokens(image, size, slice(0, len(live)), tokens if len(live) == len(requests) else tokens[live])
         manager.pre_forward()
         logits = fast.launch(image, len(live))
         # ---- step N+1 runs: N's bookkeeping overlaps it
         drawn = [(k, requests[i].options, len(requests[i].output) + (not accepted[i])) for k, i in enumerate(live)]
         next_tokens = sample_rows_async(logits, drawn)
-        reserved = set(crossing)
+        reserved, token_list = set(crossing), tokens.tolist()
         for i in live:
             if not accepted[i]:
-                engine._take(requests[i], tokens[i])
+                engine._take(requests[i], token_list[i])
                 if requests[i].phase is not Phase.RUNNING:
                     raise RuntimeError(f"request {requests[i].rid!r} stopped on a token the stop check passed")
             if i not in reserved:

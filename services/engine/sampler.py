@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from k3.v1 import common_pb2
@@ -75,6 +76,8 @@ class SampledTokens:
     def __init__(self, device_tokens: torch.Tensor | None, rows: Sequence[tuple[int, GenerationOptions, int]],
                  sampled: list[int]) -> None:
         self._rows, self._sampled = rows, sampled
+        # every row greedy, row i at logit row i (a decode batch): the host copy is the answer as it is
+        self._in_order = not sampled and all(row == i for i, (row, _, _) in enumerate(rows))
         self._event: torch.cuda.Event | None = None
         self._host = device_tokens
         if device_tokens is not None and device_tokens.device.type == "cuda":
@@ -85,15 +88,21 @@ class SampledTokens:
 
     def result(self) -> list[int]:
         """The token of each row (waits for the device's draw and copy)."""
+        return self.array().tolist()
+
+    def array(self) -> np.ndarray:
+        """`result` as an int64 array."""
         if self._host is None:
-            return []
+            return np.empty(0, dtype=np.int64)
         if self._event is not None:
             self._event.synchronize()
+        if self._in_order:
+            return self._host.numpy()[: len(self._rows)]
         host, rows = self._host.tolist(), self._rows
         if not self._sampled:
-            return [host[row] for row, _, _ in rows]
+            return np.array([host[row] for row, _, _ in rows], dtype=np.int64)
         drawn = dict(zip(self._sampled, host[len(host) - len(self._sampled):], strict=True))  # after the argmax
-        return [drawn[i] if i in drawn else host[row] for i, (row, _, _) in enumerate(rows)]
+        return np.array([drawn[i] if i in drawn else host[row] for i, (row, _, _) in enumerate(rows)], dtype=np.int64)
 
 
 def sample_rows_async(logits: torch.Tensor, rows: Sequence[tuple[int, GenerationOptions, int]]) -> SampledTokens:
