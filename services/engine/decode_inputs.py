@@ -182,13 +182,15 @@ class DecodeInputBuilder:
         """Rewrite rows of a prepared image from their requests (a block reserved since `prepare`)."""
         _, _, table, _, base = self._host_parts(out, size)
         per_block = self.layout.tokens_per_block
+        replaced: list[int] = []
         for req, i in zip(requests, rows, strict=True):
-            row = self._rows[req.rid][2]
+            row = self._row(req, replaced)  # the row `prepare` gave it
             self._extend_table(req, row)
             table[:, i] = self._tables[row]
             position = req.num_computed
             base[:, i] = (table[:, i, position // per_block] * per_block + position % per_block) \
                 * self.layout.layers_per_group
+        self._free.extend(replaced)
 
     def set_tokens(self, out: np.ndarray, size: int, rows: list[int] | slice, tokens: list[int]) -> None:
         self._host_parts(out, size)[0][rows] = tokens

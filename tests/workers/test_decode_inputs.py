@@ -124,3 +124,38 @@ def test_rows_of_finished_requests_are_reused():
         tokens = [i, i + 1, i + 2]
         np.testing.assert_array_equal(builder.build(reqs, tokens, 4), oracle(layout, reqs, tokens, 4))
     assert len(builder._filled) <= 128  # the rows of finished requests went back to the free list
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_prepared_images_refreshed_and_compacted_equal_the_definition(data):
+    """The overlap's form (decode_overlap.py): `prepare` before the tokens (some rows' next position starts a
+    block not reserved yet), a graph capture in between (a padding-only build), then those blocks reserved, the rows that ended dropped (`compact`, into another bucket's buffer or the
+    same one), the new blocks written (`refresh`) and the tokens: the image of a fresh build of what is left."""
+    layout = LAYOUTS[data.draw(st.sampled_from(sorted(LAYOUTS)))]
+    per_block = layout.tokens_per_block
+    builder, pages = DecodeInputBuilder(layout, MAX_PAGES, SCRATCH_KDA, SCRATCH_MLA), Pages()
+    reqs, crossing = [], []
+    for i in range(data.draw(st.integers(1, 8))):
+        if data.draw(st.booleans()):
+            req = admit(layout, pages, f"r{i}", data.draw(st.integers(1, MAX_PAGES - 1)) * per_block - 1, False)
+            req.num_computed += 1  # its forward ran: the next token starts block len(blocks), not reserved yet
+            crossing.append(i)
+        else:
+            req = admit(layout, pages, f"r{i}", data.draw(st.integers(0, MAX_PAGES * per_block - 1)), False)
+        reqs.append(req)
+    size = len(reqs) + data.draw(st.integers(0, 3))
+    image = builder.prepare(reqs, size, out=np.full(builder.numel(size) + 5, -7, dtype=np.int64))
+    builder.build([], [], 1)  # a graph captured between prepare and launch (padding rows only)
+    keep = sorted(data.draw(st.sets(st.integers(0, len(reqs) - 1), min_size=1)))
+    for i in crossing:
+        grow(layout, pages, reqs[i], False)  # reserved
+    size2 = len(keep) + data.draw(st.integers(0, 3))
+    same = size2 == size and data.draw(st.booleans())
+    out = image if same else np.full(builder.numel(size2) + 5, -7, dtype=np.int64)
+    out = builder.compact(image, size, keep, out, size2)
+    at = {i: k for k, i in enumerate(keep)}
+    builder.refresh(out, size2, [reqs[i] for i in crossing if i in at], [at[i] for i in crossing if i in at])
+    tokens = [data.draw(st.integers(0, 1000)) for _ in keep]
+    builder.set_tokens(out, size2, slice(0, len(keep)), tokens)
+    np.testing.assert_array_equal(out, oracle(layout, [reqs[i] for i in keep], tokens, size2))
