@@ -1,9 +1,11 @@
 """The fused decode-glue kernels (kernels/fused) on the device at the `mini` preset's decode shapes, each
 against its peer: max |difference| and device time of both. The peer is the plain-torch reference
-composition, except for the experts' GEMMs, whose peer is the form the fast path ran before them (cuBLAS
-over the stacked weights + the Triton SiTU kernel; cuBLAS's batched GEMM). Those rows also give the rate at
-which the experts' weights stream, against the device's copy bandwidth measured in the same run (the
-roofline of a decode GEMM), and a few block shapes of the fused kernels at the sweep's token counts.
+composition, except for the experts' gate|up GEMM, whose peer is the form the fast path ran before it
+(cuBLAS over the stacked [E*2F, l] weights + the Triton SiTU kernel). The experts' rows also give the rate at
+which the weights stream against the device's copy bandwidth measured in the same run (a decode GEMM's
+roofline). At the sweep's token counts, the router and the experts' kernel run in a few block shapes each
+(the launchers' defaults first). Last, one whole latent-MoE layer of the fast path (`MoeDecode`) per token
+count, against `SparseMoE` for the difference (its per-expert loop syncs the host: not timed).
 
     python -m bench.serve_glue [--model mini] [--tokens 1 16 64 128 256] [--sweep 64] [--out bench/results/serve_glue.json]
 
@@ -24,7 +26,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.serve_rank import copy_bandwidth
 from k3core.config import K3Config
+from k3core.layers.moe import SparseMoE
 from k3core.presets import preset
 from kernels.fused import (
     expert_gemm_triton,
@@ -36,10 +40,14 @@ from kernels.fused import (
     naive,
 )
 from kernels.moe import situ_glu_triton
+from services.engine.fast_ffn import MoeDecode, grouped_mm_available
 
-EXPERT_CONFIGS = [  # (block_n, block_k, num_warps, num_stages); the launchers' defaults first
-    (64, 64, 4, 4), (32, 64, 4, 5), (64, 64, 4, 3), (32, 128, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3)]
-WEIGHT_COPIES = 3  # distinct weight sets cycled through the timed calls: 150-300 MB, far past the 50 MB L2
+ROUTER_CONFIGS = [  # (block_t, block_h, num_warps, num_stages)
+    (16, 128, 4, 3), (16, 256, 4, 3), (16, 512, 4, 2), (16, 256, 8, 4), (32, 256, 4, 3), (64, 128, 4, 3)]
+EXPERT_CONFIGS = [  # (block_n, block_k, num_warps, num_stages)
+    (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (64, 64, 8, 3), (128, 64, 4, 3), (64, 32, 4, 4)]
+WEIGHT_COPIES = 3  # distinct weight sets cycled through the timed calls: 300 MB, far past the 50 MB L2
+Case = tuple[Callable[[], object], Callable[[], object] | None, int]  # fused, peer, weight bytes read per call
 
 
 def device_us(fn: Callable[[], object], reps: int = 20) -> float:
@@ -62,13 +70,6 @@ def device_us(fn: Callable[[], object], reps: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
-def copy_gbps(gen: torch.Generator, mib: int = 512) -> float:
-    """The device's copy bandwidth (read + write bytes per second) in GB/s: a decode GEMM's roofline."""
-    src = torch.empty(mib << 20, dtype=torch.uint8, device=gen.device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / device_us(lambda: dst.copy_(src), reps=10) / 1e3
-
-
 def weight_copies(shape: tuple[int, ...], gen: torch.Generator) -> list[torch.Tensor]:
     """WEIGHT_COPIES random bf16 weights of `shape`, to cycle through (each timed form its own cycle, both
     starting at the first copy, so their first outputs compare on equal inputs)."""
@@ -76,35 +77,57 @@ def weight_copies(shape: tuple[int, ...], gen: torch.Generator) -> list[torch.Te
             for _ in range(WEIGHT_COPIES)]
 
 
-def expert_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tuple[int, int, int, int]]
-                 ) -> dict[str, tuple[Callable, Callable, int]]:
-    """name -> (fused, the previous fast-path form, weight bytes read per call) for the dense experts."""
-    dev, bf = gen.device, torch.bfloat16
-    experts, ffn, latent = c.num_experts, c.moe_intermediate_size, c.routed_expert_hidden_size
-    h = torch.randn(tokens, 4 * latent, device=dev, generator=gen).to(bf)
-    z = h[:, :latent]  # a column slice of the x GEMM's output, as in MoeDecode
-    act = torch.randn(experts, tokens, ffn, device=dev, generator=gen).to(bf)
-    w13s, w2s = weight_copies((experts, 2 * ffn, latent), gen), weight_copies((experts, latent, ffn), gen)
-    beta = (c.situ_beta, c.situ_linear_beta)
+def each_call(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> Callable[[], object]:
+    cycle = itertools.cycle(weights)
+    return lambda: fn(next(cycle))
 
-    def gate_up_cublas(w13: torch.Tensor) -> torch.Tensor:
+
+def expert_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tuple[int, ...]]) -> dict[str, Case]:
+    """The dense experts' gate|up GEMM + GLU per block shape, against cuBLAS + the SiTU kernel."""
+    experts, ffn, latent = c.num_experts, c.moe_intermediate_size, c.routed_expert_hidden_size
+    z = torch.randn(tokens, 4 * latent, device=gen.device, generator=gen).to(torch.bfloat16)[:, :latent]
+    w13s, beta = weight_copies((experts, 2 * ffn, latent), gen), (c.situ_beta, c.situ_linear_beta)
+
+    def cublas(w13: torch.Tensor) -> torch.Tensor:
         gate_up = F.linear(z, w13.view(experts * 2 * ffn, latent)).view(tokens * experts, 2 * ffn)
         return situ_glu_triton.situ_glu_fused(gate_up, *beta).view(tokens, experts, ffn).transpose(0, 1)
 
-    def each_call(fn: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor]) -> Callable[[], torch.Tensor]:
-        cycle = itertools.cycle(weights)
-        return lambda: fn(next(cycle))
+    return {f"expert_gate_up_glu n{n} k{k} w{warps} s{stages}": (
+        each_call(lambda w, t=(n, k, warps, stages): expert_gemm_triton.expert_gate_up_glu(
+            z, w, "situ", *beta, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3]), w13s),
+        each_call(cublas, w13s), experts * 2 * ffn * latent * 2) for n, k, warps, stages in configs}
 
-    out = {}
-    for n, k, warps, stages in configs:
-        tune = {"block_n": n, "block_k": k, "num_warps": warps, "num_stages": stages}
-        out[f"expert_gate_up_glu n{n} k{k} w{warps} s{stages}"] = (
-            each_call(lambda w, t=tune: expert_gemm_triton.expert_gate_up_glu(z, w, "situ", *beta, **t), w13s),
-            each_call(gate_up_cublas, w13s), experts * 2 * ffn * latent * 2)
-        out[f"expert_down n{n} k{k} w{warps} s{stages}"] = (
-            each_call(lambda w, t=tune: expert_gemm_triton.expert_down(act, w, **t), w2s),
-            each_call(lambda w: torch.bmm(act, w.transpose(1, 2)), w2s), experts * latent * ffn * 2)
-    return out
+
+def router_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tuple[int, ...]]) -> dict[str, Case]:
+    """The router (logits GEMM + selection) per block shape, against the torch reference."""
+    x = torch.randn(tokens, c.hidden_size, device=gen.device, generator=gen).to(torch.bfloat16)
+    router = (torch.randn(c.num_experts, c.hidden_size, device=gen.device, generator=gen)
+              / c.hidden_size ** 0.5).to(torch.bfloat16)
+    bias, k = torch.randn(c.num_experts, device=gen.device, generator=gen) * 0.1, c.num_experts_per_token
+    return {f"moe_route t{bt} h{bh} w{warps} s{stages}": (
+        lambda t=(bt, bh, warps, stages): moe_router_triton.moe_route(
+            x, router, bias, k, block_t=t[0], block_h=t[1], num_warps=t[2], num_stages=t[3]),
+        lambda: naive.moe_route(x, router, bias, k), 0) for bt, bh, warps, stages in configs}
+
+
+def moe_layer_case(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, Case]:
+    """One latent-MoE layer of the fast path (router to the residual add), random weights as bench.serve's."""
+    with torch.device(gen.device):
+        moe = SparseMoE(c)
+    with torch.no_grad():
+        for name, param in moe.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("e_score_correction_bias"):
+                param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+            else:
+                param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
+    moe = moe.to(torch.bfloat16).eval()
+    fast = MoeDecode(moe, c, grouped_mm_available(gen.device, torch.bfloat16))
+    x = torch.randn(tokens, c.hidden_size, device=gen.device, generator=gen).to(torch.bfloat16)
+    residual = torch.zeros_like(x)
+    with torch.no_grad():
+        diff = float((fast(x) - moe(x)).abs().max())
+    form = "dense" if fast._dense(tokens) else "grouped"
+    return {f"MoeDecode layer ({form}), diff {diff:.3g}": (torch.no_grad()(lambda: fast(x, residual)), None, 0)}
 
 
 def max_diff(a: object, b: object) -> float:
@@ -140,7 +163,6 @@ def cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, tuple[Cal
         return target
 
     return {
-        "moe_route": (lambda: moe_router_triton.moe_route(x, router, bias, k), lambda: naive.moe_route(x, router, bias, k)),
         "moe_align": (lambda: moe_align_triton.moe_align(indices, experts), lambda: naive.moe_align(indices, experts)),
         "moe_combine": (lambda: moe_combine_triton.moe_combine(*combine_args), lambda: naive.moe_combine(*combine_args)),
         "mla_latent_write": (lambda: write(mla_latent_write_triton, pools[0]), lambda: write(naive, pools[1])),
@@ -156,28 +178,32 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/serve_glue.json")
     args = parser.parse_args()
     config = preset(args.model)
-    gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
-    copy = copy_gbps(gen) if torch.cuda.is_available() else float("nan")
+    on_gpu = torch.cuda.is_available()
+    gen = torch.Generator(device="cuda" if on_gpu else "cpu").manual_seed(0)
+    copy = copy_bandwidth("cuda", 1 << 30) / 1e9 if on_gpu else float("nan")
     print(f"copy bandwidth {copy:.0f} GB/s (the experts' GEMM roofline)")
     rows = []
     print(f"{'kernel':<36} {'tokens':>6} {'max |diff|':>11} {'fused us':>9} {'peer us':>9} {'speedup':>8} "
           f"{'fused GB/s':>10} {'of copy':>8}")
     for tokens in args.tokens:
-        configs = EXPERT_CONFIGS if tokens in args.sweep else EXPERT_CONFIGS[:1]
+        sweep = tokens in args.sweep
         timed = {name: (*pair, 0) for name, pair in cases(config, tokens, gen).items()}
+        timed |= router_cases(config, tokens, gen, ROUTER_CONFIGS if sweep else ROUTER_CONFIGS[:1])
         if tokens <= 128:  # the dense experts' range (MoeDecode._dense)
-            timed |= expert_cases(config, tokens, gen, configs)
+            timed |= expert_cases(config, tokens, gen, EXPERT_CONFIGS if sweep else EXPERT_CONFIGS[:1])
+        timed |= moe_layer_case(config, tokens, gen)
         for name, (fused, reference, weight_bytes) in timed.items():
-            diff = max_diff(fused(), reference())
-            fused_us, torch_us = device_us(fused), device_us(reference)
+            diff = max_diff(fused(), reference()) if reference else float("nan")
+            fused_us = device_us(fused)
+            peer_us = device_us(reference) if reference else float("nan")
             gbps = weight_bytes / fused_us / 1e3
             rows.append({"kernel": name, "tokens": tokens, "max_abs_diff": diff, "fused_us": fused_us,
-                         "peer_us": torch_us, "weight_gbps": gbps or None, "of_copy": gbps / copy if gbps else None})
+                         "peer_us": peer_us, "weight_gbps": gbps or None, "of_copy": gbps / copy if gbps else None})
             rate = f"{gbps:>10.0f} {gbps / copy:>7.0%}" if gbps else ""
-            print(f"{name:<36} {tokens:>6} {diff:>11.3g} {fused_us:>9.1f} {torch_us:>9.1f} "
-                  f"{torch_us / fused_us:>7.1f}x {rate}", flush=True)
+            print(f"{name:<36} {tokens:>6} {diff:>11.3g} {fused_us:>9.1f} {peer_us:>9.1f} "
+                  f"{peer_us / fused_us:>7.1f}x {rate}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name() if on_gpu else "cpu",
                                            "copy_gbps": copy, "rows": rows}, indent=2))
 
 

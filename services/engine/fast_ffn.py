@@ -10,9 +10,8 @@ the residual added in the GEMM's epilogue.
 Routed experts: the weights are stacked once into [E, 2F, l] and [E, l, F] (the modules' weights become
 views of them). Few tokens (few experts read) or many: pairs sorted by expert and `torch._grouped_mm` over
 each expert's run of rows. Mid-size batches where every expert is read anyway: one kernel for every
-expert's gate|up GEMM with the activation in its epilogue (`dispatch.expert_gate_up_glu`), one for every
-expert's down projection (`dispatch.expert_down`); the combine then reads only the picked (expert, token)
-rows.
+expert's gate|up GEMM with the activation in its epilogue (`dispatch.expert_gate_up_glu`), one batched
+GEMM for the down projections; the combine then reads only the picked (expert, token) rows.
 """
 
 from __future__ import annotations
@@ -99,7 +98,7 @@ class MoeDecode:
         """Every expert on every token: [E*T, l] rows, token t's pick of expert e at row e*T + t."""
         act = dispatch.expert_gate_up_glu(z, self.w13, self.activation, self.config.situ_beta,
                                           self.config.situ_linear_beta)  # [E, T, F]
-        out = dispatch.expert_down(act, self.w2)  # [E, T, l]
+        out = torch.bmm(act, self.w2.transpose(1, 2))  # [E, T, l]
         experts, tokens, width = out.shape
         return out.view(experts * tokens, width), indices, tokens, 1
 
