@@ -61,7 +61,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                                          f"{self.service.config.hash_block_tokens} tokens")
         chain = list(request.block_hashes)
         num_tokens = len(chain) * self.service.config.hash_block_tokens
-        hit = await asyncio.wrap_future(self.service.engine.call(lambda m: m.lookup(chain, num_tokens)))
+        hit = await asyncio.wrap_future(self.service.engine.call(lambda m: m.lookup(chain, num_tokens),
+                                                                settle=False))
         return decode_pb2.ProbePrefixResponse(hit_tokens=hit.num_tokens)
 
     async def GetDecodeLoad(self, request, context):

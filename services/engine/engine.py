@@ -67,10 +67,12 @@ class Engine:
     def cancel(self, rid: str) -> None:
         self._inbox.put(("cancel", rid))
 
-    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
-        """Run fn(cache manager) on the engine thread between steps (the manager is not thread-safe)."""
+    def call(self, fn: Callable[[Any], Any], *, settle: bool = True) -> concurrent.futures.Future:
+        """Run fn(cache manager) on the engine thread between steps (the manager is not thread-safe). With
+        settle=False it may run while a decode step computes (its manager calls are all made by then): for
+        reads such as a prefix lookup, not for anything the device reads (weights, pages)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("call", (fn, future)))
+        self._inbox.put(("call", (fn, future, settle)))
         return future
 
     def stop(self) -> None:
@@ -130,8 +132,9 @@ class Engine:
                 self.requests[req.rid] = req
                 self.scheduler.add(req)
             elif kind == "call":
-                fn, future = item  # type: ignore[misc]
-                self.overlap.settle()  # between steps means with no step in flight (e.g. a weight reload)
+                fn, future, settle = item  # type: ignore[misc]
+                if settle:
+                    self.overlap.settle()  # no step in flight (e.g. a weight reload)
                 try:
                     future.set_result(fn(self.manager.manager))
                 except Exception as exc:  # noqa: BLE001 - handed to the caller

@@ -85,13 +85,15 @@ class ScriptedEngine:
         self.finished_state[rid] = self.manager.store.data[pages].clone()
 
     def run(self, script: dict[int, list[tuple]], max_steps: int = 400) -> dict[str, Stream]:
-        """script: step -> [("add", rid, prompt, options) | ("cancel", rid)]."""
+        """script: step -> [("add", rid, prompt, options) | ("cancel", rid) | ("call", fn(engine), settle)]."""
         engine, last = self.engine, max(script, default=0)
         for step in range(max_steps):
             for event in script.get(step, []):
                 if event[0] == "add":
                     self.streams[event[1]] = Stream()
                     engine.submit(EngineRequest(event[1], event[2], event[3], self.streams[event[1]]))
+                elif event[0] == "call":
+                    engine.call(lambda manager, fn=event[1]: fn(engine), settle=event[2])
                 else:
                     engine.cancel(event[1])
             engine._drain_inbox(block=False)

@@ -89,6 +89,20 @@ def test_cancellation_and_arrivals_mid_stream(nano):
     assert overlap.overlapped > 0
 
 
+def test_calls_between_steps_settle_the_step_in_flight_unless_told_not_to(nano):
+    vocab = nano.config.vocab_size
+    seen: list[tuple[bool, bool, bool]] = []  # (overlap engine, settle, a step in flight when it ran)
+
+    def probe(settle: bool):
+        return ("call", lambda engine: seen.append((engine.overlap.enabled, settle,
+                                                    engine.overlap.inflight is not None)), settle)
+    script = {0: [("add", f"c{i}", _prompt(i, 8 + i), options(vocab, max_tokens=12, ignore_eos=True))
+                  for i in range(3)], 4: [probe(False)], 6: [probe(True)], 8: [probe(False)]}
+    _compare(nano, script)
+    assert sorted(seen) == [(False, False, False), (False, False, False), (False, True, False),
+                            (True, False, True), (True, False, True), (True, True, False)]
+
+
 def test_preemption_under_a_full_pool(nano):
     vocab = nano.config.vocab_size
     # 12 usable pages: four requests of 2 KDA pages + 1 MLA page (80 tokens) each; crossing 80 tokens needs one more.
