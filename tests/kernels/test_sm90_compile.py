@@ -131,8 +131,11 @@ def attnres(tokens: int, **tuning) -> None:
     """services/engine/fast_decoder: a block's sites and the final site, then the merges with and without a
     partial sum."""
     blocks = empty(3, tokens, HIDDEN)
-    inter_triton.attnres_inter(empty(SITES, HIDDEN), blocks, empty(SITES, HIDDEN), 1e-6, **tuning)
-    inter_triton.attnres_inter(empty(1, HIDDEN), blocks, empty(1, HIDDEN), 1e-6, **tuning)
+    for sites in (SITES, 1):
+        queries, norms, args = empty(sites, HIDDEN), empty(sites, HIDDEN), dict(tuning)
+        if args.get("parts") == "hoisted":  # kernels/perf/attnres_cases: the query parts computed beforehand
+            args["parts"] = inter_triton.query_parts(queries, norms, BF16)
+        inter_triton.attnres_inter(queries, blocks, norms, 1e-6, **args)
     stats = (empty(tokens, dtype=F32), empty(tokens, dtype=F32), empty(tokens, HIDDEN, dtype=F32))
     for partial in (empty(tokens, HIDDEN), None):
         merge_norm_triton.attnres_merge_norm(*stats, empty(HIDDEN), partial, empty(HIDDEN), key_norm_weight=empty(HIDDEN),
