@@ -69,8 +69,8 @@ if triton is not None:
 
 
 def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
-              renormalize: bool = True, scaling: float = 1.0, block_t: int = 16, block_h: int = 128,
-              num_warps: int = 4, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+              renormalize: bool = True, scaling: float = 1.0, block_t: int = 16, block_h: int = 256,
+              num_warps: int = 4, num_stages: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as kernels.fused.naive.moe_route: x [T, H] (row-strided allowed) and weight [E, H] of one
     dtype -> (weights [T, k] float32, expert ids [T, k] int64)."""
     require(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and x.stride(1) == 1
