@@ -65,10 +65,9 @@ if triton is not None:
         M = tl.load(ws + rows[:, None] * C + cols[None, :])
         lower = tl.where(rows[:, None] // BC > cols[None, :] // BC, M, 0.0)
         N = tl.dot(d_inv, lower)
-        N2 = tl.dot(N, N)
-        N3 = tl.dot(N2, N)
         eye = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
-        return tl.dot(eye - N + N2 - N3, d_inv)
+        series = eye - tl.dot(N, eye - tl.dot(N, eye - N))  # Horner form: three [C, C] tiles live, not four
+        return tl.dot(series, d_inv)
 
     @triton.jit
     def _flat_gate(g, rel, io_mask, last, HD, cols):
@@ -76,6 +75,22 @@ if triton is not None:
         valid row, so that G stays flat there (their k and q are zero, and no decay factor can overflow)."""
         g_last = tl.load(g + last * HD + cols)
         return tl.where(io_mask, tl.load(g + rel, mask=io_mask, other=0.0), g_last[None, :]), g_last
+
+    @triton.jit
+    def _a_parts(k, g, G, kc, qc, rows, cols, last, n_valid, HD, blk: tl.constexpr, BC: tl.constexpr,
+                 dt: tl.constexpr):
+        """Key sub-block blk's share of Akk and Aqk [C, BC] from the key columns `cols` (G, kc, qc: their
+        [C, len(cols)] tiles, float32). The decay ratio is split at the end of the key sub-block: factors
+        <= 1 off the diagonal block, <= 2^116 on it; rows before the block are causally masked (factor 0)."""
+        sub = tl.arange(0, BC)
+        ref = tl.load(g + tl.minimum(blk * BC + BC - 1, last) * HD + cols)
+        row_decay = tl.math.exp2(tl.where(rows[:, None] >= blk * BC, G - ref[None, :], -1e30))
+        key_rel = (blk * BC + sub)[:, None] * HD + cols[None, :]
+        key_ok = (blk * BC + sub < n_valid)[:, None]
+        k_key = tl.load(k + key_rel, mask=key_ok, other=0.0).to(tl.float32)
+        g_key = tl.load(g + key_rel, mask=key_ok, other=0.0)
+        k_col = tl.trans((k_key * tl.math.exp2(ref[None, :] - g_key)).to(dt))
+        return tl.dot((kc * row_decay).to(dt), k_col), tl.dot((qc * row_decay).to(dt), k_col)
 
     @triton.jit
     def _store_a_block(aqk_st, ws, ak, aq, c0, rows, bt, scale, io_mask, C: tl.constexpr, BC: tl.constexpr):
@@ -91,13 +106,14 @@ if triton is not None:
         q, k, v, g, beta, cu_seqlens, chunk_seq, chunk_start,
         w_out, u_out, qg_out, kg_out, aqk_out, gc_out, akk_ws, scale,
         H, D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, F32_DOTS: tl.constexpr,
-        DOUBLING: tl.constexpr,
+        DOUBLING: tl.constexpr, BLK_OUTER: tl.constexpr,
     ):
         """Grid (chunks, H). Token-major [T_total, H, *] in and out; g float32 in log2 units (G * log2(e): the
         decay factors are bare exp2, one MUFU op each, where exp costs a multiply and a range fix-up more),
         beta [T_total, H] float32 (already through the sigmoid); gc_out [chunks, H, D]; akk_ws [chunks, H, C, C] float32 scratch.
         F32_DOTS: float32 (TF32 on the GPU) dot operands instead of the input dtype; DOUBLING: the diagonal
-        blocks' inverses by block doubling (see _diagonal_block_inverses)."""
+        blocks' inverses by block doubling (see _diagonal_block_inverses); BLK_OUTER: Akk / Aqk key block by
+        key block (two accumulators live instead of eight: fewer registers, the row tiles loaded 4x)."""
         ci = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         start = tl.load(chunk_start + ci).to(tl.int64)
@@ -117,48 +133,52 @@ if triton is not None:
         last = tl.minimum(n_valid, C) - 1
         dt = tl.float32 if F32_DOTS else q.dtype.element_ty
         NB: tl.constexpr = C // BC
-        sub = tl.arange(0, BC)
-        # Akk / Aqk by key sub-block: four [C, BC] column blocks each (the causal zeros are not computed).
-        ak0 = tl.zeros([C, BC], dtype=tl.float32)
-        ak1, ak2, ak3, aq0, aq1, aq2, aq3 = ak0, ak0, ak0, ak0, ak0, ak0, ak0
-        for kb in range(0, D // BK):
-            cols = kb * BK + tl.arange(0, BK)
-            rel = rows[:, None] * HD + cols[None, :]
-            G, _ = _flat_gate(g, rel, io_mask, last, HD, cols)
-            kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
-            qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
-            for blk in tl.static_range(NB):
-                # Split at the end of key sub-block blk: factors <= 1 off the diagonal block, <= e^80 on it;
-                # rows before the block are causally masked (factor 0 here).
-                ref = tl.load(g + tl.minimum(blk * BC + BC - 1, last) * HD + cols)
-                row_decay = tl.math.exp2(tl.where(rows[:, None] >= blk * BC, G - ref[None, :], -1e30))
-                key_rel = (blk * BC + sub)[:, None] * HD + cols[None, :]
-                key_ok = (blk * BC + sub < n_valid)[:, None]
-                k_key = tl.load(k + key_rel, mask=key_ok, other=0.0).to(tl.float32)
-                g_key = tl.load(g + key_rel, mask=key_ok, other=0.0)
-                k_col = tl.trans((k_key * tl.math.exp2(ref[None, :] - g_key)).to(dt))
-                part_k = tl.dot((kc * row_decay).to(dt), k_col)
-                part_q = tl.dot((qc * row_decay).to(dt), k_col)
-                if blk == 0:
-                    ak0 += part_k
-                    aq0 += part_q
-                elif blk == 1:
-                    ak1 += part_k
-                    aq1 += part_q
-                elif blk == 2:
-                    ak2 += part_k
-                    aq2 += part_q
-                else:
-                    ak3 += part_k
-                    aq3 += part_q
         bt = tl.load(beta + rows * H, mask=valid, other=0.0)
         # Aqk goes out; Akk goes through this program's scratch tile to come back as one [C, C] tile.
         ws = akk_ws + (ci * H + h) * C * C
         aqk_st = aqk_out + rows[:, None] * (H * C)
-        _store_a_block(aqk_st, ws, ak0, aq0, 0, rows, bt, scale, io_mask, C, BC)
-        _store_a_block(aqk_st, ws, ak1, aq1, BC, rows, bt, scale, io_mask, C, BC)
-        _store_a_block(aqk_st, ws, ak2, aq2, 2 * BC, rows, bt, scale, io_mask, C, BC)
-        _store_a_block(aqk_st, ws, ak3, aq3, 3 * BC, rows, bt, scale, io_mask, C, BC)
+        # Akk / Aqk by key sub-block: four [C, BC] column blocks each (the causal zeros are not computed).
+        if BLK_OUTER:  # one block's pair of accumulators live at a time; the row tiles are reloaded per block
+            for blk in tl.static_range(NB):
+                ak = tl.zeros([C, BC], dtype=tl.float32)
+                aq = tl.zeros([C, BC], dtype=tl.float32)
+                for kb in range(0, D // BK):
+                    cols = kb * BK + tl.arange(0, BK)
+                    rel = rows[:, None] * HD + cols[None, :]
+                    G, _ = _flat_gate(g, rel, io_mask, last, HD, cols)
+                    kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
+                    qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
+                    part_k, part_q = _a_parts(k, g, G, kc, qc, rows, cols, last, n_valid, HD, blk, BC, dt)
+                    ak += part_k
+                    aq += part_q
+                _store_a_block(aqk_st, ws, ak, aq, blk * BC, rows, bt, scale, io_mask, C, BC)
+        else:  # the row tiles loaded once per key-column block; eight accumulators live
+            ak0 = tl.zeros([C, BC], dtype=tl.float32)
+            ak1, ak2, ak3, aq0, aq1, aq2, aq3 = ak0, ak0, ak0, ak0, ak0, ak0, ak0
+            for kb in range(0, D // BK):
+                cols = kb * BK + tl.arange(0, BK)
+                rel = rows[:, None] * HD + cols[None, :]
+                G, _ = _flat_gate(g, rel, io_mask, last, HD, cols)
+                kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
+                qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
+                for blk in tl.static_range(NB):
+                    part_k, part_q = _a_parts(k, g, G, kc, qc, rows, cols, last, n_valid, HD, blk, BC, dt)
+                    if blk == 0:
+                        ak0 += part_k
+                        aq0 += part_q
+                    elif blk == 1:
+                        ak1 += part_k
+                        aq1 += part_q
+                    elif blk == 2:
+                        ak2 += part_k
+                        aq2 += part_q
+                    else:
+                        ak3 += part_k
+                        aq3 += part_q
+            _store_a_block(aqk_st, ws, ak0, aq0, 0, rows, bt, scale, io_mask, C, BC)
+            _store_a_block(aqk_st, ws, ak1, aq1, BC, rows, bt, scale, io_mask, C, BC)
+            _store_a_block(aqk_st, ws, ak2, aq2, 2 * BC, rows, bt, scale, io_mask, C, BC)
+            _store_a_block(aqk_st, ws, ak3, aq3, 3 * BC, rows, bt, scale, io_mask, C, BC)
         tl.debug_barrier()
         T = _unit_lower_inverse(ws, rows, C, BC, DOUBLING).to(dt)
         for kb in range(0, D // BK):

@@ -164,7 +164,8 @@ def kda_prefill_block(
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
     norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
     prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 2, f32_dots: bool = False,
-    ut_maxnreg: int | None = 168, ut_doubling: bool = True, prep_gate_apart: bool = False, few_block_v: int = 32,
+    ut_maxnreg: int | None = 168, ut_doubling: bool = True, ut_blk_outer: bool = False,
+    prep_gate_apart: bool = False, few_block_v: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
@@ -181,6 +182,7 @@ def kda_prefill_block(
     - prep_gate_apart: the prologue's gate + cumsum + beta in programs of their own instead of with v's conv.
     - ut_doubling: the UT pass inverts the 16x16 diagonal blocks by block doubling (6 small dots) instead of
       row-by-row forward substitution (a serial chain of cross-thread reductions).
+    - ut_blk_outer: the UT pass's Akk / Aqk loop runs key block by key block (2 accumulators live, not 8).
     - f32_dots: float32 (TF32) operands in the UT transform's dots instead of the input dtype.
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
@@ -223,7 +225,7 @@ def kda_prefill_block(
         _kda_chunk_ut_kernel[(n_chunks, H)](
             qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
             torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,
-            BK=k_block, F32_DOTS=f32_dots, DOUBLING=ut_doubling, num_warps=ut_warps, maxnreg=ut_maxnreg)
+            BK=k_block, F32_DOTS=f32_dots, DOUBLING=ut_doubling, BLK_OUTER=ut_blk_outer, num_warps=ut_warps, maxnreg=ut_maxnreg)
     if not block_v:  # 32 columns instead of 64 at B=1, T=32K: -3 % (old recurrence)
         block_v = min(64 if N * H * (D // 64) >= 2 * sm_count(dev, cpu=1) else few_block_v, D)
     require(D % block_v == 0 and block_v >= 16, f"block_v must divide {D} and be >= 16, got {block_v}")

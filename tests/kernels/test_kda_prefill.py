@@ -47,7 +47,7 @@ def test_reference_prefill_matches_float64_token_by_token():
 @pytest.mark.parametrize(("block_v", "k_block", "tuning"), [
     (16, 16, {}),
     (None, 32, {}),
-    (16, 32, {"ut_maxnreg": None}),
+    (16, 32, {"ut_maxnreg": None, "ut_blk_outer": True}),
     (None, 32, {"ut_doubling": False, "prep_gate_apart": True}),
 ])
 def test_triton_prefill_matches_reference(interpreted, block_v, k_block, tuning):
