@@ -261,10 +261,23 @@ def warm_peer(shape_prefix: str) -> None:
     torch.cuda.synchronize()
 
 
+def warm_ours() -> None:
+    """Ours once per selected variant at a small case of every shape's head count (plain and packed): the
+    Triton compiles (a few seconds per variant) then come from the on-disk cache when the variants are timed."""
+    with torch.inference_mode():
+        for _, tuning in selected_variants():
+            for heads, cu in {(s[3], s[4] is not None) for s in SHAPES}:
+                cu_cpu = torch.tensor([0, 100, 256]) if cu else None
+                ours_block(_inputs(1, 256, heads, "cuda"), _params(heads, "cuda"), None, cu_cpu, **tuning)
+    torch.cuda.synchronize()
+
+
 if __name__ == "__main__":
     # python -m kernels.perf.kda_prefill_cases ROWS.jsonl...: the picked tuning, as JSON;
-    # python -m kernels.perf.kda_prefill_cases --warm-peer SHAPE_PREFIX: see warm_peer.
+    # python -m kernels.perf.kda_prefill_cases --warm-peer SHAPE_PREFIX / --warm-ours: see warm_peer, warm_ours.
     if sys.argv[1:2] == ["--warm-peer"]:
         warm_peer(sys.argv[2])
+    elif sys.argv[1:2] == ["--warm-ours"]:
+        warm_ours()
     else:
         print(json.dumps(pick_from_files(sys.argv[1:])))
