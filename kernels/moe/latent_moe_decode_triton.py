@@ -75,7 +75,7 @@ if triton is not None:
             rest = rest - part.to(tl.float32)
         return acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one build for every decode batch (T = 1 would be a constant)
     def _gate_up_kernel(x, ids, wgu, sgu, h, T, K, F, beta1, beta2, L: tl.constexpr, BR: tl.constexpr,
                         G: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                         X_PARTS: tl.constexpr, HP: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr):
@@ -101,7 +101,7 @@ if triton is not None:
                              mask=used[:, None] & ok[None, :])
                     rest = rest - part.to(tl.float32)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one build for every decode batch (T = 1 would be a constant)
     def _down_kernel(h, ids, weights, wd, sd, partial, T, K, L, F: tl.constexpr, BR: tl.constexpr,
                      G: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, HP: tl.constexpr,
                      STAGES: tl.constexpr, USE_ASM: tl.constexpr):

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from functools import partial
 
@@ -70,7 +71,9 @@ def precompile(batches: tuple[int, ...], tiles: tuple, packs: list) -> None:
     """Build every (batch, tile pair) specialization in parallel processes before timing: one process
     compiling them one by one would spend most of a short device session in ptxas. The kernels land in
     Triton's on-disk cache, where the timed launches find them."""
-    from kernels.compile_check import compile_specs, record_launches
+    from kernels.compile_check import FP_FUSION_ENV, compile_specs, record_launches
+
+    os.environ.update(FP_FUSION_ENV)  # the workers build with it and Triton's cache key includes it
 
     with record_launches() as recorder:
         for T in batches:
@@ -122,20 +125,35 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple | None = None, 
     return rows
 
 
+def parse_tiles(text: str) -> tuple:
+    """"rows,cols,warps,stages[,regs]/rows,cols,warps,stages[,regs];..." -> ((gate/up Tile, down Tile), ...)."""
+    def tile(spec: str) -> Tile:
+        return Tile(*(int(v) for v in spec.split(",")))
+    return tuple(tuple(tile(t) for t in pair.split("/")) for pair in text.split(";"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="MoE decode variant sweep")
     parser.add_argument("--variants", choices=("default", "sweep"), default="sweep")
+    parser.add_argument("--tiles", help="tile pairs instead of --variants (see parse_tiles)")
+    parser.add_argument("--json", help="append each row to this JSON file as it is measured (with the copy ceiling)")
     args = parser.parse_args()
     copy_bps = copy_bandwidth()
-    print(f"copy {copy_bps / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}")
+    print(f"copy {copy_bps / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}", flush=True)
+    done: list[dict] = []
 
     def show(r: Row) -> None:
         frac = r.bytes / (r.ms * 1e-3) / copy_bps
         err = r.extra.get("rel_err_vs_reference", float("nan"))
-        print(f"{r.shape:<36} {r.impl:<44} {r.ms * 1e3:8.1f} us {100 * frac:5.1f} % err {err:.1e} "
+        print(f"{r.shape:<36} {r.impl:<60} {r.ms * 1e3:8.1f} us {100 * frac:5.1f} % err {err:.1e} "
               f"{r.extra.get('kernels_ms', r.note)}", flush=True)
+        if args.json:
+            done.append({**r.as_dict(), "copy_bytes_per_s": copy_bps})
+            with open(args.json, "w") as f:
+                json.dump(done, f, indent=1)
 
-    moe_rows(tiles=SWEEP if args.variants == "sweep" else VARIANTS, peer=False, on_row=show)
+    tiles = parse_tiles(args.tiles) if args.tiles else SWEEP if args.variants == "sweep" else VARIANTS
+    moe_rows(tiles=tiles, peer=False, on_row=show)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""Latent-MoE MXFP4 decode (kernels/moe) on routing patterns and shapes the fixed cases do not cover: the
+Triton launcher (interpreted) against the plain-torch reference, which test_moe_attnres checks against float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from k3core.quant.mxfp4 import quantize
+from kernels.moe import latent_moe_decode_triton, naive
+from kernels.moe.tiles import Tile, default_tiles
+from kernels.perf.moe_cases import parse_tiles
+
+
+def _experts(gen: torch.Generator, experts: int, latent: int, width: int) -> tuple[torch.Tensor, ...]:
+    return (*quantize(torch.randn(experts, 2 * width, latent, generator=gen) * latent**-0.5),
+            *quantize(torch.randn(experts, latent, width, generator=gen) * width**-0.5))
+
+
+def test_non_power_of_two_shapes_match_the_reference(interpreted):
+    """T=3, k=3, E=5, l=96, F=96: a partial row block in both kernels (96 rows in 64-row tiles), three
+    32-column steps each, float32 x as three bf16 parts."""
+    gen = torch.Generator().manual_seed(11)
+    T, K, E, L, F = 3, 3, 5, 96, 96
+    packs = _experts(gen, E, L, F)
+    x = torch.randn(T, L, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).int()
+    w = torch.rand(T, K, generator=gen)
+    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, gate_up_tile=Tile(64, 32),
+                                                     down_tile=Tile(64, 32))
+    torch.testing.assert_close(out, naive.latent_moe_decode(x, ids, w, *packs), rtol=1e-5, atol=1e-5)
+
+
+PACKS = _experts(torch.Generator().manual_seed(12), 5, 64, 32)  # E=5, l=64, F=32, shared by the examples
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(tokens=st.integers(1, 18), top_k=st.integers(1, 4), data=st.data())
+def test_any_routing_matches_the_reference(interpreted, tokens, top_k, data):
+    """Arbitrary expert ids (repeats inside a token, one expert for every token, more than 16 tokens on
+    one expert) and router weights: each expert is served by its first pair and every token gets the
+    sum over its slots, as the reference computes it."""
+    ids = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 4), min_size=top_k, max_size=top_k),
+                                          min_size=tokens, max_size=tokens)), dtype=torch.int32)
+    gen = torch.Generator().manual_seed(tokens * 7 + top_k)
+    x = torch.randn(tokens, 64, generator=gen)
+    w = torch.rand(tokens, top_k, generator=gen)
+    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *PACKS, gate_up_tile=Tile(32, 64),
+                                                     down_tile=Tile(64, 32))
+    torch.testing.assert_close(out, naive.latent_moe_decode(x, ids, w, *PACKS), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("tile", "message"), [
+    (Tile(24, 32), "tile rows"), (Tile(8, 32), "tile rows"), (Tile(16, 48), "tile cols"),
+    (Tile(16, 32, warps=3), "tile warps"), (Tile(16, 32, stages=0), "tile stages"),
+])
+def test_bad_tiles_name_the_field(tile, message):
+    with pytest.raises(ValueError, match=message):
+        tile.groups(64)
+
+
+def test_tile_columns_are_capped_at_the_reduction_width():
+    assert Tile(16, 512).groups(64) == 2
+    assert Tile(128, 128, 8, 3, 168).launch_options() == {"num_warps": 8, "maxnreg": 168}
+
+
+@pytest.mark.parametrize("pairs", [1, 16, 64, 256])
+def test_default_tiles_fit_the_served_shape(pairs):
+    gate_up, down = default_tiles(pairs)
+    assert gate_up.groups(2048) >= 1 and down.groups(1024) >= 1
+
+
+def test_tile_pairs_parse_from_the_command_line():
+    assert parse_tiles("128,64,4,4,168/64,128,4,3;32,32,2,1/16,32,1,2") == (
+        (Tile(128, 64, 4, 4, 168), Tile(64, 128, 4, 3)), (Tile(32, 32, 2, 1), Tile(16, 32, 1, 2)))
