@@ -15,8 +15,8 @@ launches but no case reaches fails `test_every_launched_kernel_is_covered`: add 
 
 Triton versions: by default the workers compile with the CPU venv's Triton 3.9 while the device runs 3.6.
 The front end checks (types, shapes, loop-carried values, constexpr use) agree, but a construct only one
-version accepts, or a backend bug of one, is missed, and shared memory differs (e.g. the KDA prep kernel:
-16 KiB in 3.9, 32 KiB in 3.6). Specs are always computed by 3.9's binder (same specialization rules in 3.6).
+version accepts, or a backend bug of one, is missed, and shared memory can differ (twice as much for one
+KDA kernel under 3.6). Specs are always computed by 3.9's binder (the specialization rules are 3.6's).
 For the device's own compiler: `pip install --no-deps --target DIR triton==3.6.0` (its wheel ships ptxas)
 and set K3_COMPILE_CHECK_TRITON_PATH=DIR.
 """
@@ -98,12 +98,15 @@ def kda_decode(batch: int) -> None:
 
 
 def kda_verify(batch: int, drafts: int = 3) -> None:
-    """services/engine: the verify replay (accepted drafts replayed, then the window) and the window form."""
-    window = tuple(t.contiguous() for t in kda_tokens(batch, drafts + 1))
-    previous = tuple(t[:, 1:] for t in window[:5])
-    verify_triton.kda_verify_replay(*window, *kda_params(), *kda_pool(batch), previous_drafts=previous,
-                                    n_accepted=torch.ones(batch, dtype=I32))
-    decode_triton.fused_kda_recurrent(*window, *kda_params(), *kda_pool(batch), n_commit=0)
+    """services/engine/verify_replay: the accepted drafts replayed, then each row's last kept token (its
+    state committed); services/engine/fast_verify: a window of drafts on the pool, nothing committed."""
+    projected = tuple(t.contiguous() for t in kda_tokens(batch, drafts + 1))
+    kept = tuple(t[:, :1].clone() for t in projected[:5])
+    state, conv, slots = kda_pool(batch)
+    verify_triton.kda_verify_replay(*kept, torch.zeros_like(kept[0]), *kda_params(), state, conv,
+                                    torch.arange(batch), previous_drafts=projected[:5],
+                                    n_accepted=torch.zeros(batch, dtype=I64), scale=D**-0.5)
+    decode_triton.fused_kda_recurrent(*projected, *kda_params(), state, conv, slots, n_commit=0)
 
 
 def kda_prefill(**tuning) -> None:
