@@ -78,6 +78,8 @@ class CompileResult:
     shared: int = 0  # bytes of shared memory the compiled kernel needs
 
 
+# Triton is imported inside the functions: its first import fixes the interpreter mode for the process,
+# which a test session sets before (tests/conftest.py).
 def _target():
     from triton.backends.compiler import GPUTarget
 
@@ -232,8 +234,8 @@ def _compile_one(spec: CompileSpec) -> CompileResult:
     return CompileResult(True, triton.__version__, shared=int(compiled.metadata.shared))
 
 
-def _module_name(path: Path) -> str:
-    return ".".join(path.relative_to(KERNELS_DIR.parent).with_suffix("").parts)
+def _module_name(path: Path, root: Path = KERNELS_DIR) -> str:
+    return ".".join(path.relative_to(root.parent).with_suffix("").parts)
 
 
 def _is_triton_jit(decorator: ast.expr) -> bool:
@@ -260,7 +262,7 @@ def launched_kernels(root: Path = KERNELS_DIR) -> set[str]:
     defined: set[str] = set()
     launched: set[str] = set()
     for path in sorted(root.rglob("*.py")):
-        module = _module_name(path)
+        module = _module_name(path, root)
         tree = ast.parse(path.read_text(), str(path))
         names = _names(tree, module)
         for node in ast.walk(tree):

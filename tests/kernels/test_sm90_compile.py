@@ -294,6 +294,24 @@ def test_a_loop_carried_shape_change_is_reported_with_the_kernel_name(interprete
     assert good.ok, good.error
 
 
+def test_discovery_lists_launched_kernels_not_device_functions(tmp_path):
+    """Kernels launched by name, through an imported name or a module attribute count; jit functions never
+    launched with a grid (device helpers) do not."""
+    package = tmp_path / "kernels"
+    (package / "sub").mkdir(parents=True)
+    jit = "@triton.jit\ndef {}(x):\n    pass\n\n\n"
+    (package / "sub" / "a.py").write_text(
+        "import triton\n\n" + "".join(jit.format(n) for n in ("_helper", "_own", "_imported", "_via_module", "_idle"))
+        + "def launch(x):\n    _own[(1,)](x)\n")
+    (package / "b.py").write_text("from kernels.sub import a\nfrom kernels.sub.a import _imported\n\n"
+                                  "def launch(x):\n    _imported[(1,)](x)\n    a._via_module[(2,)](x)\n")
+    found = compile_check.launched_kernels(package)
+    assert found == {"kernels.sub.a:_own", "kernels.sub.a:_imported", "kernels.sub.a:_via_module"}
+    real = compile_check.launched_kernels()
+    assert "kernels.kda.prefill_chunk_triton:_kda_chunk_ut_kernel" in real  # launched from prefill_triton
+    assert not {k for k in real if k.endswith((":mxfp4_tile", ":unshift", ":situ_glu_values"))}
+
+
 def test_specialization_follows_triton():
     """Triton's rules, by hand: an int equal to 1 becomes a constant, ints and pointers divisible by 16 get
     tt.divisibility 16, other ints none; floats are fp32; launch options come through."""
