@@ -93,12 +93,13 @@ if triton is not None:
         return tl.dot((kc * row_decay).to(dt), k_col), tl.dot((qc * row_decay).to(dt), k_col)
 
     @triton.jit
-    def _store_a_block(aqk_st, ws, ak, aq, c0, rows, bt, scale, io_mask, C: tl.constexpr, BC: tl.constexpr):
+    def _store_a_block(aqk_st, ws, ak, aq, c0, rows, bt, scale, io_mask, C: tl.constexpr, BC: tl.constexpr,
+                       STORE_CACHE: tl.constexpr):
         """Key columns c0 .. c0+BC-1: scale * Aqk (i <= r) to the output rows, beta_r * Akk (i < r) to the
         program's [C, C] float32 scratch tile."""
         kcols = c0 + tl.arange(0, BC)
         aq = tl.where(kcols[None, :] <= rows[:, None], aq * scale, 0.0)
-        tl.store(aqk_st + kcols[None, :], aq.to(aqk_st.dtype.element_ty), mask=io_mask)
+        tl.store(aqk_st + kcols[None, :], aq.to(aqk_st.dtype.element_ty), mask=io_mask, cache_modifier=STORE_CACHE)
         tl.store(ws + rows[:, None] * C + kcols[None, :], tl.where(kcols[None, :] < rows[:, None], ak * bt[:, None], 0.0))
 
     @triton.jit
@@ -106,14 +107,15 @@ if triton is not None:
         q, k, v, g, beta, cu_seqlens, chunk_seq, chunk_start,
         w_out, u_out, qg_out, kg_out, aqk_out, gc_out, akk_ws, scale,
         H, D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, F32_DOTS: tl.constexpr,
-        DOUBLING: tl.constexpr, BLK_OUTER: tl.constexpr,
+        DOUBLING: tl.constexpr, BLK_OUTER: tl.constexpr, STORE_CACHE: tl.constexpr,
     ):
         """Grid (chunks, H). Token-major [T_total, H, *] in and out; g float32 in log2 units (G * log2(e): the
         decay factors are bare exp2, one MUFU op each, where exp costs a multiply and a range fix-up more),
         beta [T_total, H] float32 (already through the sigmoid); gc_out [chunks, H, D]; akk_ws [chunks, H, C, C] float32 scratch.
         F32_DOTS: float32 (TF32 on the GPU) dot operands instead of the input dtype; DOUBLING: the diagonal
         blocks' inverses by block doubling (see _diagonal_block_inverses); BLK_OUTER: Akk / Aqk key block by
-        key block (two accumulators live instead of eight: fewer registers, the row tiles loaded 4x)."""
+        key block (two accumulators live instead of eight: fewer registers, the row tiles loaded 4x);
+        STORE_CACHE: the cache modifier of the outputs' stores (".cs": streamed, not evicting k, q, g, v)."""
         ci = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         start = tl.load(chunk_start + ci).to(tl.int64)
@@ -151,7 +153,7 @@ if triton is not None:
                     part_k, part_q = _a_parts(k, g, G, kc, qc, rows, cols, last, n_valid, HD, blk, BC, dt)
                     ak += part_k
                     aq += part_q
-                _store_a_block(aqk_st, ws, ak, aq, blk * BC, rows, bt, scale, io_mask, C, BC)
+                _store_a_block(aqk_st, ws, ak, aq, blk * BC, rows, bt, scale, io_mask, C, BC, STORE_CACHE)
         else:  # the row tiles loaded once per key-column block; eight accumulators live
             ak0 = tl.zeros([C, BC], dtype=tl.float32)
             ak1, ak2, ak3, aq0, aq1, aq2, aq3 = ak0, ak0, ak0, ak0, ak0, ak0, ak0
@@ -175,10 +177,10 @@ if triton is not None:
                     else:
                         ak3 += part_k
                         aq3 += part_q
-            _store_a_block(aqk_st, ws, ak0, aq0, 0, rows, bt, scale, io_mask, C, BC)
-            _store_a_block(aqk_st, ws, ak1, aq1, BC, rows, bt, scale, io_mask, C, BC)
-            _store_a_block(aqk_st, ws, ak2, aq2, 2 * BC, rows, bt, scale, io_mask, C, BC)
-            _store_a_block(aqk_st, ws, ak3, aq3, 3 * BC, rows, bt, scale, io_mask, C, BC)
+            _store_a_block(aqk_st, ws, ak0, aq0, 0, rows, bt, scale, io_mask, C, BC, STORE_CACHE)
+            _store_a_block(aqk_st, ws, ak1, aq1, BC, rows, bt, scale, io_mask, C, BC, STORE_CACHE)
+            _store_a_block(aqk_st, ws, ak2, aq2, 2 * BC, rows, bt, scale, io_mask, C, BC, STORE_CACHE)
+            _store_a_block(aqk_st, ws, ak3, aq3, 3 * BC, rows, bt, scale, io_mask, C, BC, STORE_CACHE)
         tl.debug_barrier()
         T = _unit_lower_inverse(ws, rows, C, BC, DOUBLING).to(dt)
         for kb in range(0, D // BK):
@@ -188,14 +190,16 @@ if triton is not None:
             kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
             decay = tl.math.exp2(G)
             w_blk = tl.dot(T, (kc * decay * bt[:, None]).to(dt))
-            tl.store(w_out + rel, w_blk.to(w_out.dtype.element_ty), mask=io_mask)
+            tl.store(w_out + rel, w_blk.to(w_out.dtype.element_ty), mask=io_mask, cache_modifier=STORE_CACHE)
             kg_blk = kc * tl.math.exp2(g_end[None, :] - G)
-            tl.store(kg_out + rel, kg_blk.to(kg_out.dtype.element_ty), mask=io_mask)
+            tl.store(kg_out + rel, kg_blk.to(kg_out.dtype.element_ty), mask=io_mask, cache_modifier=STORE_CACHE)
             tl.store(gc_out + cols, tl.math.exp2(g_end))
             qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
-            tl.store(qg_out + rel, (qc * decay * scale).to(qg_out.dtype.element_ty), mask=io_mask)
+            qg_blk = (qc * decay * scale).to(qg_out.dtype.element_ty)
+            tl.store(qg_out + rel, qg_blk, mask=io_mask, cache_modifier=STORE_CACHE)
         for vb in range(0, D // BK):
             cols = vb * BK + tl.arange(0, BK)
             rel = rows[:, None] * HD + cols[None, :]
             vc = tl.load(v + rel, mask=io_mask, other=0.0).to(tl.float32)
-            tl.store(u_out + rel, tl.dot(T, (vc * bt[:, None]).to(dt)).to(u_out.dtype.element_ty), mask=io_mask)
+            u_blk = tl.dot(T, (vc * bt[:, None]).to(dt)).to(u_out.dtype.element_ty)
+            tl.store(u_out + rel, u_blk, mask=io_mask, cache_modifier=STORE_CACHE)

@@ -43,7 +43,9 @@ VARIANTS = (
     # Key block by key block: 4 programs per SM under 128 registers (sm_90a: 8 B of spills; none at kb=16).
     ("blk outer cap128", {"ut_blk_outer": True, "ut_maxnreg": 128}, "_kda_chunk_ut_kernel"),
     ("blk outer kb=16 cap128", {"ut_blk_outer": True, "k_block": 16, "ut_maxnreg": 128}, "_kda_chunk_ut_kernel"),
+    ("ut cs", {"ut_stream_stores": True}, "_kda_chunk_ut_kernel"),
     ("few bv=16", {"few_block_v": 16}, "_kda_chunk_recurrence_kernel"),
+    ("rec cs", {"rec_stream_stores": True}, "_kda_chunk_recurrence_kernel"),
     ("stages 3", {"stages": 3}, "_kda_chunk_recurrence_kernel"),
     ("few bv=16 stages 3", {"few_block_v": 16, "stages": 3}, "_kda_chunk_recurrence_kernel"),
     ("prep w16", {"prep_warps": 16}, "_kda_prep_kernel"),

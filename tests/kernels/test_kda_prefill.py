@@ -48,7 +48,7 @@ def test_reference_prefill_matches_float64_token_by_token():
     (16, 16, {}),
     (None, 32, {}),
     (16, 32, {"ut_maxnreg": None, "ut_blk_outer": True}),
-    (None, 32, {"ut_doubling": False, "prep_gate_apart": True}),
+    (None, 32, {"ut_doubling": False, "prep_gate_apart": True, "ut_stream_stores": True, "rec_stream_stores": True}),
 ])
 def test_triton_prefill_matches_reference(interpreted, block_v, k_block, tuning):
     """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states, D = 32: the
