@@ -13,6 +13,7 @@ from typing import Any
 
 from k3.v1 import common_pb2
 from k3core.cache.hashing import chain_hashes
+from services.engine import handover
 from services.engine.acceptance import accept_drafts
 from services.engine.decode_overlap import DecodeOverlap
 from services.engine.draft_runner import Proposal
@@ -254,8 +255,9 @@ class Engine:
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []
-        for req, output in outbox:
-            req.emit(output)
+        with handover.burst():  # one wake-up per event loop, not one per output
+            for req, output in outbox:
+                req.emit(output)
 
     def _accept_forced(self, req: EngineRequest) -> None:
         self._accept(req, req.forced.pop(0), req.forced_logprobs.pop(0) if req.forced_logprobs else None)

@@ -4,38 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections import deque
 from collections.abc import AsyncIterator
 
 from k3.v1 import common_pb2
 from services.engine.engine import Engine
+from services.engine.handover import Mailbox
 from services.engine.request import EngineRequest, StepOutput
 
-
-class _Mailbox:
-    """The outputs bound for one event loop's streams: the engine thread posts them, and the loop is woken
-    once per burst (a step's outputs for every stream), not once per output: each wake-up is a write to the
-    loop's self-pipe, ~6-12 us of the engine thread per request and step."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.items: deque[tuple[asyncio.Queue, StepOutput]] = deque()
-        self.scheduled = False
-
-    def post(self, queue: asyncio.Queue, output: StepOutput) -> None:
-        self.items.append((queue, output))
-        if not self.scheduled:  # a delivery still to run will take this item too (it resets the flag first)
-            self.scheduled = True
-            self.loop.call_soon_threadsafe(self._deliver)
-
-    def _deliver(self) -> None:
-        self.scheduled = False
-        while self.items:
-            queue, output = self.items.popleft()
-            queue.put_nowait(output)
-
-
-_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
 
 
 class RequestStream:
@@ -43,7 +19,7 @@ class RequestStream:
 
     def __init__(self) -> None:
         loop = asyncio.get_running_loop()
-        self._mailbox = _mailboxes.get(loop) or _mailboxes.setdefault(loop, _Mailbox(loop))
+        self._mailbox = _mailboxes.get(loop) or _mailboxes.setdefault(loop, Mailbox(loop))
         self._queue: asyncio.Queue[StepOutput] = asyncio.Queue()
 
     def emit(self, output: StepOutput) -> None:
