@@ -13,7 +13,6 @@ from typing import Any
 
 from k3.v1 import common_pb2
 from k3core.cache.hashing import chain_hashes
-from services.engine import handover
 from services.engine.acceptance import accept_drafts
 from services.engine.decode_overlap import DecodeOverlap
 from services.engine.draft_runner import Proposal
@@ -25,6 +24,7 @@ from services.engine.request import EngineRequest, Phase, StepOutput
 from services.engine.sampler import sample_rows, token_logprobs
 from services.engine.scheduler import Scheduler
 from services.engine.speculative import Speculator
+from services.engine.token_streaming import TokenStreaming
 from services.runtime import errors
 
 log = logging.getLogger("k3.engine")
@@ -32,7 +32,7 @@ log = logging.getLogger("k3.engine")
 Broadcast = Callable[[StepPlan], None]
 
 
-class Engine:
+class Engine(TokenStreaming):
     def __init__(self, executor: Executor, scheduler: Scheduler, manager: RecordingManager,
                  output: OutputProcessor, metrics: EngineMetrics, broadcast: Broadcast | None = None,
                  speculator: Speculator | None = None):
@@ -216,15 +216,6 @@ class Engine:
             else:
                 self._take(req, next(tokens), next(logprobs) if req.options.logprobs else None)
 
-    def _count_prompt(self, req: EngineRequest) -> None:
-        if not req.output and not req.preemptions:
-            self.metrics.prompt_tokens.inc(len(req.prompt) - req.cached_tokens)
-
-    def _take(self, req: EngineRequest, token: int, logprob: common_pb2.TokenLogprob | None = None) -> None:
-        """Accept a sampled token of a running request (its stream, stop checks, the manager's append)."""
-        self._count_prompt(req)
-        self._accept(req, token, logprob)
-
     def _verify(self, plan: StepPlan, proposals: dict[str, Proposal]) -> None:
         """Run the step's verify windows before the executor's forward (its step stays open until then):
         accept, stream, and advance each request's cache over what it kept."""
@@ -246,49 +237,6 @@ class Engine:
             req = self.requests.get(item.rid)
             if req is not None and req.phase is Phase.RUNNING:
                 self.manager.call("append_tokens", req.rid, req.output[-1:])  # the new pending token
-
-    def _emit(self, req: EngineRequest, output: StepOutput) -> None:
-        """Queue an output for the request's stream, in order. Handing it over (a cross-thread wake-up of the
-        server's event loop per output) waits for `_flush`, which runs after the next step's launch (or when
-        the loop idles), so it overlaps the GPU instead of delaying the next launch."""
-        self._outbox.append((req, output))
-
-    def _flush(self) -> None:
-        outbox, self._outbox = self._outbox, []
-        with handover.burst():  # one wake-up per event loop, not one per output
-            for req, output in outbox:
-                req.emit(output)
-
-    def _accept_forced(self, req: EngineRequest) -> None:
-        self._accept(req, req.forced.pop(0), req.forced_logprobs.pop(0) if req.forced_logprobs else None)
-
-    def _accept(self, req: EngineRequest, token: int, logprob: common_pb2.TokenLogprob | None = None) -> None:
-        self._stream(req, [token], None if logprob is None else [logprob])
-        if req.phase is Phase.RUNNING:
-            self.manager.call("append_tokens", req.rid, [token])
-
-    def _stream(self, req: EngineRequest, tokens: list[int], logprobs: list | None = None) -> int:
-        """Hand a step's new tokens (and their logprobs, if any) to the request's stream in one output;
-        stops at the first token that ends the request (which is then finished). Returns how many tokens
-        it took."""
-        outs = []
-        for token in tokens:
-            outs.append(self.output.accept(req, token))
-            if outs[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                self._finish(req, outs[-1].finish_reason, keep_turn=True)
-                break
-        now = time.monotonic()
-        if req.first_token_at is None:
-            req.first_token_at = now
-            self.metrics.ttft.observe(now - req.arrival)
-        elif req.last_token_at is not None:
-            for _ in outs:  # a window's tokens share the step's time
-                self.metrics.tpot.observe((now - req.last_token_at) / len(outs))
-        req.last_token_at = now
-        self._step_tokens += len(outs)
-        self._emit(req, StepOutput([t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
-                                   outs[-1].finish_reason, logprobs=(logprobs or [])[:len(outs)]))
-        return len(outs)
 
     def _finish(self, req: EngineRequest, reason: int, keep_turn: bool) -> None:
         self._forget_draft(req.rid)

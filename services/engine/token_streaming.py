@@ -1,0 +1,79 @@
+"""The engine's side of a request's stream: accepted tokens become outputs (stop checks, metrics, the cache
+manager's append), queued in order and handed to the streams after the next step's launch."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from k3.v1 import common_pb2
+from services.engine import handover
+from services.engine.request import EngineRequest, Phase, StepOutput
+
+if TYPE_CHECKING:
+    from services.engine.metrics import EngineMetrics
+    from services.engine.output import OutputProcessor
+    from services.engine.plan import RecordingManager
+
+
+class TokenStreaming:
+    """Part of `Engine` (its token acceptance and stream hand-over), kept apart to keep the loop readable."""
+
+    output: OutputProcessor
+    manager: RecordingManager
+    metrics: EngineMetrics
+    _outbox: list[tuple[EngineRequest, StepOutput]]
+    _step_tokens: int
+    # and Engine._finish, which ends a request whose token stopped it
+
+    def _count_prompt(self, req: EngineRequest) -> None:
+        if not req.output and not req.preemptions:
+            self.metrics.prompt_tokens.inc(len(req.prompt) - req.cached_tokens)
+
+    def _take(self, req: EngineRequest, token: int, logprob: common_pb2.TokenLogprob | None = None) -> None:
+        """Accept a sampled token of a running request (its stream, stop checks, the manager's append)."""
+        self._count_prompt(req)
+        self._accept(req, token, logprob)
+
+    def _emit(self, req: EngineRequest, output: StepOutput) -> None:
+        """Queue an output for the request's stream, in order. Handing it over (a cross-thread wake-up of the
+        server's event loop per output) waits for `_flush`, which runs after the next step's launch (or when
+        the loop idles), so it overlaps the GPU instead of delaying the next launch."""
+        self._outbox.append((req, output))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        with handover.burst():  # one wake-up per event loop, not one per output
+            for req, output in outbox:
+                req.emit(output)
+
+    def _accept_forced(self, req: EngineRequest) -> None:
+        self._accept(req, req.forced.pop(0), req.forced_logprobs.pop(0) if req.forced_logprobs else None)
+
+    def _accept(self, req: EngineRequest, token: int, logprob: common_pb2.TokenLogprob | None = None) -> None:
+        self._stream(req, [token], None if logprob is None else [logprob])
+        if req.phase is Phase.RUNNING:
+            self.manager.call("append_tokens", req.rid, [token])
+
+    def _stream(self, req: EngineRequest, tokens: list[int], logprobs: list | None = None) -> int:
+        """Hand a step's new tokens (and their logprobs, if any) to the request's stream in one output;
+        stops at the first token that ends the request (which is then finished). Returns how many tokens
+        it took."""
+        outs = []
+        for token in tokens:
+            outs.append(self.output.accept(req, token))
+            if outs[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                self._finish(req, outs[-1].finish_reason, keep_turn=True)
+                break
+        now = time.monotonic()
+        if req.first_token_at is None:
+            req.first_token_at = now
+            self.metrics.ttft.observe(now - req.arrival)
+        elif req.last_token_at is not None:
+            for _ in outs:  # a window's tokens share the step's time
+                self.metrics.tpot.observe((now - req.last_token_at) / len(outs))
+        req.last_token_at = now
+        self._step_tokens += len(outs)
+        self._emit(req, StepOutput([t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
+                                   outs[-1].finish_reason, logprobs=(logprobs or [])[:len(outs)]))
+        return len(outs)
