@@ -18,7 +18,8 @@ and the precomputed stop-check tables. When N's tokens reach the host, only this
 
 Then, while N+1 computes: the other rows' tokens are accepted (streamed text, metrics, the manager's
 `append_tokens`, then their one-token `reserve`), N+1's forward is marked done in the manager, N's outputs
-are handed to the streams, and N+2 is prepared. The manager sees the calls of a plain step (a row's
+are handed to the streams, N+2 is prepared, and only then the manager's step is committed (a checkpoint
+taken at a hash boundary is fingerprinted there, which waits for N+1's forward). The manager sees the calls of a plain step (a row's
 append before its reserve, the finishes before any allocation); only reserves that allocate nothing move
 after the launch. Token i of a request is drawn from the logits of the same forward as in a plain step,
 with the same (seed, i): the streams are the plain engine's.
@@ -181,9 +182,10 @@ class DecodeOverlap:
                 engine.manager.call("reserve", requests[i].rid, 1)
         for i in live:
             manager.forward_done(requests[i].rid)
-        manager.commit_step()
         engine.manager.take_calls()  # TP 1: no rank replays them
         engine._flush()
         self.inflight = self._prepare([requests[i] for i in live], next_tokens)
+        # Last: a checkpoint taken at a hash boundary is fingerprinted here, which waits for this forward.
+        manager.commit_step()
         engine._end_step(started)
         return True
