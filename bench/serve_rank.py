@@ -84,7 +84,8 @@ class Rank:
         # Every chunk end keeps its checkpoint (no supersede), so a later prompt sharing the prefix finds one.
         self.manager = PrefixCacheManager(layout, args.num_pages, policy=CheckpointPolicy(supersede=False),
                                           device=args.device)
-        max_len = args.prefix + args.increment + args.steps + 64
+        # The longest sequence either part builds: the TTFT prompt or a decode row's context (a profile row too).
+        max_len = max(args.prefix + args.increment, max(args.contexts)) + args.steps + 64
         self.runner = ModelRunner(model, args.device, max_model_len=max_len, max_batch=max(args.batches))
         self.fast = self.runner.decode_fastpath(self.manager, tp_size=1)
         self.budget = args.budget
