@@ -136,6 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="MoE decode variant sweep")
     parser.add_argument("--variants", choices=("default", "sweep"), default="sweep")
     parser.add_argument("--tiles", help="tile pairs instead of --variants (see parse_tiles)")
+    parser.add_argument("--batches", default="1,4,16", help="decode batch sizes T, comma-separated")
     parser.add_argument("--json", help="append each row to this JSON file as it is measured (with the copy ceiling)")
     args = parser.parse_args()
     copy_bps = copy_bandwidth()
@@ -153,7 +154,7 @@ def main() -> None:
                 json.dump(done, f, indent=1)
 
     tiles = parse_tiles(args.tiles) if args.tiles else SWEEP if args.variants == "sweep" else VARIANTS
-    moe_rows(tiles=tiles, peer=False, on_row=show)
+    moe_rows(tuple(int(t) for t in args.batches.split(",")), tiles=tiles, peer=False, on_row=show)
 
 
 if __name__ == "__main__":
