@@ -169,6 +169,7 @@ class DecodeOverlap:
         fast.builder.set_tokens(image, size, slice(0, len(live)), tokens if len(live) == len(requests) else tokens[live])
         manager.pre_forward()
         logits = fast.launch(image, len(live))
+        engine.metrics.overlapped_steps.inc()
         # ---- step N+1 runs: N's bookkeeping overlaps it
         drawn = [(k, requests[i].options, len(requests[i].output) + (not accepted[i])) for k, i in enumerate(live)]
         next_tokens = sample_rows_async(logits, drawn)

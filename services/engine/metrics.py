@@ -38,6 +38,8 @@ class EngineMetrics:
         self.preemptions = Counter(f"{p}_preemptions", "Requests preempted because the pool was full")
         self.finished = Counter(f"{p}_requests_finished", "Requests ended", ["reason"])
         self.step_seconds = Histogram(f"{p}_step_seconds", "Engine step duration", buckets=LATENCY_BUCKETS)
+        self.overlapped_steps = Counter(f"{p}_overlapped_steps", "Decode steps launched before the previous "
+                                        "step's tokens were accepted (decode_overlap.py)")
         self.cache = CacheMetrics(REGISTRY, prefix=f"{p}_prefix_cache")
         self._recent: deque[tuple[float, int]] = deque()
         self._recent_tokens = 0  # sum of the counts in _recent (summing the deque per call was O(calls in 10 s))
