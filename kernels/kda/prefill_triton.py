@@ -51,10 +51,8 @@ if triton is not None:
         cu_seqlens, chunk_offsets,
         H, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, C: tl.constexpr,
         BV: tl.constexpr, HAS_STATE: tl.constexpr, HAS_CONV: tl.constexpr, STAGES: tl.constexpr,
-        STORE_CACHE: tl.constexpr,
     ):
-        """Grid (sequences, H, D // BV). STORE_CACHE: the cache modifier of the h and v_new stores (".cs":
-        streamed, so that they do not evict the w / kg tiles that the sibling value blocks still read)."""
+        """Grid (sequences, H, D // BV)."""
         n = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         iv = tl.program_id(2)
@@ -89,9 +87,8 @@ if triton is not None:
             decay = tl.load(gc + c * H * D + offs)
             S_in = S.to(w_c.dtype)
             v_new = u_c - tl.dot(w_c, S_in)
-            tl.store(h_out + c * H * D * D + rel_s, S_in, cache_modifier=STORE_CACHE)
-            tl.store(vnew_out + step + rel_v, v_new.to(vnew_out.dtype.element_ty), mask=valid,
-                     cache_modifier=STORE_CACHE)
+            tl.store(h_out + c * H * D * D + rel_s, S_in)
+            tl.store(vnew_out + step + rel_v, v_new.to(vnew_out.dtype.element_ty), mask=valid)
             S = S * decay[:, None] + tl.dot(tl.trans(kg_c), v_new.to(kg_c.dtype))
         tl.store(final_state + s_offs, S)
         if iv == 0:
@@ -166,29 +163,24 @@ def kda_prefill_block(
     initial_conv: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
     norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
-    prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 2, f32_dots: bool = False,
-    ut_maxnreg: int | None = 168, ut_doubling: bool = True, ut_blk_outer: bool = False,
-    prep_gate_apart: bool = False, few_block_v: int = 32, rec_stream_stores: bool = False,
-    ut_stream_stores: bool = False,
+    prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 3, f32_dots: bool = False,
+    ut_maxnreg: int | None = 168, few_block_v: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
     The softplus gate (lower_bound=None) is unbounded, so the sub-block decay split is not safe for it:
     that case runs the reference. Tuning (H200 measurements in docs/kernels.md):
     - block_v: value columns per recurrence program (default 64, or few_block_v when sequences x heads are
-      few: 64-column programs would leave most SMs idle).
-    - k_block: key columns per step of the UT-transform pass (a divisor of D, >= 16; default 32; 16 is no faster).
+      few: 64-column programs would leave most SMs idle). few_block_v 16 vs 32 at B=1, T=32K, H=16 (128
+      programs vs 64): recurrence 0.58 -> 0.47 ms at 3 stages.
+    - k_block: key columns per step of the UT-transform pass (a divisor of D, >= 16; default 32; 16: UT
+      pass 1.13 vs 0.98 ms at B=1, T=32K, H=16).
     - num_warps: the output pass; prep_warps: the prologue pass (8: no spills, 4 spills); ut_warps: the
       UT-transform pass; recurrence_warps.
-    - stages: software-pipelining depth of the recurrence's chunk loop.
+    - stages: software-pipelining depth of the recurrence's chunk loop: 3 (each chunk's w, u, kg loads
+      issued two chunks ahead) vs 2: recurrence 0.87 -> 0.58 ms at B=1, T=32K, H=16 (32 columns).
     - ut_maxnreg: register cap of the UT pass (None: none). ptxas (sm_90a): 213 registers at k_block 32 = 2
       programs per SM; under 168 (16 B of spills) 3 fit: UT pass 1.34 -> 1.14 ms at B=1, T=32K on the H200.
-    - prep_gate_apart: the prologue's gate + cumsum + beta in programs of their own instead of with v's conv.
-    - ut_doubling: the UT pass inverts the 16x16 diagonal blocks by block doubling (6 small dots) instead of
-      row-by-row forward substitution (a serial chain of cross-thread reductions).
-    - ut_blk_outer: the UT pass's Akk / Aqk loop runs key block by key block (2 accumulators live, not 8).
-    - rec_stream_stores / ut_stream_stores: the recurrence's h and v_new stores / the UT pass's outputs
-      with the streaming cache hint (.cs), which keeps them from evicting what the pass still reads.
     - f32_dots: float32 (TF32) operands in the UT transform's dots instead of the input dtype.
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
@@ -223,17 +215,15 @@ def kda_prefill_block(
         qn, kn, vc = (torch.empty_like(q) for _ in range(3))
         g = torch.empty(q.shape, device=dev, dtype=torch.float32)
         beta_f = torch.empty(beta.shape, device=dev, dtype=torch.float32)
-        gate_stream = 3 if prep_gate_apart else 2
-        _kda_prep_kernel[(n_chunks, H, gate_stream + 1)](
+        _kda_prep_kernel[(n_chunks, H, 3)](
             q, k, v, z, beta, conv_weight.contiguous(), A_log, dt_bias.contiguous(), conv, cu, chunk_seq,
             chunk_start, qn, kn, vc, g, beta_f, lower_bound, l2_eps, **shape, W=W,
-            HAS_CONV=initial_conv is not None, GATE_STREAM=gate_stream, num_warps=prep_warps)
+            HAS_CONV=initial_conv is not None, num_warps=prep_warps)
         _kda_chunk_ut_kernel[(n_chunks, H)](
             qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
             torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,
-            BK=k_block, F32_DOTS=f32_dots, DOUBLING=ut_doubling, BLK_OUTER=ut_blk_outer,
-            STORE_CACHE=".cs" if ut_stream_stores else "", num_warps=ut_warps, maxnreg=ut_maxnreg)
-    if not block_v:  # 32 columns instead of 64 at B=1, T=32K: -3 % (old recurrence)
+            BK=k_block, F32_DOTS=f32_dots, num_warps=ut_warps, maxnreg=ut_maxnreg)
+    if not block_v:
         block_v = min(64 if N * H * (D // 64) >= 2 * sm_count(dev, cpu=1) else few_block_v, D)
     require(D % block_v == 0 and block_v >= 16, f"block_v must divide {D} and be >= 16, got {block_v}")
     y = torch.empty_like(q)
@@ -246,8 +236,7 @@ def kda_prefill_block(
         w, u, kg, gc, h_states, v_new, initial_state.contiguous() if initial_state is not None else gc,
         final_state, q, k, v, conv, final_conv, cu, chunk_offsets,
         **shape, W=W, BWM=next_pow2(W - 1), BV=block_v, HAS_STATE=initial_state is not None,
-        HAS_CONV=initial_conv is not None, STAGES=stages, STORE_CACHE=".cs" if rec_stream_stores else "",
-        num_warps=recurrence_warps,
+        HAS_CONV=initial_conv is not None, STAGES=stages, num_warps=recurrence_warps,
     )
     if n_chunks:
         _kda_chunk_output_kernel[(n_chunks, H)](

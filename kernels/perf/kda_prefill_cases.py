@@ -34,28 +34,23 @@ SHAPES = (
      (12288, 8192, 4096, 3000, 2341, 1000, 77, 2700)),
 )
 # Tuning variants: (label, keyword arguments of prefill_triton.kda_prefill_block, the kernel they tune).
-# History (B=1,T=32K,H=16, H200) in docs/kernels.md: the one-kernel full-width prologue took 5.7 of 6.81 ms.
+# History (B=1,T=32K,H=16, H200) in docs/kernels.md. Measured slower there and removed as options: the UT
+# pass's row-by-row substitution (1.10 vs 0.98 ms), its key-block-outer loop order at 128 registers (1.08),
+# .cs stores (UT 0.967 vs 0.976, recurrence 0.866 vs 0.869: noise), a fourth prep program for the gate
+# (0.505 vs 0.490); and as tuning: prep at 16 warps 0.78, UT k_block 16 1.13 (1.15 capped at 128 registers),
+# UT at 8 warps capped at 128 registers 1.19.
 VARIANTS = (
     ("default", {}, None),
-    ("ut substitution", {"ut_doubling": False}, "_kda_chunk_ut_kernel"),
+    ("stages 2", {"stages": 2}, "_kda_chunk_recurrence_kernel"),
+    ("few bv=32", {"few_block_v": 32}, "_kda_chunk_recurrence_kernel"),
     ("kb=16", {"k_block": 16}, "_kda_chunk_ut_kernel"),
-    ("kb=16 cap128", {"k_block": 16, "ut_maxnreg": 128}, "_kda_chunk_ut_kernel"),  # 4 programs per SM
-    # Key block by key block: 4 programs per SM under 128 registers (sm_90a: 8 B of spills; none at kb=16).
-    ("blk outer cap128", {"ut_blk_outer": True, "ut_maxnreg": 128}, "_kda_chunk_ut_kernel"),
-    ("blk outer kb=16 cap128", {"ut_blk_outer": True, "k_block": 16, "ut_maxnreg": 128}, "_kda_chunk_ut_kernel"),
-    ("ut cs", {"ut_stream_stores": True}, "_kda_chunk_ut_kernel"),
-    ("few bv=16", {"few_block_v": 16}, "_kda_chunk_recurrence_kernel"),
-    ("rec cs", {"rec_stream_stores": True}, "_kda_chunk_recurrence_kernel"),
-    ("stages 3", {"stages": 3}, "_kda_chunk_recurrence_kernel"),
-    ("few bv=16 stages 3", {"few_block_v": 16, "stages": 3}, "_kda_chunk_recurrence_kernel"),
-    ("prep w16", {"prep_warps": 16}, "_kda_prep_kernel"),
-    ("prep gate apart", {"prep_gate_apart": True}, "_kda_prep_kernel"),
     ("ut no cap", {"ut_maxnreg": None}, "_kda_chunk_ut_kernel"),
     ("rec w8", {"recurrence_warps": 8}, "_kda_chunk_recurrence_kernel"),
     ("out w8", {"num_warps": 8}, "_kda_chunk_output_kernel"),
     ("ut f32 dots", {"f32_dots": True}, "_kda_chunk_ut_kernel"),
-    # Last: the reshape-based 16x16 substitution faulted at 8 warps in the former one-kernel prologue
-    # (Triton 3.6, H200), and a fault ends the process. 128 registers: 2 programs of 8 warps per SM.
+    ("prep w16", {"prep_warps": 16}, "_kda_prep_kernel"),
+    # Last: 8-warp UT programs ran on Triton 3.6 / H200 this round, but an earlier 8-warp form faulted, and a
+    # fault ends the process. 128 registers: 2 programs of 8 warps per SM.
     ("ut w8 cap128", {"ut_warps": 8, "ut_maxnreg": 128}, "_kda_chunk_ut_kernel"),
 )
 MAX_REL_ERR = 1e-2  # the accuracy bar vs the float64 block

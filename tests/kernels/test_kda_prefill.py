@@ -47,8 +47,7 @@ def test_reference_prefill_matches_float64_token_by_token():
 @pytest.mark.parametrize(("block_v", "k_block", "tuning"), [
     (16, 16, {}),
     (None, 32, {}),
-    (16, 32, {"ut_maxnreg": None, "ut_blk_outer": True}),
-    (None, 32, {"ut_doubling": False, "prep_gate_apart": True, "ut_stream_stores": True, "rec_stream_stores": True}),
+    (16, 32, {"ut_maxnreg": None, "stages": 2}),
 ])
 def test_triton_prefill_matches_reference(interpreted, block_v, k_block, tuning):
     """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states, D = 32: the
@@ -94,8 +93,7 @@ def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted):
     _close(got, want)
 
 
-@pytest.mark.parametrize("doubling", [True, False])
-def test_triton_prefill_with_nearly_parallel_keys(interpreted, doubling):
+def test_triton_prefill_with_nearly_parallel_keys(interpreted):
     """One key direction for the whole chunk, beta ~ 1, no decay: I + beta Akk is close to I plus the
     all-ones lower triangle, whose inverse only exists by cancellation (the inverse's hardest case)."""
     gen = torch.Generator().manual_seed(18)
@@ -103,23 +101,22 @@ def test_triton_prefill_with_nearly_parallel_keys(interpreted, doubling):
     q, k, v, z, beta, gate = CASE.tokens(gen, 1, 64)
     k = k[:, :1] + 0.01 * k  # the conv of one repeated key is one direction after its first taps
     z, beta = torch.full_like(z, -30.0), beta.abs() + 8.0
-    got = prefill_triton.kda_prefill_block(q, k, v, z, beta, gate, *params, ut_doubling=doubling)
+    got = prefill_triton.kda_prefill_block(q, k, v, z, beta, gate, *params)
     _close(got, naive.kda_prefill_block(q, k, v, z, beta, gate, *params))
 
 
 @triton.jit
-def _inverses_kernel(m, out, C: tl.constexpr, BC: tl.constexpr, DOUBLING: tl.constexpr):
-    x = _diagonal_block_inverses(m, C, BC, DOUBLING)
+def _inverses_kernel(m, out, C: tl.constexpr, BC: tl.constexpr):
+    x = _diagonal_block_inverses(m, C, BC)
     blocks = tl.arange(0, C // BC)[:, None, None] * BC * BC
     tl.store(out + blocks + tl.arange(0, BC)[None, :, None] * BC + tl.arange(0, BC)[None, None, :], x)
 
 
-@pytest.mark.parametrize("doubling", [True, False])
-def test_diagonal_block_inverses_match_float64(interpreted, doubling):
+def test_diagonal_block_inverses_match_float64(interpreted):
     """The UT pass's 16x16 diagonal-block inverses of I + M (M strictly lower) against torch in float64."""
     m = torch.randn(64, 64, generator=torch.Generator().manual_seed(19)).tril(-1)
     got = torch.empty(4, 16, 16)
-    _inverses_kernel[(1,)](m, got, C=64, BC=16, DOUBLING=doubling)
+    _inverses_kernel[(1,)](m, got, C=64, BC=16)
     for b in range(4):
         block = m[16 * b:16 * (b + 1), 16 * b:16 * (b + 1)].double()
         want = torch.linalg.inv(torch.eye(16, dtype=torch.float64) + block)
