@@ -214,8 +214,9 @@ def _measure(label: str, impl: str, fn, nbytes: float, extra: dict) -> Row:
 
 def prefill_rows(shapes=None, variants=None) -> list[Row]:
     """The peer at every shape (unless KDA_PREFILL_PEER says otherwise), then ours variant by variant (so
-    that a variant that faults the device loses only what follows it), each checked against the float64 block first and profiled per kernel (the
-    per-stage breakdown)."""
+    that a variant that faults the device loses only what follows it), each called once on the timed
+    inputs, checked against the float64 block and profiled per kernel (the per-stage breakdown). Until
+    round 4 the accuracy case came first, so fla's autotuning picked its configs on 160 tokens."""
     variants = selected_variants() if variants is None else variants
     shapes = selected_shapes() if shapes is None else shapes
     rows: list[Row] = []
