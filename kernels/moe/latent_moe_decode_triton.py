@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import next_pow2, require, tl, triton
+from kernels._triton import next_pow2, require, sm_count, tl, triton
 from kernels.moe.tiles import Tile, default_tiles
 
 if triton is not None:
@@ -159,10 +159,10 @@ def latent_moe_decode(
 
     x [T, l]; expert_ids, expert_weights [T, k]; gate_up_* for W_gate;W_up stacked [E, 2F, l] and down_*
     for W_down [E, l, F], both MXFP4-packed. Returns u [T, l] in x's dtype. Tuning: `gate_up_tile` and
-    `down_tile` (kernels.moe.tiles.Tile; default: `default_tiles(T k)`), `token_block` tokens of one expert
-    per product (>= 16; an expert chosen by more tokens takes several passes), `h_parts` bf16 parts of the
-    SiTU-GLU output h in the down product (default: as many as x's dtype needs, so h keeps x's precision:
-    1 for bf16, 2 for fp16, 3 for float32).
+    `down_tile` (kernels.moe.tiles.Tile; default: `default_tiles` by T k and the SM count), `token_block`
+    tokens of one expert per product (>= 16; an expert chosen by more tokens takes several passes),
+    `h_parts` bf16 parts of the SiTU-GLU output h in the down product (default: as many as x's dtype
+    needs, so h keeps x's precision: 1 for bf16, 2 for fp16, 3 for float32).
     """
     T, L = x.shape
     E, two_f, half_l = gate_up_packed.shape
@@ -181,12 +181,13 @@ def latent_moe_decode(
             f"token_block must be a power of two >= 16, got {token_block}")
     hp = h_parts or _parts(x.dtype)
     require(1 <= hp <= 3, f"h_parts must be 1, 2 or 3, got {h_parts}")
-    default_gu, default_down = default_tiles(T * K)
+    default_gu, default_down = default_tiles(T * K, F, sm_count(x.device, cpu=132))
     gu_tile, d_tile = gate_up_tile or default_gu, down_tile or default_down
     gu_groups, d_groups = gu_tile.groups(L), d_tile.groups(F)
     ids = expert_ids.contiguous()
     # Token tiles of at least 16 rows: one build serves every decode batch up to 16.
-    common = {"TP": max(16, next_pow2(T)), "BK": next_pow2(K), "BT": token_block, "HP": hp, "USE_ASM": x.is_cuda}
+    common = {"TP": max(16, next_pow2(T)), "BK": next_pow2(K), "BT": token_block, "HP": hp,
+              "USE_ASM": x.is_cuda}
     h = torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device)
     _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
         x, ids, _words(gate_up_packed), gate_up_scales, h, T, K, F, beta1, beta2, L=L,

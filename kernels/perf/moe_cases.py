@@ -23,16 +23,17 @@ E, L, F, TOP_K = 256, 2048, 1024, 16
 # both kernels, so every gate/up tile and every down tile is measured on its own (kernel_us).
 VARIANTS = ((Tile(128, 128), Tile(128, 128)),)
 SWEEP = VARIANTS + (
-    (Tile(64, 256), Tile(64, 256)), (Tile(128, 64, 4, 4), Tile(128, 256)), (Tile(128, 128, 8), Tile(256, 128, 8)),
-    (Tile(64, 128, 4, 3, 128), Tile(64, 128, 4, 3, 128)), (Tile(128, 64, 4, 4, 168), Tile(128, 128, 4, 3, 168)),
-    (Tile(256, 128, 8), Tile(64, 512)), (Tile(32, 256), Tile(128, 512, 8)), (Tile(64, 128, 4, 4), Tile(128, 64, 4, 4)),
+    (Tile(64, 256), Tile(64, 256)), (Tile(128, 64, 4, 4), Tile(128, 256)),
+    (Tile(128, 128, 8), Tile(256, 128, 8)), (Tile(64, 128, 4, 3, 128), Tile(64, 128, 4, 3, 128)),
+    (Tile(128, 64, 4, 4, 168), Tile(128, 128, 4, 3, 168)), (Tile(256, 128, 8), Tile(64, 512)),
+    (Tile(32, 256), Tile(128, 512, 8)), (Tile(64, 128, 4, 4), Tile(128, 64, 4, 4)),
     (Tile(128, 256, 8), Tile(256, 256, 8)), (Tile(32, 128, 4, 4, 128), Tile(32, 256, 4, 4, 128)),
 )
 MAX_REL_ERR = 1e-2  # a variant further than this from the float32 oracle is wrong, whatever its time
 
 
 def variants() -> tuple:
-    """K3_MOE_VARIANTS=sweep times every tile pair of SWEEP (bench.kernels --only moe then records them all)."""
+    """K3_MOE_VARIANTS=sweep times every tile pair of SWEEP (bench.kernels --only moe records them all)."""
     return SWEEP if os.environ.get("K3_MOE_VARIANTS") == "sweep" else VARIANTS
 
 
@@ -126,7 +127,7 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple | None = None, 
 
 
 def parse_tiles(text: str) -> tuple:
-    """"rows,cols,warps,stages[,regs]/rows,cols,warps,stages[,regs];..." -> ((gate/up Tile, down Tile), ...)."""
+    """"rows,cols,warps,stages[,regs]/rows,cols,warps,stages[,regs];..." -> ((gate/up, down Tile), ...)."""
     def tile(spec: str) -> Tile:
         return Tile(*(int(v) for v in spec.split(",")))
     return tuple(tuple(tile(t) for t in pair.split("/")) for pair in text.split(";"))
@@ -137,7 +138,7 @@ def main() -> None:
     parser.add_argument("--variants", choices=("default", "sweep"), default="sweep")
     parser.add_argument("--tiles", help="tile pairs instead of --variants (see parse_tiles)")
     parser.add_argument("--batches", default="1,4,16", help="decode batch sizes T, comma-separated")
-    parser.add_argument("--json", help="append each row to this JSON file as it is measured (with the copy ceiling)")
+    parser.add_argument("--json", help="JSON file rewritten after each measured row (with the copy ceiling)")
     args = parser.parse_args()
     copy_bps = copy_bandwidth()
     print(f"copy {copy_bps / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}", flush=True)

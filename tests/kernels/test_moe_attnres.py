@@ -69,7 +69,8 @@ def test_triton_moe_decode_expert_with_more_tokens_than_a_token_block(interprete
     packs = (*quantize(torch.randn(2, 2 * F, L, generator=gen) * 0.2),
              *quantize(torch.randn(2, L, F, generator=gen) * 0.2))
     w = torch.rand(20, 1, generator=gen)
-    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, gate_up_tile=Tile(32, 32), down_tile=Tile(32, 32))
+    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, gate_up_tile=Tile(32, 32),
+                                                     down_tile=Tile(32, 32))
     torch.testing.assert_close(out, moe_naive.latent_moe_decode(x, ids, w, *packs), rtol=1e-5, atol=1e-5)
 
 

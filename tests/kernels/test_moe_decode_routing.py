@@ -1,5 +1,6 @@
 """Latent-MoE MXFP4 decode (kernels/moe) on routing patterns and shapes the fixed cases do not cover: the
-Triton launcher (interpreted) against the plain-torch reference, which test_moe_attnres checks against float64."""
+Triton launcher (interpreted) against the plain-torch reference (test_moe_attnres checks that against
+float64)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def test_non_power_of_two_shapes_match_the_reference(interpreted):
 PACKS = _experts(torch.Generator().manual_seed(12), 5, 64, 32)  # E=5, l=64, F=32, shared by the examples
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=5, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(tokens=st.integers(1, 18), top_k=st.integers(1, 4), data=st.data())
 def test_any_routing_matches_the_reference(interpreted, tokens, top_k, data):
     """Arbitrary expert ids (repeats inside a token, one expert for every token, more than 16 tokens on
@@ -66,9 +68,11 @@ def test_tile_columns_are_capped_at_the_reduction_width():
     assert Tile(128, 128, 8, 3, 168).launch_options() == {"num_warps": 8, "maxnreg": 168}
 
 
-@pytest.mark.parametrize("pairs", [1, 16, 64, 256])
-def test_default_tiles_fit_the_served_shape(pairs):
-    gate_up, down = default_tiles(pairs)
+@pytest.mark.parametrize(("pairs", "gate_up_rows"), [(1, 64), (16, 64), (64, 128), (256, 128)])
+def test_default_tiles_follow_the_measured_choice(pairs, gate_up_rows):
+    """64-row gate/up tiles only while 128-row ones give fewer programs than SMs (F=1024: 8 per pair)."""
+    gate_up, down = default_tiles(pairs, 1024, 132)
+    assert gate_up.rows == gate_up_rows and down == Tile(128, 128)
     assert gate_up.groups(2048) >= 1 and down.groups(1024) >= 1
 
 
