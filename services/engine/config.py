@@ -51,6 +51,9 @@ class WorkerConfig(ServiceConfig):
     draft_weights_seed: int = -1  # -1: the target's weights_seed (same preset + overrides = the target itself)
     # Drafts proposed per running request per step (the target verifies them plus a bonus token in one forward).
     num_speculative_tokens: int = 4
+    # Warm-up at start, before SERVING (services/engine/warmup.py): "auto" (on for CUDA, off on CPU, where
+    # nothing is JIT-compiled), "on" or "off".
+    warmup: str = "auto"
 
     def validate(self) -> list[str]:
         problems = super().validate()
@@ -65,6 +68,8 @@ class WorkerConfig(ServiceConfig):
         if self.step_token_budget < self.hash_block_tokens:
             problems.append(f"step_token_budget: must be >= hash_block_tokens ({self.hash_block_tokens}) so a "
                             f"prefill chunk can reach a hash-block end, got {self.step_token_budget}")
+        if self.warmup not in ("auto", "on", "off"):
+            problems.append(f"warmup: one of auto, on, off, got {self.warmup!r}")
         if self.num_pages < 4 or self.max_running < 1:
             problems.append("num_pages: must be >= 4; max_running: must be >= 1")
         if self.model_overrides:

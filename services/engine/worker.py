@@ -26,6 +26,7 @@ from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager, StepPlan
 from services.engine.scheduler import Scheduler
 from services.engine.speculative import build_speculator, build_verifier
+from services.engine.warmup import WarmupReport, warm_up
 from services.runtime.ports import free_port
 
 log = logging.getLogger("k3.worker")
@@ -60,6 +61,7 @@ class Worker:
         self.metrics = EngineMetrics.for_role(role)
         self.children: list[subprocess.Popen] = []
         self.engine: Engine | None = None
+        self.warmup: WarmupReport | None = None
 
     def start(self, instance: common_pb2.InstanceId) -> Engine:
         config = self.config
@@ -73,6 +75,8 @@ class Worker:
             init_distributed(config, 0, port)
             broadcast = _broadcast
         executor = build_executor(config, self.role, 0, instance, self.metrics)
+        # Before the barrier and the engine: the app marks the worker SERVING (and registers it) only after.
+        self.warmup = warm_up(executor, config, self.role, export=True)
         if config.tp_size > 1:
             dist.barrier()  # serving starts only once every rank holds its shard
         recording = RecordingManager(executor.manager)
@@ -108,6 +112,7 @@ def run_rank(config: WorkerConfig, role: str, rank: int, port: int) -> None:
     instance = common_pb2.InstanceId(service=role, cluster=config.cluster, instance=f"{config.instance}-r{rank}")
     executor = build_executor(config, role, rank, instance, None)
     verifier = build_verifier(config, role, executor)  # speculative decoding: verify windows on every rank
+    warm_up(executor, config, role, export=False)  # the same forwards as rank 0's: their collectives pair up
     dist.barrier()
     try:
         while True:
