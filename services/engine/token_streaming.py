@@ -74,6 +74,9 @@ class TokenStreaming:
                 self.metrics.tpot.observe((now - req.last_token_at) / len(outs))
         req.last_token_at = now
         self._step_tokens += len(outs)
-        self._emit(req, StepOutput([t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
-                                   outs[-1].finish_reason, logprobs=(logprobs or [])[:len(outs)]))
+        if len(outs) == 1 and not logprobs:  # a decode step's one token: its output as it is
+            self._emit(req, outs[0])
+        else:
+            self._emit(req, StepOutput([t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
+                                       outs[-1].finish_reason, logprobs=(logprobs or [])[:len(outs)]))
         return len(outs)
