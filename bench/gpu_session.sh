@@ -27,7 +27,7 @@ KERNEL_GROUPS=${GPU_SESSION_KERNELS:-kda_decode:110 mla:60 moe:60 kda_verify:60 
 
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SITE:$PWD:$PWD/protos${PYTHONPATH:+:$PYTHONPATH}"  # protos: the k3.v1 stubs (bench.serve_engine)
 STATUS=$OUT/session.txt
 : >"$STATUS"
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import time
+
 import torch
 
 from bench.serve_rank import Rank, sync
@@ -32,14 +35,48 @@ def step_bytes(model: K3Model, batch: int, context: int) -> int:
 def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str) -> tuple[float, float, float]:
     """(wall seconds per engine step, "fwd" seconds, graph replay seconds) of `batch` requests at `context`
     tokens, through the engine's loop (`bench.serve_engine`): "fwd" runs from the moment a step's tokens are
-    on the host (the device idles from there) to the end of the next step's forward."""
-    from bench.serve_engine import engine_decode  # the service runtime's packages: only where rows are run
-
+    on the host (the device idles from there) to the end of the next step's forward. Without the service
+    runtime's packages, the rank's own loop (`rank_decode`, said so in the output and the JSON)."""
     rids = [f"{tag}-{batch}-{context}-{i}" for i in range(batch)]
-    wall, forward = engine_decode(rank, rids, context, steps)
+    missing = engine_loop_missing()
+    if missing:
+        wall, forward = rank_decode(rank, rids, context, steps)
+    else:
+        from bench.serve_engine import engine_decode
+
+        wall, forward = engine_decode(rank, rids, context, steps)
     replay = replay_seconds(rank, batch, steps)
     rank.finish(rids)
     return wall, forward, replay
+
+
+@functools.cache
+def engine_loop_missing() -> str:
+    """"" when `bench.serve_engine` imports (grpcio, protobuf, prometheus-client: on the device from
+    .device/wheels), else why not (printed once)."""
+    try:
+        import bench.serve_engine  # noqa: F401
+    except ImportError as exc:
+        print(f"decode rows: the engine loop is unavailable ({exc}); timing the rank's loop (Rank.decode: no "
+              f"scheduler, overlap or streams) instead", flush=True)
+        return str(exc)
+    return ""
+
+
+def rank_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tuple[float, float]:
+    """The fallback: (wall seconds per `Rank.decode` step, median forward seconds from before its input build
+    to after the replay)."""
+    batch = len(rids)
+    rank.fill(rids, context)
+    for step in range(3):  # captures this bucket's graph, then warm
+        rank.decode(rids, rank.next_tokens(batch, step))
+    sync()
+    rank.forward_s.clear()
+    started = time.perf_counter()
+    for step in range(steps):
+        rank.decode(rids, rank.next_tokens(batch, step))
+    sync()
+    return (time.perf_counter() - started) / steps, sorted(rank.forward_s)[len(rank.forward_s) // 2]
 
 
 def replay_seconds(rank: Rank, batch: int, reps: int) -> float:
@@ -67,7 +104,8 @@ def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps
           f"{1e3 * roof:>12.3f} {roof / wall:>8.1%} {1e3 * replay:>10.2f} {roof / replay:>10.1%}", flush=True)
     return {"batch": batch, "context": context, "step_s": wall, "forward_s": forward, "tokens_per_s": batch / wall,
             "roofline_step_s": roof, "fraction_of_roofline": roof / wall, "forward_fraction_of_roofline": roof / forward,
-            "replay_s": replay, "replay_fraction_of_roofline": roof / replay}
+            "replay_s": replay, "replay_fraction_of_roofline": roof / replay,
+            "loop": f"rank ({engine_loop_missing()})" if engine_loop_missing() else "engine"}
 
 
 SWEEP_HEADER = (f"{'batch':>6} {'context':>8} {'step ms':>9} {'fwd ms':>8} {'tok/s':>9} {'roofline ms':>12} "
