@@ -30,6 +30,7 @@ import pickle
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -210,9 +211,22 @@ def compile_specs(specs: list[CompileSpec], workers: int = 2, timeout: float = 6
     shares = [list(range(i, len(specs), workers)) for i in range(min(workers, len(specs)))]
     procs = [subprocess.Popen([sys.executable, "-m", "kernels.compile_check"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=root) for _ in shares]
+
+    def talk(share: list[int], proc: subprocess.Popen) -> tuple[bytes, bytes]:
+        return proc.communicate(pickle.dumps([specs[i] for i in share]), timeout=timeout)
+
     results: list[CompileResult | None] = [None] * len(specs)
-    for share, proc in zip(shares, procs, strict=True):
-        out, err = proc.communicate(pickle.dumps([specs[i] for i in share]), timeout=timeout)
+    # One thread per worker: a worker reads all its specs before it compiles, so feeding them one after the
+    # other's results would compile one share at a time.
+    try:
+        with ThreadPoolExecutor(max(1, len(procs))) as pool:
+            replies = list(pool.map(talk, shares, procs))
+    finally:
+        for proc in procs:  # a timeout or a failed sibling leaves no worker behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for share, proc, (out, err) in zip(shares, procs, replies, strict=True):
         if proc.returncode != 0:
             raise RuntimeError(f"compile worker failed ({proc.returncode}): {err.decode()[-3000:]}")
         for i, result in zip(share, pickle.loads(out), strict=True):
