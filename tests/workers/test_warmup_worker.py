@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from k3.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from k3.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from k3core.cache.hashing import chain_hashes
 from services.engine.decode_fastpath import ENV as FASTPATH_ENV
 from services.engine.params import GenerationOptions
@@ -26,6 +26,7 @@ from services.runtime.registry import Watcher
 from tests.support.metrics import scrape
 from tests.support.processes import ServiceProcess
 from tests.workers.client import decode_load, generate
+from tests.workers.cluster import OVERRIDES, worker_args
 from tests.workers.oracle import build_reference, offline_generate
 
 HASH_BLOCK = 16
@@ -135,3 +136,29 @@ async def probe(address: str, chain: list[int]) -> int:
 
 async def tokens(address: str, rid: str, prompt: list[int], sampling: common_pb2.SamplingParams) -> list[int]:
     return [t for chunk in await generate(address, rid, prompt, sampling) for t in chunk.token_ids]
+
+
+async def test_tp2_prefill_worker_warms_up_on_both_ranks_and_computes_the_warmup_prompt_afresh(tmp_path: Path,
+                                                                                                 transfer):
+    """Both ranks run the warm-up's forwards before their start barrier (a rank that skipped or reordered
+    one would leave the other blocked in a collective: the worker would never get ready)."""
+    prefill = ServiceProcess(worker_args("prefill", 2, transfer.address, "--warmup", "on"), tmp_path / "prefill")
+    try:
+        prefill.start(180)
+        done = next(e for e in log_entries(prefill) if e["msg"] == "warm-up finished")
+        assert done["prefill_chunks"] == [[9], [64, 9]] and done["decode_batches"] == [] and done["skipped"] == []
+        async with aio_channel(prefill.address) as channel:
+            stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+            load = (await stub.GetPrefillLoad(prefill_pb2.GetPrefillLoadRequest(), timeout=10)).load
+            assert load.pool_usage == 0
+            model = build_reference("nano", OVERRIDES)
+            prompt = warmup_tokens(73, model.config.vocab_size)  # the warm-up's long request, token for token
+            reply = await stub.Prefill(prefill_pb2.PrefillRequest(
+                request_id="after-warmup", prompt=common_pb2.TokenIds(ids=prompt),
+                sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=120)
+        assert reply.cached_tokens == 0 and reply.prompt_tokens == 73
+        options = GenerationOptions.from_proto(common_pb2.SamplingParams(max_tokens=1), vocab_size=model.config.vocab_size,
+                                               max_tokens_limit=8192)
+        assert [reply.first_token] == offline_generate(model, prompt, options)
+    finally:
+        prefill.kill()
