@@ -10,7 +10,8 @@ to a later swapped-in weight at the same address. Not seen: writes through `.dat
 version counter), which no update path here uses.
 
 Under autograd with a weight that requires grad, the tensor is built afresh on every call, so gradients
-reach the weights (a training forward). services/engine/derived_weights.py is the decode fast path's
+reach the weights (a training forward); so it is for inference tensors (weights created inside
+`torch.inference_mode`), which have no version counter to follow. services/engine/derived_weights.py is the decode fast path's
 counterpart: fixed storage for captured CUDA graphs, refreshed explicitly after a reload.
 """
 
@@ -38,7 +39,8 @@ class WeightDerivation:
 
     def get(self, weights: Sequence[torch.Tensor]) -> torch.Tensor:
         """`build(weights)`, from the cache when no weight changed since it was built."""
-        if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        if any(w.is_inference() for w in weights) or (
+                torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
             return self._build(weights)
         key = tuple(_identity(w) for w in weights)
         if self._value is None or key != self._key:

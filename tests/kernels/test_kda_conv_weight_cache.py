@@ -87,3 +87,19 @@ def test_under_autograd_the_stack_is_built_with_its_graph():
     (stacked * coeff).sum().backward()
     for i, conv in enumerate((layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)):
         torch.testing.assert_close(conv.weight.grad[:, 0, :], coeff[i], rtol=0, atol=0)
+
+
+def test_weights_made_in_inference_mode_are_stacked_afresh():
+    """Inference tensors have no version counter: the stack is built on every call and follows their
+    in-place updates (a layer built, loaded and updated inside torch.inference_mode)."""
+    with torch.inference_mode():
+        layer = KimiDeltaAttention(NANO, 0)
+        convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
+        for conv in convs:
+            conv.weight.normal_()
+        first = layer.stacked_conv_weight()
+        layer.k_conv1d.weight.mul_(-2.0)
+        again = layer.stacked_conv_weight()
+    for i, conv in enumerate(convs):
+        torch.testing.assert_close(again[i], conv.weight[:, 0, :], rtol=0, atol=0)
+    torch.testing.assert_close(again[1], -2.0 * first[1], rtol=0, atol=0)
