@@ -3,6 +3,7 @@ and the property the checks rely on: any change within one 64-bit word changes i
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -56,3 +57,16 @@ def test_views_and_dtypes_checksum_their_own_bytes() -> None:
     assert checksum(pool[1, 3:19]) == oracle(bytes(pool[1, 3:19].tolist()))  # unaligned start
     values = torch.tensor([1.5, -2.0, 3.25])
     assert checksum(values) == oracle(values.numpy().tobytes())
+
+
+@pytest.mark.gpu
+def test_device_checksum_equals_the_host_checksum():
+    """Checksums taken on the GPU (pool pages) are compared with ones taken on the host (the CPU tier's copy of
+    the same bytes) and back: both devices must compute the same function (int64 wrap-around, shifts)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pages = torch.randint(0, 256, (3, 4099), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    on_device = pages.cuda()
+    for page, nbytes in ((0, 4099), (1, 4096), (2, 13)):
+        assert checksum(on_device[page, :nbytes]) == checksum(pages[page, :nbytes]) == oracle(
+            bytes(pages[page, :nbytes].tolist()))
