@@ -11,8 +11,8 @@ version counter), which no update path here uses.
 
 Under autograd with a weight that requires grad, the tensor is built afresh on every call, so gradients
 reach the weights (a training forward); so it is for inference tensors (weights created inside
-`torch.inference_mode`), which have no version counter to follow. services/engine/derived_weights.py is the decode fast path's
-counterpart: fixed storage for captured CUDA graphs, refreshed explicitly after a reload.
+`torch.inference_mode`), which have no version counter to follow. services/engine/derived_weights.py is
+the decode fast path's counterpart: fixed storage for captured CUDA graphs, refreshed after a reload.
 """
 
 from __future__ import annotations

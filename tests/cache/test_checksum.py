@@ -46,8 +46,8 @@ def test_any_change_within_one_word_changes_the_checksum(data: bytes, draw: st.D
     changed = bytearray(data)
     for i, m in enumerate(mask):
         changed[first + i] ^= m
-    assert checksum(torch.frombuffer(changed, dtype=torch.uint8)) != checksum(torch.frombuffer(bytearray(data),
-                                                                                               dtype=torch.uint8))
+    before = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    assert checksum(torch.frombuffer(changed, dtype=torch.uint8)) != checksum(before)
 
 
 def test_views_and_dtypes_checksum_their_own_bytes() -> None:
@@ -61,8 +61,8 @@ def test_views_and_dtypes_checksum_their_own_bytes() -> None:
 
 @pytest.mark.gpu
 def test_device_checksum_equals_the_host_checksum():
-    """Checksums taken on the GPU (pool pages) are compared with ones taken on the host (the CPU tier's copy of
-    the same bytes) and back: both devices must compute the same function (int64 wrap-around, shifts)."""
+    """Checksums taken on the GPU (pool pages) are compared with ones taken on the host (the CPU tier's copy
+    of the same bytes) and back: both devices must compute the same function (int64 wrap-around, shifts)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     pages = torch.randint(0, 256, (3, 4099), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
