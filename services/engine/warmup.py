@@ -137,6 +137,8 @@ def _scratch_request(executor: Executor, rid: str, chunks: tuple[int, ...], voca
             start += count
         assert result.logits is not None
         sample_rows(result.logits, [(0, _GREEDY, 0), (0, _SAMPLED, 0)])
+        if manager.store is not None:  # the integrity checksum every checkpoint and restore takes
+            manager.store.fingerprint(req.state_pages[0], manager.layout.kda_page_used_bytes)
     finally:
         manager.finish(rid, turn_boundary=False)
         manager.commit_step()  # pages a step's copies still held go back to the pool now
