@@ -37,7 +37,7 @@ from services.engine.sampler import sample_rows
 log = logging.getLogger("k3.worker.warmup")
 
 MODES = ("auto", "on", "off")
-_RID = "__warmup-{}"  # request ids no client can send a stream for: the scratch requests never reach the engine
+_RID = "__warmup-{}"  # scratch requests live on the manager only, and are gone before the engine starts
 
 _GREEDY = GenerationOptions(temperature=0.0, top_k=0, top_p=1.0, seed=0, max_tokens=1, stop=(),
                             stop_token_ids=frozenset(), ignore_eos=True)
@@ -132,8 +132,8 @@ def _scratch_request(executor: Executor, rid: str, chunks: tuple[int, ...], voca
         start = 0
         for i, count in enumerate(chunks):
             manager.reserve(rid, count)
-            last = i == len(chunks) - 1
-            result = executor.execute(StepPlan(forward=[ForwardItem(rid, tokens[start:start + count], last)]))
+            sample = i > 0 or len(chunks) == 1  # as the scheduler marks them: all but an aligned first chunk
+            result = executor.execute(StepPlan(forward=[ForwardItem(rid, tokens[start:start + count], sample)]))
             start += count
         assert result.logits is not None
         sample_rows(result.logits, [(0, _GREEDY, 0), (0, _SAMPLED, 0)])
