@@ -33,10 +33,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
-
-import torch
 
 KERNELS_DIR = Path(__file__).resolve().parent
 # A directory holding another Triton (e.g. the device's: `pip install --no-deps --target DIR triton==3.6.0`)
@@ -163,8 +160,7 @@ def import_kernel_modules() -> None:
 def record_launches(device_constexprs: dict[str, Any] | None = None) -> Iterator[LaunchRecorder]:
     """Inside: Triton launches are recorded (specs for sm_90), not run, so launchers can be called at
     serving shapes on empty CPU tensors. Launchers plan as for the H200: `sm_count` answers 132 in every
-    kernels module, TRITON_INTERPRET reads "0" (a launcher may pick a constexpr or a launch form by it),
-    torch.cuda.current_stream answers a null stream (a launcher may key buffers by stream), and
+    kernels module, TRITON_INTERPRET reads "0" (a launcher may pick a constexpr or a launch form by it), and
     `device_constexprs` replace constexprs a launcher derives from the tensors' device (e.g. USE_ASM). All
     kernel modules are imported first: a module decorated while TRITON_INTERPRET reads "0" would hold
     compiled-mode kernels for the rest of an interpreting process."""
@@ -179,8 +175,7 @@ def record_launches(device_constexprs: dict[str, Any] | None = None) -> Iterator
 
     from kernels import _triton
 
-    patched = [(InterpretedFunction, "run", run), (JITFunction, "run", run),
-               (torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))]
+    patched = [(InterpretedFunction, "run", run), (JITFunction, "run", run)]
     patched += [(m, "sm_count", lambda device, cpu: H200_SMS) for m in list(sys.modules.values())
                 if getattr(m, "__name__", "").startswith("kernels.") and getattr(m, "sm_count", None) is _triton.sm_count]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patched]
