@@ -66,7 +66,7 @@ def watch_start(proc: ServiceProcess, port: int, watcher: Watcher) -> list[tuple
         while True:
             done = started.done()
             status = health(stub)
-            registered = any(r.instance == "warm" for r in watcher.snapshot().values())
+            registered = any(r.instance == "warm" and r.cluster == CLUSTER for r in watcher.snapshot().values())
             seen.append((status, registered, logged(proc, "warm-up started"), logged(proc, "warm-up finished")))
             if done:
                 started.result()
@@ -90,7 +90,8 @@ async def test_warm_worker_serves_only_after_its_warmup_and_leaves_no_trace(tmp_
         # NOT_SERVING (and unregistered) while the warm-up ran; SERVING or registered only after it finished
         assert any(s == ("NOT_SERVING", False, True, False) for s in seen), seen
         assert all(finished for status, registered, _, finished in seen if status == "SERVING" or registered)
-        assert health(health_pb2_grpc.HealthStub(grpc.insecure_channel(warm.address))) == "SERVING"
+        with grpc.insecure_channel(warm.address) as channel:
+            assert health(health_pb2_grpc.HealthStub(channel)) == "SERVING"
         done = next(e for e in log_entries(warm) if e["msg"] == "warm-up finished")
         assert done["warmup_s"] > 0 and done["skipped"] == []
         assert done["prefill_chunks"] == [[9], [128, 9, 1]] and done["decode_batches"] == [1, 2, 4, 8]
