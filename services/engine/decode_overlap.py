@@ -163,9 +163,10 @@ class DecodeOverlap:
         if len(live) < len(requests):  # the rows of requests that ended leave the batch, as in a plain step
             buffer, compacted = fast.staging(len(live))
             image, size = fast.builder.compact(image, size, live, buffer, compacted), compacted
-        at = {i: k for k, i in enumerate(live)}  # request row -> image row
-        fast.builder.refresh(image, size, [manager.requests[requests[i].rid] for i in crossing],
-                             [at[i] for i in crossing])
+        if crossing:
+            at = {i: k for k, i in enumerate(live)}  # request row -> image row
+            fast.builder.refresh(image, size, [manager.requests[requests[i].rid] for i in crossing],
+                                 [at[i] for i in crossing])
         fast.builder.set_tokens(image, size, slice(0, len(live)), tokens if len(live) == len(requests) else tokens[live])
         manager.pre_forward()
         logits = fast.launch(image, len(live))
