@@ -51,6 +51,16 @@ def test_triton_route_matches_reference(interpreted, with_bias, renormalize, top
     torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
 
 
+def test_triton_route_over_several_token_tiles(interpreted):
+    """37 tokens: three 16-token programs, the last one partial (the cases above fit in one program)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(37, H + 3, generator=gen)[:, :H]
+    weight, bias = torch.randn(E, H, generator=gen) * 0.4, torch.randn(E, generator=gen) * 0.3
+    want_w, want_i = fused_naive.moe_route(x, weight, bias, K, True, 1.0)
+    got_w, got_i = moe_router_triton.moe_route(x, weight, bias, K, True, 1.0, block_t=16, block_h=16)
+    assert torch.equal(got_i, want_i)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
 def test_triton_route_picks_valid_experts_from_nan_logits(interpreted):
     """NaN activations (e.g. garbage pages) must not yield an out-of-range expert id (a device-side assert
     in the gather that follows took down the H200 run): NaN counts as the largest, as in torch.topk."""
