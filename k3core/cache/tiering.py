@@ -151,8 +151,8 @@ class Tiering:
 
     def _host_bytes(self, pages: list[int], nbytes: int, known: list[int] | None) -> tuple[
             list | None, list[int] | None, bool]:
-        """(bytes, checksums, intact) of pages read for the host; checked against `known` first, if given (on
-        the pool's device, where `known` was computed)."""
+        """(bytes, checksums, intact) of pages read for the host; checked against `known` first, if given, on
+        the pool's device (`known` may come from the host tier: the checksum is the same on every device)."""
         store = self.m.store
         if store is None:
             return None, None, True
