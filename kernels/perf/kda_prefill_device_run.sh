@@ -15,6 +15,8 @@ START=$(date +%s)
 pip install --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD
 left() { echo $(( ${BUDGET:-220} - ($(date +%s) - START) )); }
+# A phase's time limit: what is left less $1, at least 1 s (`timeout 0` would mean no limit at all).
+limit() { local s=$(( $(left) - $1 )); echo $(( s > 1 ? s : 1 )); }
 log() { echo "$1 after $(( $(date +%s) - START )) s" >> "$OUT/env.txt"; }
 python3 -c 'import sys,torch,triton;print(sys.version, torch.__version__, triton.__version__)' > "$OUT/env.txt" 2>&1
 VARIANTS="${VARIANTS-}"
@@ -26,12 +28,12 @@ for s in "B=1,T=32K" "B=8" "varlen"; do
     > "$OUT/warm_${s//[^A-Za-z0-9]/_}.log" 2>&1 &
 done
 wait; log "warm"
-KDA_PREFILL_ROWS="$OUT/final.jsonl" KDA_PREFILL_VARIANTS=default timeout -k 3 $(( $(left) - RESERVE )) \
+KDA_PREFILL_ROWS="$OUT/final.jsonl" KDA_PREFILL_VARIANTS=default timeout -k 3 "$(limit "$RESERVE")" \
   python3 -m bench.kernels --only kda_prefill --out "$OUT/final.json" > "$OUT/final.log" 2>&1
 log "final rc=$?"
 [ -n "$VARIANTS" ] || exit 0
 KDA_PREFILL_ROWS="$OUT/variants.jsonl" KDA_PREFILL_PEER=0 KDA_PREFILL_SHAPES="B=1,T=32K" \
-KDA_PREFILL_VARIANTS="default,$VARIANTS" timeout -k 3 $(( $(left) - 20 )) \
+KDA_PREFILL_VARIANTS="default,$VARIANTS" timeout -k 3 "$(limit 20)" \
   python3 -m bench.kernels --only kda_prefill --out "$OUT/variants.json" > "$OUT/variants.log" 2>&1
 log "variants rc=$?"
 PICK=$(python3 -m kernels.perf.kda_prefill_cases "$OUT/variants.jsonl" 2>>"$OUT/env.txt")
@@ -39,7 +41,7 @@ PICK=$(python3 -m kernels.perf.kda_prefill_cases "$OUT/variants.jsonl" 2>>"$OUT/
 log "pick $PICK"
 if [ "$PICK" != "{}" ] && [ "$(left)" -gt 8 ]; then
   KDA_PREFILL_ROWS="$OUT/picked.jsonl" KDA_PREFILL_PEER=0 KDA_PREFILL_VARIANTS=default KDA_PREFILL_TUNING="$PICK" \
-    timeout -k 2 $(( $(left) - 3 )) python3 -m bench.kernels --only kda_prefill --out "$OUT/picked.json" \
+    timeout -k 2 "$(limit 3)" python3 -m bench.kernels --only kda_prefill --out "$OUT/picked.json" \
     > "$OUT/picked.log" 2>&1
   log "picked rc=$?"
 fi
