@@ -69,9 +69,11 @@ def _word_weights(num_words: int, device: torch.device) -> torch.Tensor:
 
 def checksum(data: torch.Tensor) -> int:
     """64-bit checksum of the raw bytes of a tensor, computed on its device: sum_i w_i * word_i mod 2^64 over
-    its int64 words (zero-padded), with odd weights w_i, so any error within one word changes it. For the
-    integrity of cached entries (stray writes, bit flips), not for identity or against an adversary (the
-    chain hashes and the transfer fingerprints are BLAKE2b)."""
+    its int64 words (zero-padded), with odd weights w_i, so any error within one word changes it. A product
+    only carries bits upwards, so errors confined to high bits of several words cancel more easily: bit 63
+    flips (the sign of an odd-indexed float32) cancel in pairs. For the integrity of cached entries (stray
+    writes, bit flips), not for identity or against an adversary (the chain hashes and the transfer
+    fingerprints are BLAKE2b)."""
     raw = data.detach().contiguous().view(torch.uint8).reshape(-1)
     if raw.numel() % 8 or raw.storage_offset() % 8:
         raw = torch.cat([raw, raw.new_zeros(-raw.numel() % 8)])  # a fresh, aligned copy
