@@ -27,12 +27,14 @@ from pathlib import Path
 
 import torch
 
+from bench.serve_rank import random_model
 from k3.v1 import common_pb2
+from k3core.cache.manager import PrefixCacheManager
 from services.engine.config import WorkerConfig
 from services.engine.executor import Executor
+from services.engine.model_runner import ModelRunner
 from services.engine.plan import ForwardItem, StepPlan
 from services.engine.warmup import warm_up
-from services.engine.worker import build_executor
 
 
 def sync(device: str) -> None:
@@ -70,12 +72,22 @@ def decode_steps(executor: Executor, last: dict[str, int], steps: int) -> list[f
     return times
 
 
+def build_rank(config: WorkerConfig) -> Executor:
+    """`worker.build_executor` with the weights drawn on the device (a CPU init of mini's 2.4B parameters
+    would dominate the run)."""
+    torch.set_num_threads(config.torch_threads)  # as build_model: one intra-op thread per rank
+    model = random_model(config.model_config(), config.device, config.torch_dtype)
+    manager = PrefixCacheManager(config.pool_layout(), config.num_pages, device=config.device)
+    return Executor(manager, ModelRunner(model, config.device), rank=0, tp_size=1,
+                    total_heads=config.model_config().kda_num_heads, instance=common_pb2.InstanceId())
+
+
 def child(args: argparse.Namespace) -> dict:
     config = WorkerConfig(model=args.model, device=args.device, dtype=args.dtype, num_pages=args.num_pages,
                           hash_block_tokens=args.hash_block_tokens, step_token_budget=args.step_token_budget,
                           max_running=args.max_running, warmup="on" if args.child == "warm" else "off")
     started = time.perf_counter()
-    executor = build_executor(config, "decode", 0, common_pb2.InstanceId(), None)
+    executor = build_rank(config)
     sync(args.device)
     row: dict = {"mode": args.child, "build_s": time.perf_counter() - started}
     report = warm_up(executor, config, "decode", export=False)
