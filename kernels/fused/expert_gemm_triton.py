@@ -4,7 +4,7 @@ form: at batch 16-128 every expert is read anyway).
 z [T, l] against each expert's stacked [gate; up] rows of w13 [E, 2F, l], the GLU (SiTU or SwiGLU) applied
 to the float32 accumulators -> act [E, T, F] (the operand layout of the down projection's batched GEMM).
 Replaces cuBLAS's GEMM over the [E*2F, l] view, the [T, E*2F] bf16 round trip through memory and the
-activation's launch: 30.5 us instead of 35.6 us a layer on the H200 at batch 64 (bench.serve_glue), the
+activation's launch: 30.5 us instead of 36.1 us a layer on the H200 at batch 64 (bench.serve_glue), the
 weights streaming at 3.3 TB/s. The same kernel without the GLU for the down projection only tied
 cuBLAS's batched GEMM (16.6 vs 16.9 us), so that one stays cuBLAS.
 Program = (one token tile of up to 64, BLOCK_N output columns of one expert): the gate rows n and the up rows
