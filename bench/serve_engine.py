@@ -2,8 +2,9 @@
 fast path in its CUDA graphs, the host/device overlap of `decode_overlap`, batched sampling, output
 processing, streaming into real `RequestStream`s) on the rank's pool, model and fast path.
 
-The engine needs the service runtime's packages (grpcio, prometheus-client; on the device from
-`.device/wheels`, see /tmp/k3team/GPU.md and bench/gpu_session.sh). The one departure from a served
+The engine needs the service runtime's packages (grpcio, protobuf, prometheus-client; on the device from
+`.device/wheels`, installed by bench/gpu_session.sh; without them bench/serve_decode.py times the rank's own
+loop and says so). The one departure from a served
 request: each row is fed a pseudo-random next token (`Rank.next_tokens`): the engine's draw runs on the
 device and is waited for as always, then its values are replaced (the argmax of random weights is one token
 for every row, which would route the whole batch to four experts).
