@@ -17,7 +17,7 @@ from k3core.layers.batch import BatchLayout
 from k3core.layers.kda import KimiDeltaAttention
 from k3core.presets import preset
 from kernels import dispatch
-from tests.kernels.test_kda_layer_prefill_triton import TOL, _forward, _layer
+from tests.kernels.test_kda_layer_prefill_triton import TOL, _admit_nano, _forward, _layer
 
 COUNT = 11  # one sequence, shorter than a chunk: the cheapest interpreted launch
 NANO = preset("nano")
@@ -28,6 +28,7 @@ def prefill(interpreted, monkeypatch):
     """prefill(layer, x, fused) -> the layer's output on a fresh sequence, fused route or torch path."""
     route = {"fused": False}
     monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: route["fused"])
+    _admit_nano(monkeypatch)
 
     def run(layer: KimiDeltaAttention, x: torch.Tensor, fused: bool) -> torch.Tensor:
         route["fused"] = fused

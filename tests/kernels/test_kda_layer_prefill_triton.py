@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from k3core.cache.contiguous import ContiguousBatchCache, SequenceCache
+from k3core.layers import kda_prefill_fast
 from k3core.layers.batch import BatchLayout
 from k3core.layers.kda import KimiDeltaAttention
 from k3core.layers.kda_prefill_fast import triton_prefill_applies
@@ -57,6 +58,7 @@ def test_layer_prefill_on_triton_matches_reference(interpreted, monkeypatch):
     launcher = prefill_triton.kda_prefill_block
     monkeypatch.setattr(prefill_triton, "kda_prefill_block", lambda *a, **k: calls.append(1) or launcher(*a, **k))
     monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
+    _admit_nano(monkeypatch)
     got = _forward(layer, x, fast_seqs, counts)
 
     assert calls == [1]  # the Triton launcher ran, not the reference
@@ -67,11 +69,31 @@ def test_layer_prefill_on_triton_matches_reference(interpreted, monkeypatch):
         assert fast.kda_state.dtype == ref.kda_state.dtype and fast.kda_conv.dtype == ref.kda_conv.dtype
 
 
+def _admit_nano(monkeypatch) -> None:
+    """The route admits nano's head dim and float32 here: these tests check the layer's mapping onto the
+    launcher (interpreted); the kernel itself is validated on the device only at bf16, D=128."""
+    monkeypatch.setattr(kda_prefill_fast, "VALIDATED_HEAD_DIMS", (preset("nano").kda_head_dim,))
+    monkeypatch.setattr(kda_prefill_fast, "VALIDATED_DTYPES", (torch.float32,))
+
+
+def test_unvalidated_head_dim_or_dtype_keeps_the_reference(monkeypatch):
+    """nano's D=32 in float32 gave logits 0.44 away from the torch path on the H200: not routed."""
+    layer = KimiDeltaAttention(preset("nano"), 0)
+    monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
+    with torch.no_grad():
+        assert not triton_prefill_applies(layer, torch.zeros(3, preset("nano").hidden_size))
+        assert not triton_prefill_applies(layer, torch.zeros(3, preset("nano").hidden_size, dtype=torch.bfloat16))
+        monkeypatch.setattr(kda_prefill_fast, "VALIDATED_HEAD_DIMS", (preset("nano").kda_head_dim,))
+        assert not triton_prefill_applies(layer, torch.zeros(3, preset("nano").hidden_size))  # float32
+        assert triton_prefill_applies(layer, torch.zeros(3, preset("nano").hidden_size, dtype=torch.bfloat16))
+
+
 def test_softplus_gate_cpu_tensors_and_autograd_keep_the_reference(monkeypatch):
     """The Kimi Linear gate never takes the fused route; CPU tensors never do unless Triton is forced; a
     forward under autograd never does (the kernel has no backward: the weights would get no gradients)."""
     x = torch.zeros(3, preset("nano").hidden_size)
     bounded, softplus = KimiDeltaAttention(preset("nano"), 0), KimiDeltaAttention(preset("nano-kl"), 0)
+    _admit_nano(monkeypatch)
     with torch.no_grad():
         assert not triton_prefill_applies(bounded, x)
         monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
