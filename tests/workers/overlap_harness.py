@@ -72,6 +72,7 @@ class ScriptedEngine:
         self.streams: dict[str, Stream] = {}
         self.finished_state: dict[str, torch.Tensor] = {}  # rid -> its KDA state pages' bytes when it left
         self.computed: dict[str, int] = {}  # rid -> tokens its forwards computed when it left
+        self.pages: dict[str, tuple] = {}  # rid -> its block table's and state's page ids when it left
         finish = self.manager.finish
         self.manager.finish = lambda rid, keep=True: (self._snapshot(rid), finish(rid, keep))[1]
 
@@ -82,6 +83,7 @@ class ScriptedEngine:
     def _snapshot(self, rid: str) -> None:
         pages = self.manager.requests[rid].state_pages
         self.computed[rid] = self.manager.requests[rid].num_computed
+        self.pages[rid] = ([tuple(b.pages) for b in self.manager.requests[rid].blocks], tuple(pages))
         self.finished_state[rid] = self.manager.store.data[pages].clone()
 
     def run(self, script: dict[int, list[tuple]], max_steps: int = 400) -> dict[str, Stream]:
@@ -105,3 +107,12 @@ class ScriptedEngine:
             raise AssertionError("the engine did not finish its requests")
         engine._flush()
         return self.streams
+
+
+def cache_state(manager: PrefixCacheManager) -> tuple:
+    """What the next steps' allocations and lookups depend on: every page's owner count and kind, the prefix
+    index's endpoints and the KDA checkpoints, by page id."""
+    pool = manager.pool
+    index = sorted((h, tuple(e.block.pages), e.hash_blocks, e.ready) for h, e in manager.index.items())
+    checkpoints = sorted((k, c.num_tokens, tuple(c.pages), c.keep) for k, c in manager.checkpoints.by_key.items())
+    return tuple(pool.refcount), tuple(pool.kind), pool.num_cached, index, checkpoints

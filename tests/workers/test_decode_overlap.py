@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from k3.v1 import common_pb2
 from tests.workers.cluster import OVERRIDES
 from tests.workers.oracle import build_reference
-from tests.workers.overlap_harness import ScriptedEngine, options
+from tests.workers.overlap_harness import ScriptedEngine, cache_state, options
 
 STOP = common_pb2.FINISH_REASON_STOP
 
@@ -44,9 +44,14 @@ def _compare(model, script: dict, **engine_args) -> tuple[ScriptedEngine, Script
             assert longer[: len(shorter)] == shorter, rid
             continue
         assert (b.tokens, b.text, b.reason, b.error) == (a.tokens, a.text, a.reason, a.error), rid
+    assert overlap.computed.keys() == plain.computed.keys()
     for rid, state in plain.finished_state.items():
-        if rid not in cancelled and rid in overlap.finished_state:
+        # page ids and forwards too: a cancellation drops the step in flight's token in the overlap, but
+        # both loops ran the same forwards by then
+        assert (overlap.computed[rid], overlap.pages[rid]) == (plain.computed[rid], plain.pages[rid]), rid
+        if rid not in cancelled:
             assert torch.equal(overlap.finished_state[rid], state), f"{rid}: KDA state differs when it left"
+    assert cache_state(overlap.manager) == cache_state(plain.manager)
     assert plain.overlapped == 0
     return plain, overlap
 
@@ -54,7 +59,8 @@ def _compare(model, script: dict, **engine_args) -> tuple[ScriptedEngine, Script
 def test_stops_mid_batch_leave_the_streams_and_states_of_the_plain_loop(nano):
     vocab = nano.config.vocab_size
     # A plain greedy run tells which tokens come when; then stop ids, a stop string and max_tokens are set to
-    # end the requests at different steps of one batch, including one whose block is full (44 + 4 = 48).
+    # end the requests at different steps of one batch, one of them past a hash boundary (44 + 4 = 48: a KDA
+    # checkpoint taken in an overlapped step).
     probe = ScriptedEngine(nano, False).run({0: [("add", f"r{i}", _prompt(i, n), options(vocab, max_tokens=12,
                                                                                         ignore_eos=True))
                                                  for i, n in enumerate((5, 44, 17, 30))]})
@@ -130,3 +136,17 @@ def test_interleavings_give_the_plain_streams(nano, requests, pages):
         if cancel is not None:
             script.setdefault(arrive + cancel, []).append(("cancel", f"h{i}"))
     _compare(nano, script, num_pages=pages)
+
+
+def test_rows_crossing_a_block_while_an_earlier_row_stops(nano):
+    # Prompts of 76 tokens need their second 80-token block at their 5th token (position 80): r1 and r3 take
+    # it in the same overlapped step in which r0 (ahead of them) stops, so their rows move up before the new
+    # block is written into them, and the two blocks are allocated in the plain loop's order (page ids).
+    vocab = nano.config.vocab_size
+    greedy = options(vocab, max_tokens=12, ignore_eos=True)
+    requests = [("r0", 76, options(vocab, max_tokens=5, ignore_eos=True)), ("r2", 60, greedy), ("r1", 76, greedy),
+                ("r3", 76, options(vocab, temperature=0.8, seed=3, max_tokens=12, ignore_eos=True))]
+    script = {0: [("add", rid, _prompt(i, n), o) for i, (rid, n, o) in enumerate(requests)]}
+    _, overlap = _compare(nano, script, budget=512)
+    assert overlap.overlapped >= 8
+    assert [len(blocks) for blocks, _ in (overlap.pages[r] for r in ("r0", "r1", "r3"))] == [1, 2, 2]
