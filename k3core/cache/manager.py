@@ -78,13 +78,22 @@ class PrefixCacheManager:
         return self.finder.lookup(chain, num_tokens)
 
     def add_request(self, rid: str, tokens: Sequence[int] | None = None, *, chain: list[int] | None = None,
-                    num_tokens: int | None = None) -> int:
+                    num_tokens: int | None = None, cacheable: bool = True) -> int:
         """Admit a request: look its prompt up, pin the hit, allocate its private state and queue the copies
         that restore the hit. Returns the number of prompt tokens served from the cache (prefill resumes
         there). Raises OutOfPages with nothing changed when the pool cannot hold it. `chain` may come with
-        `tokens`: hashes computed before the step (`hashing.chain_hashes`), so admission does not hash."""
+        `tokens`: hashes computed before the step (`hashing.chain_hashes`), so admission does not hash.
+        `cacheable=False` (scratch work, e.g. a worker's warm-up): `num_tokens` only, no lookup and no chain
+        hashes, so none of its blocks is ever registered nor its state checkpointed; returns 0."""
         if rid in self.requests:
             raise ValueError(f"request {rid!r} already added")
+        if not cacheable:
+            if tokens is not None or chain is not None or num_tokens is None or num_tokens <= 0:
+                raise ValueError(f"request {rid!r}: a scratch request takes num_tokens > 0 only")
+            req = CachedRequest(rid, self._hash_block, num_tokens=num_tokens, prompt_tokens=num_tokens)
+            self.admission.admit(req, Hit())  # a miss: zeroed state, no page of anyone else
+            self.requests[rid] = req
+            return 0
         req = new_request(rid, self.layout.hash_block_tokens, tokens, chain, num_tokens)
         hit = self.admission.verified_lookup(req.chain, req.num_tokens)
         self.admission.admit(req, hit)

@@ -9,9 +9,10 @@ continues it over the cached prefix; on the decode worker that request then take
 fast path's real-request path), and the fast path runs each batch bucket up to `max_running` on its own
 scratch pages (on CUDA with graphs, capturing that bucket's graph), the sampler included.
 
-Nothing it computes becomes cacheable: its scratch requests carry no chain hashes, so the prefix index
-registers no block of theirs and no KDA checkpoint is taken, and their pages return to the pool. Every TP
-rank runs the same sequence before the ranks' start barrier, so the forwards' collectives pair up.
+Nothing it computes becomes cacheable: its scratch requests are admitted with `cacheable=False` (no lookup,
+no chain hashes), so the prefix index registers no block of theirs and no KDA checkpoint is taken, and their
+pages return to the pool. Every TP rank runs the same sequence before the ranks' start barrier, so the
+forwards' collectives pair up.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import Gauge
 
-from k3core.cache.lookup import Hit
 from k3core.cache.pool import OutOfPages
-from k3core.cache.request import CachedRequest
 from services.engine.config import WorkerConfig
 from services.engine.cuda_graphs import DEFAULT_BUCKETS
 from services.engine.decode_fastpath import DecodeFastPath
@@ -124,9 +123,8 @@ def _scratch_request(executor: Executor, rid: str, chunks: tuple[int, ...], voca
     """Prefill (and decode) a request without chain hashes through the executor's step, then release it."""
     manager = executor.manager
     total = sum(chunks)
-    req = CachedRequest(rid, manager.layout.hash_block_tokens, num_tokens=total, prompt_tokens=total)
-    manager.admission.admit(req, Hit())  # a miss: fresh zeroed state, no page of anyone else (OutOfPages: none)
-    manager.requests[rid] = req
+    manager.add_request(rid, num_tokens=total, cacheable=False)  # OutOfPages: nothing taken
+    req = manager.requests[rid]
     tokens = warmup_tokens(total, vocab_size)
     try:
         start = 0
