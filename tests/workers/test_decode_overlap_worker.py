@@ -5,13 +5,12 @@ mid-batch) equal k3core's offline generation, and the worker's /metrics count ov
 from __future__ import annotations
 
 import asyncio
-import re
-import urllib.request
 
 import pytest
 
 from k3.v1 import common_pb2
 from services.engine.params import GenerationOptions
+from tests.support.metrics import scrape
 from tests.workers.client import generate
 from tests.workers.cluster import OVERRIDES, make, running, worker_args
 from tests.workers.oracle import build_reference, offline_generate
@@ -22,11 +21,6 @@ def overlap_worker(tmp_path_factory, transfer):
     proc = make(tmp_path_factory.mktemp("overlap"), "decode1", worker_args("decode", 1, transfer.address))
     proc.env.update({"K3_DECODE_FASTPATH": "1"})
     yield from running({1: proc})
-
-
-def _overlapped_steps(metrics_address: str) -> float:
-    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
-    return float(re.search(r"^k3_decode_overlapped_steps_total (\S+)$", text, re.M).group(1))
 
 
 async def test_streams_through_the_overlap_equal_the_offline_generation(overlap_worker):
@@ -46,4 +40,4 @@ async def test_streams_through_the_overlap_equal_the_offline_generation(overlap_
                                     for i, (p, s) in enumerate(zip(prompts, params, strict=True))))
     assert [[t for c in cs for t in c.token_ids] for cs in chunks] == expected
     assert chunks[2][-1].finish_reason == common_pb2.FINISH_REASON_STOP
-    assert _overlapped_steps(worker.info["metrics_address"]) > 0
+    assert scrape(worker.info["metrics_address"]).value("k3_decode_overlapped_steps_total") > 0
