@@ -27,9 +27,7 @@ roofline, profile), `serve_engine` (the engine loop of a decode row), `serve_che
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
@@ -37,7 +35,7 @@ from bench.serve_check import check_fast_path
 from bench.serve_decode import SWEEP_HEADER, decode_sweep_row, profile_forward
 from bench.serve_peer import run_peer
 from bench.serve_rank import Rank, copy_bandwidth, random_model
-from bench.serve_ttft import ttft
+from bench.serve_ttft import save, ttft
 from k3core.presets import preset
 
 
@@ -100,11 +98,6 @@ def main() -> None:
         result["skipped"].append("peer")
     result["wall_s"] = time.perf_counter() - began
     save(args.out, result)
-
-
-def save(path: str, result: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

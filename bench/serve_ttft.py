@@ -218,6 +218,7 @@ def main() -> None:
 
 
 def save(path: str, result: dict) -> None:
+    """Write a result as JSON (after every row, so a run cut short keeps what it measured; bench.serve too)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2))
 
