@@ -4,7 +4,7 @@
                                [--label after] [--out bench/results/serve_host.json]
 
 Drives the real engine step (`Engine._step`: scheduler, executor, the decode fast path's host side through
-`DecodeGraphs.run`, batched sampling, output processing, the cache manager's calls) on B requests at
+`DecodeGraphs.staging` / `launch`, batched sampling, output processing, the cache manager's calls) on B requests at
 `context` tokens. Only the forward is replaced, by `StandInGraphs`: a STAND-IN for the captured CUDA graph
 whose replay does nothing and whose logits are a static tensor, so what is timed is host work only. The
 real forward cannot run here; the model and the page store live on the meta device (shapes and page ids
@@ -83,8 +83,9 @@ class _NoGraph:
 
 
 class StandInGraphs(DecodeGraphs):
-    """STAND-IN for the CUDA graphs: `DecodeGraphs.run` itself runs (fill the staging buffer, copy it to the
-    input buffer, replay), but the replay is a no-op and the logits a static [bucket, vocab] bf16 tensor."""
+    """STAND-IN for the CUDA graphs: `DecodeGraphs.staging` / `launch` themselves run (the staging buffer
+    filled, copied to the input buffer, replayed), but the replay is a no-op and the logits a static
+    [bucket, vocab] bf16 tensor."""
 
     def __init__(self, builder: DecodeInputBuilder, buckets: tuple[int, ...], vocab: int,
                  on_replay: Callable[[], None]) -> None:

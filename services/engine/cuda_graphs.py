@@ -45,11 +45,6 @@ class DecodeGraphs:
     def bucket(self, batch: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
-    def run(self, fill: Callable[[np.ndarray, int], None], batch: int) -> torch.Tensor:
-        """Replay the bucket of `batch` rows after `fill(host image, size)`; logits [batch, V] (a view)."""
-        fill(*self.staging(batch))
-        return self.launch(batch)
-
     def staging(self, batch: int) -> tuple[np.ndarray, int]:
         """The pinned host image of `batch`'s bucket and the bucket size, free to fill (its previous copy to
         the device has landed): a step may be built here while the previous one replays."""
