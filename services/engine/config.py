@@ -14,6 +14,7 @@ from services.runtime import ServiceConfig
 
 MAX_SPECULATIVE_TOKENS = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WARMUP_MODES = ("auto", "on", "off")  # WorkerConfig.warmup (services/engine/warmup.py)
 
 
 @dataclasses.dataclass
@@ -68,8 +69,8 @@ class WorkerConfig(ServiceConfig):
         if self.step_token_budget < self.hash_block_tokens:
             problems.append(f"step_token_budget: must be >= hash_block_tokens ({self.hash_block_tokens}) so a "
                             f"prefill chunk can reach a hash-block end, got {self.step_token_budget}")
-        if self.warmup not in ("auto", "on", "off"):
-            problems.append(f"warmup: one of auto, on, off, got {self.warmup!r}")
+        if self.warmup not in WARMUP_MODES:
+            problems.append(f"warmup: one of {', '.join(WARMUP_MODES)}, got {self.warmup!r}")
         if self.num_pages < 4 or self.max_running < 1:
             problems.append("num_pages: must be >= 4; max_running: must be >= 1")
         if self.model_overrides:

@@ -25,7 +25,7 @@ import torch
 from prometheus_client import Gauge
 
 from k3core.cache.pool import OutOfPages
-from services.engine.config import WorkerConfig
+from services.engine.config import WARMUP_MODES, WorkerConfig
 from services.engine.cuda_graphs import DEFAULT_BUCKETS
 from services.engine.decode_fastpath import DecodeFastPath
 from services.engine.executor import Executor
@@ -35,7 +35,6 @@ from services.engine.sampler import sample_rows
 
 log = logging.getLogger("k3.worker.warmup")
 
-MODES = ("auto", "on", "off")
 _RID = "__warmup-{}"  # scratch requests live on the manager only, and are gone before the engine starts
 
 _GREEDY = GenerationOptions(temperature=0.0, top_k=0, top_p=1.0, seed=0, max_tokens=1, stop=(),
@@ -66,8 +65,8 @@ class WarmupReport:
 def wanted(mode: str, device: torch.device) -> bool:
     """"auto": on for CUDA only. On a CPU nothing is JIT-compiled (the reference path is eager torch) and the
     first forward costs what the next ones do, so a warm-up would only delay readiness."""
-    if mode not in MODES:
-        raise ValueError(f"warmup: one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in WARMUP_MODES:
+        raise ValueError(f"warmup: one of {', '.join(WARMUP_MODES)}, got {mode!r}")
     return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
