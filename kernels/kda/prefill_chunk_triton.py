@@ -46,7 +46,7 @@ if triton is not None:
         return X
 
     @triton.jit
-    def _unit_lower_inverse(ws, rows, C: tl.constexpr, BC: tl.constexpr):
+    def _unit_lower_inverse(ws, rows, C: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
         """(I + M)^-1 for the strictly lower-triangular M [C, C] (row-major float32 at ws): the diagonal
         blocks' inverses D^-1, then the block off-diagonal terms by the nilpotent series with dots:
         (D + L)^-1 = (I - N + N^2 - N^3) D^-1, N = D^-1 L, since N^4 = 0 for C / BC = 4 blocks."""
@@ -58,10 +58,11 @@ if triton is not None:
         cols = tl.arange(0, C)
         M = tl.load(ws + rows[:, None] * C + cols[None, :])
         lower = tl.where(rows[:, None] // BC > cols[None, :] // BC, M, 0.0)
-        N = tl.dot(d_inv, lower)
+        N = tl.dot(d_inv, lower, input_precision=DOT)
         eye = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
-        series = eye - tl.dot(N, eye - tl.dot(N, eye - N))  # Horner form: three [C, C] tiles live, not four
-        return tl.dot(series, d_inv)
+        # Horner form: three [C, C] tiles live, not four
+        series = eye - tl.dot(N, eye - tl.dot(N, eye - N, input_precision=DOT), input_precision=DOT)
+        return tl.dot(series, d_inv, input_precision=DOT)
 
     @triton.jit
     def _flat_gate(g, rel, io_mask, last, HD, cols):
@@ -72,7 +73,7 @@ if triton is not None:
 
     @triton.jit
     def _a_parts(k, g, G, kc, qc, rows, cols, last, n_valid, HD, blk: tl.constexpr, BC: tl.constexpr,
-                 dt: tl.constexpr):
+                 dt: tl.constexpr, DOT: tl.constexpr):
         """Key sub-block blk's share of Akk and Aqk [C, BC] from the key columns `cols` (G, kc, qc: their
         [C, len(cols)] tiles, float32). The decay ratio is split at the end of the key sub-block: factors
         <= 1 off the diagonal block, <= 2^116 on it; rows before the block are causally masked (factor 0)."""
@@ -84,7 +85,8 @@ if triton is not None:
         k_key = tl.load(k + key_rel, mask=key_ok, other=0.0).to(tl.float32)
         g_key = tl.load(g + key_rel, mask=key_ok, other=0.0)
         k_col = tl.trans((k_key * tl.math.exp2(ref[None, :] - g_key)).to(dt))
-        return tl.dot((kc * row_decay).to(dt), k_col), tl.dot((qc * row_decay).to(dt), k_col)
+        return (tl.dot((kc * row_decay).to(dt), k_col, input_precision=DOT),
+                tl.dot((qc * row_decay).to(dt), k_col, input_precision=DOT))
 
     @triton.jit
     def _store_a_block(aqk_st, ws, ak, aq, c0, rows, bt, scale, io_mask, C: tl.constexpr, BC: tl.constexpr):
@@ -100,11 +102,13 @@ if triton is not None:
         q, k, v, g, beta, cu_seqlens, chunk_seq, chunk_start,
         w_out, u_out, qg_out, kg_out, aqk_out, gc_out, akk_ws, scale,
         H, D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, F32_DOTS: tl.constexpr,
+        DOT: tl.constexpr,
     ):
         """Grid (chunks, H). Token-major [T_total, H, *] in and out; g float32 in log2 units (G * log2(e): the
         decay factors are bare exp2, one MUFU op each, where exp costs a multiply and a range fix-up more),
         beta [T_total, H] float32 (already through the sigmoid); gc_out [chunks, H, D]; akk_ws [chunks, H, C, C] float32 scratch.
-        F32_DOTS: float32 (TF32 on the GPU) dot operands instead of the input dtype."""
+        F32_DOTS: float32 dot operands instead of the input dtype. DOT: the float32 dots' input_precision
+        ("tf32" or "ieee", see prefill_triton.dot_precision)."""
         ci = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         start = tl.load(chunk_start + ci).to(tl.int64)
@@ -140,7 +144,7 @@ if triton is not None:
             kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
             qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
             for blk in tl.static_range(NB):
-                part_k, part_q = _a_parts(k, g, G, kc, qc, rows, cols, last, n_valid, HD, blk, BC, dt)
+                part_k, part_q = _a_parts(k, g, G, kc, qc, rows, cols, last, n_valid, HD, blk, BC, dt, DOT)
                 if blk == 0:
                     ak0 += part_k
                     aq0 += part_q
@@ -158,14 +162,14 @@ if triton is not None:
         _store_a_block(aqk_st, ws, ak2, aq2, 2 * BC, rows, bt, scale, io_mask, C, BC)
         _store_a_block(aqk_st, ws, ak3, aq3, 3 * BC, rows, bt, scale, io_mask, C, BC)
         tl.debug_barrier()
-        T = _unit_lower_inverse(ws, rows, C, BC).to(dt)
+        T = _unit_lower_inverse(ws, rows, C, BC, DOT).to(dt)
         for kb in range(0, D // BK):
             cols = kb * BK + tl.arange(0, BK)
             rel = rows[:, None] * HD + cols[None, :]
             G, g_end = _flat_gate(g, rel, io_mask, last, HD, cols)
             kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
             decay = tl.math.exp2(G)
-            w_blk = tl.dot(T, (kc * decay * bt[:, None]).to(dt))
+            w_blk = tl.dot(T, (kc * decay * bt[:, None]).to(dt), input_precision=DOT)
             tl.store(w_out + rel, w_blk.to(w_out.dtype.element_ty), mask=io_mask)
             kg_blk = kc * tl.math.exp2(g_end[None, :] - G)
             tl.store(kg_out + rel, kg_blk.to(kg_out.dtype.element_ty), mask=io_mask)
@@ -177,5 +181,5 @@ if triton is not None:
             cols = vb * BK + tl.arange(0, BK)
             rel = rows[:, None] * HD + cols[None, :]
             vc = tl.load(v + rel, mask=io_mask, other=0.0).to(tl.float32)
-            u_blk = tl.dot(T, (vc * bt[:, None]).to(dt)).to(u_out.dtype.element_ty)
+            u_blk = tl.dot(T, (vc * bt[:, None]).to(dt), input_precision=DOT).to(u_out.dtype.element_ty)
             tl.store(u_out + rel, u_blk, mask=io_mask)

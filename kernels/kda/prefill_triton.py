@@ -51,6 +51,7 @@ if triton is not None:
         cu_seqlens, chunk_offsets,
         H, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, C: tl.constexpr,
         BV: tl.constexpr, HAS_STATE: tl.constexpr, HAS_CONV: tl.constexpr, STAGES: tl.constexpr,
+        DOT: tl.constexpr,
     ):
         """Grid (sequences, H, D // BV)."""
         n = tl.program_id(0).to(tl.int64)
@@ -86,10 +87,10 @@ if triton is not None:
             kg_c = tl.load(kg + step + rel_k, mask=valid, other=0.0)
             decay = tl.load(gc + c * H * D + offs)
             S_in = S.to(w_c.dtype)
-            v_new = u_c - tl.dot(w_c, S_in)
+            v_new = u_c - tl.dot(w_c, S_in, input_precision=DOT)
             tl.store(h_out + c * H * D * D + rel_s, S_in)
             tl.store(vnew_out + step + rel_v, v_new.to(vnew_out.dtype.element_ty), mask=valid)
-            S = S * decay[:, None] + tl.dot(tl.trans(kg_c), v_new.to(kg_c.dtype))
+            S = S * decay[:, None] + tl.dot(tl.trans(kg_c), v_new.to(kg_c.dtype), input_precision=DOT)
         tl.store(final_state + s_offs, S)
         if iv == 0:
             _final_conv_windows(q, init_conv, final_conv, 0, n, h, bos, eos, HAS_CONV, H, D, W, BWM)
@@ -99,7 +100,7 @@ if triton is not None:
     @triton.jit
     def _kda_chunk_output_kernel(
         qg, aqk, h_in, v_new, gate, norm_w, y_out, cu_seqlens, chunk_seq, chunk_start, norm_eps,
-        H, D: tl.constexpr, C: tl.constexpr,
+        H, D: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr,
     ):
         """Grid (chunks, H): y = gated RMSNorm(qg S_in + Aqk v_new)."""
         ci = tl.program_id(0).to(tl.int64)
@@ -114,8 +115,18 @@ if triton is not None:
         qg_c = tl.load(qg + base + rel, mask=valid, other=0.0)
         a_c = tl.load(aqk + (start * H + h) * C + rows[:, None] * (H * C) + rows[None, :], mask=valid, other=0.0)
         s_in = tl.load(h_in + (ci * H + h) * D * D + offs[:, None] * D + offs[None, :])
-        o = tl.dot(qg_c, s_in) + tl.dot(a_c, tl.load(v_new + base + rel, mask=valid, other=0.0))
+        v_c = tl.load(v_new + base + rel, mask=valid, other=0.0)
+        o = tl.dot(qg_c, s_in, input_precision=DOT) + tl.dot(a_c, v_c, input_precision=DOT)
         _gated_rms_store(o, gate + base, y_out + base, rel, valid, norm_w, norm_eps, D)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """input_precision of the float32 dots: TF32 (10-bit mantissa) for 16-bit activations, whose operands
+    are coarser already; for float32 activations, what torch's matmuls use (torch.set_float32_matmul_precision:
+    IEEE at its default "highest"). TF32 there put the block 1e-3 (relative) from the torch path, which the
+    nano model's top-k routing amplified to logits 0.44 apart on the H200 (the interpreter's dots are exact)."""
+    exact = dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+    return "ieee" if exact else "tf32"
 
 
 @functools.lru_cache(maxsize=64)
@@ -181,7 +192,8 @@ def kda_prefill_block(
       issued two chunks ahead) vs 2: recurrence 0.87 -> 0.58 ms at B=1, T=32K, H=16 (32 columns).
     - ut_maxnreg: register cap of the UT pass (None: none). ptxas (sm_90a): 213 registers at k_block 32 = 2
       programs per SM; under 168 (16 B of spills) 3 fit: UT pass 1.34 -> 1.14 ms at B=1, T=32K on the H200.
-    - f32_dots: float32 (TF32) operands in the UT transform's dots instead of the input dtype.
+    - f32_dots: float32 operands in the UT transform's dots instead of the input dtype (TF32 unless
+      dot_precision says IEEE).
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
@@ -211,6 +223,7 @@ def kda_prefill_block(
     scale = D**-0.5 if scale is None else scale
     conv = initial_conv.contiguous() if initial_conv is not None else q
     shape = {"H": H, "D": D, "C": CHUNK}
+    dot = dot_precision(q.dtype)
     if n_chunks:
         qn, kn, vc = (torch.empty_like(q) for _ in range(3))
         g = torch.empty(q.shape, device=dev, dtype=torch.float32)
@@ -222,7 +235,7 @@ def kda_prefill_block(
         _kda_chunk_ut_kernel[(n_chunks, H)](
             qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
             torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,
-            BK=k_block, F32_DOTS=f32_dots, num_warps=ut_warps, maxnreg=ut_maxnreg)
+            BK=k_block, F32_DOTS=f32_dots, DOT=dot, num_warps=ut_warps, maxnreg=ut_maxnreg)
     if not block_v:
         block_v = min(64 if N * H * (D // 64) >= 2 * sm_count(dev, cpu=1) else few_block_v, D)
     require(D % block_v == 0 and block_v >= 16, f"block_v must divide {D} and be >= 16, got {block_v}")
@@ -236,11 +249,11 @@ def kda_prefill_block(
         w, u, kg, gc, h_states, v_new, initial_state.contiguous() if initial_state is not None else gc,
         final_state, q, k, v, conv, final_conv, cu, chunk_offsets,
         **shape, W=W, BWM=next_pow2(W - 1), BV=block_v, HAS_STATE=initial_state is not None,
-        HAS_CONV=initial_conv is not None, STAGES=stages, num_warps=recurrence_warps,
+        HAS_CONV=initial_conv is not None, STAGES=stages, DOT=dot, num_warps=recurrence_warps,
     )
     if n_chunks:
         _kda_chunk_output_kernel[(n_chunks, H)](
             qg, aqk, h_states, v_new, gate, norm_weight, y, cu, chunk_seq, chunk_start, norm_eps,
-            **shape, num_warps=num_warps,
+            **shape, DOT=dot, num_warps=num_warps,
         )
     return y, final_state, final_conv
