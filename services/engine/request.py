@@ -43,6 +43,9 @@ class StepOutput:
     error: Exception | None = None
     # One common_pb2.TokenLogprob per token when the request asked for logprobs.
     logprobs: list = field(default_factory=list)
+    # On a request's first output: seconds from its arrival to its first token. Carried here because the
+    # stream converts the output on its own thread, after the engine may have accepted more tokens.
+    ttft_s: float | None = None
 
 
 @dataclass(eq=False)

@@ -47,8 +47,8 @@ class RequestStream:
 def token_chunk(req: EngineRequest, output: StepOutput) -> common_pb2.TokenChunk:
     chunk = common_pb2.TokenChunk(request_id=req.rid, token_ids=output.token_ids, text=output.text,
                                   finish_reason=output.finish_reason, logprobs=output.logprobs)
-    if req.first_token_at is not None and len(req.output) == len(output.token_ids):
-        chunk.ttft_ms = 1e3 * (req.first_token_at - req.arrival)
+    if output.ttft_s is not None:
+        chunk.ttft_ms = 1e3 * output.ttft_s
     if output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
         chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens,
                                               completion_tokens=len(req.output)))

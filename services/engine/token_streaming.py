@@ -3,6 +3,7 @@ manager's append), queued in order and handed to the streams after the next step
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
@@ -66,17 +67,20 @@ class TokenStreaming:
                 self._finish(req, outs[-1].finish_reason, keep_turn=True)
                 break
         now = time.monotonic()
+        ttft = None
         if req.first_token_at is None:
             req.first_token_at = now
-            self.metrics.ttft.observe(now - req.arrival)
+            ttft = now - req.arrival
+            self.metrics.ttft.observe(ttft)
         elif req.last_token_at is not None:
             for _ in outs:  # a window's tokens share the step's time
                 self.metrics.tpot.observe((now - req.last_token_at) / len(outs))
         req.last_token_at = now
         self._step_tokens += len(outs)
         if len(outs) == 1 and not logprobs:  # a decode step's one token: its output as it is
-            self._emit(req, outs[0])
+            output = outs[0]
         else:
-            self._emit(req, StepOutput([t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
-                                       outs[-1].finish_reason, logprobs=(logprobs or [])[:len(outs)]))
+            output = StepOutput([t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
+                                outs[-1].finish_reason, logprobs=(logprobs or [])[:len(outs)])
+        self._emit(req, output if ttft is None else dataclasses.replace(output, ttft_s=ttft))
         return len(outs)

@@ -36,8 +36,10 @@ class Stream:
     text: str = ""
     reason: int = 0
     error: Exception | None = None
+    outputs: list[StepOutput] = field(default_factory=list)
 
     def __call__(self, out: StepOutput) -> None:
+        self.outputs.append(out)
         self.tokens += out.token_ids
         self.text += out.text
         self.reason = out.finish_reason or self.reason
@@ -70,6 +72,7 @@ class ScriptedEngine:
         advance = self.engine.overlap.advance
         self.engine.overlap.advance = lambda: self._count(advance())
         self.streams: dict[str, Stream] = {}
+        self.requests: dict[str, EngineRequest] = {}
         self.finished_state: dict[str, torch.Tensor] = {}  # rid -> its KDA state pages' bytes when it left
         self.computed: dict[str, int] = {}  # rid -> tokens its forwards computed when it left
         self.pages: dict[str, tuple] = {}  # rid -> its block table's and state's page ids when it left
@@ -93,7 +96,8 @@ class ScriptedEngine:
             for event in script.get(step, []):
                 if event[0] == "add":
                     self.streams[event[1]] = Stream()
-                    engine.submit(EngineRequest(event[1], event[2], event[3], self.streams[event[1]]))
+                    self.requests[event[1]] = EngineRequest(event[1], event[2], event[3], self.streams[event[1]])
+                    engine.submit(self.requests[event[1]])
                 elif event[0] == "call":
                     engine.call(lambda manager, fn=event[1]: fn(engine), settle=event[2])
                 else:

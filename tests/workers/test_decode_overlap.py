@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k3.v1 import common_pb2
+from services.engine.streams import token_chunk
 from tests.workers.cluster import OVERRIDES
 from tests.workers.oracle import build_reference
 from tests.workers.overlap_harness import ScriptedEngine, cache_state, options
@@ -150,3 +151,18 @@ def test_rows_crossing_a_block_while_an_earlier_row_stops(nano):
     _, overlap = _compare(nano, script, budget=512)
     assert overlap.overlapped >= 8
     assert [len(blocks) for blocks, _ in (overlap.pages[r] for r in ("r0", "r1", "r3"))] == [1, 2, 2]
+
+
+def test_only_the_first_chunk_carries_the_ttft_however_late_it_is_converted(nano):
+    # The stream converts an output on its own thread, after the engine (one step ahead with the overlap)
+    # may have accepted more tokens: here every chunk is converted once the requests are done.
+    vocab = nano.config.vocab_size
+    script = {0: [("add", "t0", _prompt(0, 7), options(vocab, max_tokens=6, ignore_eos=True))],
+              2: [("add", "t1", _prompt(1, 20), options(vocab, max_tokens=5, ignore_eos=True))]}
+    _, overlap = _compare(nano, script)
+    for rid, stream in overlap.streams.items():
+        req = overlap.requests[rid]
+        chunks = [token_chunk(req, out) for out in stream.outputs]
+        assert len(chunks) == len(req.output) > 1
+        assert chunks[0].ttft_ms == pytest.approx(1e3 * (req.first_token_at - req.arrival))
+        assert chunks[0].ttft_ms > 0 and all(c.ttft_ms == 0 for c in chunks[1:]), rid
