@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.serve_rank import random_model
+from bench.serve_rank import random_model, sync
 from k3.v1 import common_pb2
 from k3core.cache.manager import PrefixCacheManager
 from services.engine.config import WorkerConfig
@@ -35,11 +35,6 @@ from services.engine.executor import Executor
 from services.engine.model_runner import ModelRunner
 from services.engine.plan import ForwardItem, StepPlan
 from services.engine.warmup import warm_up
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def prefill(executor: Executor, rid: str, tokens: list[int], budget: int) -> tuple[float, int]:
@@ -53,7 +48,7 @@ def prefill(executor: Executor, rid: str, tokens: list[int], budget: int) -> tup
         result = executor.execute(StepPlan(forward=[ForwardItem(rid, tokens[computed:computed + count], done)]))
         if done:
             token = int(result.logits[0].argmax())
-            sync(str(executor.runner.device))
+            sync()
             return time.perf_counter() - started, token
 
 
@@ -67,7 +62,7 @@ def decode_steps(executor: Executor, last: dict[str, int], steps: int) -> list[f
             manager.reserve(rid, 1)
         result = executor.execute(StepPlan(forward=[ForwardItem(rid, [t], True) for rid, t in last.items()]))
         last.update(zip(last, result.logits.argmax(-1).tolist(), strict=True))
-        sync(str(executor.runner.device))
+        sync()
         times.append(time.perf_counter() - started)
     return times
 
@@ -88,7 +83,7 @@ def child(args: argparse.Namespace) -> dict:
                           max_running=args.max_running, warmup="on" if args.child == "warm" else "off")
     started = time.perf_counter()
     executor = build_rank(config)
-    sync(args.device)
+    sync()
     row: dict = {"mode": args.child, "build_s": time.perf_counter() - started}
     report = warm_up(executor, config, "decode", export=False)
     row["warmup_s"] = report.total_s if report else 0.0
