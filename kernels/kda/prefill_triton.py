@@ -193,7 +193,9 @@ def kda_prefill_block(
     - ut_maxnreg: register cap of the UT pass (None: none). ptxas (sm_90a): 213 registers at k_block 32 = 2
       programs per SM; under 168 (16 B of spills) 3 fit: UT pass 1.34 -> 1.14 ms at B=1, T=32K on the H200.
     - f32_dots: float32 operands in the UT transform's dots instead of the input dtype (TF32 unless
-      dot_precision says IEEE).
+      dot_precision says IEEE). Always for float16 activations: the decay factors on the diagonal sub-block
+      reach 2^115 and overflow float16's range (NaN outputs at ordinary gates); TF32 keeps float16's
+      10-bit mantissa with float32's range.
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
@@ -235,7 +237,7 @@ def kda_prefill_block(
         _kda_chunk_ut_kernel[(n_chunks, H)](
             qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
             torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,
-            BK=k_block, F32_DOTS=f32_dots, DOT=dot, num_warps=ut_warps, maxnreg=ut_maxnreg)
+            BK=k_block, F32_DOTS=f32_dots or q.dtype == torch.float16, DOT=dot, num_warps=ut_warps, maxnreg=ut_maxnreg)
     if not block_v:
         block_v = min(64 if N * H * (D // 64) >= 2 * sm_count(dev, cpu=1) else few_block_v, D)
     require(D % block_v == 0 and block_v >= 16, f"block_v must divide {D} and be >= 16, got {block_v}")

@@ -1,13 +1,12 @@
-"""KDA prefill in float32 with the device's dot rounding: the block must keep float32 accuracy.
+"""KDA prefill with the device's dot rounding: each activation dtype keeps its own accuracy.
 
 Why: on the H200, `nano` (D=32, float32) prefill logits were 0.44 (relative) from the torch path while the
 interpreter agreed to 1e-5. Cause: Triton's float32 dots default to TF32 on the GPU (operands cut to a
 10-bit mantissa) and the interpreter's are exact; TF32 put the block ~1e-3 from the torch path, and the
 model's top-k routing amplified that (a 1e-4 relative perturbation of the KDA output alone moves nano's
-logits by 0.85). `tf32_dots` is an EMULATION of the device's rounding (nothing here has tensor cores): it
-cuts the interpreter's float32 dot operands to TF32 wherever input_precision is not "ieee", as the
-device does; the launcher must pick IEEE for float32 activations at torch's default matmul precision.
-"""
+logits by 0.85). `tf32_dots` EMULATES the device's dots (nothing here has tensor cores); the launcher must
+pick IEEE for float32 activations at torch's default matmul precision. The same emulation checks float16
+(its UT operands overflowed) and bfloat16 (the interpreter's own bf16 dot is wrong) at nano's head dim."""
 
 from __future__ import annotations
 
@@ -15,60 +14,78 @@ import numpy as np
 import pytest
 import torch
 
+from kernels._triton import tl
 from kernels.kda import naive, prefill_triton
 from tests.kernels.kda_inputs import KdaCase
 
-CASE = KdaCase(heads=4, dim=32)  # nano's KDA heads and head dim
 TF32_MASK = np.uint32(0xFFFFE000)  # keep the sign, 8 exponent bits and 10 mantissa bits of a float32
 
 
 @pytest.fixture
 def tf32_dots(interpreted, monkeypatch):
-    """Interpreted tl.dot rounds float32 operands to TF32 unless input_precision is IEEE (emulation)."""
+    """Interpreted tl.dot as on the device (EMULATION): float32 operands cut to TF32 unless input_precision
+    is IEEE; bfloat16 operands widened to float32 exactly (Triton 3.9's interpreter multiplies their raw
+    uint16 bits: a bf16 dot of randn 16x16 tiles comes out ~2e10 off, so bf16 was never checked on CPU)."""
     from triton.runtime import interpreter
 
     exact_dot = interpreter.InterpreterBuilder.create_dot
 
-    def _tf32(handle):
-        data = handle.data
-        if data.dtype != np.float32:
-            return handle
-        return interpreter.TensorHandle((data.view(np.uint32) & TF32_MASK).view(np.float32), handle.dtype)
+    def _operand(handle, tf32: bool):
+        if handle.dtype == tl.bfloat16:
+            handle = interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        elif tf32 and handle.data.dtype == np.float32:
+            handle = interpreter.TensorHandle((handle.data.view(np.uint32) & TF32_MASK).view(np.float32), handle.dtype)
+        return handle
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if "IEEE" not in str(input_precision).upper():
-            a, b = _tf32(a), _tf32(b)
-        return exact_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        tf32 = "IEEE" not in str(input_precision).upper()
+        return exact_dot(self, _operand(a, tf32), _operand(b, tf32), d, input_precision, max_num_imprecise_acc)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
-def _relative_error(precision: str) -> float:
-    """A 100-token sequence (a full chunk and a masked tail) continuing carried states, like nano's test."""
+def _relative_error(precision: str = "highest", dtype: torch.dtype = torch.float32, dim: int = 32,
+                    gate_shift: float = 0.0) -> float:
+    """A 100-token sequence (a full chunk and a masked tail) continuing carried states, like nano's test:
+    the block on activations in `dtype` vs the reference in float32 on the same (rounded) inputs."""
+    case = KdaCase(heads=4, dim=dim)  # nano's KDA heads
     gen = torch.Generator().manual_seed(31)
-    params = CASE.params(gen)
-    states, convs = CASE.pools(gen)
-    x = CASE.tokens(gen, 1, 100)
-    kwargs = {"initial_state": states[:1], "initial_conv": convs[:1]}
+    params = case.params(gen)
+    states, convs = case.pools(gen)
+    q, k, v, z, beta, gate = case.tokens(gen, 1, 100)
+    x = [t.to(dtype) for t in (q, k, v, z + gate_shift, beta, gate)]
+    kwargs = {"initial_state": states[:1], "initial_conv": convs[:1].to(dtype)}
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
     try:
         got, state, _ = prefill_triton.kda_prefill_block(*x, *params, **kwargs)
     finally:
         torch.set_float32_matmul_precision(before)
-    want, want_state, _ = naive.kda_prefill_block(*x, *params, **kwargs)
-    return max(float((got - want).abs().max() / want.abs().max()),
+    want, want_state, _ = naive.kda_prefill_block(*[t.float() for t in x], *params, **kwargs)
+    return max(float((got.float() - want).abs().max() / want.abs().max()),
                float((state - want_state).abs().max() / want_state.abs().max()))
 
 
 def test_float32_block_keeps_float32_accuracy_under_device_dot_rounding(tf32_dots):
-    assert _relative_error("highest") < 2e-5
+    assert _relative_error() < 2e-5
 
 
 def test_tf32_is_taken_only_when_torch_allows_it(tf32_dots):
     """The same block with torch's float32 matmuls set to TF32 ("high"): the kernel follows, and the
     emulated rounding shows (this is also what proves the fixture rounds at all)."""
     assert _relative_error("high") > 2e-4
+
+@pytest.mark.parametrize("gate_shift", [0.0, 10.0])  # ordinary gates (mean -2.6), gates at the bound (-5)
+def test_float16_block_stays_finite_and_close(tf32_dots, gate_shift):
+    """The UT pass's decay factors reach 2^115 on the diagonal sub-block: float16 operands overflowed
+    (NaN outputs); the launcher takes float32 (TF32) operands there for float16 (measured 7e-4 .. 2.3e-3)."""
+    assert _relative_error(dtype=torch.float16, gate_shift=gate_shift) < 5e-3
+
+
+@pytest.mark.parametrize("dim", [32, 128])
+def test_bfloat16_block_is_as_close_at_nano_head_dim_as_at_128(tf32_dots, dim):
+    """bf16 intermediates (q, k, w, u, states entering chunks): measured 1.3e-2 .. 2e-2 at both head dims."""
+    assert _relative_error(dtype=torch.bfloat16, dim=dim) < 4e-2
 
 
 @pytest.mark.parametrize(("dtype", "setting", "want"), [
