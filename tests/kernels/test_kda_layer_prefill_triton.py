@@ -6,6 +6,7 @@ takes its CUDA route on CPU tensors, and the launcher runs under TRITON_INTERPRE
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from k3core.cache.contiguous import ContiguousBatchCache, SequenceCache
@@ -13,9 +14,12 @@ from k3core.layers import kda_prefill_fast
 from k3core.layers.batch import BatchLayout
 from k3core.layers.kda import KimiDeltaAttention
 from k3core.layers.kda_prefill_fast import triton_prefill_applies
+from k3core.model import K3Model
+from k3core.model.init import init_weights
 from k3core.presets import preset
 from kernels import dispatch
 from kernels.kda import prefill_triton
+from tests.kernels.test_kda_prefill_fp32 import tf32_dots  # noqa: F401 - a fixture
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
@@ -67,6 +71,20 @@ def test_layer_prefill_on_triton_matches_reference(interpreted, monkeypatch):
         torch.testing.assert_close(fast.kda_state, ref.kda_state, **TOL)
         torch.testing.assert_close(fast.kda_conv, ref.kda_conv, rtol=0, atol=0)  # raw inputs, moved only
         assert fast.kda_state.dtype == ref.kda_state.dtype and fast.kda_conv.dtype == ref.kda_conv.dtype
+
+
+@pytest.mark.usefixtures("tf32_dots")
+def test_nano_model_prefill_on_triton_with_device_dots_matches_the_torch_path(monkeypatch):
+    """tests/k3core/test_model_gpu.py's nano case on the CPU, with the device's dot rounding emulated: the
+    H200 gave logits 0.44 (relative) apart while the float32 block's dots were TF32 (now IEEE: 3e-5)."""
+    model = init_weights(K3Model(preset("nano")), seed=0).eval()
+    tokens = torch.randint(0, 263, (100,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model.prefill(tokens, model.new_sequence_cache(), 0)
+        monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
+        _admit_nano(monkeypatch)
+        got = model.prefill(tokens, model.new_sequence_cache(), 0)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-3
 
 
 def _admit_nano(monkeypatch) -> None:
