@@ -141,6 +141,9 @@ class Engine(TokenStreaming):
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     future.set_exception(exc)
             elif kind == "cancel":
+                if str(item) in self.requests:
+                    # its token of the step in flight first, as the plain loop has it (it may end the request)
+                    self.overlap.settle()
                 req = self.requests.get(str(item))
                 if req is not None:
                     self._finish(req, common_pb2.FINISH_REASON_CANCELLED, keep_turn=False)
