@@ -19,15 +19,16 @@ and the precomputed stop-check tables. When N's tokens reach the host, only this
 Then, while N+1 computes: the other rows' tokens are accepted (streamed text, metrics, the manager's
 `append_tokens`, then their one-token `reserve`), N+1's forward is marked done in the manager, N's outputs
 are handed to the streams, N+2 is prepared, and only then the manager's step is committed (a checkpoint
-taken at a hash boundary is fingerprinted there, which waits for N+1's forward). The manager sees the calls of a plain step (a row's
-append before its reserve, the finishes before any allocation); only reserves that allocate nothing move
-after the launch. Token i of a request is drawn from the logits of the same forward as in a plain step,
+taken at a hash boundary is fingerprinted there, which waits for N+1's forward). The manager sees the
+calls of a plain step (a row's append before its reserve, the finishes before any allocation); only
+reserves that allocate nothing move after the launch. Token i of a request is drawn from the logits of the same forward as in a plain step,
 with the same (seed, i): the streams are the plain engine's.
 
 A step goes back to the plain path (its tokens accepted in full first: `settle`) whenever the next step is
 not a decode step of the same rows: a request waits to join, a cross-thread `Engine.call` must run between
-steps, the pool cannot give the new blocks without preempting, logprobs or forced tokens are asked for, the
-budget is smaller than the batch. Only at TP 1 (ranks > 0 would need the plan before the tokens) without a
+steps, a request is cancelled (its in-flight token may end it, as it would have in the plain loop), the
+pool cannot give the new blocks without preempting, logprobs or forced tokens are asked for, the budget is
+smaller than the batch. Only at TP 1 (ranks > 0 would need the plan before the tokens) without a
 draft model, and only on the decode fast path. K3_DECODE_OVERLAP=0 turns it off.
 """
 
