@@ -114,7 +114,8 @@ def test_preemption_under_a_full_pool(nano):
     assert overlap.overlapped > 0
 
 
-_request = st.tuples(st.integers(1, 50), st.sampled_from([0.0, 0.9]), st.integers(0, 9), st.integers(1, 9),
+# prompts up to 90 tokens and 14 new ones: rows reach the end of an 80-token block
+_request = st.tuples(st.integers(1, 90), st.sampled_from([0.0, 0.9]), st.integers(0, 9), st.integers(1, 14),
                      st.lists(st.integers(1, 262), max_size=3), st.integers(0, 5), st.one_of(st.none(), st.integers(1, 8)))
 
 
