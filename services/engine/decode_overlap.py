@@ -25,7 +25,8 @@ reserves that allocate nothing move after the launch. Token i of a request is dr
 with the same (seed, i): the streams are the plain engine's.
 
 A step goes back to the plain path (its tokens accepted in full first: `settle`) whenever the next step is
-not a decode step of the same rows: a request waits to join, a cross-thread `Engine.call` must run between
+not a decode step of the same rows: a waiting request would be admitted (`Scheduler.admits_next`: one
+that must wait for pages or budget keeps the steps overlapped), a cross-thread `Engine.call` must run between
 steps, a request is cancelled (its in-flight token may end it, as it would have in the plain loop), the
 pool cannot give the new blocks without preempting, logprobs or forced tokens are asked for, the budget is
 smaller than the batch. Only at TP 1 (ranks > 0 would need the plan before the tokens) without a
@@ -147,7 +148,8 @@ class DecodeOverlap:
         crossing = [i for i in inflight.crossing if requests[i].phase is Phase.RUNNING]
         fits = all(len(manager.requests[requests[i].rid].blocks) < engine.executor.fastpath.builder.max_pages
                    for i in crossing)
-        joins = scheduler.waiting and len(live) < scheduler.max_running  # a plain step would admit
+        # the scheduler's own admission test: a request it cannot admit yet (pool, budget) leaves this step overlapped
+        joins = scheduler.admits_next(len(live), len(crossing) * manager.layout.num_mla_groups)
         if (joins or not live or len(live) != len(scheduler.running) or len(live) > scheduler.budget or not fits
                 or len(crossing) * manager.layout.num_mla_groups > manager.pool.num_available):
             self._accept_rows(inflight, tokens, np.flatnonzero(~accepted).tolist())

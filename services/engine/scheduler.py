@@ -89,7 +89,7 @@ class Scheduler:
                 continue  # preempted earlier in this pass
             budget -= self._schedule_tokens(req, budget, plan)
         # Nothing joins in a step that had to preempt: the pool is the limit, not the queue.
-        while self.waiting and len(self.running) < self.max_running and budget > 0 and not self._pool_full:
+        while not self._pool_full and self._admits_head(budget):
             req = self.waiting[0]
             outcome = self._admit(req, plan)
             if outcome == "wait":
@@ -100,6 +100,23 @@ class Scheduler:
         plan.manager_calls = self.manager.take_calls()
         self._drafts = {}
         return plan
+
+    def admits_next(self, decode_rows: int, new_pages: int) -> bool:
+        """Side-effect free: would the next `schedule` try to admit the head of the queue, when its running
+        requests all decode (`decode_rows` tokens of the budget) and their reserves take `new_pages` pages
+        without preempting? The admission loop's own test; the lookup it then runs (`add_request`) may
+        still find too few pages for a prompt-cache hit and keep the request waiting."""
+        return self._admits_head(self.budget - decode_rows, new_pages)
+
+    def _admits_head(self, budget: int, pages_taken: int = 0) -> bool:
+        """Whether the head of the queue is tried for admission with `budget` tokens left in the step and
+        `pages_taken` pages of the pool still to be allocated by this step's reserves."""
+        if not self.waiting or len(self.running) >= self.max_running or budget <= 0:
+            return False
+        # Cannot even hold its state and first block: it waits (and the lookup is not churned).
+        manager = self.manager.manager
+        need = manager.layout.num_kda_groups + manager.layout.num_mla_groups
+        return not self.running or manager.pool.num_available - pages_taken >= need
 
     def finish_leaving(self) -> None:
         """Release the pages of the requests that ended since the last step (the start of every step)."""
@@ -161,11 +178,9 @@ class Scheduler:
         return count
 
     def _admit(self, req: EngineRequest, plan: StepPlan) -> str:
-        """"admitted", "wait" (the pool is busy: stay queued), or "rejected" (cannot fit even alone)."""
+        """"admitted", "wait" (the pool is busy: stay queued), or "rejected" (cannot fit even alone). Called
+        only where `_admits_head` holds."""
         tokens = req.prompt if req.source is not None else req.tokens
-        manager = self.manager.manager
-        if self.running and manager.pool.num_available < manager.layout.num_kda_groups + manager.layout.num_mla_groups:
-            return "wait"  # cannot even hold its state and first block: do not churn the lookup
         try:
             fresh = req.prompt_chain is not None and len(tokens) == len(req.prompt)
             hit = self.manager.call("add_request", req.rid, tokens, chain=req.prompt_chain if fresh else None)

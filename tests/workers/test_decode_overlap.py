@@ -34,8 +34,10 @@ def _prompt(i: int, n: int) -> list[int]:
     return [(7 * i + 13 * j) % 250 + 1 for j in range(n)]
 
 
-def _compare(model, script: dict, **engine_args) -> tuple[ScriptedEngine, ScriptedEngine]:
+def _compare(model, script: dict, watch=None, **engine_args) -> tuple[ScriptedEngine, ScriptedEngine]:
     plain, overlap = ScriptedEngine(model, False, **engine_args), ScriptedEngine(model, True, **engine_args)
+    if watch is not None:
+        watch(plain), watch(overlap)
     want, got = plain.run(script), overlap.run(script)
     assert want.keys() == got.keys()
     for rid in want:
@@ -173,3 +175,36 @@ def test_a_cancel_while_the_last_token_is_in_flight_keeps_that_token_and_the_tur
     assert overlap.overlapped > 0
     assert len(overlap.streams["b"].tokens) == 7
     assert overlap.streams["b"].reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def _log_steps(scripted: ScriptedEngine) -> None:
+    """After every step: (launched by the overlap, pages available, running rids, waiting rids)."""
+    scripted.steps = []
+    engine, step = scripted.engine, scripted.engine._step
+
+    def logged() -> None:
+        before = scripted.overlapped
+        step()
+        scheduler = engine.scheduler
+        scripted.steps.append((scripted.overlapped - before, scripted.manager.pool.num_available,
+                               {r.rid for r in scheduler.running}, {r.rid for r in scheduler.waiting}))
+    engine._step = logged
+
+
+def test_a_request_the_pool_cannot_admit_yet_keeps_the_steps_overlapped(nano):
+    # 12 usable pages: four running requests (2 KDA pages + 1 MLA page each) take them all; "w" arrives at
+    # step 1 and must wait (the scheduler's "wait": no room for its state and first block) until r0 has ended
+    # and its pages are cached. Meanwhile every decode step stays overlapped, and w joins at the plain step.
+    vocab = nano.config.vocab_size
+    script = {0: [("add", f"r{i}", _prompt(i, 10 + i), options(vocab, max_tokens=6 + 3 * i, ignore_eos=True))
+                  for i in range(4)],
+              1: [("add", "w", _prompt(9, 5), options(vocab, max_tokens=4, ignore_eos=True))]}
+    plain, overlap = _compare(nano, script, watch=_log_steps, num_pages=14)
+
+    def admitted(scripted: ScriptedEngine) -> int:
+        return next(n for n, (_, _, running, _) in enumerate(scripted.steps) if "w" in running)
+    joined = admitted(plain)
+    assert admitted(overlap) == joined >= 5
+    waiting = overlap.steps[2:joined]  # step 0 prefills, step 1 (plain) leaves its tokens in flight
+    assert all(available == 0 and "w" in queued for _, available, _, queued in waiting)  # the regime meant
+    assert [launched for launched, *_ in waiting] == [1] * len(waiting)
