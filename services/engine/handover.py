@@ -4,18 +4,21 @@ A wake-up of an event loop from another thread (`call_soon_threadsafe`) is a wri
 of the engine thread each. So outputs go through one `Mailbox` per loop, and the loop is woken once per
 burst: inside `burst()` (the engine's hand-over of a step's outputs) posts only queue, and its end wakes
 each loop posted to; outside a burst the first post wakes the loop and later ones ride along while that
-delivery is due or running.
+delivery is due or running. A loop that has closed (its server shut down) has nobody left to read its
+streams: its mailbox drops what it holds and everything posted later, and the other loops are still woken.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+log = logging.getLogger(__name__)
 _current = threading.local()  # .boxes: the mailboxes posted to in this thread's open burst, else None
 
 
@@ -24,8 +27,11 @@ class Mailbox:
         self.loop = loop
         self.items: deque[tuple[asyncio.Queue, Any]] = deque()
         self.scheduled = False
+        self.closed = False  # the loop was found closed: posts are dropped
 
     def post(self, queue: asyncio.Queue, item: Any) -> None:
+        if self.closed:
+            return
         self.items.append((queue, item))
         boxes = getattr(_current, "boxes", None)
         if boxes is None:
@@ -36,7 +42,19 @@ class Mailbox:
     def wake(self) -> None:
         if not self.scheduled:  # else a delivery due or running takes the items (it checks after its reset)
             self.scheduled = True
-            self.loop.call_soon_threadsafe(self._deliver)
+            try:
+                self.loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError as exc:
+                if not self.loop.is_closed():
+                    raise
+                self._close(exc)
+
+    def _close(self, reason: Exception) -> None:
+        """The loop is closed: the engine thread must go on serving the other loops' streams."""
+        self.closed = True
+        log.warning("dropping %d output(s) and all later ones for streams of a closed event loop: %s",
+                    len(self.items), reason)
+        self.items.clear()
 
     def _deliver(self) -> None:
         while True:

@@ -1,16 +1,22 @@
 """The engine -> stream hand-over (`RequestStream.emit` through the loop's mailbox, services/engine/handover.py):
 every output arrives, in order per stream; posts made while the loop is busy, or inside a `burst()` (the
-engine's `_flush`) while it runs freely, wake it once instead of once per output."""
+engine's `_flush`) while it runs freely, wake it once instead of once per output; a loop that has closed
+loses its outputs but neither the engine thread nor the other loops' streams."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
+from k3.v1 import common_pb2
 from services.engine import handover
-from services.engine.request import StepOutput
+from services.engine.request import EngineRequest, StepOutput
 from services.engine.streams import RequestStream
+from tests.workers.cluster import OVERRIDES
+from tests.workers.oracle import build_reference
+from tests.workers.overlap_harness import ScriptedEngine, options
 
 
 def _post(streams: list[RequestStream], steps: int) -> None:
@@ -73,3 +79,55 @@ async def test_outputs_posted_while_the_loop_delivers_all_arrive_in_order():
     await poster
     assert got == [[1000 * step + i for step in range(400)] for i in range(8)]
     assert all(s._queue.empty() for s in streams)
+
+
+def _stream_of_a_closed_loop() -> RequestStream:
+    """A stream whose server loop has shut down (built on its own loop, which is then closed)."""
+    loop = asyncio.new_event_loop()
+
+    async def new_stream() -> RequestStream:
+        return RequestStream()
+    try:
+        return loop.run_until_complete(new_stream())
+    finally:
+        loop.close()
+
+
+async def test_a_burst_skips_a_closed_loops_mailbox_and_wakes_the_others(caplog):
+    gone, live = await asyncio.to_thread(_stream_of_a_closed_loop), RequestStream()
+    caplog.set_level(logging.WARNING, logger=handover.__name__)
+
+    def post_bursts() -> None:
+        for step in range(3):
+            with handover.burst():
+                gone.emit(StepOutput([step]))
+                live.emit(StepOutput([step]))
+        gone.emit(StepOutput([3]))  # outside a burst too: dropped, no error
+    await asyncio.to_thread(post_bursts)
+    assert [(await live._queue.get()).token_ids[0] for _ in range(3)] == [0, 1, 2]
+    assert gone._mailbox.closed and not gone._mailbox.items and gone._queue.empty()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "closed" in warnings[0].getMessage()
+
+
+async def test_a_closed_loop_leaves_the_engine_serving_the_other_streams():
+    model = build_reference("nano", OVERRIDES)
+    engine, vocab = ScriptedEngine(model, True).engine, model.config.vocab_size  # started: its real thread
+    gone, live = await asyncio.to_thread(_stream_of_a_closed_loop), RequestStream()
+    engine.start()
+    try:
+        requests = []
+        for rid, stream in (("gone", gone), ("live", live), ("gone2", gone)):
+            requests.append(EngineRequest(rid, [5, 9, 14, 3 + len(rid)], options(vocab, max_tokens=6, ignore_eos=True),
+                                          stream.emit))
+            engine.submit(requests[-1])
+        outputs = [out async for out in live.outputs(engine, requests[1])]
+        assert sum(len(out.token_ids) for out in outputs) == 6
+        assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert engine.alive and engine.failure is None
+        later = RequestStream()  # and the engine goes on serving new requests
+        req = EngineRequest("later", [7, 8], options(vocab, max_tokens=3, ignore_eos=True), later.emit)
+        engine.submit(req)
+        assert sum(len(out.token_ids) for out in [out async for out in later.outputs(engine, req)]) == 3
+    finally:
+        await asyncio.to_thread(engine.stop)
