@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3core.cache.hashing import checksum
+from k3core.cache.hashing import checksums
 
 
 @dataclass(eq=False)
@@ -30,7 +30,7 @@ class HostEntry:
     def verified(self) -> bool:
         if self.data is None or self.fingerprints is None:
             return True
-        return all(checksum(t) == f for t, f in zip(self.data, self.fingerprints, strict=True))
+        return checksums(self.data) == self.fingerprints
 
 
 @dataclass(eq=False)

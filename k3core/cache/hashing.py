@@ -13,9 +13,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
-from functools import lru_cache
 
 import torch
+
+from k3core.mix import MASK63, mix63_, position_keys
 
 ROOT_HASH = 0
 
@@ -54,28 +55,61 @@ def fingerprint(data: torch.Tensor) -> int:
     return int.from_bytes(hashlib.blake2b(raw.data, digest_size=8).digest(), "little")
 
 
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's constants as int64 (torch has no uint64 arithmetic)
-_MIX = 0xBF58476D1CE4E5B9 - (1 << 64)
+# words per chunk: the peak temporaries are ~16 bytes per chunk word (0.5 MiB on CPU, 32 MiB on a GPU)
+_CPU_CHUNK_WORDS, _DEVICE_CHUNK_WORDS = 1 << 15, 1 << 21
 
 
-@lru_cache(maxsize=16)
-def _word_weights(num_words: int, device: torch.device) -> torch.Tensor:
-    """Odd pseudo-random int64 weights, a splitmix64-style mix of the word index (the same on every device:
-    int64 products wrap mod 2^64 and >> is arithmetic everywhere)."""
-    z = torch.arange(1, num_words + 1, dtype=torch.int64, device=device) * _GOLDEN
-    z = (z ^ (z >> 31)) * _MIX
-    return (z ^ (z >> 29)) | 1
-
-
-def checksum(data: torch.Tensor) -> int:
-    """64-bit checksum of the raw bytes of a tensor, computed on its device: sum_i w_i * word_i mod 2^64 over
-    its int64 words (zero-padded), with odd weights w_i, so any error within one word changes it. A product
-    only carries bits upwards, so errors confined to high bits of several words cancel more easily: bit 63
-    flips (the sign of an odd-indexed float32) cancel in pairs. For the integrity of cached entries (stray
-    writes, bit flips), not for identity or against an adversary (the chain hashes and the transfer
-    fingerprints are BLAKE2b)."""
+def checksum_lanes(data: torch.Tensor, chunk_words: int | None = None) -> torch.Tensor:
+    """The two 63-bit lanes of `checksum`, as an int64 tensor [2] on the data's device (no host sync)."""
     raw = data.detach().contiguous().view(torch.uint8).reshape(-1)
-    if raw.numel() % 8 or raw.storage_offset() % 8:
-        raw = torch.cat([raw, raw.new_zeros(-raw.numel() % 8)])  # a fresh, aligned copy
-    words = raw.view(torch.int64)
-    return int((words * _word_weights(words.numel(), words.device)).sum())
+    nbytes = raw.numel()
+    step = 4 * (chunk_words or (_CPU_CHUNK_WORDS if raw.device.type == "cpu" else _DEVICE_CHUNK_WORDS))
+    total = raw.new_zeros((), dtype=torch.int64)
+    folded = raw.new_zeros((), dtype=torch.int64)
+    for start in range(0, nbytes, step):
+        part = raw[start : start + step]
+        if part.numel() % 4 or part.storage_offset() % 4:
+            part = torch.cat([part, part.new_zeros(-part.numel() % 4)])  # an aligned copy of one chunk
+        words = part.view(torch.int32).to(torch.int64).bitwise_and_(0xFFFFFFFF)  # little-endian uint32
+        mixed = mix63_(words.add_(position_keys(start // 4, words.numel(), words.device)).bitwise_and_(MASK63))
+        total = total + mixed.sum()  # int64 sums wrap mod 2**64 on every device; masked below
+        folded = folded ^ _xor_all(mixed)
+    return torch.stack([total & MASK63, folded ^ nbytes])
+
+
+def _xor_all(x: torch.Tensor) -> torch.Tensor:
+    """XOR of a non-empty 1-D int64 tensor as a 0-d tensor (torch has no xor reduction): halve and fold."""
+    while x.numel() > 1:
+        half = x.numel() // 2
+        head = x[:half] ^ x[half : 2 * half]
+        if x.numel() % 2:
+            head[:1] ^= x[-1:]
+        x = head
+    return x.reshape(())
+
+
+def lanes_to_int(lanes: list[int]) -> int:
+    return lanes[0] << 63 | lanes[1]
+
+
+def checksums(tensors: Sequence[torch.Tensor], chunk_words: int | None = None) -> list[int]:
+    """`checksum` of each tensor, with one host sync for all of them (the lanes are computed on each
+    tensor's device, stacked, and copied to the host together)."""
+    if not tensors:
+        return []
+    lanes = torch.stack([checksum_lanes(t, chunk_words).to(tensors[0].device) for t in tensors])
+    return [lanes_to_int(pair) for pair in lanes.tolist()]
+
+
+def checksum(data: torch.Tensor, chunk_words: int | None = None) -> int:
+    """126-bit integrity checksum of the raw bytes of a tensor, computed on its device. The bytes, zero-padded
+    to whole little-endian uint32 words u_j, are mixed one word at a time, m_j = mix63((u_j + (j + 1) *
+    GOLDEN63) mod 2**63) (`k3core.mix`, a bijection of 63-bit values), and combined in two lanes:
+    A = sum_j m_j mod 2**63 and B = xor_j m_j xor len(bytes); the checksum is A * 2**63 + B.
+    Guarantee: any change within one aligned 32-bit word (any single bit flip, one float32 / two bf16 values
+    rewritten) changes m_j only, so it changes A. Several changed words cancel only if the mixed values
+    collide in both lanes at once: no linear structure survives the mixer (two sign flips no longer cancel,
+    as they did in a weighted sum), so that is as unlikely as for random values. The value does not depend
+    on the device or the chunking. For the integrity of cached entries (stray writes, bit flips), not for
+    identity or against an adversary (the chain hashes and the transfer fingerprints are BLAKE2b)."""
+    return checksums([data], chunk_words)[0]

@@ -197,8 +197,10 @@ class PrefixCacheManager:
         if self.store is not None:
             self.store.run(queue.post_ops)
             used = self.layout.kda_page_used_bytes
-            for checkpoint in self.checkpoints.pending():
-                checkpoint.fingerprints = [self.store.fingerprint(p, used) for p in checkpoint.pages]
+            pending = self.checkpoints.pending()
+            prints = iter(self.store.fingerprints([p for c in pending for p in c.pages], used))  # one sync
+            for checkpoint in pending:
+                checkpoint.fingerprints = [next(prints) for _ in checkpoint.pages]
         self.checkpoints.commit()
         self.index.commit()
         queue.release(self.pool)

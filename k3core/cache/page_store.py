@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3core.cache.hashing import checksum, fingerprint
+from k3core.cache.hashing import checksum, checksums, fingerprint
 from k3core.cache.layout import PoolLayout
 from k3core.cache.pool import PageKind, PagePool
 
@@ -83,6 +83,10 @@ class PageStore:
     def fingerprint(self, page: int, num_bytes: int) -> int:
         """The integrity checksum of a page's first bytes, computed on the pool's device (`hashing.checksum`)."""
         return checksum(self.data[page, :num_bytes])
+
+    def fingerprints(self, pages: list[int], num_bytes: int) -> list[int]:
+        """`fingerprint` of each page, with one device sync for all of them."""
+        return checksums([self.data[page, :num_bytes] for page in pages])
 
     def zero(self, page: int) -> None:
         self.data[page].zero_()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from k3core.cache.checkpoints import Checkpoint
 from k3core.cache.cpu_tier import HostBlock, HostCheckpoint
-from k3core.cache.hashing import checksum
+from k3core.cache.hashing import checksums
 from k3core.cache.lookup import BlockSource, CheckpointSource, Hit
 from k3core.cache.page_store import CopyOp
 from k3core.cache.pool import PageKind
@@ -54,7 +54,7 @@ class Tiering:
         if (isinstance(checkpoint, Checkpoint) and store is not None and self.m.verify_restore
                 and checkpoint.fingerprints is not None):
             used = self.lay.kda_page_used_bytes
-            if [store.fingerprint(p, used) for p in checkpoint.pages] != checkpoint.fingerprints:
+            if store.fingerprints(checkpoint.pages, used) != checkpoint.fingerprints:
                 self._integrity_error("restore")
                 self.m.drop_checkpoint(checkpoint)
                 return False
@@ -156,11 +156,11 @@ class Tiering:
         store = self.m.store
         if store is None:
             return None, None, True
-        if known is not None and [store.fingerprint(p, nbytes) for p in pages] != known:
+        if known is not None and store.fingerprints(pages, nbytes) != known:
             self._integrity_error("write_back")
             return None, None, False
         data = [store.read(p, nbytes) for p in pages]
-        return data, [checksum(d) for d in data], True
+        return data, checksums(data), True
 
     def _write_back_block(self, block: Block) -> None:
         assert self.m.cpu is not None

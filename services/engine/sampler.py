@@ -15,32 +15,20 @@ import numpy as np
 import torch
 
 from k3.v1 import common_pb2
+from k3core.mix import GOLDEN63, MASK63, mix63_, position_keys
 from services.engine.params import GenerationOptions
 
-_MIX = 0x9E3779B97F4A7C15
-_MASK = (1 << 63) - 1
-# splitmix64's finaliser multipliers with the top bit cleared: the hash works mod 2**63 (masked after every
-# multiply), so every int64 stays non-negative and `>>` is a logical shift on CPU and CUDA alike.
-_MUL_A = 0xBF58476D1CE4E5B9 & _MASK
-_MUL_B = 0x94D049BB133111EB & _MASK
 _CPU_CHUNK, _DEVICE_CHUNK = 1 << 18, 1 << 24  # elements per row chunk of the noise
 
 
 def token_seed(seed: int, index: int) -> int:
-    return (seed * _MIX + index + 1) & _MASK
+    return (seed * GOLDEN63 + index + 1) & MASK63
 
 
 def noise_bits(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """keys [R] int64 in [0, 2**63) (token seeds) -> [R, vocab] int64 in [0, 2**63): a bijective mix of
     key + (v + 1) * golden ratio (mod 2**63) per column v; int64 products wrap, the mask keeps 63 bits."""
-    columns = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device).mul_(_MIX & _MASK)
-    x = columns.bitwise_and_(_MASK).add(keys[:, None]).bitwise_and_(_MASK)
-    x ^= x >> 30
-    x.mul_(_MUL_A).bitwise_and_(_MASK)
-    x ^= x >> 27
-    x.mul_(_MUL_B).bitwise_and_(_MASK)
-    x ^= x >> 31
-    return x
+    return mix63_(position_keys(0, vocab, keys.device).add(keys[:, None]).bitwise_and_(MASK63))
 
 
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -1,53 +1,121 @@
-"""`hashing.checksum`, the integrity checksum of cached entries, against a pure-Python big-integer oracle,
-and the property the checks rely on: any change within one 64-bit word changes it."""
+"""`hashing.checksum`, the integrity checksum of cached entries: against a plain-Python big-integer oracle of
+its definition (any chunking), and the properties the checks rely on: any single-bit flip, any two sign
+flips (the weakness of the weighted word sum it replaced) and any swap of two different words change it."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3core.cache.hashing import checksum
+from k3core.cache.hashing import checksum, checksum_lanes, checksums
 
-MOD = 1 << 64
+MOD = 1 << 63
+GOLDEN, MUL_A, MUL_B = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
-def _signed(x: int) -> int:
-    x %= MOD
-    return x - MOD if x >= 1 << 63 else x
+def mix(x: int) -> int:
+    """splitmix64's finaliser mod 2**63, in Python integers."""
+    x ^= x >> 30
+    x = x * MUL_A % MOD
+    x ^= x >> 27
+    x = x * MUL_B % MOD
+    return x ^ (x >> 31)
 
 
 def oracle(data: bytes) -> int:
-    """The definition, in Python integers: sum_i w_i * word_i mod 2^64 (signed), words little-endian int64 of
-    the zero-padded bytes, w_i the odd splitmix64-style mix of i + 1 (arithmetic shifts, as on int64)."""
-    padded = data + bytes(-len(data) % 8)
-    total = 0
-    for i in range(len(padded) // 8):
-        word = int.from_bytes(padded[8 * i : 8 * i + 8], "little", signed=True)
-        z = _signed((i + 1) * 0x9E3779B97F4A7C15)
-        z = _signed((z ^ (z >> 31)) * 0xBF58476D1CE4E5B9)
-        total += ((z ^ (z >> 29)) | 1) * word
-    return _signed(total)
+    """The definition: m_j = mix((u_j + (j + 1) * golden) mod 2**63) over the little-endian uint32 words u_j
+    of the zero-padded bytes; A = sum m_j mod 2**63, B = xor m_j xor len(data); checksum = A * 2**63 + B."""
+    padded = data + bytes(-len(data) % 4)
+    total, folded = 0, len(data)
+    for j in range(len(padded) // 4):
+        m = mix((int.from_bytes(padded[4 * j : 4 * j + 4], "little") + (j + 1) * GOLDEN) % MOD)
+        total, folded = (total + m) % MOD, folded ^ m
+    return total * MOD + folded
+
+
+def tensor(data: bytes | bytearray) -> torch.Tensor:
+    return torch.tensor(list(data), dtype=torch.uint8)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.binary(min_size=1, max_size=300))
-def test_checksum_matches_the_python_oracle(data: bytes) -> None:
-    assert checksum(torch.frombuffer(bytearray(data), dtype=torch.uint8)) == oracle(data)
+@given(st.binary(min_size=0, max_size=300), st.sampled_from([None, 1, 2, 3, 7]))
+def test_checksum_matches_the_python_oracle_for_any_chunking(data: bytes, chunk_words: int | None) -> None:
+    """Chunks of 1-7 words: most lengths are not multiples of the chunk (nor of a word)."""
+    assert checksum(tensor(data), chunk_words) == oracle(data)
+
+
+def test_lengths_across_the_default_chunk() -> None:
+    """The default CPU chunk (2**15 words) with a partial last chunk and a partial last word."""
+    data = torch.randint(0, 256, (2 * 4 * (1 << 15) + 4099,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(1))
+    assert checksum(data) == oracle(data.numpy().tobytes()) == checksum(data, 1000)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=1, max_size=300), st.data())
+def test_any_single_bit_flip_changes_the_checksum(data: bytes, draw: st.DataObject) -> None:
+    bit = draw.draw(st.integers(0, 8 * len(data) - 1))
+    changed = bytearray(data)
+    changed[bit // 8] ^= 1 << bit % 8
+    assert checksum(tensor(changed)) != checksum(tensor(data))
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.binary(min_size=1, max_size=300), st.data())
 def test_any_change_within_one_word_changes_the_checksum(data: bytes, draw: st.DataObject) -> None:
-    word = draw.draw(st.integers(0, (len(data) - 1) // 8))
-    first, last = 8 * word, min(len(data), 8 * word + 8)
+    word = draw.draw(st.integers(0, (len(data) - 1) // 4))
+    first, last = 4 * word, min(len(data), 4 * word + 4)
     mask = draw.draw(st.binary(min_size=last - first, max_size=last - first).filter(any))
     changed = bytearray(data)
     for i, m in enumerate(mask):
         changed[first + i] ^= m
-    before = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    assert checksum(torch.frombuffer(changed, dtype=torch.uint8)) != checksum(before)
+    assert checksum(tensor(changed)) != checksum(tensor(data))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=16, max_size=256), st.data())
+def test_two_sign_flips_change_the_checksum(data: bytes, draw: st.DataObject) -> None:
+    """Bit 63 of two int64 words and bit 31 of two float32 values: a weighted sum cancels the former always."""
+    for width in (8, 4):
+        count = len(data) // width
+        i, j = draw.draw(st.lists(st.integers(0, count - 1), min_size=2, max_size=2, unique=True))
+        changed = bytearray(data)
+        for k in (i, j):
+            changed[width * k + width - 1] ^= 0x80
+        assert checksum(tensor(changed)) != checksum(tensor(data))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=8, max_size=256), st.data())
+def test_swapping_two_different_words_changes_the_checksum(data: bytes, draw: st.DataObject) -> None:
+    count = len(data) // 4
+    i, j = draw.draw(st.lists(st.integers(0, count - 1), min_size=2, max_size=2, unique=True))
+    words = [data[4 * k : 4 * k + 4] for k in range(count)]
+    if words[i] == words[j]:
+        return
+    words[i], words[j] = words[j], words[i]
+    assert checksum(tensor(b"".join(words) + data[4 * count :])) != checksum(tensor(data))
+
+
+def test_every_pair_of_negated_floats_gives_a_distinct_checksum() -> None:
+    """Exhaustive over a small float32 tensor: negating any two values (the old sum's blind spot: any two at
+    odd indices) changes the checksum, and no two such corruptions collide with each other."""
+    values = torch.randn(40, generator=torch.Generator().manual_seed(2))
+    corrupted = []
+    for i, j in itertools.combinations(range(values.numel()), 2):
+        copy = values.clone()
+        copy[[i, j]] *= -1
+        corrupted.append(copy)
+    prints = checksums([values, *corrupted])
+    assert len(set(prints)) == len(prints) == 1 + 40 * 39 // 2
+
+
+def test_padding_and_length_are_told_apart() -> None:
+    assert checksum(tensor(b"\x01")) != checksum(tensor(b"\x01\x00")) != checksum(tensor(b"\x01\x00\x00\x00"))
 
 
 def test_views_and_dtypes_checksum_their_own_bytes() -> None:
@@ -57,6 +125,15 @@ def test_views_and_dtypes_checksum_their_own_bytes() -> None:
     assert checksum(pool[1, 3:19]) == oracle(bytes(pool[1, 3:19].tolist()))  # unaligned start
     values = torch.tensor([1.5, -2.0, 3.25])
     assert checksum(values) == oracle(values.numpy().tobytes())
+
+
+def test_batched_checksums_equal_single_ones_and_lanes_stay_on_the_device() -> None:
+    pages = torch.randint(0, 256, (4, 101), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    rows = [pages[0], pages[1, :50], pages[2, 1:], pages[3, :0]]
+    assert checksums(rows) == [checksum(r) for r in rows] == [oracle(bytes(r.tolist())) for r in rows]
+    assert checksums([]) == []
+    lanes = checksum_lanes(pages[0])
+    assert lanes.shape == (2,) and lanes.dtype == torch.int64 and lanes.device == pages.device
 
 
 @pytest.mark.gpu
@@ -70,3 +147,7 @@ def test_device_checksum_equals_the_host_checksum():
     for page, nbytes in ((0, 4099), (1, 4096), (2, 13)):
         assert checksum(on_device[page, :nbytes]) == checksum(pages[page, :nbytes]) == oracle(
             bytes(pages[page, :nbytes].tolist()))
+    rows = [on_device[p, :n] for p, n in ((0, 4099), (1, 4096), (2, 13))]
+    assert checksums(rows) == checksums([r.cpu() for r in rows]) == checksums(rows, 100)
+    big = torch.randint(0, 256, ((1 << 25) + 7,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    assert checksum(big.cuda()) == checksum(big)  # several device chunks, a partial last word
