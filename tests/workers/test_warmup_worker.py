@@ -33,6 +33,10 @@ HASH_BLOCK = 16
 NUM_PAGES = 96
 SCRATCH_PAGES = 2  # the decode fast path's padding-row pages (decode_fastpath.py), held for its lifetime
 CLUSTER = "warmup-test"
+# Its own etcd prefix: the session's etcd is shared, and a decode worker follows `<prefix>/weights/<model>`
+# (weight_reload.py). Under the default "/k3" the warm worker served the nano weights test_trainer_service
+# publishes there (version 2) whenever the full suite ran that test first: tokens unlike the cold worker's.
+ETCD_PREFIX = "/k3-warmup-test"
 ARGS = ["serve", "decode", "--metrics-port", "0", "--model", "nano", "--hash-block-tokens", str(HASH_BLOCK),
         "--step-token-budget", "128", "--num-pages", str(NUM_PAGES), "--max-running", "8", "--cluster", CLUSTER]
 
@@ -78,9 +82,9 @@ async def test_warm_worker_serves_only_after_its_warmup_and_leaves_no_trace(tmp_
     port = free_port()
     env = {FASTPATH_ENV: "1"}
     warm = ServiceProcess([*ARGS, "--port", str(port), "--warmup", "on", "--instance", "warm",
-                           "--etcd-endpoints", etcd_server], tmp_path / "warm", env)
+                           "--etcd-endpoints", etcd_server, "--etcd-prefix", ETCD_PREFIX], tmp_path / "warm", env)
     cold = ServiceProcess([*ARGS, "--port", "0", "--warmup", "off", "--instance", "cold"], tmp_path / "cold", env)
-    watcher = Watcher([etcd_server], "/k3")
+    watcher = Watcher([etcd_server], ETCD_PREFIX)
     try:
         with ThreadPoolExecutor(1) as pool:
             cold_started = pool.submit(cold.start, 180)
@@ -98,6 +102,8 @@ async def test_warm_worker_serves_only_after_its_warmup_and_leaves_no_trace(tmp_
         assert logged(cold, "warm-up skipped") and not logged(cold, "warm-up started")
         assert scrape(warm.info["metrics_address"]).value("k3_decode_warmup_seconds", {"stage": "total"}) > 0
         assert scrape(cold.info["metrics_address"]).value("k3_decode_warmup_seconds", {"stage": "total"}) == 0
+        # both serve the weights they started with (the cold worker follows no etcd), so tokens can compare
+        assert scrape(warm.info["metrics_address"]).value("k3_decode_weights_version") == 0
 
         # the pool holds what an untouched one does: the fast path's scratch pages, nothing else
         usage = [(await decode_load(p.address)).pool_usage for p in (warm, cold)]
