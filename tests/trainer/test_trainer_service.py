@@ -27,9 +27,13 @@ def trajectory(tokens, reward=1.0, session="s"):
                                   loss_mask=[0, 0] + [1] * (n - 2), reward=reward)
 
 
+PREFIX = "/k3-trainer-test"  # its own: a worker later in the session on the shared etcd must not load these weights
+
+
 def test_trainer_service(spawn, etcd_server, tmp_path):
     svc = spawn("serve", "trainer", "--port", "0", "--metrics-port", "-1", "--batch-size", "2",
-                "--publish-dir", str(tmp_path / "weights"), "--etcd-endpoints", etcd_server, name="trainer")
+                "--publish-dir", str(tmp_path / "weights"), "--etcd-endpoints", etcd_server, "--etcd-prefix", PREFIX,
+                name="trainer")
     with sync_channel(svc.address) as channel:
         stub = trainer_pb2_grpc.TrainerServiceStub(channel)
         bad = trajectory([1, 2, 3])
@@ -66,6 +70,6 @@ def test_trainer_service(spawn, etcd_server, tmp_path):
     initial = init_weights(K3Model(preset("nano")), seed=0).state_dict()  # what the trainer started from
     assert any(not torch.equal(t, initial[name]) for name, t in trained.state_dict().items())
     client = connect([etcd_server])
-    value, _ = client.get("/k3/weights/nano")
+    value, _ = client.get(f"{PREFIX}/weights/nano")
     client.close()
     assert json.loads(value) == {"version": 2, "location": str(tmp_path / "weights" / "v2")}
