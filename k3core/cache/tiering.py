@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from k3core.cache.checkpoints import Checkpoint
 from k3core.cache.cpu_tier import HostBlock, HostCheckpoint
-from k3core.cache.hashing import checksums
 from k3core.cache.lookup import BlockSource, CheckpointSource, Hit
 from k3core.cache.page_store import CopyOp
 from k3core.cache.pool import PageKind
@@ -156,11 +155,11 @@ class Tiering:
         store = self.m.store
         if store is None:
             return None, None, True
-        if known is not None and store.fingerprints(pages, nbytes) != known:
+        prints = store.fingerprints(pages, nbytes)  # once, where the bytes are: the copies read below match
+        if known is not None and prints != known:
             self._integrity_error("write_back")
             return None, None, False
-        data = [store.read(p, nbytes) for p in pages]
-        return data, checksums(data), True
+        return [store.read(p, nbytes) for p in pages], prints, True
 
     def _write_back_block(self, block: Block) -> None:
         assert self.m.cpu is not None
