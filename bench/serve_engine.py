@@ -26,13 +26,8 @@ from services.engine.engine import Engine
 from services.engine.executor import Executor
 from services.engine.metrics import EngineMetrics
 from services.engine.output import OutputProcessor
-from services.engine.params import GenerationOptions
 from services.engine.plan import RecordingManager
-from services.engine.request import EngineRequest, Phase
 from services.engine.scheduler import Scheduler
-
-OPTIONS = GenerationOptions(temperature=0.0, top_k=0, top_p=1.0, seed=0, max_tokens=1 << 20, stop=(),
-                            stop_token_ids=frozenset(), ignore_eos=True)
 
 
 class StepClock:
@@ -82,14 +77,8 @@ def build_engine(rank: Rank, batch: int) -> Engine:
 def admit(engine: Engine, rank: Rank, rids: list[str], prompts: list[list[int]], streams: StreamLoop) -> None:
     """The rows as running requests with one pending token each (their prompts computed by `Rank.fill`)."""
     for row, (rid, prompt) in enumerate(zip(rids, prompts, strict=True)):
-        stream = streams.stream()
-        req = EngineRequest(rid, prompt, OPTIONS, emit=stream.emit, phase=Phase.RUNNING,
-                            output=rank.next_tokens(len(rids), -1)[row:row + 1])
+        req = streams.running(engine, rid, prompt, rank.next_tokens(len(rids), -1)[row:row + 1])
         rank.manager.append_tokens(rid, req.output)
-        streams.drain(stream, engine, req)
-        req.first_token_at = req.last_token_at = time.monotonic()
-        engine.requests[rid] = req
-        engine.scheduler.running.append(req)
 
 
 def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tuple[float, float]:

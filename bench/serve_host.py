@@ -65,7 +65,6 @@ from services.engine.model_runner import ModelRunner
 from services.engine.output import OutputProcessor
 from services.engine.params import GenerationOptions
 from services.engine.plan import RecordingManager
-from services.engine.request import EngineRequest, Phase
 from services.engine.scheduler import Scheduler
 
 STAGES = ("schedule", "build", "launch", "executor", "sample", "accept", "emit", "other", "step", "idle")
@@ -171,19 +170,12 @@ def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer, stream
 
 def fill(engine: Engine, manager: PrefixCacheManager, batch: int, context: int, streams: StreamLoop) -> None:
     """B running requests at `context` computed tokens plus one pending token, without a forward."""
-    options = GenerationOptions(temperature=0.0, top_k=0, top_p=1.0, seed=0, max_tokens=1 << 20, stop=(),
-                                stop_token_ids=frozenset(), ignore_eos=True)
     for i in range(batch):
         rid = f"host-{i}"
         prompt = [(7919 * i + 31 * j) % 997 + 1 for j in range(context)]
         hit = manager.add_request(rid, prompt)
         manager.reserve(rid, context - hit)
-        stream = streams.stream()
-        req = EngineRequest(rid, prompt, options, emit=stream.emit, phase=Phase.RUNNING, output=[i % 997 + 1])
-        streams.drain(stream, engine, req)
-        req.first_token_at = req.last_token_at = time.monotonic()
-        engine.requests[rid] = req
-        engine.scheduler.running.append(req)
+        streams.running(engine, rid, prompt, [i % 997 + 1])
     manager.pre_forward()
     for i in range(batch):
         manager.forward_done(f"host-{i}")
