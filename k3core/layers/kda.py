@@ -2,8 +2,9 @@
 
 K3 form: bounded gate (eq.5) and a full-rank output gate `g_proj`; Kimi Linear form: softplus gate and
 the low-rank `g_a_proj`/`g_b_proj`. Prefill chunks use the chunkwise path (on CUDA with the bounded gate
-in a validated dtype and head dim, outside autograd: the fused Triton block, k3core/layers/kda_prefill_fast.py),
-decode steps the single-step path; both read and write the conv and recurrent states through the BatchCache.
+in a validated dtype and head dim, outside autograd: the fused Triton block,
+k3core/layers/kda_prefill_fast.py), decode steps the single-step path; both read and write the conv and
+recurrent states through the BatchCache.
 """
 
 from __future__ import annotations
