@@ -79,11 +79,16 @@ def test_nano_model_prefill_on_triton_with_device_dots_matches_the_torch_path(mo
     H200 gave logits 0.44 (relative) apart while the float32 block's dots were TF32 (now IEEE: 3e-5)."""
     model = init_weights(K3Model(preset("nano")), seed=0).eval()
     tokens = torch.randint(0, 263, (100,), generator=torch.Generator().manual_seed(0))
+    calls = []
+    launcher = prefill_triton.kda_prefill_block
     with torch.no_grad():
         want = model.prefill(tokens, model.new_sequence_cache(), 0)
+        monkeypatch.setattr(prefill_triton, "kda_prefill_block", lambda *a, **k: calls.append(1) or launcher(*a, **k))
         monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
         _admit_nano(monkeypatch)
         got = model.prefill(tokens, model.new_sequence_cache(), 0)
+    # Every KDA layer took the Triton block: otherwise both sides are the torch path and agree trivially.
+    assert len(calls) == sum(isinstance(m, KimiDeltaAttention) for m in model.modules()) > 0
     assert float((got - want).abs().max() / want.abs().max()) < 1e-3
 
 
