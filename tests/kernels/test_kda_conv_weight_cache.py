@@ -17,6 +17,7 @@ from k3core.layers.batch import BatchLayout
 from k3core.layers.kda import KimiDeltaAttention
 from k3core.presets import preset
 from kernels import dispatch
+from kernels.kda import prefill_triton
 from tests.kernels.test_kda_layer_prefill_triton import TOL, _admit_nano, _forward, _layer
 
 COUNT = 11  # one sequence, shorter than a chunk: the cheapest interpreted launch
@@ -26,13 +27,19 @@ NANO = preset("nano")
 @pytest.fixture
 def prefill(interpreted, monkeypatch):
     """prefill(layer, x, fused) -> the layer's output on a fresh sequence, fused route or torch path."""
-    route = {"fused": False}
+    route, calls = {"fused": False}, []
+    launcher = prefill_triton.kda_prefill_block
+    monkeypatch.setattr(prefill_triton, "kda_prefill_block", lambda *a, **k: calls.append(1) or launcher(*a, **k))
     monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: route["fused"])
     _admit_nano(monkeypatch)
 
     def run(layer: KimiDeltaAttention, x: torch.Tensor, fused: bool) -> torch.Tensor:
         route["fused"] = fused
-        return _forward(layer, x, [SequenceCache(NANO)], [COUNT])
+        before = len(calls)
+        out = _forward(layer, x, [SequenceCache(NANO)], [COUNT])
+        # The fused route really ran (else both sides read the conv weights directly and agree trivially).
+        assert len(calls) - before == int(fused)
+        return out
 
     return run
 
