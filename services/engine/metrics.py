@@ -40,6 +40,9 @@ class EngineMetrics:
         self.step_seconds = Histogram(f"{p}_step_seconds", "Engine step duration", buckets=LATENCY_BUCKETS)
         self.overlapped_steps = Counter(f"{p}_overlapped_steps", "Decode steps launched before the previous "
                                         "step's tokens were accepted (decode_overlap.py)")
+        # Set once at start by services/engine/warmup.py (rank 0), before the worker turns SERVING.
+        self.warmup_seconds = Gauge(f"{p}_warmup_seconds", "Duration of the worker's warm-up at start (0: skipped)",
+                                    ["stage"])
         self.cache = CacheMetrics(REGISTRY, prefix=f"{p}_prefix_cache")
         self._recent: deque[tuple[float, int]] = deque()
         self._recent_tokens = 0  # sum of the counts in _recent (summing the deque per call was O(calls in 10 s))

@@ -22,13 +22,13 @@ import time
 from dataclasses import dataclass
 
 import torch
-from prometheus_client import Gauge
 
 from k3core.cache.pool import OutOfPages
 from services.engine.config import WARMUP_MODES, WorkerConfig
 from services.engine.cuda_graphs import DEFAULT_BUCKETS
 from services.engine.decode_fastpath import DecodeFastPath
 from services.engine.executor import Executor
+from services.engine.metrics import EngineMetrics
 from services.engine.params import GenerationOptions
 from services.engine.plan import ForwardItem, StepPlan
 from services.engine.sampler import sample_rows
@@ -155,21 +155,11 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-_gauges: dict[str, Gauge] = {}
-
-
-def warmup_gauge(role: str) -> Gauge:
-    """k3_<role>_warmup_seconds{stage="prefill"|"decode"|"total"}: 0 when the warm-up was skipped."""
-    if role not in _gauges:
-        _gauges[role] = Gauge(f"k3_{role}_warmup_seconds", "Duration of the worker's warm-up at start "
-                              "(0: skipped)", ["stage"])
-    return _gauges[role]
-
-
 def warm_up(executor: Executor, config: WorkerConfig, role: str, *, export: bool) -> WarmupReport | None:
     """Run the warm-up if `config.warmup` wants it on this device; log it, and (`export`: rank 0) set the
-    gauge. Every rank of a TP worker calls this with the same config, before the start barrier."""
-    gauge = warmup_gauge(role) if export else None
+    role's k3_<role>_warmup_seconds{stage="prefill"|"decode"|"total"} (0 when skipped; `EngineMetrics`).
+    Every rank of a TP worker calls this with the same config, before the start barrier."""
+    gauge = EngineMetrics.for_role(role).warmup_seconds if export else None
     if not wanted(config.warmup, executor.runner.device):
         log.info("warm-up skipped", extra={"warmup": config.warmup, "device": str(executor.runner.device)})
         if gauge is not None:
