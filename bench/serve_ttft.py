@@ -186,7 +186,8 @@ def main() -> None:
     model = random_model(preset(args.model), args.device, dtype)
     # Rank sizes its runner for args.prefix + args.increment; the batch is one sequence, no decode steps.
     longest = max(p + i for p, i in zip(args.prefix, increments, strict=True))
-    sizing = argparse.Namespace(**{**vars(args), "prefix": longest, "increment": 0, "batches": [1], "steps": 0})
+    sizing = argparse.Namespace(**{**vars(args), "prefix": longest, "increment": 0, "batches": [1],
+                                   "contexts": [0], "steps": 0})
     rank = Rank(model, args.model, sizing, dtype)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     peak = gemm_flops_per_s(args.device)

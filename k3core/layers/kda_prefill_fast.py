@@ -20,13 +20,12 @@ if TYPE_CHECKING:
     from k3core.layers.kda import KimiDeltaAttention
 
 
-# What the block was checked against float64 on the H200 (bench.kernels' four shapes, bf16, D=128). A GPU
-# run of `nano` (D=32) in float32 found its prefill logits 0.44 (relative) away from the torch path: the
-# block's float32 dots were TF32 (fixed: IEEE at torch's default precision, kernels/kda/prefill_triton.py
-# dot_precision; reproduced and checked on CPU by tests/kernels/test_kda_prefill_fp32.py). float16 overflowed
-# in the UT pass until d09f0df. The lists widen once a device run confirms those fixes.
-VALIDATED_HEAD_DIMS = (128,)
-VALIDATED_DTYPES = (torch.bfloat16,)
+# What the block was checked against on the H200: bench.kernels' four shapes against float64 (bf16, D=128), and
+# `nano` (D=32) in float32 against the CPU torch path (tests/k3core/test_model_gpu.py, session 5, after the
+# TF32 fix in kernels/kda/prefill_triton.py dot_precision). float16 is left out until a device run checks it
+# (it overflowed in the UT pass until d09f0df).
+VALIDATED_HEAD_DIMS = (32, 128)
+VALIDATED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def triton_prefill_applies(layer: KimiDeltaAttention, x: torch.Tensor) -> bool:
