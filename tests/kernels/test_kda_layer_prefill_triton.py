@@ -94,21 +94,26 @@ def test_nano_model_prefill_on_triton_with_device_dots_matches_the_torch_path(mo
 
 def _admit_nano(monkeypatch) -> None:
     """The route admits nano's head dim and float32 here: these tests check the layer's mapping onto the
-    launcher (interpreted); the kernel itself is validated on the device only at bf16, D=128."""
+    launcher (interpreted), whatever the device-validated lists say."""
     monkeypatch.setattr(kda_prefill_fast, "VALIDATED_HEAD_DIMS", (preset("nano").kda_head_dim,))
     monkeypatch.setattr(kda_prefill_fast, "VALIDATED_DTYPES", (torch.float32,))
 
 
 def test_unvalidated_head_dim_or_dtype_keeps_the_reference(monkeypatch):
-    """nano's D=32 in float32 gave logits 0.44 away from the torch path on the H200: not routed."""
+    """Only the head dims and dtypes checked on the H200 are routed (float16 is not, yet); the two lists are
+    independent conditions."""
     layer = KimiDeltaAttention(preset("nano"), 0)
+    x = torch.zeros(3, preset("nano").hidden_size)
     monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
     with torch.no_grad():
-        assert not triton_prefill_applies(layer, torch.zeros(3, preset("nano").hidden_size))
-        assert not triton_prefill_applies(layer, torch.zeros(3, preset("nano").hidden_size, dtype=torch.bfloat16))
+        assert triton_prefill_applies(layer, x) and triton_prefill_applies(layer, x.bfloat16())
+        assert not triton_prefill_applies(layer, x.half())
+        monkeypatch.setattr(kda_prefill_fast, "VALIDATED_HEAD_DIMS", (128,))
+        assert not triton_prefill_applies(layer, x)  # nano's D=32 no longer listed
         monkeypatch.setattr(kda_prefill_fast, "VALIDATED_HEAD_DIMS", (preset("nano").kda_head_dim,))
-        assert not triton_prefill_applies(layer, torch.zeros(3, preset("nano").hidden_size))  # float32
-        assert triton_prefill_applies(layer, torch.zeros(3, preset("nano").hidden_size, dtype=torch.bfloat16))
+        monkeypatch.setattr(kda_prefill_fast, "VALIDATED_DTYPES", (torch.bfloat16,))
+        assert not triton_prefill_applies(layer, x)  # float32 no longer listed
+        assert triton_prefill_applies(layer, x.bfloat16())
 
 
 def test_softplus_gate_cpu_tensors_and_autograd_keep_the_reference(monkeypatch):
