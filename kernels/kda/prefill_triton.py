@@ -7,7 +7,8 @@ Four passes (the output norm epilogue never takes a pass of its own):
    v_new = u - w S,  S <- exp(G_C) * S + kg^T v_new; it stores the state entering each chunk (bf16) and
    v_new.
 4. the output: o = qg S_in + Aqk v_new per (chunk, head), then RMSNorm x w x sigmoid(gate) -> y.
-The final conv windows are written by the recurrence (value block 0), also for empty sequences.
+With many sequences x heads, 3 and 4 are one pass (one program per sequence and head: the chunk-entry
+states and v_new stay on chip). The final conv windows are written by the recurrence (value block 0), also for empty sequences.
 """
 
 from __future__ import annotations
@@ -48,12 +49,15 @@ if triton is not None:
     @triton.jit
     def _kda_chunk_recurrence_kernel(
         w, u, kg, gc, h_out, vnew_out, init_state, final_state, q, k, v, init_conv, final_conv,
-        cu_seqlens, chunk_offsets,
+        cu_seqlens, chunk_offsets, qg, aqk, gate, norm_w, y_out, norm_eps,
         H, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, C: tl.constexpr,
         BV: tl.constexpr, HAS_STATE: tl.constexpr, HAS_CONV: tl.constexpr, STAGES: tl.constexpr,
-        DOT: tl.constexpr,
+        DOT: tl.constexpr, FUSED_OUT: tl.constexpr,
     ):
-        """Grid (sequences, H, D // BV)."""
+        """Grid (sequences, H, D // BV). FUSED_OUT (BV == D): the output pass happens here, per chunk, from the
+        state on chip (o = qg S_in + Aqk v_new, gated RMSNorm -> y): h_out and vnew_out are neither written
+        nor read back (1.5 KB per token and head of HBM traffic less), at the cost of one program per
+        (sequence, head) doing the output's dots on the serial chain: for many sequences x heads only."""
         n = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         iv = tl.program_id(2)
@@ -72,12 +76,15 @@ if triton is not None:
         # Pointers move to the sequence's first row once; tiles use 32-bit offsets (registers).
         base = (bos * H + h) * D
         w, u, kg, vnew_out = w + base, u + base, kg + base, vnew_out + base
+        qg, gate, y_out = qg + base, gate + base, y_out + base
+        aqk += (bos * H + h) * C
         h_out += (first * H + h) * D * D
         gc += (first * H + h) * D
         HD = H * D
         rel_k = rows[:, None] * HD + offs[None, :]
         rel_v = rows[:, None] * HD + offs_v[None, :]
         rel_s = offs[:, None] * D + offs_v[None, :]
+        rel_a = rows[:, None] * (H * C) + rows[None, :]
         n_tok = (eos - bos).to(tl.int32)
         for c in tl.range(0, n_chunks, num_stages=STAGES):
             valid = (c * C + rows < n_tok)[:, None]
@@ -87,10 +94,16 @@ if triton is not None:
             kg_c = tl.load(kg + step + rel_k, mask=valid, other=0.0)
             decay = tl.load(gc + c * H * D + offs)
             S_in = S.to(w_c.dtype)
-            v_new = u_c - tl.dot(w_c, S_in, input_precision=DOT)
-            tl.store(h_out + c * H * D * D + rel_s, S_in)
-            tl.store(vnew_out + step + rel_v, v_new.to(vnew_out.dtype.element_ty), mask=valid)
-            S = S * decay[:, None] + tl.dot(tl.trans(kg_c), v_new.to(kg_c.dtype), input_precision=DOT)
+            v_new = (u_c - tl.dot(w_c, S_in, input_precision=DOT)).to(kg_c.dtype)
+            if FUSED_OUT:
+                qg_c = tl.load(qg + step + rel_k, mask=valid, other=0.0)
+                a_c = tl.load(aqk + c * C * H * C + rel_a, mask=valid, other=0.0)
+                o = tl.dot(qg_c, S_in, input_precision=DOT) + tl.dot(a_c, v_new, input_precision=DOT)
+                _gated_rms_store(o, gate + step, y_out + step, rel_k, valid, norm_w, norm_eps, D)
+            else:
+                tl.store(h_out + c * H * D * D + rel_s, S_in)
+                tl.store(vnew_out + step + rel_v, v_new.to(vnew_out.dtype.element_ty), mask=valid)
+            S = S * decay[:, None] + tl.dot(tl.trans(kg_c), v_new, input_precision=DOT)
         tl.store(final_state + s_offs, S)
         if iv == 0:
             _final_conv_windows(q, init_conv, final_conv, 0, n, h, bos, eos, HAS_CONV, H, D, W, BWM)
@@ -127,6 +140,11 @@ def dot_precision(dtype: torch.dtype) -> str:
     nano model's top-k routing amplified to logits 0.44 apart on the H200 (the interpreter's dots are exact)."""
     exact = dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
     return "ieee" if exact else "tf32"
+
+
+def fuses_output(sequences: int, heads: int, device: torch.device) -> bool:
+    """The default of kda_prefill_block's fuse_output: one program per sequence and head fills the SMs."""
+    return sequences * heads >= sm_count(device, cpu=4)
 
 
 @functools.lru_cache(maxsize=64)
@@ -175,7 +193,8 @@ def kda_prefill_block(
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
     norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
     prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 3, f32_dots: bool = False,
-    ut_maxnreg: int | None = 168, few_block_v: int = 16,
+    ut_maxnreg: int | None = 168, few_block_v: int = 16, ut_stages: int = 3, fuse_output: bool | None = None,
+    fused_warps: int = 8, fused_stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
@@ -190,12 +209,19 @@ def kda_prefill_block(
       UT-transform pass; recurrence_warps.
     - stages: software-pipelining depth of the recurrence's chunk loop: 3 (each chunk's w, u, kg loads
       issued two chunks ahead) vs 2: recurrence 0.87 -> 0.58 ms at B=1, T=32K, H=16 (32 columns).
+    - ut_stages: software-pipelining depth of the UT pass's key-block loops (ptxas, sm_90a: 3 -> 69 KB of
+      shared memory and 72 B of spills under the 168 cap, 2 -> 49 KB and 24 B).
     - ut_maxnreg: register cap of the UT pass (None: none). ptxas (sm_90a): 213 registers at k_block 32 = 2
       programs per SM; under 168 (16 B of spills) 3 fit: UT pass 1.34 -> 1.14 ms at B=1, T=32K on the H200.
     - f32_dots: float32 operands in the UT transform's dots instead of the input dtype (TF32 unless
       dot_precision says IEEE). Always for float16 activations: the decay factors on the diagonal sub-block
       reach 2^115 and overflow float16's range (NaN outputs at ordinary gates); TF32 keeps float16's
       10-bit mantissa with float32's range.
+    - fuse_output: the output pass inside the recurrence (one program per sequence and head, all value
+      columns, `fused_warps` warps), which saves writing and reading back the chunk-entry states and v_new.
+      Default: when sequences x heads fill the SMs (B=8, H=32: 256 programs); with few of them (B=1, H=16)
+      the recurrence needs its value-column split to have enough programs. fused_stages: its chunk loop's
+      pipelining depth (3 needs 288 KB of shared memory on sm_90a: 2, 197 KB, is the most that fits).
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
@@ -237,23 +263,29 @@ def kda_prefill_block(
         _kda_chunk_ut_kernel[(n_chunks, H)](
             qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
             torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,
-            BK=k_block, F32_DOTS=f32_dots or q.dtype == torch.float16, DOT=dot, num_warps=ut_warps, maxnreg=ut_maxnreg)
-    if not block_v:
+            BK=k_block, F32_DOTS=f32_dots or q.dtype == torch.float16, DOT=dot, num_warps=ut_warps, num_stages=ut_stages,
+            maxnreg=ut_maxnreg)
+    if fuse_output is None:  # an explicit block_v asks for the split recurrence
+        fuse_output = not block_v and fuses_output(N, H, dev)
+    if fuse_output:
+        block_v, recurrence_warps, stages = D, fused_warps, fused_stages
+    elif not block_v:
         block_v = min(64 if N * H * (D // 64) >= 2 * sm_count(dev, cpu=1) else few_block_v, D)
     require(D % block_v == 0 and block_v >= 16, f"block_v must divide {D} and be >= 16, got {block_v}")
     y = torch.empty_like(q)
     final_state = torch.empty(N, H, D, D, device=dev, dtype=torch.float32)
     final_conv = torch.empty(N, 3, H, D, W - 1, device=dev, dtype=q.dtype)
-    h_states = torch.empty(max(n_chunks, 1), H, D, D, device=dev, dtype=q.dtype)
-    v_new = torch.empty_like(q)
+    # Fused, the chunk-entry states and v_new never leave the chip: placeholders (never dereferenced).
+    h_states = gc if fuse_output else torch.empty(max(n_chunks, 1), H, D, D, device=dev, dtype=q.dtype)
+    v_new = q if fuse_output else torch.empty_like(q)
     w, u, qg, kg = work
     _kda_chunk_recurrence_kernel[(N, H, D // block_v)](
         w, u, kg, gc, h_states, v_new, initial_state.contiguous() if initial_state is not None else gc,
-        final_state, q, k, v, conv, final_conv, cu, chunk_offsets,
+        final_state, q, k, v, conv, final_conv, cu, chunk_offsets, qg, aqk, gate, norm_weight, y, norm_eps,
         **shape, W=W, BWM=next_pow2(W - 1), BV=block_v, HAS_STATE=initial_state is not None,
-        HAS_CONV=initial_conv is not None, STAGES=stages, DOT=dot, num_warps=recurrence_warps,
+        HAS_CONV=initial_conv is not None, STAGES=stages, DOT=dot, FUSED_OUT=fuse_output, num_warps=recurrence_warps,
     )
-    if n_chunks:
+    if n_chunks and not fuse_output:
         _kda_chunk_output_kernel[(n_chunks, H)](
             qg, aqk, h_states, v_new, gate, norm_weight, y, cu, chunk_seq, chunk_start, norm_eps,
             **shape, DOT=dot, num_warps=num_warps,

@@ -41,6 +41,11 @@ SHAPES = (
 # UT at 8 warps capped at 128 registers 1.19.
 VARIANTS = (
     ("default", {}, None),
+    # None: its recurrence kernel time leaves out the output pass, which the fused one includes
+    ("no fuse", {"fuse_output": False}, None),
+    ("ut st2", {"ut_stages": 2}, "_kda_chunk_ut_kernel"),
+    ("ut st2 cap128", {"ut_stages": 2, "ut_maxnreg": 128}, "_kda_chunk_ut_kernel"),
+    ("fused w16", {"fused_warps": 16}, "_kda_chunk_recurrence_kernel"),
     ("stages 2", {"stages": 2}, "_kda_chunk_recurrence_kernel"),
     ("few bv=32", {"few_block_v": 32}, "_kda_chunk_recurrence_kernel"),
     ("kb=16", {"k_block": 16}, "_kda_chunk_ut_kernel"),
@@ -221,20 +226,25 @@ def prefill_rows(shapes=None, variants=None) -> list[Row]:
     shapes = selected_shapes() if shapes is None else shapes
     rows: list[Row] = []
     when = os.environ.get("KDA_PREFILL_PEER", "1")  # 0: no peer; last: after ours (ours already checked)
-    peer = [("fla-core composition", fla_block)] if when != "0" else []
-    ours = [(f"ours({name})", partial(ours_block, **tuning)) for name, tuning in variants]
+    peer = [("fla-core composition", fla_block, {})] if when != "0" else []
+    ours = [(f"ours({name})", ours_block, tuning) for name, tuning in variants]
     runs = ours + peer if when == "last" else peer + ours
     with torch.inference_mode():
         oracles = [_accuracy_oracle(heads, batch, length, lengths) for _, batch, length, heads, lengths
                    in shapes]
-        for impl, block in runs:
+        for impl, impl_block, tuning in runs:
             for (label, batch, length, heads, lengths), oracle in zip(shapes, oracles, strict=True):
                 params, x, cu, cu_cpu, nbytes = _case(batch, length, heads, lengths)
+                block = partial(impl_block, **tuning)
                 fn = partial(block, x, params, cu, cu_cpu)
                 try:  # fla autotunes at its first call, on keys without T: tune it on the timed shape
                     fn()
                 except Exception:  # noqa: BLE001 - the accuracy check and the timing report the failure
                     traceback.print_exc()
+                if impl_block is ours_block and "block_v" not in tuning:  # check the timed shape's path
+                    sequences = len(lengths) if lengths else batch
+                    fused = prefill_triton.fuses_output(sequences, heads, x[0].device)
+                    block = partial(impl_block, **{"fuse_output": fused, **tuning})
                 err = _errors(block, oracle)
                 rows.append(_measure(label, impl, fn, nbytes, err))
                 del x
@@ -264,13 +274,16 @@ def warm_peer(shape_prefix: str) -> None:
 
 
 def warm_ours() -> None:
-    """Ours once per selected variant at a small case of every shape's head count (plain and packed): the
-    Triton compiles (a few seconds per variant) then come from the on-disk cache when the variants are timed."""
+    """Ours once per selected variant at a small case of every shape's head count (plain and packed), with the
+    split and the fused recurrence (a small case has too few sequences x heads to fuse by itself): the Triton
+    compiles (a few seconds per variant) then come from the on-disk cache when the variants are timed."""
     with torch.inference_mode():
         for _, tuning in selected_variants():
             for heads, cu in {(s[3], s[4] is not None) for s in SHAPES}:
                 cu_cpu = torch.tensor([0, 100, 256]) if cu else None
-                ours_block(_inputs(1, 256, heads, "cuda"), _params(heads, "cuda"), None, cu_cpu, **tuning)
+                for fuse in (False, True):
+                    ours_block(_inputs(1, 256, heads, "cuda"), _params(heads, "cuda"), None, cu_cpu,
+                               **{"fuse_output": fuse, **tuning})
     torch.cuda.synchronize()
 
 

@@ -2,7 +2,8 @@
 # KDA prefill on the lent H200 in one device run (`run` with carry [".whl"]; writes under $OUT):
 #  W  Triton compiles first, in parallel: fla at its three new-kernel shapes (autotune results discarded),
 #     ours once per variant on a small case;
-#  F0 the default vs the fla-core composition at all four shapes (fla then only benchmarks its configs);
+#  F0 the default (and $F0_VARIANTS, comma-separated labels) vs the fla-core composition at all four shapes
+#     (fla then only benchmarks its configs);
 #  A  the variants ($VARIANTS, comma-separated labels of kda_prefill_cases.py) at B=1,T=32K, no peer;
 #  F1 pick_tuning's choice from A at all four shapes, if it differs from the default.
 # BUDGET (s, from the start of this script) bounds the whole; each phase gets what is left, F0 keeping
@@ -21,14 +22,15 @@ log() { echo "$1 after $(( $(date +%s) - START )) s" >> "$OUT/env.txt"; }
 python3 -c 'import sys,torch,triton;print(sys.version, torch.__version__, triton.__version__)' > "$OUT/env.txt" 2>&1
 VARIANTS="${VARIANTS-}"
 RESERVE=$([ -n "$VARIANTS" ] && echo "${RESERVE:-55}" || echo 3)
-KDA_PREFILL_VARIANTS="default${VARIANTS:+,$VARIANTS}" timeout -k 3 "${T_WARM:-100}" \
+F0_VARIANTS="default${F0_VARIANTS:+,$F0_VARIANTS}"
+KDA_PREFILL_VARIANTS="$F0_VARIANTS${VARIANTS:+,$VARIANTS}" timeout -k 3 "${T_WARM:-100}" \
   python3 -m kernels.perf.kda_prefill_cases --warm-ours > "$OUT/warm_ours.log" 2>&1 &
 for s in "B=1,T=32K" "B=8" "varlen"; do
   FLA_CACHE_RESULTS=0 timeout -k 3 "${T_WARM:-100}" python3 -m kernels.perf.kda_prefill_cases --warm-peer "$s" \
     > "$OUT/warm_${s//[^A-Za-z0-9]/_}.log" 2>&1 &
 done
 wait; log "warm"
-KDA_PREFILL_ROWS="$OUT/final.jsonl" KDA_PREFILL_VARIANTS=default timeout -k 3 "$(limit "$RESERVE")" \
+KDA_PREFILL_ROWS="$OUT/final.jsonl" KDA_PREFILL_VARIANTS="$F0_VARIANTS" timeout -k 3 "$(limit "$RESERVE")" \
   python3 -m bench.kernels --only kda_prefill --out "$OUT/final.json" > "$OUT/final.log" 2>&1
 log "final rc=$?"
 [ -n "$VARIANTS" ] || exit 0

@@ -46,13 +46,14 @@ def test_reference_prefill_matches_float64_token_by_token():
 
 @pytest.mark.parametrize(("block_v", "k_block", "tuning"), [
     (16, 16, {}),
-    (None, 32, {}),
-    (16, 32, {"ut_maxnreg": None, "stages": 2}),
+    (None, 32, {"fuse_output": False}),
+    (16, 32, {"ut_maxnreg": None, "stages": 2, "ut_stages": 2}),
+    (None, 16, {"fuse_output": True}),
 ])
 def test_triton_prefill_matches_reference(interpreted, block_v, k_block, tuning):
     """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states, D = 32: the
     UT transform in one or two key-column blocks; the prologue's conv taps before the chunk are negative
-    32-bit row offsets."""
+    32-bit row offsets; the output pass on its own or inside the recurrence."""
     case = KdaCase(heads=2, dim=32)
     gen = torch.Generator().manual_seed(12)
     params = case.params(gen)
@@ -61,6 +62,21 @@ def test_triton_prefill_matches_reference(interpreted, block_v, k_block, tuning)
     kwargs = {"initial_state": states[:2], "initial_conv": convs[:2]}
     got = prefill_triton.kda_prefill_block(*x, *params, **kwargs, block_v=block_v, k_block=k_block, **tuning)
     _close(got, naive.kda_prefill_block(*x, *params, **kwargs))
+
+
+def test_fused_output_launches_no_output_pass(interpreted, monkeypatch):
+    """Many sequences x heads (here >= the CPU's stand-in of 4 SMs) take the recurrence with the output pass
+    inside: the separate output kernel must not run, and the block still matches the reference."""
+    gen = torch.Generator().manual_seed(15)
+    params = CASE.params(gen)
+    x = CASE.tokens(gen, 2, 70)
+
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the output pass ran although the recurrence fused it")
+
+    monkeypatch.setattr(prefill_triton, "_kda_chunk_output_kernel", _NoLaunch())
+    _close(prefill_triton.kda_prefill_block(*x, *params), naive.kda_prefill_block(*x, *params))
 
 
 def test_triton_prefill_varlen_with_an_empty_sequence(interpreted):
