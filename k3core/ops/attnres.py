@@ -67,17 +67,30 @@ class OnlineSoftmax:
         return self.acc / self.denom.unsqueeze(-1)
 
 
+def attnres_logits(
+    queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None, eps: float = 1e-6
+) -> torch.Tensor:
+    """q_eff . RMSNorm(b): queries [Q, D] against blocks [N, ..., D] -> logits [Q, N, ...] (accumulation dtype).
+    Each logit depends only on its block and on the site's parameters, so a block's logits against every
+    later site can be computed once, when the block is complete, and kept (see `attnres_inter_from_logits`)."""
+    dtype = acc_dtype(blocks, queries)
+    q = _effective_query(queries, norm_weights, dtype)  # [Q, D]
+    return torch.einsum("n...d,qd->qn...", rms_norm(blocks.to(dtype), None, eps), q)
+
+
+def attnres_inter_from_logits(logits: torch.Tensor, blocks: torch.Tensor) -> OnlineSoftmax:
+    """Phase 1 from the logits [Q, N, ...] of the sites against blocks [N, ..., D] -> stats [Q, ...]."""
+    values = blocks.to(logits.dtype)
+    top = logits.max(dim=1).values
+    weights = (logits - top.unsqueeze(1)).exp()
+    return OnlineSoftmax(top, weights.sum(1), torch.einsum("qn...,n...d->q...d", weights, values))
+
+
 def attnres_inter(
     queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None, eps: float = 1e-6
 ) -> OnlineSoftmax:
     """Phase 1: queries [Q, D] of all sites of a block against blocks [N, ..., D] -> stats [Q, ...]."""
-    dtype = acc_dtype(blocks, queries)
-    values = blocks.to(dtype)
-    q = _effective_query(queries, norm_weights, dtype)  # [Q, D]
-    logits = torch.einsum("n...d,qd->qn...", rms_norm(values, None, eps), q)  # [Q, N, ...]
-    top = logits.max(dim=1).values
-    weights = (logits - top.unsqueeze(1)).exp()
-    return OnlineSoftmax(top, weights.sum(1), torch.einsum("qn...,n...d->q...d", weights, values))
+    return attnres_inter_from_logits(attnres_logits(queries, blocks, norm_weights, eps), blocks)
 
 
 def attnres_merge(

@@ -59,7 +59,9 @@ if triton is not None:
             if HAS_NORM_W:
                 q = q * tl.load(norm_w + qs[:, None] * D + d[None, :], mask=q_ok, other=0.0).to(tl.float32)
             sq += tl.sum(blk.to(tl.float32) * blk.to(tl.float32), 1)
-            dots = _dot_exact(q, tl.trans(blk), dots, SPLIT)
+            # Each D tile's product summed in float32 registers: one tensor-core chain over all of D lost
+            # 1.1e-5 relative at D=7168 on the H200 (docs/kernels.md, AttnRes round 2).
+            dots += _dot_exact(q, tl.trans(blk), tl.zeros([BQ, BM * BN], dtype=tl.float32), SPLIT)
         return dots, sq
 
     @triton.jit
@@ -107,25 +109,32 @@ if triton is not None:
         tl.store(squares + square_offs, sq, mask=ok)
 
     @triton.jit
-    def _apply_kernel(queries, norm_w, blocks, scores, squares, acc_out, max_out, denom_out, N, Q, M, D, CHUNK,
-                      eps, FUSED: tl.constexpr, CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr,
-                      SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
-                      BD_SCORES: tl.constexpr, BD: tl.constexpr, STREAM_STORES: tl.constexpr):
+    def _apply_kernel(queries, norm_w, blocks, scores, squares, given, acc_out, max_out, denom_out, N, Q, M, D,
+                      CHUNK, stride_gq, stride_gn, eps, FUSED: tl.constexpr, GIVEN: tl.constexpr,
+                      CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, BQ: tl.constexpr, BD_SCORES: tl.constexpr, BD: tl.constexpr,
+                      STREAM_STORES: tl.constexpr):
         m0 = tl.program_id(0).to(tl.int64) * BM
         c = tl.program_id(1)
         j = tl.arange(0, BM * BN)
         r, n = j // BN, j % BN
-        if FUSED:
-            dots, sq = _partial_scores(queries, norm_w, blocks, m0, 0, D, N, Q, M, D, HAS_NORM_W, SPLIT, BM, BN,
-                                       BQ, BD_SCORES)
+        if GIVEN:  # logits [Q, N, M] (row stride 1) computed earlier, e.g. once per block by block_logits
+            qs = tl.arange(0, BQ)
+            in_range = (qs < Q)[:, None] & ((n < N) & (m0 + r < M))[None, :]
+            logits = tl.load(given + qs[:, None] * stride_gq + n[None, :] * stride_gn + (m0 + r)[None, :],
+                             mask=in_range, other=0.0)
         else:
-            dots = tl.zeros([BQ, BM * BN], dtype=tl.float32)
-            sq = tl.zeros([BM * BN], dtype=tl.float32)
-            for part in tl.static_range(CHUNKS):
-                score_offs, square_offs, rows_in = _partials_at(part, m0, M, BM, BN, BQ)
-                dots += tl.load(scores + score_offs, mask=rows_in[None, :], other=0.0)
-                sq += tl.load(squares + square_offs, mask=rows_in, other=0.0)
-        logits = dots * tl.rsqrt(sq / D + eps)[None, :]
+            if FUSED:
+                dots, sq = _partial_scores(queries, norm_w, blocks, m0, 0, D, N, Q, M, D, HAS_NORM_W, SPLIT, BM,
+                                           BN, BQ, BD_SCORES)
+            else:
+                dots = tl.zeros([BQ, BM * BN], dtype=tl.float32)
+                sq = tl.zeros([BM * BN], dtype=tl.float32)
+                for part in tl.static_range(CHUNKS):
+                    score_offs, square_offs, rows_in = _partials_at(part, m0, M, BM, BN, BQ)
+                    dots += tl.load(scores + score_offs, mask=rows_in[None, :], other=0.0)
+                    sq += tl.load(squares + square_offs, mask=rows_in, other=0.0)
+            logits = dots * tl.rsqrt(sq / D + eps)[None, :]
         # Block-diagonal expansion: output row (q, r) weighs only row r's blocks.
         own = (r[None, None, :] == tl.arange(0, BM)[None, :, None]) & (n < N)[None, None, :]
         logits = tl.reshape(tl.where(own, logits[:, None, :], float("-inf")), (BQ * BM, BM * BN))
@@ -158,7 +167,7 @@ def _chunks(programs: int, D: int, block_d: int, sms: int) -> int:
 @dataclass
 class InterLaunch:
     """One phase-1 call, planned: its buffers and launch shapes. `run()` = `scores()` then `apply()` (the
-    benchmark times the two kernels apart); in the fused form `scores()` does nothing."""
+    benchmark times the two kernels apart); in the fused form and with given logits `scores()` does nothing."""
 
     q: torch.Tensor
     w: torch.Tensor
@@ -176,9 +185,10 @@ class InterLaunch:
     stream_stores: bool
     scores_buf: torch.Tensor
     squares_buf: torch.Tensor
+    given: torch.Tensor | None  # logits [Q, N, M] computed earlier
 
     def scores(self) -> None:
-        if self.fused:
+        if self.fused or self.given is not None:
             return
         N, M, D = self.blocks.shape
         c = self.consts
@@ -194,9 +204,11 @@ class InterLaunch:
         acc = torch.empty(Q, M, D, dtype=torch.float32, device=self.blocks.device)
         top = torch.empty(Q, M, dtype=torch.float32, device=self.blocks.device)
         denom = torch.empty_like(top)
+        given = self.given if self.given is not None else self.scores_buf
         _apply_kernel[self.apply_grid](
-            self.q, self.w, self.blocks, self.scores_buf, self.squares_buf, acc, top, denom, N, Q, M, D,
-            self.apply_chunk, self.eps, FUSED=self.fused, CHUNKS=self.score_grid[1], HAS_NORM_W=self.has_norm_w,
+            self.q, self.w, self.blocks, self.scores_buf, self.squares_buf, given, acc, top, denom, N, Q, M, D,
+            self.apply_chunk, *(given.stride()[:2] if self.given is not None else (0, 0)), self.eps,
+            FUSED=self.fused, GIVEN=self.given is not None, CHUNKS=self.score_grid[1], HAS_NORM_W=self.has_norm_w,
             SPLIT=c["SPLIT"], BM=c["BM"], BN=c["BN"], BQ=c["BQ"], BD_SCORES=c["BD_SCORES"], BD=c["BD"],
             STREAM_STORES=self.stream_stores, num_warps=self.num_warps,
         )
@@ -210,7 +222,7 @@ class InterLaunch:
 def plan_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None,
                eps: float = 1e-6, block_d: int = 64, score_rows: int | None = None, num_warps: int = 4,
                chunks: tuple[int, int] | None = None, apply_rows: int = 2, apply_block_d: int = 128,
-               fused: bool = False, stream_stores: bool = True) -> InterLaunch:
+               fused: bool = False, stream_stores: bool = True, logits: torch.Tensor | None = None) -> InterLaunch:
     """Checks the arguments of `attnres_inter` and plans its launches."""
     N, D = blocks.shape[0], blocks.shape[-1]
     Q = queries.shape[0]
@@ -226,13 +238,19 @@ def plan_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.
         require(value >= 1 and value == next_pow2(value), f"{name} must be a power of two, got {value}")
     flat = blocks.reshape(N, M, D).contiguous()
     q = queries.contiguous()
+    if logits is not None:
+        require(logits.dtype == torch.float32 and logits.shape == (Q, N, *blocks.shape[1:-1]),
+                f"logits must be float32 [{Q}, {N}, {', '.join(map(str, blocks.shape[1:-1]))}]")
+        logits = logits.reshape(Q, N, M)  # a view where the rows are dense (a slice of a logit cache)
+        require(logits.stride(2) == 1 or M == 1, "logits must have unit stride along the rows")
     # Every tl.dot operand needs >= 16 along K: pad the block axis so that rows * blocks >= 16.
-    BN = max(next_pow2(N), 16 // apply_rows, 1 if fused else 16 // score_rows)
+    BN = max(next_pow2(N), 16 // apply_rows, 1 if fused or logits is not None else 16 // score_rows)
     BQ, BD, BDA = max(16, next_pow2(Q)), min(block_d, next_pow2(D)), min(apply_block_d, next_pow2(D))
     split = 0 if flat.dtype != torch.bfloat16 else 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
     apply_programs, row_blocks = triton.cdiv(M, apply_rows), triton.cdiv(M, score_rows)
-    if fused:
-        score_chunks, apply_chunks = 1, 1
+    if fused or logits is not None:  # fused: one program per row tile does all of D
+        score_chunks = 1
+        apply_chunks = 1 if fused else chunks[1] if chunks else _chunks(apply_programs, D, BDA, sms)
         scores = squares = torch.empty(0, dtype=torch.float32, device=blocks.device)  # computed in registers
     else:
         score_chunks, apply_chunks = chunks or (_chunks(row_blocks, D, BD, sms), _chunks(apply_programs, D, BDA, sms))
@@ -243,20 +261,22 @@ def plan_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.
         tuple(blocks.shape[1:-1]), fused, (row_blocks, score_chunks), (apply_programs, apply_chunks),
         triton.cdiv(triton.cdiv(D, score_chunks), BD) * BD, triton.cdiv(triton.cdiv(D, apply_chunks), BDA) * BDA,
         {"SPLIT": split, "BM": apply_rows, "BM_SCORES": score_rows, "BN": BN, "BQ": BQ, "BD_SCORES": BD, "BD": BDA},
-        num_warps, stream_stores, scores, squares,
+        num_warps, stream_stores, scores, squares, logits,
     )
 
 
 def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None,
                   eps: float = 1e-6, block_d: int = 64, score_rows: int | None = None, num_warps: int = 4,
                   chunks: tuple[int, int] | None = None, apply_rows: int = 2, apply_block_d: int = 128,
-                  fused: bool = False, stream_stores: bool = True) -> OnlineSoftmax:
+                  fused: bool = False, stream_stores: bool = True, logits: torch.Tensor | None = None) -> OnlineSoftmax:
     """queries [Q, D] of all sites of a block, blocks [N, ..., D] -> float32 statistics [Q, ...] (max,
     denominator) and [Q, ..., D] (accumulator), as k3core.ops.attnres.attnres_inter.
     Tuning: `block_d` / `apply_block_d` the D tiles of the scores / accumulators, `score_rows` /
     `apply_rows` the rows per program of the scores / apply kernel (score_rows None: 16 for prefill-sized
     M, else 8), `chunks` the D chunks of the two kernels (None: about two programs per SM), `fused` one
     kernel per row tile that computes its own scores (measured slower: see docs/kernels.md),
-    `stream_stores` streaming (.cs) stores of the accumulators."""
+    `stream_stores` streaming (.cs) stores of the accumulators.
+    `logits` [Q, N, ...] float32 (rows dense), e.g. slices of a cache that `block_logits_triton` fills once
+    per block: then only the apply kernel runs (k3core.ops.attnres.attnres_inter_from_logits)."""
     return plan_inter(queries, blocks, norm_weights, eps, block_d, score_rows, num_warps, chunks, apply_rows,
-                      apply_block_d, fused, stream_stores).run()
+                      apply_block_d, fused, stream_stores, logits).run()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from k3core.ops.attnres import OnlineSoftmax, attnres_merge
+from k3core.ops.attnres import OnlineSoftmax, attnres_inter_from_logits, attnres_logits, attnres_merge
 from k3core.ops.attnres import attnres_inter as _inter
 from k3core.ops.norm import rms_norm
 
@@ -27,7 +27,19 @@ def attnres_merge_norm(
 def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None,
                   eps: float = 1e-6, block_d: int = 64, score_rows: int | None = None, num_warps: int = 4,
                   chunks: tuple[int, int] | None = None, apply_rows: int = 2, apply_block_d: int = 128,
-                  fused: bool = False, stream_stores: bool = True) -> OnlineSoftmax:
+                  fused: bool = False, stream_stores: bool = True, logits: torch.Tensor | None = None) -> OnlineSoftmax:
     """Reference of kernels.attnres.inter_triton.attnres_inter (tuning arguments ignored)."""
     del block_d, score_rows, num_warps, chunks, apply_rows, apply_block_d, fused, stream_stores
+    if logits is not None:
+        return attnres_inter_from_logits(logits, blocks)
     return _inter(queries, blocks, norm_weights, eps)
+
+
+def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weights: torch.Tensor | None = None,
+                         eps: float = 1e-6, out: torch.Tensor | None = None, rows: int | None = None,
+                         sites: int | None = None, block_d: int = 64, chunks: int | None = None,
+                         num_warps: int = 4) -> torch.Tensor:
+    """Reference of kernels.attnres.block_logits_triton.attnres_block_logits (tuning arguments ignored)."""
+    del rows, sites, block_d, chunks, num_warps
+    logits = attnres_logits(queries, block.unsqueeze(0), norm_weights, eps)[:, 0]
+    return logits if out is None else out.copy_(logits)

@@ -6,9 +6,9 @@ from functools import partial
 
 import torch
 
-from k3core.ops.attnres import attnres_inter
+from k3core.ops.attnres import attnres_inter, attnres_logits
 from kernels._triton import tl, triton
-from kernels.attnres import inter_triton, merge_norm_triton
+from kernels.attnres import block_logits_triton, inter_triton, merge_norm_triton
 from kernels.attnres import naive as attnres_naive
 from kernels.moe import naive as moe_naive
 from kernels.moe import situ_glu_triton
@@ -20,11 +20,17 @@ BF16 = torch.bfloat16
 
 MERGE_VARIANTS = (4,)  # num_warps (8: same at decode, 93 vs 98 % at prefill)
 # Phase 1 launcher arguments timed per shape (decode: M=64; prefill: the rest); {} is the default. The
-# defaults combine the winners of the last run's variants (docs/kernels.md, AttnRes history).
-INTER_VARIANTS = {
-    "decode": ({}, {"stream_stores": False}, {"score_rows": 16}, {"chunks": (14, 9)}),
-    "prefill": ({}, {"stream_stores": False, "score_rows": 8}, {"score_rows": 32}, {"fused": True}),
+# defaults combine the winners of earlier runs' variants (docs/kernels.md, AttnRes history); the other
+# variants of those runs are left out to save device time.
+INTER_VARIANTS = {"decode": ({},), "prefill": ({},)}
+# Phase 1 from cached logits (block_logits once per block, then the apply kernel alone): apply tunings.
+CACHED_VARIANTS = {
+    "decode": ({}, {"apply_block_d": 64}, {"apply_rows": 4}),
+    "prefill": ({}, {"apply_block_d": 64}, {"apply_rows": 4}),
 }
+# block_logits tunings (the newest block against the sites after it).
+LOGITS_VARIANTS = {"decode": ({}, {"chunks": 14}), "prefill": ({}, {"rows": 64})}
+MID_FORWARD_SITES = 163  # K3: the sites after its first layer block (93 layers x 2 + 1 - 24)
 
 
 @triton.jit
@@ -59,7 +65,9 @@ def attnres_rows(tokens: tuple[int, ...] = (64, 8192), variants: tuple = MERGE_V
             rows.append(Row("attnres_merge_norm", shape, f"ours(w={nw})", ms, moved, note=how, extra=err))
         ms, how = time_ms(partial(attnres_naive.attnres_merge_norm, *args))
         rows.append(Row("attnres_merge_norm", shape, "torch k3core.ops composition", ms, moved, note=how))
-        rows += _inter_rows(blocks, queries, inter_variants["decode" if M <= 64 else "prefill"])
+        kind = "decode" if M <= 64 else "prefill"
+        rows += _inter_rows(blocks, queries, inter_variants[kind])
+        rows += _cached_rows(blocks, queries, CACHED_VARIANTS[kind], LOGITS_VARIANTS[kind])
         del blocks, args, stats
         torch.cuda.empty_cache()
     rows += _situ_rows()
@@ -91,6 +99,60 @@ def _inter_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple) ->
                                 ("attnres_inter_apply", plan.apply, block_bytes + SITES * M * (D + 2) * 4)):
         ms, how = time_ms(run)
         rows.append(Row(kernel, shape, "ours(default), this kernel alone", ms, nbytes, note=how))
+    return rows
+
+
+def _cached_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple, logits_variants: tuple) -> list[Row]:
+    """Phase 1 the cached way, per block of the forward: the newest block's logits against the sites after
+    it (this block's SITES and the final site), written once into the logit cache, then the apply kernel
+    over the cached logits of all N blocks. Bytes counted: phase 1's own (blocks once, accumulators, the
+    sites' queries and key-norm weights, as `_inter_rows`) plus the cache traffic (the logits written and
+    read) and the later sites' parameters the logits pass reads; its re-read of the newest block is not
+    counted (as the scores pass's block reads are not in `_inter_rows`)."""
+    rows: list[Row] = []
+    N, M, _ = blocks.shape
+    later = SITES + 1
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    norm_w = (torch.rand(SITES, D, device="cuda", generator=gen) + 0.5).to(BF16)
+    later_q = torch.cat([queries, torch.randn(1, D, device="cuda", dtype=BF16) * D**-0.5])
+    later_w = torch.cat([norm_w, torch.ones(1, D, device="cuda", dtype=BF16)])
+    cache = torch.empty(later, N, M, device="cuda")
+    for n in range(N):  # the earlier blocks' columns, filled when those blocks completed
+        block_logits_triton.attnres_block_logits(later_q, blocks[n], later_w, out=cache[:, n])
+    ref = attnres_inter(queries, blocks, norm_w)
+    logits_ref = attnres_logits(later_q, blocks[-1:], later_w)[:, 0]
+    shape = f"M={M},D={D},N={N},Q={SITES}"
+    phase_bytes = N * M * D * 2 + SITES * M * (D + 2) * 4 + SITES * D * 2 * 2
+    cache_bytes = later * M * 4 + SITES * N * M * 4 + later * D * 2 * 2
+    for kwargs in logits_variants:
+        run = partial(block_logits_triton.attnres_block_logits, later_q, blocks[-1], later_w, out=cache[:, N - 1],
+                      **kwargs)
+        run()
+        err = {"logits_rel": rel_err(cache[:, N - 1], logits_ref)}
+        ms, how = time_ms(run)
+        label = ",".join(f"{k}={v}" for k, v in kwargs.items()) or "default"
+        rows.append(Row("attnres_block_logits", f"M={M},D={D},S={later}", f"ours({label}), newest block", ms,
+                        M * D * 2 + later * M * 4 + later * D * 2 * 2, note=how, extra=err))
+    newest = partial(block_logits_triton.attnres_block_logits, later_q, blocks[-1], later_w, out=cache[:, N - 1])
+    if M <= 64:  # a block early in the forward has many more sites after it
+        many_q = torch.randn(MID_FORWARD_SITES, D, device="cuda", dtype=BF16) * D**-0.5
+        many_w = (torch.rand(MID_FORWARD_SITES, D, device="cuda") + 0.5).to(BF16)
+        ms, how = time_ms(partial(block_logits_triton.attnres_block_logits, many_q, blocks[0], many_w))
+        rows.append(Row("attnres_block_logits", f"M={M},D={D},S={MID_FORWARD_SITES}", "ours(default)", ms,
+                        M * D * 2 + MID_FORWARD_SITES * (M + D) * 4, note=how))
+    for kwargs in variants:
+        label = ",".join(f"{k}={v}" for k, v in kwargs.items()) or "default"
+        apply = partial(inter_triton.attnres_inter, queries, blocks, norm_w, logits=cache[:SITES], **kwargs)
+        ours = apply()
+        err = {"acc_rel": rel_err(ours.acc, ref.acc), "max_abs": max_err(ours.max, ref.max),
+               "denom_rel": rel_err(ours.denom, ref.denom)}
+        del ours
+        ms, how = time_ms(lambda a=apply: (newest(), a()))
+        rows.append(Row("attnres_inter", shape, f"cached: newest block's logits + apply({label})", ms,
+                        phase_bytes + cache_bytes, note=how, extra=err))
+        ms, how = time_ms(apply)
+        rows.append(Row("attnres_inter_apply_cached", shape, f"ours({label}), this kernel alone", ms,
+                        N * M * D * 2 + SITES * M * (D + 2) * 4 + SITES * N * M * 4, note=how))
     return rows
 
 

@@ -1,0 +1,117 @@
+"""Block AttnRes: one completed block's logits against every later site, computed once per block.
+
+A site's logit for block b is q_eff . RMSNorm(b) (q_eff = pseudo-query * key-norm weight, eq.8-9 of the K3
+report): the sites' parameters and the block alone, nothing that depends on the site's own input. So once
+a block is complete its logits for all later sites (those of later blocks and the final one) can be
+produced in one pass over the block and kept ([sites, rows] float32: 4 bytes per row and site, against
+2 x D per row for the block itself). Each later block's phase 1 then only softmaxes those logits and
+writes the accumulators (`inter_triton.attnres_inter(..., logits=...)`), which runs at copy speed; the
+block is read once for its logits instead of once per later block's scores pass.
+
+One program per (rows tile, sites tile, D chunk): the product [sites, D] x [D, rows] by the same exact
+split-float32 MMAs as the phase-1 scores, and the rows' sums of squares. With few rows (decode) D is cut
+into chunks so that the GPU fills; the last chunk program of a tile to finish (a counter per tile, reset
+by that program) adds the chunks' partials in a fixed order, so the result does not depend on timing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels._triton import next_pow2, require, sm_count, tl, triton
+from kernels.attnres.inter_triton import _chunks, _partial_scores
+
+if triton is not None:
+
+    @triton.jit
+    def _block_logits_kernel(queries, norm_w, block, out, part_dots, part_sq, counters, S, M, D, CHUNK,
+                             stride_os, eps, CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr,
+                             SPLIT: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
+        m0 = tl.program_id(0).to(tl.int64) * BM
+        s0 = tl.program_id(1).to(tl.int64) * BS
+        c = tl.program_id(2)
+        dots, sq = _partial_scores(queries + s0 * D, norm_w + s0 * D, block, m0, c * CHUNK,
+                                   tl.minimum(c * CHUNK + CHUNK, D), 1, S - s0, M, D, HAS_NORM_W, SPLIT, BM, 1,
+                                   BS, BD)  # [BS, BM], [BM]
+        sites, rows = s0 + tl.arange(0, BS), m0 + tl.arange(0, BM)
+        last = True
+        if CHUNKS > 1:
+            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            tiles = tl.num_programs(0) * tl.num_programs(1)
+            dot_offs = (tile * BS + tl.arange(0, BS)[:, None]) * BM + tl.arange(0, BM)[None, :]
+            tl.store(part_dots + c * tiles * BS * BM + dot_offs, dots)
+            tl.store(part_sq + (c * tiles + tile) * BM + tl.arange(0, BM), sq)
+            # Every thread's partial stores precede the (single-thread) release; the acquire precedes the
+            # last program's loads of its peers' partials.
+            tl.debug_barrier()
+            last = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1
+            if last:
+                dots = tl.zeros([BS, BM], dtype=tl.float32)
+                sq = tl.zeros([BM], dtype=tl.float32)
+                for k in tl.static_range(CHUNKS):  # fixed order: the same sums whatever finished first
+                    dots += tl.load(part_dots + k * tiles * BS * BM + dot_offs, cache_modifier=".cg")
+                    sq += tl.load(part_sq + (k * tiles + tile) * BM + tl.arange(0, BM), cache_modifier=".cg")
+                tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+        if last:
+            logits = dots * tl.rsqrt(sq / D + eps)[None, :]
+            ok = (sites < S)[:, None] & (rows < M)[None, :]
+            tl.store(out + sites[:, None] * stride_os + rows[None, :], logits, mask=ok)
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed tile counters that the kernel leaves zeroed, one set per (device, stream) so that launches on
+    two streams never share them."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _COUNTERS or _COUNTERS[key].numel() < tiles:
+        _COUNTERS[key] = torch.zeros(max(tiles, 256), dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weights: torch.Tensor | None = None,
+                         eps: float = 1e-6, out: torch.Tensor | None = None, rows: int | None = None,
+                         sites: int | None = None, block_d: int = 64, chunks: int | None = None,
+                         num_warps: int = 4) -> torch.Tensor:
+    """queries [S, D] (and key-norm weights [S, D]) of later sites, one block [..., D] -> logits [S, ...]
+    float32 = k3core.ops.attnres.attnres_logits(queries, block[None], norm_weights)[:, 0].
+    `out`: where to write them ([S, ...] float32 with dense rows, e.g. one block's column of a logit cache).
+    Tuning: `rows` / `sites` per program (None: 32 / up to 64 rows at prefill-sized M, 16 at decode),
+    `block_d` the D step, `chunks` the D chunks (None: about two programs per SM)."""
+    S, D = queries.shape[0], block.shape[-1]
+    require(queries.dim() == 2 and queries.shape[1] == D, f"queries must be [S, {D}], got {tuple(queries.shape)}")
+    require(norm_weights is None or norm_weights.shape == queries.shape, f"norm_weights must be [{S}, {D}]")
+    require(block.dtype != torch.float64 and queries.dtype != torch.float64, "float64 takes the reference")
+    M, sms = block[..., 0].numel(), sm_count(block.device, cpu=132)
+    if out is None:
+        out = torch.empty(S, *block.shape[:-1], dtype=torch.float32, device=block.device)
+    require(out.dtype == torch.float32 and out.shape == (S, *block.shape[:-1]),
+            f"out must be float32 [{S}, {', '.join(map(str, block.shape[:-1]))}]")
+    require(out.is_contiguous() or out[0].is_contiguous(), "out must be dense along the rows")
+    flat_out = out.view(S, M)
+    BM = rows or (32 if M >= 32 * sms else 16)
+    BS = sites or min(64, max(16, next_pow2(S)))
+    for name, value in (("rows", BM), ("sites", BS)):
+        require(value >= 16 and value == next_pow2(value), f"{name} must be a power of two >= 16, got {value}")
+    BD = min(block_d, next_pow2(D))
+    grid_tiles = (triton.cdiv(M, BM), triton.cdiv(S, BS))
+    tiles = grid_tiles[0] * grid_tiles[1]
+    n_chunks = chunks or _chunks(tiles, D, BD, sms)
+    chunk = triton.cdiv(triton.cdiv(D, n_chunks), BD) * BD
+    n_chunks = triton.cdiv(D, chunk)
+    part_dots = torch.empty(n_chunks * tiles * BS * BM if n_chunks > 1 else 0, dtype=torch.float32,
+                            device=block.device)
+    part_sq = torch.empty(n_chunks * tiles * BM if n_chunks > 1 else 0, dtype=torch.float32, device=block.device)
+    q = queries.contiguous()
+    flat = block.reshape(M, D).contiguous()
+    split = 0 if flat.dtype != torch.bfloat16 else 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+    _block_logits_kernel[(*grid_tiles, n_chunks)](
+        q, norm_weights.contiguous() if norm_weights is not None else q, flat, flat_out, part_dots, part_sq,
+        _counters(block.device, tiles), S, M, D, chunk, flat_out.stride(0), eps, CHUNKS=n_chunks,
+        HAS_NORM_W=norm_weights is not None, SPLIT=split, BM=BM, BS=BS, BD=BD, num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,121 @@
+"""Block AttnRes logits computed once per block (kernels/attnres/block_logits_triton.py), and phase 1 from
+those cached logits (inter_triton.attnres_inter(..., logits=...)), in the Triton interpreter against float64
+math: a block's logits against later sites, written into a slice of a logit cache, then each block's phase 1
+softmaxes the cached column of every completed block; the result must be eq.9's statistics.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attnres import block_logits_triton, inter_triton
+
+
+def _float64_logits(queries: torch.Tensor, block: torch.Tensor, norm_w: torch.Tensor | None, eps: float = 1e-6):
+    """q_eff . RMSNorm(block) in float64: [S, ...]."""
+    b = block.double()
+    q = queries.double() * (norm_w.double() if norm_w is not None else 1.0)
+    keys = b / b.square().mean(-1, keepdim=True).add(eps).sqrt()
+    return torch.einsum("...d,sd->s...", keys, q)
+
+
+CASES = [  # (rows shape, D, sites S, dtype, key-norm weights, launcher arguments)
+    ((5,), 48, 4, torch.bfloat16, True, {"chunks": 3}),  # D chunks added by the last program of a tile
+    ((20,), 40, 20, torch.bfloat16, False, {"rows": 16, "sites": 16}),  # partial row and site tiles
+    ((2, 3), 64, 7, torch.float32, True, {"chunks": 2}),  # 3xTF32 path, rows of two dims
+    ((3,), 32, 1, torch.bfloat16, True, {}),  # the final site alone, default tiles
+]
+
+
+@pytest.mark.parametrize(("rows", "dim", "sites", "dtype", "with_norm_w", "kwargs"), CASES)
+def test_block_logits_match_float64(interpreted, rows, dim, sites, dtype, with_norm_w, kwargs):
+    gen = torch.Generator().manual_seed(dim + sites)
+    block = (torch.randn(*rows, dim, generator=gen) * 3).to(dtype)
+    queries = torch.randn(sites, dim, generator=gen)
+    norm_w = torch.rand(sites, dim, generator=gen) + 0.5 if with_norm_w else None
+    want = _float64_logits(queries, block, norm_w)
+    for _ in range(2):  # the tile counters are left at zero for the next launch
+        got = block_logits_triton.attnres_block_logits(queries, block, norm_w, block_d=16, **kwargs)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-5)
+
+
+def test_cached_logits_give_phase_one(interpreted):
+    """The serving order: each block's logits against the sites after it go into a cache [sites, blocks,
+    rows] once; each block's phase 1 reads the cached columns of the blocks before it and equals eq.9's
+    statistics (float64) and the two-kernel form that scores all blocks again (1e-6)."""
+    gen = torch.Generator().manual_seed(3)
+    n_blocks, per_block, rows, dim = 4, 3, 6, 48  # sites 0..2 read block 0, 3..5 blocks 0-1, ...
+    sites = n_blocks * per_block
+    blocks = (torch.randn(n_blocks, rows, dim, generator=gen) * 2).bfloat16()
+    queries, norm_w = torch.randn(sites, dim, generator=gen), torch.rand(sites, dim, generator=gen) + 0.5
+    cache = torch.full((sites, n_blocks, rows), float("nan"))
+    for j in range(n_blocks):
+        later = slice(j * per_block, sites)  # block j is complete before site j * per_block
+        block_logits_triton.attnres_block_logits(queries[later], blocks[j], norm_w[later], out=cache[later, j],
+                                                 block_d=16, chunks=2)
+    for k in range(1, n_blocks + 1):
+        site_range = slice((k - 1) * per_block, k * per_block)  # the sites that see blocks 0..k-1
+        q, w = queries[site_range], norm_w[site_range]
+        got = inter_triton.attnres_inter(q, blocks[:k], w, apply_block_d=16, logits=cache[site_range, :k])
+        rescored = inter_triton.attnres_inter(q, blocks[:k], w, block_d=16, apply_block_d=16)
+        logits = torch.stack([_float64_logits(q, blocks[n], w) for n in range(k)], 1)  # [Q, k, rows]
+        top = logits.max(1).values
+        weights = (logits - top.unsqueeze(1)).exp()
+        want = (top, weights.sum(1), torch.einsum("qnm,nmd->qmd", weights, blocks[:k].double()))
+        for g, r, w64 in zip((got.max, got.denom, got.acc), (rescored.max, rescored.denom, rescored.acc), want,
+                             strict=True):
+            torch.testing.assert_close(g.double(), w64, rtol=2e-6, atol=2e-5)
+            torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+
+
+def test_out_slice_leaves_the_rest_of_the_cache(interpreted):
+    gen = torch.Generator().manual_seed(9)
+    block, queries = torch.randn(5, 32, generator=gen).bfloat16(), torch.randn(6, 32, generator=gen)
+    cache = torch.full((6, 3, 5), 7.0)
+    block_logits_triton.attnres_block_logits(queries[2:], block, out=cache[2:, 1], block_d=16)
+    torch.testing.assert_close(cache[2:, 1].double(), _float64_logits(queries[2:], block, None), rtol=2e-6, atol=2e-5)
+    untouched = torch.ones_like(cache, dtype=torch.bool)
+    untouched[2:, 1] = False
+    assert (cache[untouched] == 7.0).all()
+
+
+def test_bad_arguments_name_the_argument(interpreted):
+    block, queries = torch.randn(4, 16), torch.randn(3, 16)
+    with pytest.raises(ValueError, match="queries"):
+        block_logits_triton.attnres_block_logits(torch.randn(3, 15), block)
+    with pytest.raises(ValueError, match="norm_weights"):
+        block_logits_triton.attnres_block_logits(queries, block, torch.randn(2, 16))
+    with pytest.raises(ValueError, match="out"):
+        block_logits_triton.attnres_block_logits(queries, block, out=torch.empty(3, 5))
+    with pytest.raises(ValueError, match="rows"):
+        block_logits_triton.attnres_block_logits(queries, block, rows=8)
+    with pytest.raises(ValueError, match="logits"):
+        inter_triton.attnres_inter(queries, torch.randn(2, 4, 16), logits=torch.empty(3, 1, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("rows", "dim"), [(64, 7168), (37, 200), (4100, 512)])
+def test_compiled_cached_phase_one_matches_float64_on_gpu(rows, dim):
+    """Compiled (bf16 MMAs on split parts, D chunks reduced by the last program of a tile at decode sizes):
+    the newest block's logits and phase 1 from the cache, against float64 math at serving-sized D."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    n_blocks, sites = 8, 24
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    blocks = (torch.randn(n_blocks, rows, dim, generator=gen, device="cuda") * 3).bfloat16()
+    queries = torch.randn(sites + 1, dim, generator=gen, device="cuda").bfloat16() * dim**-0.5
+    norm_w = (torch.rand(sites + 1, dim, generator=gen, device="cuda") + 0.5).bfloat16()
+    cache = torch.empty(sites + 1, n_blocks, rows, device="cuda")
+    for n in range(n_blocks):
+        block_logits_triton.attnres_block_logits(queries, blocks[n], norm_w, out=cache[:, n])
+        torch.testing.assert_close(cache[:, n].double(), _float64_logits(queries, blocks[n], norm_w),
+                                   rtol=1e-5, atol=1e-5)
+    got = inter_triton.attnres_inter(queries[:sites], blocks, norm_w[:sites], logits=cache[:sites])
+    logits = torch.stack([_float64_logits(queries[:sites], blocks[n], norm_w[:sites]) for n in range(n_blocks)], 1)
+    top = logits.max(1).values
+    weights = (logits - top.unsqueeze(1)).exp()
+    want = (top, weights.sum(1), torch.einsum("qnm,nmd->qmd", weights, blocks.double()))
+    for g, w64 in zip((got.max, got.denom, got.acc), want, strict=True):
+        torch.testing.assert_close(g.double(), w64, rtol=1e-5, atol=5e-5 * w64.abs().max().item())
