@@ -45,6 +45,8 @@ kda_prefill_block = _dispatcher("kernels.kda.naive", "kernels.kda.prefill_triton
 mla_decode_paged = _dispatcher("kernels.mla.naive", "kernels.mla.decode_triton", "mla_decode_paged")
 attnres_merge_norm = _dispatcher("kernels.attnres.naive", "kernels.attnres.merge_norm_triton", "attnres_merge_norm")
 attnres_inter = _dispatcher("kernels.attnres.naive", "kernels.attnres.inter_triton", "attnres_inter")
+attnres_block_logits = _dispatcher("kernels.attnres.naive", "kernels.attnres.block_logits_triton",
+                                   "attnres_block_logits")
 situ_glu_fused = _dispatcher("kernels.moe.naive", "kernels.moe.situ_glu_triton", "situ_glu_fused")
 latent_moe_decode = _dispatcher("kernels.moe.naive", "kernels.moe.latent_moe_decode_triton", "latent_moe_decode")
 moe_route = _dispatcher("kernels.fused.naive", "kernels.fused.moe_router_triton", "moe_route")
