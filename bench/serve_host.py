@@ -8,7 +8,7 @@ Drives the real engine step (`Engine._step`: scheduler, executor, the decode fas
 `context` tokens. Only the forward is replaced, by `StandInGraphs`: a STAND-IN for the captured CUDA graph
 whose replay does nothing and whose logits are a static tensor, so what is timed is host work only. The
 real forward cannot run here; the model and the page store live on the meta device (shapes and page ids
-are the preset's, no bytes; the store's fingerprint is stubbed for the setup's checkpoint). The stand-in
+are the preset's, no bytes; the store's fingerprints are stubbed for the setup's checkpoint). The stand-in
 logits are bf16 (the graph's dtype) with `--vocab` columns (default 64, not the preset's 163840): on a GPU
 the cast and argmax over them are device work, which on this CPU would be timed as host work (at 1024
 columns and batch 256 the CPU's bf16 argmax alone takes ~1 ms). Greedy rows, no tokenizer (the mini
@@ -60,6 +60,7 @@ from services.engine.decode_fastpath import DecodeFastPath
 from services.engine.decode_inputs import DecodeInputBuilder
 from services.engine.engine import Engine
 from services.engine.executor import Executor
+from services.engine.heap import freeze_startup_heap
 from services.engine.metrics import EngineMetrics
 from services.engine.model_runner import ModelRunner
 from services.engine.output import OutputProcessor
@@ -100,6 +101,30 @@ class StandInGraphs(DecodeGraphs):
         return self._graphs[size]
 
 
+class DeviceClock:
+    """STAND-IN for the GPU's timeline (`--replay-ms`): a replay keeps the device busy for `replay_s` after
+    the later of its launch and the previous replay's end, and a step's tokens are on the host once the
+    device is done (the engine thread sleeps until then, releasing the GIL as a CUDA event wait does). What
+    it measures is the device's idle per step: from the end of one replay to the launch of the next, i.e.
+    the host's critical path plus the engine thread's wake-up (the GIL taken back from the streams' thread)."""
+
+    def __init__(self, replay_s: float) -> None:
+        self.replay_s = replay_s
+        self.busy_until = 0.0
+        self.idle = 0.0  # added up since the caller last reset it
+
+    def replayed(self) -> None:
+        now = time.perf_counter()
+        if self.busy_until:
+            self.idle += max(0.0, now - self.busy_until)
+        self.busy_until = max(now, self.busy_until) + self.replay_s
+
+    def wait(self) -> None:
+        left = self.busy_until - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
 class StageTimer:
     """Wraps callables so that each call adds its wall time to a stage of the current step; "idle" adds the
     time from a step's tokens reaching the host (`tokens_ready`) to the next replay (`replayed`)."""
@@ -126,7 +151,8 @@ class StageTimer:
         return timed
 
 
-def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer, streams: StreamLoop) -> Engine:
+def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer, streams: StreamLoop,
+                 clock: DeviceClock | None = None) -> Engine:
     config = preset(args.model)
     with torch.device("meta"):
         model = K3Model(config)
@@ -134,21 +160,27 @@ def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer, stream
                          conv_dtype=torch.bfloat16, mla_dtype=torch.bfloat16, hash_block_tokens=args.hash_block)
     pages = batch * (layout.num_kda_groups + layout.num_mla_groups * (2 + args.context // layout.tokens_per_block))
     manager = PrefixCacheManager(layout, pages + 64, device="meta")
-    manager.store.fingerprint = lambda page, num_bytes: 0  # meta pages have no bytes to hash (setup only)
+    manager.store.fingerprints = lambda pages, num_bytes: [0] * len(pages)  # meta pages have no bytes (setup only)
     runner = ModelRunner(model, "cpu", max_model_len=args.max_model_len, max_batch=max(args.batches))
     executor = Executor(manager, runner, rank=0, tp_size=1, total_heads=config.kda_num_heads,
                         instance=common_pb2.InstanceId(service="bench"))
     # the executor takes the fast path on CUDA only (or with K3_DECODE_FASTPATH=1): here it is given one
     fast = executor.fastpath = executor.fastpath or DecodeFastPath(model, manager, max_model_len=args.max_model_len,
                                                                    max_batch=max(args.batches))
+    def replayed() -> None:
+        timer.replayed()
+        if clock is not None:
+            clock.replayed()
     fast.graphs = StandInGraphs(fast.builder, tuple(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch})),
-                                args.vocab, timer.replayed)
+                                args.vocab, replayed)
     recording = RecordingManager(manager)
     scheduler = Scheduler(recording, hash_block_tokens=args.hash_block, max_running=batch,
                           step_token_budget=8192, model_name=args.model)
     engine = Engine(executor, scheduler, recording, OutputProcessor(None, config.eos_token_id),
                     EngineMetrics.for_role("bench_host"))
     fill(engine, manager, batch, args.context, streams)
+    if args.freeze_heap:
+        freeze_startup_heap()  # as `Engine.start` does after a worker's warm-up
     # the stages: each wrapper adds its own time; "executor" is `execute` less the build and launch inside it
     for name in ("prepare", "compact"):
         setattr(fast.builder, name, timer.wrap("build", getattr(fast.builder, name)))
@@ -183,31 +215,37 @@ def fill(engine: Engine, manager: PrefixCacheManager, batch: int, context: int, 
     manager.commit_step()
 
 
-def run_steps(engine: Engine, timer: StageTimer, count: int) -> list[tuple[float, dict[str, float]]]:
+def run_steps(engine: Engine, timer: StageTimer, count: int, clock: DeviceClock | None = None
+              ) -> list[tuple[float, dict[str, float]]]:
     """(seconds, seconds per wrapped call) of each of `count` engine steps."""
     steps = []
     for _ in range(count):
         timer.current = defaultdict(float)
         began = time.perf_counter()
         engine._step()
+        if clock is not None:
+            timer.current["gpu_idle"], clock.idle = clock.idle, 0.0
         steps.append((time.perf_counter() - began, timer.current))
     return steps
 
 
 def measure(args: argparse.Namespace, batch: int) -> dict:
     timer, streams = StageTimer(), StreamLoop()
-    engine = build_engine(args, batch, timer, streams)
+    clock = DeviceClock(args.replay_ms / 1e3) if args.replay_ms else None
+    engine = build_engine(args, batch, timer, streams, clock)
     rows: dict[str, list[float]] = defaultdict(list)
     draw, result = sampler.sample_rows_async, sampler.SampledTokens.array
 
     def tokens(handle: sampler.SampledTokens) -> np.ndarray:
+        if clock is not None:
+            clock.wait()  # the device's draw: not host time
         out = timer.wrap("sample", result)(handle)
         timer.tokens_ready()
         return out
     sampler.sample_rows_async = decode_overlap.sample_rows_async = timer.wrap("sample", draw)
     sampler.SampledTokens.array = tokens  # type: ignore[method-assign]
     try:
-        steps = run_steps(engine, timer, args.warmup + args.steps)
+        steps = run_steps(engine, timer, args.warmup + args.steps, clock)
         engine.overlap.settle()  # the last step's tokens
     finally:
         sampler.sample_rows_async = decode_overlap.sample_rows_async = draw
@@ -217,12 +255,15 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
     for total, t in steps[args.warmup:]:
         staged = {stage: t[stage] for stage in STAGES if stage not in ("other", "step", "idle")}
         staged.update(other=total - sum(staged.values()), step=total, idle=t["idle"])
+        if clock is not None:
+            staged["gpu_idle"] = t["gpu_idle"]
         for stage, seconds in staged.items():
             rows[stage].append(1e3 * seconds)
     assert all(len(r.output) == 1 + args.warmup + args.steps for r in engine.scheduler.running)
     return {"batch": batch, "context": args.context, "overlap": engine.overlap.enabled,
-            **{stage: {"p50_ms": float(np.percentile(rows[stage], 50)), "p99_ms": float(np.percentile(rows[stage], 99))}
-               for stage in STAGES}}
+            **{stage: {"p50_ms": float(np.percentile(rows[stage], 50)), "p99_ms": float(np.percentile(rows[stage], 99)),
+                       "mean_ms": float(np.mean(rows[stage]))}
+               for stage in rows}, **({"replay_ms": args.replay_ms} if clock is not None else {})}
 
 
 def sampled_rows_ms(vocab: int, batch: int, reps: int = 20) -> dict:
@@ -248,7 +289,12 @@ def main() -> None:
     parser.add_argument("--hash-block", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=64, help="columns of the stand-in logits")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--replay-ms", type=float, default=0.0,
+                        help="emulate a device whose replay takes this long (DeviceClock): adds gpu_idle")
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--no-freeze-heap", dest="freeze_heap", action="store_false",
+                        help="leave the GC as it is (the code before `heap.freeze_startup_heap`)")
+    parser.add_argument("--no-sampled", dest="sampled", action="store_false", help="skip the sampled-rows timing")
     parser.add_argument("--label", default="after", help="this run's key in the JSON (before / after)")
     parser.add_argument("--out", default="bench/results/serve_host.json")
     parser.add_argument("--peer", default="before", help="the JSON key of the run the ratios compare against")
@@ -262,16 +308,20 @@ def main() -> None:
            "machine": f"{os.cpu_count()} CPU cores (shared), torch {torch.__version__}",
            "forward": "StandInGraphs: a stand-in replay (no-op) and static logits", "rows": []}
     print(f"host ms per decode step, {args.model}, context {args.context}, forward = STAND-IN (host time only)")
-    print(f"{'batch':>5} " + " ".join(f"{s + ' p50/p99':>18}" for s in STAGES) + f" {'step vs before':>14}")
+    columns = STAGES + (("gpu_idle",) if args.replay_ms else ())
+    print(f"{'batch':>5} " + " ".join(f"{s + ' p50/p99':>18}" for s in columns) + f" {'step vs before':>14}")
     for batch in args.batches:
         row = measure(args, batch)
         run["rows"].append(row)
         peer = before.get(batch)
         ratio = f"{peer['step']['p50_ms'] / row['step']['p50_ms']:>13.2f}x" if peer and args.label != args.peer else ""
-        print(f"{batch:>5} " + " ".join(f"{row[s]['p50_ms']:>8.3f}/{row[s]['p99_ms']:<9.3f}" for s in STAGES)
+        print(f"{batch:>5} " + " ".join(f"{row[s]['p50_ms']:>8.3f}/{row[s]['p99_ms']:<9.3f}" for s in columns)
               + f" {ratio:>14}", flush=True)
+        if args.replay_ms:
+            print(f"      device idle per step (emulated {args.replay_ms} ms replay): mean {row['gpu_idle']['mean_ms']:.3f} ms,"
+                  f" step mean {row['step']['mean_ms']:.3f} ms", flush=True)
     vocab = preset(args.model).vocab_size
-    for key, batch, reps in (("sampled_row", 1, 20), ("sampled_rows_64", 64, 5)):
+    for key, batch, reps in (("sampled_row", 1, 20), ("sampled_rows_64", 64, 5)) if args.sampled else ():
         run[key] = sampled_rows_ms(vocab, batch, reps)
         peer = result.get(args.peer, {}).get(key)
         ratio = f", {peer['p50_ms'] / run[key]['p50_ms']:.2f}x of {args.peer}" if peer and args.label != args.peer else ""

@@ -61,31 +61,51 @@ _CPU_CHUNK_WORDS, _DEVICE_CHUNK_WORDS = 1 << 15, 1 << 21
 
 def checksum_lanes(data: torch.Tensor, chunk_words: int | None = None) -> torch.Tensor:
     """The two 63-bit lanes of `checksum`, as an int64 tensor [2] on the data's device (no host sync)."""
-    raw = data.detach().contiguous().view(torch.uint8).reshape(-1)
-    nbytes = raw.numel()
-    step = 4 * (chunk_words or (_CPU_CHUNK_WORDS if raw.device.type == "cpu" else _DEVICE_CHUNK_WORDS))
-    total = raw.new_zeros((), dtype=torch.int64)
-    folded = raw.new_zeros((), dtype=torch.int64)
-    for start in range(0, nbytes, step):
-        part = raw[start : start + step]
-        if part.numel() % 4 or part.storage_offset() % 4:
-            part = torch.cat([part, part.new_zeros(-part.numel() % 4)])  # an aligned copy of one chunk
+    raw = data.detach().contiguous().view(torch.uint8).reshape(1, -1)
+    return checksum_rows(raw, [0], raw.shape[1], chunk_words)[0]
+
+
+def checksum_rows(matrix: torch.Tensor, rows: Sequence[int], num_bytes: int, chunk_words: int | None = None
+                  ) -> torch.Tensor:
+    """The lanes of `checksum(matrix[r, :num_bytes])` for each r in `rows`, as int64 [len(rows), 2] on the
+    matrix's device (no host sync). All rows go through each column chunk together: one gather and one set
+    of elementwise launches per chunk for every row (a chunk holds about `chunk_words` words in all), and
+    the XOR lane is folded once at the end, so the launches do not grow with the number of rows."""
+    raw = matrix.detach().view(torch.uint8)
+    device = raw.device
+    if not rows:
+        return torch.empty(0, 2, dtype=torch.int64, device=device)
+    index = torch.tensor(list(rows), dtype=torch.int64).to(device, non_blocking=True)
+    budget = chunk_words or (_CPU_CHUNK_WORDS if device.type == "cpu" else _DEVICE_CHUNK_WORDS)
+    step = 4 * max(1, budget // len(rows))
+    total = torch.zeros(len(rows), dtype=torch.int64, device=device)
+    folded: torch.Tensor | None = None  # [rows, chunk words]: XOR of every chunk, column by column
+    for start in range(0, num_bytes, step):
+        part = raw[:, start : min(start + step, num_bytes)].index_select(0, index)  # contiguous, aligned
+        if part.shape[1] % 4:
+            part = torch.nn.functional.pad(part, (0, -part.shape[1] % 4))  # the last word, zero-padded
         words = part.view(torch.int32).to(torch.int64).bitwise_and_(0xFFFFFFFF)  # little-endian uint32
-        mixed = mix63_(words.add_(position_keys(start // 4, words.numel(), words.device)).bitwise_and_(MASK63))
-        total = total + mixed.sum()  # int64 sums wrap mod 2**64 on every device; masked below
-        folded = folded ^ _xor_all(mixed)
-    return torch.stack([total & MASK63, folded ^ nbytes])
+        keys = position_keys(start // 4, words.shape[1], device)
+        mixed = mix63_(words.add_(keys).bitwise_and_(MASK63))
+        total += mixed.sum(dim=1)  # int64 sums wrap mod 2**64 on every device; masked below
+        if folded is None:
+            folded = mixed
+        else:
+            folded[:, : mixed.shape[1]] ^= mixed
+    xor = total if folded is None else _xor_fold(folded)  # no bytes: both lanes 0 (and the length 0)
+    return torch.stack([total & MASK63, xor ^ num_bytes], dim=1)
 
 
-def _xor_all(x: torch.Tensor) -> torch.Tensor:
-    """XOR of a non-empty 1-D int64 tensor as a 0-d tensor (torch has no xor reduction): halve and fold."""
-    while x.numel() > 1:
-        half = x.numel() // 2
-        head = x[:half] ^ x[half : 2 * half]
-        if x.numel() % 2:
-            head[:1] ^= x[-1:]
+def _xor_fold(x: torch.Tensor) -> torch.Tensor:
+    """XOR along the last dim of an int64 tensor [R, n >= 1] -> [R] (torch has no xor reduction): halve and
+    fold."""
+    while x.shape[1] > 1:
+        half = x.shape[1] // 2
+        head = x[:, :half] ^ x[:, half : 2 * half]
+        if x.shape[1] % 2:
+            head[:, :1] ^= x[:, -1:]
         x = head
-    return x.reshape(())
+    return x[:, 0]
 
 
 def lanes_to_int(lanes: list[int]) -> int:

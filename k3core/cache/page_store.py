@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3core.cache.hashing import checksum, checksums, fingerprint
+from k3core.cache.hashing import checksum, checksum_rows, fingerprint, lanes_to_int
 from k3core.cache.layout import PoolLayout
 from k3core.cache.pool import PageKind, PagePool
 
@@ -85,8 +85,9 @@ class PageStore:
         return checksum(self.data[page, :num_bytes])
 
     def fingerprints(self, pages: list[int], num_bytes: int) -> list[int]:
-        """`fingerprint` of each page, with one device sync for all of them."""
-        return checksums([self.data[page, :num_bytes] for page in pages])
+        """`fingerprint` of each page, row-batched (`checksum_rows`: one set of launches per chunk for all
+        pages, not per page), with one device sync for all of them."""
+        return [lanes_to_int(pair) for pair in checksum_rows(self.data, pages, num_bytes).tolist()]
 
     def zero(self, page: int) -> None:
         self.data[page].zero_()

@@ -70,6 +70,16 @@ def _plain(req: EngineRequest) -> bool:
     return req.phase is Phase.RUNNING and not req.forced and not req.options.logprobs
 
 
+def plain_order(rows: list[int], requests: list[EngineRequest], running: list[EngineRequest]) -> list[int]:
+    """`rows` (indices into `requests`) in the order a plain decode schedule visits their requests: by
+    arrival, ties in `running`'s order (the scheduler's stable sort). O(n log n): the positions are looked
+    up in a map built once (a `running.index` per key was quadratic when a whole batch crossed a block)."""
+    if len(rows) < 2:
+        return list(rows)
+    position = {id(req): k for k, req in enumerate(running)}
+    return sorted(rows, key=lambda i: (requests[i].arrival, position[id(requests[i])]))
+
+
 class DecodeOverlap:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -155,8 +165,7 @@ class DecodeOverlap:
             self._accept_rows(inflight, tokens, np.flatnonzero(~accepted).tolist())
             return False
         # Rows whose token starts a block: accepted and reserved now, in the plain schedule's order.
-        running = scheduler.running
-        for i in sorted(crossing, key=lambda i: (requests[i].arrival, running.index(requests[i]))):
+        for i in plain_order(crossing, requests, scheduler.running):
             if not accepted[i]:
                 engine._take(requests[i], int(tokens[i]))
                 accepted[i] = True

@@ -17,6 +17,7 @@ from services.engine.acceptance import accept_drafts
 from services.engine.decode_overlap import DecodeOverlap
 from services.engine.draft_runner import Proposal
 from services.engine.executor import Executor, StepResult
+from services.engine.heap import freeze_startup_heap
 from services.engine.metrics import EngineMetrics
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager, StepPlan
@@ -57,6 +58,9 @@ class Engine(TokenStreaming):
 
     # ---- called from the server's event loop ----------------------------------------------------------
     def start(self) -> None:
+        # after the warm-up (the worker builds the engine last): no full GC pass walks the startup heap
+        frozen = freeze_startup_heap()
+        log.info("startup heap frozen", extra={"objects": frozen})
         self._thread.start()
 
     def submit(self, req: EngineRequest) -> None:

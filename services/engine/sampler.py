@@ -9,6 +9,7 @@ offline run would produce (`sample_next`, the one-row case of `sample_rows`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,10 +26,17 @@ def token_seed(seed: int, index: int) -> int:
     return (seed * GOLDEN63 + index + 1) & MASK63
 
 
+@functools.lru_cache(maxsize=8)
+def column_keys(vocab: int, device: torch.device) -> torch.Tensor:
+    """(v + 1) * golden ratio mod 2**63 for every column v: the same for every draw on a device, so it is
+    built once per (vocab, device) instead of per sampled step (read only: `noise_bits` adds into a copy)."""
+    return position_keys(0, vocab, device)
+
+
 def noise_bits(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """keys [R] int64 in [0, 2**63) (token seeds) -> [R, vocab] int64 in [0, 2**63): a bijective mix of
     key + (v + 1) * golden ratio (mod 2**63) per column v; int64 products wrap, the mask keeps 63 bits."""
-    return mix63_(position_keys(0, vocab, keys.device).add(keys[:, None]).bitwise_and_(MASK63))
+    return mix63_(column_keys(vocab, keys.device).add(keys[:, None]).bitwise_and_(MASK63))
 
 
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from services.engine.acceptance import accept_drafts, draft_token
 from services.engine.params import GenerationOptions
 from services.engine.sampler import (
+    column_keys,
     gumbel_noise,
     noise_bits,
     sample_next,
@@ -47,6 +48,15 @@ def test_noise_bits_pinned_values():
     assert got[0] == [1517046713075839355, 7960286522194355700, 7036458801432265024]
     assert got[1][0] == 1097491722282735498
     assert got[2][2] == 2244677178587611952
+
+
+def test_column_keys_are_built_once_per_vocab_and_device_and_never_written():
+    cpu = torch.device("cpu")
+    keys = column_keys(3, cpu)
+    assert column_keys(3, cpu) is keys and column_keys(4, cpu) is not keys
+    first = noise_bits(torch.tensor([0, 1, MOD - 1]), 3)
+    assert keys.tolist() == [(v + 1) * GOLDEN % MOD for v in range(3)]  # noise_bits added into a copy
+    assert noise_bits(torch.tensor([0, 1, MOD - 1]), 3).equal(first)
 
 
 @settings(max_examples=40, deadline=None)

@@ -65,8 +65,33 @@ def test_tokens_per_second_window_equals_the_sum_over_its_last_ten_seconds(monke
 
 def test_host_bench_runs_the_engine_step_with_its_stand_in_forward():
     args = argparse.Namespace(model="nano", context=40, max_model_len=256, hash_block=16, vocab=16, steps=3,
-                              warmup=1, batches=[3])
+                              warmup=1, batches=[3], replay_ms=0.0, freeze_heap=False)
     row = serve_host.measure(args, 3)  # asserts every request got one token per step
     # overlapped steps (the default): no schedule call, the next step's image built while one runs
     assert row["batch"] == 3 and row["overlap"] and row["schedule"]["p50_ms"] == 0
     assert all(row[stage]["p50_ms"] > 0 for stage in ("build", "launch", "accept", "step", "idle"))
+    assert "gpu_idle" not in row
+
+
+def test_emulated_device_clock_counts_the_gap_between_a_replay_end_and_the_next_launch(monkeypatch):
+    now = [10.0]
+    monkeypatch.setattr(serve_host.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(serve_host.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+    clock = serve_host.DeviceClock(0.003)
+    clock.replayed()  # busy until 10.003
+    now[0] += 0.001
+    clock.replayed()  # launched while busy: queued, busy until 10.006, no idle
+    assert clock.idle == 0 and abs(clock.busy_until - 10.006) < 1e-12
+    clock.wait()  # the tokens: the host sleeps until the device is done
+    assert abs(now[0] - 10.006) < 1e-12
+    now[0] += 0.0005
+    clock.replayed()  # the host's critical path after the tokens: 0.5 ms of device idle
+    assert abs(clock.idle - 0.0005) < 1e-12
+
+
+def test_host_bench_with_an_emulated_device_reports_its_idle():
+    args = argparse.Namespace(model="nano", context=40, max_model_len=256, hash_block=16, vocab=16, steps=3,
+                              warmup=1, batches=[2], replay_ms=1.0, freeze_heap=False)
+    row = serve_host.measure(args, 2)
+    assert row["replay_ms"] == 1.0 and row["gpu_idle"]["p50_ms"] >= 0
+    assert row["step"]["mean_ms"] >= 0.9  # each step waits for the previous replay's tokens
