@@ -14,6 +14,7 @@ states and v_new stay on chip). The final conv windows are written by the recurr
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -142,9 +143,14 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if exact else "tf32"
 
 
-def fuses_output(sequences: int, heads: int, device: torch.device) -> bool:
-    """The default of kda_prefill_block's fuse_output: one program per sequence and head fills the SMs."""
-    return sequences * heads >= sm_count(device, cpu=4)
+def fuses_output(lengths: Sequence[int], heads: int, device: torch.device) -> bool:
+    """The default of kda_prefill_block's fuse_output for sequences of `lengths` tokens: one program per
+    sequence and head must fill the SMs, and the longest sequence must not hold many more chunks than the
+    mean (its programs' serial chain sets the pass's time). H200: B=8 x 4K, H=32 fused 3.93 vs 4.04 ms;
+    the varlen batch (12K longest, 4.2K mean) fused 4.81 vs 4.35 ms."""
+    chunks = [-(-n // CHUNK) for n in lengths]
+    balanced = max(chunks, default=0) <= 1.25 * sum(chunks) / max(len(chunks), 1)
+    return len(chunks) * heads >= sm_count(device, cpu=4) and balanced
 
 
 @functools.lru_cache(maxsize=64)
@@ -266,7 +272,8 @@ def kda_prefill_block(
             BK=k_block, F32_DOTS=f32_dots or q.dtype == torch.float16, DOT=dot, num_warps=ut_warps, num_stages=ut_stages,
             maxnreg=ut_maxnreg)
     if fuse_output is None:  # an explicit block_v asks for the split recurrence
-        fuse_output = not block_v and fuses_output(N, H, dev)
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        fuse_output = not block_v and fuses_output(lengths, H, dev)
     if fuse_output:
         block_v, recurrence_warps, stages = D, fused_warps, fused_stages
     elif not block_v:

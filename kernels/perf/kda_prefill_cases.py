@@ -242,8 +242,7 @@ def prefill_rows(shapes=None, variants=None) -> list[Row]:
                 except Exception:  # noqa: BLE001 - the accuracy check and the timing report the failure
                     traceback.print_exc()
                 if impl_block is ours_block and "block_v" not in tuning:  # check the timed shape's path
-                    sequences = len(lengths) if lengths else batch
-                    fused = prefill_triton.fuses_output(sequences, heads, x[0].device)
+                    fused = prefill_triton.fuses_output(lengths or [length] * batch, heads, x[0].device)
                     block = partial(impl_block, **{"fuse_output": fused, **tuning})
                 err = _errors(block, oracle)
                 rows.append(_measure(label, impl, fn, nbytes, err))

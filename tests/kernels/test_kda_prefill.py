@@ -79,14 +79,28 @@ def test_fused_output_launches_no_output_pass(interpreted, monkeypatch):
     _close(prefill_triton.kda_prefill_block(*x, *params), naive.kda_prefill_block(*x, *params))
 
 
-def test_triton_prefill_varlen_with_an_empty_sequence(interpreted):
-    """Packed sequences shorter than the conv window, spanning chunks, and empty (state passes through)."""
+def test_output_fuses_only_for_many_balanced_sequences():
+    """The CPU stands in for 4 SMs: sequences x heads must reach 4, and the longest sequence may hold at most
+    1.25x the mean chunk count (its serial chain would set the fused pass's time)."""
+    cpu = torch.device("cpu")
+    assert prefill_triton.fuses_output([64, 64], 2, cpu)
+    assert prefill_triton.fuses_output([70, 128, 100], 2, cpu)  # 2, 2, 2 chunks
+    assert not prefill_triton.fuses_output([64], 2, cpu)  # too few programs
+    assert not prefill_triton.fuses_output([300, 64, 64], 2, cpu)  # 5 chunks against a mean of 2.3
+    assert not prefill_triton.fuses_output([], 8, cpu)
+
+
+@pytest.mark.parametrize("fuse_output", [None, True])
+def test_triton_prefill_varlen_with_an_empty_sequence(interpreted, fuse_output):
+    """Packed sequences shorter than the conv window, spanning chunks, and empty (state passes through); the
+    output pass apart (the default for such uneven lengths) and fused."""
     gen = torch.Generator().manual_seed(13)
     params = CASE.params(gen)
     states, convs = CASE.pools(gen)
     x = CASE.tokens(gen, 1, 135)
     y, state, conv = prefill_triton.kda_prefill_block(*x, *params, initial_state=states[:4], initial_conv=convs[:4],
-                                                      cu_seqlens=torch.tensor([0, 2, 2, 70, 135]))
+                                                      cu_seqlens=torch.tensor([0, 2, 2, 70, 135]),
+                                                      fuse_output=fuse_output)
     keep = [0, 2, 3]  # the reference's conv cannot take an empty sequence: compare the others without it
     want = naive.kda_prefill_block(*x, *params, initial_state=states[keep], initial_conv=convs[keep],
                                    cu_seqlens=torch.tensor([0, 2, 70, 135]))
