@@ -70,6 +70,18 @@ def _plain(req: EngineRequest) -> bool:
     return req.phase is Phase.RUNNING and not req.forced and not req.options.logprobs
 
 
+def stop_hits(tokens: np.ndarray, stop_ids: np.ndarray) -> np.ndarray:
+    """tokens [rows] -> bool [rows]: the token is one of `stop_ids` (`np.isin`). On the launch's critical path:
+    a few ids (the EOS, a request's stop ids) are compared one by one (~1 us each at batch 256; `np.isin`
+    sorts and took 12-33 us here)."""
+    if len(stop_ids) > 8:
+        return np.isin(tokens, stop_ids)
+    hits = np.zeros(len(tokens), dtype=bool)
+    for stop in stop_ids.tolist():
+        hits |= tokens == stop
+    return hits
+
+
 def plain_order(rows: list[int], requests: list[EngineRequest], running: list[EngineRequest]) -> list[int]:
     """`rows` (indices into `requests`) in the order a plain decode schedule visits their requests: by
     arrival, ties in `running`'s order (the scheduler's stable sort). O(n log n): the positions are looked
@@ -146,7 +158,7 @@ class DecodeOverlap:
         started = time.perf_counter()
         self.inflight = None
         tokens = inflight.tokens.array()  # the device finished step N
-        candidates = inflight.always_check | np.isin(tokens, inflight.stop_ids)
+        candidates = inflight.always_check | stop_hits(tokens, inflight.stop_ids)
         accepted = candidates.copy()
         self._accept_rows(inflight, tokens, np.flatnonzero(candidates).tolist())
         requests = inflight.requests
@@ -169,7 +181,7 @@ class DecodeOverlap:
             if not accepted[i]:
                 engine._take(requests[i], int(tokens[i]))
                 accepted[i] = True
-            engine.manager.call("reserve", requests[i].rid, 1)
+            manager.reserve(requests[i].rid, 1)
         fast = engine.executor.fastpath
         image, size = inflight.image, inflight.size
         if len(live) < len(requests):  # the rows of requests that ended leave the batch, as in a plain step
@@ -193,10 +205,10 @@ class DecodeOverlap:
                 if requests[i].phase is not Phase.RUNNING:
                     raise RuntimeError(f"request {requests[i].rid!r} stopped on a token the stop check passed")
             if i not in reserved:
-                engine.manager.call("reserve", requests[i].rid, 1)
+                manager.reserve(requests[i].rid, 1)  # directly: at TP 1 no rank replays the calls
         for i in live:
             manager.forward_done(requests[i].rid)
-        engine.manager.take_calls()  # TP 1: no rank replays them
+        engine.manager.take_calls()  # those made through the recording manager (finishes, appends): dropped too
         engine._flush()
         self.inflight = self._prepare([requests[i] for i in live], next_tokens)
         # Last: a checkpoint taken at a hash boundary is fingerprinted here, which waits for this forward.
