@@ -16,9 +16,12 @@ first pair that names the expert). Kernel 3: a token's rows summed into u [T, l]
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kernels._triton import next_pow2, require, sm_count, tl, triton
+from kernels.moe.mxfp4_tile_triton import prepare
 from kernels.moe.tiles import Tile, default_tiles
 
 if triton is not None:
@@ -76,23 +79,23 @@ if triton is not None:
         return acc
 
     @triton.jit(do_not_specialize=["T"])  # one build for every decode batch (T = 1 would be a constant)
-    def _gate_up_kernel(x, ids, wgu, sgu, h, T, K, F, beta1, beta2, L: tl.constexpr, BR: tl.constexpr,
+    def _gate_up_kernel(x, ids, wgu, mgu, h, T, K, F, beta1, beta2, L: tl.constexpr, BR: tl.constexpr,
                         G: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                         X_PARTS: tl.constexpr, HP: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr):
         e, leader, first, _match, _index = _expert_tokens(ids, tl.program_id(0), T, K, TP, BK)
         if leader:
             rows = tl.program_id(1) * BR + tl.arange(0, BR)
             ok = rows < F
-            words, scales = wgu + e * (2 * F) * (L // 8), sgu + e * (2 * F) * (L // 32)
+            words, mults = wgu + e * (2 * F) * (L // 8), mgu + e * (2 * F) * (L // 32)
             for n0 in range(0, tl.sum((first < (1 << 30)).to(tl.int32)), BT):
                 _hit, pair, used = _slots(first, n0, BT)
                 g = tl.zeros([BT, BR], dtype=tl.float32)
                 u = tl.zeros([BT, BR], dtype=tl.float32)
                 for g0 in tl.range(0, L // 32, G, num_stages=STAGES):
                     xt = _activations(x + (pair // K) * L, used, g0 * 32, BT, G)
-                    gate = mxfp4_tile(words, scales, rows, ok, g0, L // 8, G, USE_ASM)
+                    gate = mxfp4_tile(words, mults, rows, ok, g0, L // 8, G, USE_ASM)
                     g = _dot_parts(gate, xt, g, X_PARTS, USE_ASM)
-                    up = mxfp4_tile(words, scales, rows + F, ok, g0, L // 8, G, USE_ASM)
+                    up = mxfp4_tile(words, mults, rows + F, ok, g0, L // 8, G, USE_ASM)
                     u = _dot_parts(up, xt, u, X_PARTS, USE_ASM)
                 rest = situ_glu_values(unshift(g), unshift(u), beta1, beta2)
                 for p in tl.static_range(HP):
@@ -102,21 +105,21 @@ if triton is not None:
                     rest = rest - part.to(tl.float32)
 
     @triton.jit(do_not_specialize=["T"])  # one build for every decode batch (T = 1 would be a constant)
-    def _down_kernel(h, ids, weights, wd, sd, partial, T, K, L, F: tl.constexpr, BR: tl.constexpr,
+    def _down_kernel(h, ids, weights, wd, md, partial, T, K, L, F: tl.constexpr, BR: tl.constexpr,
                      G: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, HP: tl.constexpr,
                      STAGES: tl.constexpr, USE_ASM: tl.constexpr):
         e, leader, first, match, index = _expert_tokens(ids, tl.program_id(0), T, K, TP, BK)
         if leader:
             rows = tl.program_id(1) * BR + tl.arange(0, BR)
             ok = rows < L
-            words, scales = wd + e * L * (F // 8), sd + e * L * (F // 32)
+            words, mults = wd + e * L * (F // 8), md + e * L * (F // 32)
             # A token that names the expert in several slots gets the sum of their router weights.
             p_tok = tl.sum(tl.load(weights + index, mask=match, other=0.0), 1)
             for n0 in range(0, tl.sum((first < (1 << 30)).to(tl.int32)), BT):
                 hit, pair, used = _slots(first, n0, BT)
                 acc = tl.zeros([BT, BR], dtype=tl.float32)
                 for g0 in tl.range(0, F // 32, G, num_stages=STAGES):
-                    w = mxfp4_tile(words, scales, rows, ok, g0, F // 8, G, USE_ASM)
+                    w = mxfp4_tile(words, mults, rows, ok, g0, F // 8, G, USE_ASM)
                     for p in tl.static_range(HP):
                         ht = _activations(h + (p * T * K + pair) * F, used, g0 * 32, BT, G)
                         acc = _mma(w, ht, acc, USE_ASM)
@@ -139,9 +142,21 @@ if triton is not None:
         tl.store(out + t * L + cols, tl.sum(rows, 0).to(out.dtype.element_ty), mask=cols < L)
 
 
-def _words(packed: torch.Tensor) -> torch.Tensor:
-    """The packed bytes as int32 words (8 codes each); a view, no copy."""
-    return packed.contiguous().view(torch.int32)
+class PreparedExperts(NamedTuple):
+    """MXFP4 experts in the decoder's layout (kernels.moe.mxfp4_tile_triton.prepare): int32 words and uint8
+    multiplier fields of W_gate;W_up [E, 2F, l / 8], [E, 2F, l / 32] and of W_down [E, l, F / 8], [E, l, F / 32]."""
+
+    gate_up_words: torch.Tensor
+    gate_up_mults: torch.Tensor
+    down_words: torch.Tensor
+    down_mults: torch.Tensor
+
+
+def prepare_experts(gate_up_packed: torch.Tensor, gate_up_scales: torch.Tensor, down_packed: torch.Tensor,
+                    down_scales: torch.Tensor) -> PreparedExperts:
+    """Canonical packs -> PreparedExperts, once per weight load (the same number of bytes)."""
+    require(gate_up_packed.dtype == torch.uint8 and down_packed.dtype == torch.uint8, "packed weights are uint8")
+    return PreparedExperts(*prepare(gate_up_packed, gate_up_scales), *prepare(down_packed, down_scales))
 
 
 def _parts(dtype: torch.dtype) -> int:
@@ -158,25 +173,47 @@ def latent_moe_decode(
     """u = sum_j p_j E_{id_j}(x) per token (eq.11's routed sum, in the latent width l).
 
     x [T, l]; expert_ids, expert_weights [T, k]; gate_up_* for W_gate;W_up stacked [E, 2F, l] and down_*
-    for W_down [E, l, F], both MXFP4-packed. Returns u [T, l] in x's dtype. Tuning: `gate_up_tile` and
-    `down_tile` (kernels.moe.tiles.Tile; default: `default_tiles` by T k and the SM count), `token_block`
-    tokens of one expert per product (>= 16; an expert chosen by more tokens takes several passes),
-    `h_parts` bf16 parts of the SiTU-GLU output h in the down product (default: as many as x's dtype
-    needs, so h keeps x's precision: 1 for bf16, 2 for fp16, 3 for float32).
+    for W_down [E, l, F], both MXFP4-packed (k3core.quant.mxfp4). Returns u [T, l] in x's dtype. The packs
+    are re-laid out on every call: a caller that keeps its experts calls `prepare_experts` once and
+    `latent_moe_decode_prepared`. Tuning: see latent_moe_decode_prepared.
     """
-    T, L = x.shape
     E, two_f, half_l = gate_up_packed.shape
+    L = x.shape[-1]
     F = two_f // 2
-    K = expert_ids.shape[1]
-    require(x.is_contiguous(), "x must be contiguous")
     require(half_l * 2 == L, f"gate_up_packed must be [E, 2F, {L // 2}], got {tuple(gate_up_packed.shape)}")
     require(gate_up_scales.shape == (E, two_f, L // 32), f"gate_up_scales must be [{E}, {two_f}, {L // 32}]")
     require(down_packed.shape == (E, L, F // 2), f"down_packed must be [{E}, {L}, {F // 2}], got "
             f"{tuple(down_packed.shape)}")
     require(down_scales.shape == (E, L, F // 32), f"down_scales must be [{E}, {L}, {F // 32}]")
+    experts = prepare_experts(gate_up_packed, gate_up_scales, down_packed, down_scales)
+    return latent_moe_decode_prepared(x, expert_ids, expert_weights, experts, beta1, beta2, gate_up_tile,
+                                      down_tile, token_block, h_parts)
+
+
+def latent_moe_decode_prepared(
+    x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, experts: PreparedExperts,
+    beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None, down_tile: Tile | None = None,
+    token_block: int = 16, h_parts: int | None = None,
+) -> torch.Tensor:
+    """latent_moe_decode on `prepare_experts`' layout. Tuning: `gate_up_tile` and `down_tile`
+    (kernels.moe.tiles.Tile; default: `default_tiles` by T k and the SM count), `token_block` tokens of one
+    expert per product (>= 16; an expert chosen by more tokens takes several passes), `h_parts` bf16 parts
+    of the SiTU-GLU output h in the down product (default: as many as x's dtype needs, so h keeps x's
+    precision: 1 for bf16, 2 for fp16, 3 for float32).
+    """
+    T, L = x.shape
+    gu_words, gu_mults, d_words, d_mults = experts
+    E, two_f, l_words = gu_words.shape
+    F = two_f // 2
+    K = expert_ids.shape[1]
+    require(x.is_contiguous(), "x must be contiguous")
+    require(gu_words.dtype == torch.int32 and d_words.dtype == torch.int32, "prepared words are int32")
+    require(l_words * 8 == L, f"gate_up_words must be [E, 2F, {L // 8}], got {tuple(gu_words.shape)}")
+    require(gu_mults.shape == (E, two_f, L // 32), f"gate_up_mults must be [{E}, {two_f}, {L // 32}]")
+    require(d_words.shape == (E, L, F // 8), f"down_words must be [{E}, {L}, {F // 8}], got "
+            f"{tuple(d_words.shape)}")
+    require(d_mults.shape == (E, L, F // 32), f"down_mults must be [{E}, {L}, {F // 32}]")
     require(expert_weights.shape == (T, K), f"expert_weights must be [{T}, {K}] like expert_ids")
-    require(gate_up_packed.dtype == torch.uint8 and down_packed.dtype == torch.uint8,
-            "packed weights are uint8")
     require(token_block >= 16 and token_block == next_pow2(token_block),
             f"token_block must be a power of two >= 16, got {token_block}")
     hp = h_parts or _parts(x.dtype)
@@ -190,13 +227,13 @@ def latent_moe_decode(
               "USE_ASM": x.is_cuda}
     h = torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device)
     _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
-        x, ids, _words(gate_up_packed), gate_up_scales, h, T, K, F, beta1, beta2, L=L,
+        x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, T, K, F, beta1, beta2, L=L,
         X_PARTS=_parts(x.dtype), BR=gu_tile.rows, G=gu_groups, STAGES=gu_tile.stages, **common,
         **gu_tile.launch_options(),
     )
     partial = torch.empty(T * K, L, dtype=torch.float32, device=x.device)
     _down_kernel[(T * K, triton.cdiv(L, d_tile.rows))](
-        h, ids, expert_weights.contiguous(), _words(down_packed), down_scales, partial, T, K, L, F=F,
+        h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial, T, K, L, F=F,
         BR=d_tile.rows, G=d_groups, STAGES=d_tile.stages, **common, **d_tile.launch_options(),
     )
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)

@@ -2,25 +2,57 @@
 
 An e2m1 code is s|e1 e0|m0. Placed with the sign at bit 15 and e1 e0 m0 at bits 8..6 of a bf16, it reads as
 the code's value times 2^-126 exactly: e >= 1 codes become normal numbers, the subnormal e2m1 0.5 a bf16
-subnormal. The packed bytes are read as 32-bit words of 8 codes (k3core.quant.mxfp4 puts element 2i in the
-low nibble of byte i, so nibble j of a word is element j of its 8); nibbles j and j + 4 land in the two
-halves of one register with two shifts and two masks, and one bf16x2 multiply by 2^(scale - 1 - SHIFT)
-(built from the e8m0 byte with one integer multiply-add) applies the group's scale: 3-4 integer operations
-and one multiply per two weights, no float32 conversion. The products carry a factor 2^-SHIFT (keeping
-large scales inside bf16's range) that callers undo on their float32 accumulators: results are exact for
-e8m0 scales in [2^-93, 2^33] (below, the smallest weights become bf16 subnormals); larger scales, the 0xFF
-(NaN) code included, decode to +-inf (NaN for zero codes), so such a block makes the output non-finite as
-the reference's NaN does.
+subnormal. The weights come in k3core.quant.mxfp4_device's layout, prepared once at load time (`prepare`
+below): per 32-bit word of 8 codes, register j (codes j and j + 4 as two bf16 patterns) is one `lop3` of one
+or two rotations of the word, 8 integer operations per word. One bf16x2 multiply by 2^(scale - 1 - SHIFT)
+per register applies the group's scale; its bf16 exponent field is also prepared at load time, so the
+multiplier register is one integer multiply. The products carry a factor 2^-SHIFT (keeping large scales
+inside bf16's range) that callers undo on their float32 accumulators: results are exact for e8m0 scales in
+[2^-93, 2^33] (below, the smallest weights become bf16 subnormals); larger scales, the 0xFF (NaN) code
+included, decode to +-inf (NaN for zero codes), so such a block makes the output non-finite as the
+reference's NaN does.
 """
 
 from __future__ import annotations
 
+import torch
+
+from k3core.quant.mxfp4_device import PAIR_MASK, ROTATIONS, decode_multipliers, device_words
 from kernels._triton import tl, triton
 
 SHIFT = 32  # 2^-SHIFT rides on every decoded weight; accumulators are multiplied by 2^SHIFT at the end
+# A bf16 exponent field f in both halves of a register: f << 7 | f << 23.
+_FIELD_TO_BF16X2 = (1 << 7) | (1 << 23)
+
+
+def prepare(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical MXFP4 (packed uint8 [..., K // 2], e8m0 scales [..., K // 32]) -> what `mxfp4_tile` reads:
+    int32 words [..., K // 8] in the device layout and uint8 multiplier fields [..., K // 32]. Once per
+    weight load; the same bytes."""
+    return device_words(packed), decode_multipliers(scales, SHIFT)
+
+
+def _decode_asm() -> str:
+    """PTX of one word ($8) and multiplier field ($9) -> 8 bf16 ($j: code j, $j+4: code j + 4, the low and
+    high halves of register j), from the layout's rotations and mask (nothing here is a hand-copied constant)."""
+    rotations = sorted({r for rots in ROTATIONS for r in rots if r})
+    lines = [".reg .b32 m, p" + "".join(f", r{r}" for r in rotations) + ";",
+             f"mul.lo.u32 m, $9, {_FIELD_TO_BF16X2:#x};"]
+    lines += [f"shf.r.wrap.b32 r{r}, $8, $8, {r};" for r in rotations]
+    for j, rots in enumerate(ROTATIONS):
+        a, b = (f"r{r}" if r else "$8" for r in (rots + rots)[:2])
+        # lop3 truth tables over (a=0xF0, b=0xCC, c=0xAA): a & c, or (a ^ b) & c.
+        lut = 0xA0 if len(rots) == 1 else 0x28
+        lines += [f"lop3.b32 p, {a}, {b}, {PAIR_MASK:#x}, {lut:#x};",
+                  f"mul.rn.bf16x2 p, p, m; mov.b32 {{${j}, ${j + 4}}}, p;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
 
 if triton is not None:
     _SHIFT = tl.constexpr(SHIFT)
+    _MASK = tl.constexpr(PAIR_MASK)
+    _ROTATIONS = tl.constexpr(ROTATIONS)
+    _DECODE_ASM = tl.constexpr(_decode_asm())
 
     @triton.jit
     def unshift(acc):
@@ -28,70 +60,55 @@ if triton is not None:
         return acc * (2.0**_SHIFT)
 
     @triton.jit
-    def _multiplier(s):
-        """e8m0 bytes (uint32) -> bf16 bits of 2^(s - 1 - SHIFT): a code's bf16 pattern (value x 2^-126) times
-        this is value x 2^(s - 127 - SHIFT). Capped at +inf (bits 0x7F80) for scales above 2^(SHIFT + 1)."""
-        return (tl.minimum(s, 129 + _SHIFT) + (126 - _SHIFT)) << 7
+    def _rotate(w, r: tl.constexpr):
+        if r == 0:
+            return w
+        return (w >> r) | (w << (32 - r))
 
     @triton.jit
-    def _pair_bits(w, J: tl.constexpr):
-        """bf16 patterns (value x 2^-126) of nibbles J (low half) and J + 4 (high half) of uint32 words."""
-        if J < 2:
-            mag = w << (6 - 4 * J)
-        else:
-            mag = w >> (4 * J - 6)
-        return (mag & 0x01C001C0) | ((w << (12 - 4 * J)) & 0x80008000)
+    def _decode_portable(w, m):
+        """Interpreter path: the PTX's registers, each half widened to float32 bits (the interpreter flushes
+        bf16 subnormals), scaled in float32 (exact: a power of two)."""
+        scale = (m << 23).to(tl.float32, bitcast=True)
+        low = []
+        high = []
+        for j in tl.static_range(4):
+            rots = _ROTATIONS[j]
+            bits = _rotate(w, rots[0])
+            if len(rots) == 2:
+                bits = bits ^ _rotate(w, rots[1])
+            bits = bits & _MASK
+            for half in tl.static_range(2):
+                value = ((((bits >> (16 * half)) & 0xFFFF) << 16).to(tl.float32, bitcast=True) * scale)
+                if half == 0:
+                    low.append(value.to(tl.bfloat16))
+                else:
+                    high.append(value.to(tl.bfloat16))
+        return low[0], low[1], low[2], low[3], high[0], high[1], high[2], high[3]
 
     @triton.jit
-    def _decode_portable(w, s):
-        """Interpreter path: the same bf16 patterns widened to float32 bits (the interpreter flushes bf16
-        subnormals), scaled in float32 (exact: a power of two)."""
-        m = _multiplier(s)
-        out = []
-        for half in tl.static_range(2):
-            for j in tl.static_range(4):
-                bits = ((_pair_bits(w, j) >> (16 * half)) & 0xFFFF) << 16
-                out.append((bits.to(tl.float32, bitcast=True) * (m << 16).to(tl.float32, bitcast=True))
-                           .to(tl.bfloat16))
-        return out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7]
+    def _decode_ptx(w, m):
+        """GPU path: the multiplier, 4 rotations, and per register one lop3 and one bf16x2 multiply."""
+        return tl.inline_asm_elementwise(_DECODE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, m],
+                                         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
 
     @triton.jit
-    def _decode_ptx(w, s):
-        """GPU path: per word, the multiplier in both halves (min, multiply-add), then four (shift, shift,
-        mask, mask, or) pairs and four bf16x2 multiplies."""
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 a, b, p, m;
-            min.u32 m, $9, 161; mad.lo.u32 m, m, 0x00800080, 0x2F002F00;
-            shl.b32 a, $8, 6; shl.b32 b, $8, 12; and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000;
-            or.b32 p, a, b; mul.rn.bf16x2 p, p, m; mov.b32 {$0, $4}, p;
-            shl.b32 a, $8, 2; shl.b32 b, $8, 8; and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000;
-            or.b32 p, a, b; mul.rn.bf16x2 p, p, m; mov.b32 {$1, $5}, p;
-            shr.b32 a, $8, 2; shl.b32 b, $8, 4; and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000;
-            or.b32 p, a, b; mul.rn.bf16x2 p, p, m; mov.b32 {$2, $6}, p;
-            shr.b32 a, $8, 6; and.b32 a, a, 0x01C001C0; and.b32 b, $8, 0x80008000;
-            or.b32 p, a, b; mul.rn.bf16x2 p, p, m; mov.b32 {$3, $7}, p;
-            }""",
-            "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, s], dtype=(tl.bfloat16,) * 8, is_pure=True,
-            pack=1)
-
-    @triton.jit
-    def mxfp4_tile(words, scales, rows, row_ok, g0, WORDS: tl.constexpr, G: tl.constexpr,
+    def mxfp4_tile(words, mults, rows, row_ok, g0, WORDS: tl.constexpr, G: tl.constexpr,
                    USE_ASM: tl.constexpr):
-        """bf16 [len(rows), 32 G] tile of weights x 2^-SHIFT, columns 32 g0 .. 32 (g0 + G), from a packed
-        matrix of rows of WORDS uint32 words and its e8m0 scales (one byte per 4 words). Column order:
-        position 8c + p holds column 8c + p // 2 + 4 (p % 2) (activations are loaded in the same order)."""
+        """bf16 [len(rows), 32 G] tile of weights x 2^-SHIFT, columns 32 g0 .. 32 (g0 + G), from `prepare`'s
+        words (rows of WORDS) and multiplier fields (one byte per 4 words). Column order: position 8c + p
+        holds column 8c + p // 2 + 4 (p % 2) (activations are loaded in the same order)."""
         w = tl.load(words + rows[:, None] * WORDS + g0 * 4 + tl.arange(0, 4 * G)[None, :],
                     mask=row_ok[:, None], other=0)
         w = tl.reshape(w, (rows.shape[0], G, 4)).to(tl.uint32, bitcast=True)
-        s = tl.load(scales + rows[:, None] * (WORDS // 4) + g0 + tl.arange(0, G)[None, :],
+        m = tl.load(mults + rows[:, None] * (WORDS // 4) + g0 + tl.arange(0, G)[None, :],
                     mask=row_ok[:, None], other=0)
-        s = tl.broadcast_to(s.to(tl.uint32)[:, :, None], w.shape)
+        m = tl.broadcast_to(m.to(tl.uint32)[:, :, None], w.shape)
         if USE_ASM:
-            e0, e1, e2, e3, e4, e5, e6, e7 = _decode_ptx(w, s)
+            e0, e1, e2, e3, e4, e5, e6, e7 = _decode_ptx(w, m)
         else:
-            e0, e1, e2, e3, e4, e5, e6, e7 = _decode_portable(w, s)
-        # join appends the new axis last: the pairs (j, j + 4) that share a register stay adjacent (no byte
+            e0, e1, e2, e3, e4, e5, e6, e7 = _decode_portable(w, m)
+        # join appends the new axis last: the pairs (j, j + 4) that share a register stay adjacent (no 16-bit
         # shuffles), which gives the column order above.
         low = tl.join(tl.join(e0, e2), tl.join(e1, e3))
         high = tl.join(tl.join(e4, e6), tl.join(e5, e7))

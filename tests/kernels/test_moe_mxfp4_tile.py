@@ -1,4 +1,5 @@
-"""MXFP4 -> bf16 tile decoding (kernels.moe.mxfp4_tile_triton) against k3core's dequantize, interpreted."""
+"""MXFP4 -> bf16 tile decoding (kernels.moe.mxfp4_tile_triton, on k3core.quant.mxfp4_device's layout) against
+k3core's dequantize, interpreted."""
 
 from __future__ import annotations
 
@@ -7,22 +8,23 @@ import torch
 
 from k3core.quant.mxfp4 import dequantize
 from kernels._triton import tl, triton
-from kernels.moe.mxfp4_tile_triton import SHIFT, mxfp4_tile
+from kernels.moe.mxfp4_tile_triton import SHIFT, mxfp4_tile, prepare
 
 ROWS, GROUPS = 16, 4  # 16 rows x 128 columns: every code in every row, 4 scales per row
 
 
 @triton.jit
-def tile_kernel(words, scales, out, R: tl.constexpr, WORDS: tl.constexpr):
+def tile_kernel(words, mults, out, R: tl.constexpr, WORDS: tl.constexpr):
     rows = tl.arange(0, R)
-    t = mxfp4_tile(words, scales, rows, rows < R, 0, WORDS, WORDS // 4, False)
+    t = mxfp4_tile(words, mults, rows, rows < R, 0, WORDS, WORDS // 4, False)
     tl.store(out + rows[:, None] * (8 * WORDS) + tl.arange(0, 8 * WORDS)[None, :], t.to(tl.float32))
 
 
 def _decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Whole matrix through `mxfp4_tile`, positions in the tile's order, times 2^SHIFT, as float64."""
+    """Whole matrix through `prepare` and `mxfp4_tile`, positions in the tile's order, times 2^SHIFT, as
+    float64."""
     out = torch.empty(packed.shape[0], packed.shape[1] * 2)
-    tile_kernel[(1,)](packed.view(torch.int32), scales, out, R=packed.shape[0], WORDS=packed.shape[1] // 4)
+    tile_kernel[(1,)](*prepare(packed, scales), out, R=packed.shape[0], WORDS=packed.shape[1] // 4)
     return out.double() * 2.0**SHIFT
 
 
