@@ -8,14 +8,16 @@
 #  F1 pick_tuning's choice from A at all four shapes, if it differs from the default.
 # BUDGET (s, from the start of this script) bounds the whole; each phase gets what is left, F0 keeping
 # RESERVE s for A and F1 when VARIANTS is set. Round 4 (history 20 in docs/kernels.md) ran this with
-# T_WARM=70 and RESERVE=55: F0 was cut in fla's B=8 autotuning, so the defaults are now longer.
+# T_WARM=70 and RESERVE=55: F0 was cut in fla's B=8 autotuning. Session 5 (history 21): BUDGET=163,
+# T_WARM=80 gave no row at all (warm-ups cut, F0's 71 s spent in fla's first autotuning): a same-run
+# comparison with fla needs BUDGET >= 240 with the default T_WARM=130, about 300 device-seconds in all.
 set -u
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
 pip install --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD
-left() { echo $(( ${BUDGET:-220} - ($(date +%s) - START) )); }
+left() { echo $(( ${BUDGET:-240} - ($(date +%s) - START) )); }
 # A phase's time limit: what is left less $1, at least 1 s (`timeout 0` would mean no limit at all).
 limit() { local s=$(( $(left) - $1 )); echo $(( s > 1 ? s : 1 )); }
 log() { echo "$1 after $(( $(date +%s) - START )) s" >> "$OUT/env.txt"; }
@@ -23,15 +25,19 @@ python3 -c 'import sys,torch,triton;print(sys.version, torch.__version__, triton
 VARIANTS="${VARIANTS-}"
 RESERVE=$([ -n "$VARIANTS" ] && echo "${RESERVE:-55}" || echo 3)
 F0_VARIANTS="default${F0_VARIANTS:+,$F0_VARIANTS}"
-KDA_PREFILL_VARIANTS="$F0_VARIANTS${VARIANTS:+,$VARIANTS}" timeout -k 3 "${T_WARM:-100}" \
-  python3 -m kernels.perf.kda_prefill_cases --warm-ours > "$OUT/warm_ours.log" 2>&1 &
+# Each warm-up logs its exit status and time (124: cut by T_WARM; session 5 could not tell which was cut).
+warm() { local f=$1; shift; "$@" > "$f" 2>&1; echo "rc=$? after $(( $(date +%s) - START )) s" >> "$f"; }
+KDA_PREFILL_VARIANTS="$F0_VARIANTS${VARIANTS:+,$VARIANTS}" warm "$OUT/warm_ours.log" timeout -k 3 "${T_WARM:-130}" \
+  python3 -m kernels.perf.kda_prefill_cases --warm-ours &
 for s in "B=1,T=32K" "B=8" "varlen"; do
-  FLA_CACHE_RESULTS=0 timeout -k 3 "${T_WARM:-100}" python3 -m kernels.perf.kda_prefill_cases --warm-peer "$s" \
-    > "$OUT/warm_${s//[^A-Za-z0-9]/_}.log" 2>&1 &
+  FLA_CACHE_RESULTS=0 warm "$OUT/warm_${s//[^A-Za-z0-9]/_}.log" timeout -k 3 "${T_WARM:-130}" \
+    python3 -m kernels.perf.kda_prefill_cases --warm-peer "$s" &
 done
 wait; log "warm"
-KDA_PREFILL_ROWS="$OUT/final.jsonl" KDA_PREFILL_VARIANTS="$F0_VARIANTS" timeout -k 3 "$(limit "$RESERVE")" \
-  python3 -m bench.kernels --only kda_prefill --out "$OUT/final.json" > "$OUT/final.log" 2>&1
+# Ours first (F0_PEER=last): a limit that falls inside fla's autotuning then still leaves ours measured.
+KDA_PREFILL_PEER="${F0_PEER:-last}" KDA_PREFILL_ROWS="$OUT/final.jsonl" KDA_PREFILL_VARIANTS="$F0_VARIANTS" \
+  timeout -k 3 "$(limit "$RESERVE")" python3 -m bench.kernels --only kda_prefill --out "$OUT/final.json" \
+  > "$OUT/final.log" 2>&1
 log "final rc=$?"
 [ -n "$VARIANTS" ] || exit 0
 KDA_PREFILL_ROWS="$OUT/variants.jsonl" KDA_PREFILL_PEER=0 KDA_PREFILL_SHAPES="B=1,T=32K" \
