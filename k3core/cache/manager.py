@@ -26,7 +26,7 @@ from k3core.cache.cpu_tier import CpuTier
 from k3core.cache.layout import PoolLayout
 from k3core.cache.lookup import Hit, PrefixLookup
 from k3core.cache.metrics import CacheMetrics
-from k3core.cache.page_store import CopyOp, PageStore
+from k3core.cache.page_store import CopyOp, PageStore, PendingFingerprints
 from k3core.cache.paged_view import PagedBatchCache
 from k3core.cache.pool import OutOfPages, PageKind, PagePool
 from k3core.cache.prefix_index import Block, PrefixIndex
@@ -62,6 +62,8 @@ class PrefixCacheManager:
         self.snapshots = Snapshots(self)
         self.requests: dict[str, CachedRequest] = {}
         self.integrity_errors = 0
+        # checkpoints committed with their checksum still on the device (`commit_step`, `settle_fingerprints`)
+        self._unsettled: list[tuple[list[Checkpoint], PendingFingerprints]] = []
         # read on every request of every step
         self._hash_block = layout.hash_block_tokens
         self._hash_blocks_per_block = layout.hash_blocks_per_block
@@ -196,16 +198,29 @@ class PrefixCacheManager:
             self.pre_forward()
         if self.store is not None:
             self.store.run(queue.post_ops)
-            used = self.layout.kda_page_used_bytes
             pending = self.checkpoints.pending()
-            prints = iter(self.store.fingerprints([p for c in pending for p in c.pages], used))  # one sync
-            for checkpoint in pending:
-                checkpoint.fingerprints = [next(prints) for _ in checkpoint.pages]
+            if pending:
+                # Queued behind this step's forward and snapshot copies, not waited for: the values reach the
+                # checkpoints when first read (`settle_fingerprints`), the forward long done by then.
+                self.settle_fingerprints()
+                pages = [p for c in pending for p in c.pages]
+                self._unsettled.append((pending, self.store.fingerprints_later(pages, self.layout.kda_page_used_bytes)))
         self.checkpoints.commit()
         self.index.commit()
         queue.release(self.pool)
         if self.metrics is not None:
             self.metrics.checkpoint_bytes.set(self.checkpoints.num_pages * self.layout.page_bytes)
+
+    def settle_fingerprints(self) -> None:
+        """Give the checkpoints committed so far their fingerprints (`Checkpoint.fingerprints`), waiting for
+        the device if their checksum is still running. Called before anything reads them (the tiering's
+        restore check and write-back) and by the next commit: the values are the ones the checksum took at
+        the commit, wherever in between they are set."""
+        unsettled, self._unsettled = self._unsettled, []
+        for checkpoints, pending in unsettled:
+            prints = iter(pending.result())
+            for checkpoint in checkpoints:
+                checkpoint.fingerprints = [next(prints) for _ in checkpoint.pages]
 
     def finish(self, rid: str, turn_boundary: bool = True) -> None:
         """Release a finished (or aborted, `turn_boundary=False`) request. Its latest checkpoint is the

@@ -37,6 +37,25 @@ class CopyOp:
     src_host: torch.Tensor | None = None
 
 
+class PendingFingerprints:
+    """Checksum lanes computed (or queued) on the pool's device, on their way to pinned host memory."""
+
+    def __init__(self, lanes: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        self._host = lanes
+        if lanes.device.type == "cuda":
+            self._host = torch.empty(lanes.shape, dtype=lanes.dtype, pin_memory=True)
+            self._host.copy_(lanes, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> list[int]:
+        """The fingerprints (waits for the device only if the checksum has not finished yet)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return [lanes_to_int(pair) for pair in self._host.tolist()]
+
+
 class PageStore:
     def __init__(self, layout: PoolLayout, pool: PagePool, device: str | torch.device = "cpu",
                  debug: bool = False) -> None:
@@ -88,6 +107,11 @@ class PageStore:
         """`fingerprint` of each page, row-batched (`checksum_rows`: one set of launches per chunk for all
         pages, not per page), with one device sync for all of them."""
         return [lanes_to_int(pair) for pair in checksum_rows(self.data, pages, num_bytes).tolist()]
+
+    def fingerprints_later(self, pages: list[int], num_bytes: int) -> PendingFingerprints:
+        """`fingerprints` without waiting: the checksum is queued on the pool's device now (so it reads the
+        bytes as they are at this point of the stream) and its lanes copied to the host behind it."""
+        return PendingFingerprints(checksum_rows(self.data, pages, num_bytes))
 
     def zero(self, page: int) -> None:
         self.data[page].zero_()

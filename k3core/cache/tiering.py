@@ -50,6 +50,7 @@ class Tiering:
                 return False
         checkpoint = hit.checkpoint
         store = self.m.store
+        self.m.settle_fingerprints()  # a checkpoint committed last step may not have them yet
         if (isinstance(checkpoint, Checkpoint) and store is not None and self.m.verify_restore
                 and checkpoint.fingerprints is not None):
             used = self.lay.kda_page_used_bytes
@@ -173,6 +174,7 @@ class Tiering:
     def _write_back_checkpoint(self, checkpoint: Checkpoint) -> bool:
         assert self.m.cpu is not None
         nbytes = self.lay.kda_page_used_bytes
+        self.m.settle_fingerprints()
         data, prints, intact = self._host_bytes(checkpoint.pages, nbytes, checkpoint.fingerprints)
         host = HostCheckpoint(checkpoint.key, nbytes * len(checkpoint.pages), data, prints,
                               num_tokens=checkpoint.num_tokens)

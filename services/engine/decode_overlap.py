@@ -19,7 +19,8 @@ and the precomputed stop-check tables. When N's tokens reach the host, only this
 Then, while N+1 computes: the other rows' tokens are accepted (streamed text, metrics, the manager's
 `append_tokens`, then their one-token `reserve`), N+1's forward is marked done in the manager, N's outputs
 are handed to the streams, N+2 is prepared, and only then the manager's step is committed (a checkpoint
-taken at a hash boundary is fingerprinted there, which waits for N+1's forward). The manager sees the
+taken at a hash boundary has its checksum queued there behind N+1's forward, not waited for: the values
+reach the checkpoint when first read, `PrefixCacheManager.settle_fingerprints`). The manager sees the
 calls of a plain step (a row's append before its reserve, the finishes before any allocation); only
 reserves that allocate nothing move after the launch. Token i of a request is drawn from the logits of the same forward as in a plain step,
 with the same (seed, i): the streams are the plain engine's.
@@ -211,7 +212,7 @@ class DecodeOverlap:
         engine.manager.take_calls()  # those made through the recording manager (finishes, appends): dropped too
         engine._flush()
         self.inflight = self._prepare([requests[i] for i in live], next_tokens)
-        # Last: a checkpoint taken at a hash boundary is fingerprinted here, which waits for this forward.
+        # Last: a checkpoint taken at a hash boundary has its snapshot copies and checksum queued behind this forward.
         manager.commit_step()
         engine._end_step(started)
         return True

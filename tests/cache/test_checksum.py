@@ -172,3 +172,7 @@ def test_device_checksum_equals_the_host_checksum():
     big = torch.randint(0, 256, ((1 << 25) + 7,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     assert checksum(big.cuda()) == checksum(big)  # several device chunks, a partial last word
     assert checksum_rows(on_device, [2, 0, 2], 4099, 100).cpu().equal(checksum_rows(pages, [2, 0, 2], 4099))
+    store = PageStore.__new__(PageStore)
+    store.data = on_device
+    later = store.fingerprints_later([2, 0], 4099)  # pinned copy behind an event, no sync here
+    assert later.result() == store.fingerprints([2, 0], 4099) == [checksum(pages[2]), checksum(pages[0])]
