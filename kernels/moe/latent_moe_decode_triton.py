@@ -25,7 +25,7 @@ from kernels.moe.mxfp4_tile_triton import prepare
 from kernels.moe.tiles import Tile, default_tiles
 
 if triton is not None:
-    from kernels.moe.mxfp4_tile_triton import mxfp4_tile, unshift
+    from kernels.moe.mxfp4_tile_triton import lane_group_columns, mxfp4_tile, unshift
     from kernels.moe.situ_glu_triton import situ_glu_values
 
     @triton.jit
@@ -52,9 +52,9 @@ if triton is not None:
     @triton.jit
     def _activations(rows_ptr, used, c0, BT: tl.constexpr, G: tl.constexpr):
         """[BT, 32 G] operand: columns c0 .. c0 + 32 G of the slots' activation rows, in `mxfp4_tile`'s column
-        order (8 contiguous values per row and word, permuted in registers)."""
+        order (loaded contiguously, permuted in registers)."""
         a = tl.load(rows_ptr[:, None] + c0 + tl.arange(0, 32 * G)[None, :], mask=used[:, None], other=0.0)
-        return tl.reshape(tl.permute(tl.reshape(a, (BT, 4 * G, 2, 4)), (0, 1, 3, 2)), (BT, 32 * G))
+        return lane_group_columns(a, G)
 
     @triton.jit
     def _mma(w, act, acc, USE_ASM: tl.constexpr):

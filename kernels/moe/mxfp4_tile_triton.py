@@ -6,7 +6,8 @@ subnormal. The weights come in k3core.quant.mxfp4_device's layout, prepared once
 below): per 32-bit word of 8 codes, register j (codes j and j + 4 as two bf16 patterns) is one `lop3` of one
 or two rotations of the word, 8 integer operations per word. One bf16x2 multiply by 2^(scale - 1 - SHIFT)
 per register applies the group's scale; its bf16 exponent field is also prepared at load time, so the
-multiplier register is one integer multiply. The products carry a factor 2^-SHIFT (keeping large scales
+multiplier register is one integer multiply, and the words are ordered so that the words a tensor-core
+lane holds share a group: one multiplier per 4 words. The products carry a factor 2^-SHIFT (keeping large scales
 inside bf16's range) that callers undo on their float32 accumulators: results are exact for e8m0 scales in
 [2^-93, 2^33] (below, the smallest weights become bf16 subnormals); larger scales, the 0xFF (NaN) code
 included, decode to +-inf (NaN for zero codes), so such a block makes the output non-finite as the
@@ -33,18 +34,17 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def _decode_asm() -> str:
-    """PTX of one word ($8) and multiplier field ($9) -> 8 bf16 ($j: code j, $j+4: code j + 4, the low and
+    """PTX of one word ($8) and its bf16x2 multiplier ($9) -> 8 bf16 ($j: code j, $j+4: code j + 4, the low and
     high halves of register j), from the layout's rotations and mask (nothing here is a hand-copied constant)."""
     rotations = sorted({r for rots in ROTATIONS for r in rots if r})
-    lines = [".reg .b32 m, p" + "".join(f", r{r}" for r in rotations) + ";",
-             f"mul.lo.u32 m, $9, {_FIELD_TO_BF16X2:#x};"]
+    lines = [".reg .b32 p" + "".join(f", r{r}" for r in rotations) + ";"]
     lines += [f"shf.r.wrap.b32 r{r}, $8, $8, {r};" for r in rotations]
     for j, rots in enumerate(ROTATIONS):
         a, b = (f"r{r}" if r else "$8" for r in (rots + rots)[:2])
         # lop3 truth tables over (a=0xF0, b=0xCC, c=0xAA): a & c, or (a ^ b) & c.
         lut = 0xA0 if len(rots) == 1 else 0x28
         lines += [f"lop3.b32 p, {a}, {b}, {PAIR_MASK:#x}, {lut:#x};",
-                  f"mul.rn.bf16x2 p, p, m; mov.b32 {{${j}, ${j + 4}}}, p;"]
+                  f"mul.rn.bf16x2 p, p, $9; mov.b32 {{${j}, ${j + 4}}}, p;"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
@@ -53,6 +53,7 @@ if triton is not None:
     _MASK = tl.constexpr(PAIR_MASK)
     _ROTATIONS = tl.constexpr(ROTATIONS)
     _DECODE_ASM = tl.constexpr(_decode_asm())
+    _FIELDS_TO_BF16X2 = tl.constexpr(_FIELD_TO_BF16X2)
 
     @triton.jit
     def unshift(acc):
@@ -69,7 +70,7 @@ if triton is not None:
     def _decode_portable(w, m):
         """Interpreter path: the PTX's registers, each half widened to float32 bits (the interpreter flushes
         bf16 subnormals), scaled in float32 (exact: a power of two)."""
-        scale = (m << 23).to(tl.float32, bitcast=True)
+        scale = ((m & 0xFFFF) << 16).to(tl.float32, bitcast=True)
         low = []
         high = []
         for j in tl.static_range(4):
@@ -88,28 +89,48 @@ if triton is not None:
 
     @triton.jit
     def _decode_ptx(w, m):
-        """GPU path: the multiplier, 4 rotations, and per register one lop3 and one bf16x2 multiply."""
+        """GPU path: 4 rotations, and per register one lop3 and one bf16x2 multiply."""
         return tl.inline_asm_elementwise(_DECODE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, m],
                                          dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+    @triton.jit
+    def _lane_groups(t, G: tl.constexpr):
+        """[R, G, 4, ...] (group, word of the group) -> [R, 4 G, ...] word slots such that the 8-column chunk
+        a thread holds in each 32-column block of a tensor-core operand (the q-th of 4 in block 4a + b) is
+        word b of group 4a + q: the G words of a thread share G / 4 scales, so its multipliers are built
+        once per 4 words (when G % 4 == 0; else the identity)."""
+        if G % 4 == 0:
+            t = tl.permute(tl.reshape(t, (t.shape[0], G // 4, 4, 4)), (0, 1, 3, 2))
+        return tl.reshape(t, (t.shape[0], 4 * G))
+
+    @triton.jit
+    def lane_group_columns(a, G: tl.constexpr):
+        """Columns of a [BT, 32 G] operand in `mxfp4_tile`'s order: word slots as `_lane_groups`, then within
+        each word of 8 columns position p holds column p // 2 + 4 (p % 2)."""
+        BT: tl.constexpr = a.shape[0]
+        if G % 4 == 0:
+            a = tl.permute(tl.reshape(a, (BT, G // 4, 4, 4, 8)), (0, 1, 3, 2, 4))
+        return tl.reshape(tl.permute(tl.reshape(a, (BT, 4 * G, 2, 4)), (0, 1, 3, 2)), (BT, 32 * G))
 
     @triton.jit
     def mxfp4_tile(words, mults, rows, row_ok, g0, WORDS: tl.constexpr, G: tl.constexpr,
                    USE_ASM: tl.constexpr):
         """bf16 [len(rows), 32 G] tile of weights x 2^-SHIFT, columns 32 g0 .. 32 (g0 + G), from `prepare`'s
-        words (rows of WORDS) and multiplier fields (one byte per 4 words). Column order: position 8c + p
-        holds column 8c + p // 2 + 4 (p % 2) (activations are loaded in the same order)."""
+        words (rows of WORDS) and multiplier fields (one byte per 4 words), in the column order of
+        `lane_group_columns` (activations go through it)."""
+        R: tl.constexpr = rows.shape[0]
         w = tl.load(words + rows[:, None] * WORDS + g0 * 4 + tl.arange(0, 4 * G)[None, :],
                     mask=row_ok[:, None], other=0)
-        w = tl.reshape(w, (rows.shape[0], G, 4)).to(tl.uint32, bitcast=True)
-        m = tl.load(mults + rows[:, None] * (WORDS // 4) + g0 + tl.arange(0, G)[None, :],
+        w = _lane_groups(tl.reshape(w, (R, G, 4)).to(tl.uint32, bitcast=True), G)
+        f = tl.load(mults + rows[:, None] * (WORDS // 4) + g0 + tl.arange(0, G)[None, :],
                     mask=row_ok[:, None], other=0)
-        m = tl.broadcast_to(m.to(tl.uint32)[:, :, None], w.shape)
+        m = _lane_groups(tl.broadcast_to((f.to(tl.uint32) * _FIELDS_TO_BF16X2)[:, :, None], (R, G, 4)), G)
         if USE_ASM:
             e0, e1, e2, e3, e4, e5, e6, e7 = _decode_ptx(w, m)
         else:
             e0, e1, e2, e3, e4, e5, e6, e7 = _decode_portable(w, m)
         # join appends the new axis last: the pairs (j, j + 4) that share a register stay adjacent (no 16-bit
-        # shuffles), which gives the column order above.
+        # shuffles), which gives the order within each word above.
         low = tl.join(tl.join(e0, e2), tl.join(e1, e3))
         high = tl.join(tl.join(e4, e6), tl.join(e5, e7))
-        return tl.reshape(tl.join(low, high), (rows.shape[0], 32 * G))
+        return tl.reshape(tl.join(low, high), (R, 32 * G))

@@ -34,6 +34,21 @@ def test_non_power_of_two_shapes_match_the_reference(interpreted):
     torch.testing.assert_close(out, naive.latent_moe_decode(x, ids, w, *packs), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("gate_up", "down"), [(Tile(16, 128), Tile(32, 128)), (Tile(32, 256), Tile(16, 64))])
+def test_lane_group_column_order_matches_the_reference(interpreted, gate_up, down):
+    """Steps of 4 and 8 scale groups (128 / 256 columns), where the weights' words and the activations are
+    reordered so that a tensor-core lane's words share a scale (kernels.moe.mxfp4_tile_triton); 2 groups
+    (64 columns) keep the plain order. T=3, k=2, E=4, l=256, F=128, float32 x as three bf16 parts."""
+    gen = torch.Generator().manual_seed(13)
+    T, K, E, L, F = 3, 2, 4, 256, 128
+    packs = _experts(gen, E, L, F)
+    x = torch.randn(T, L, generator=gen)
+    ids = torch.tensor([[0, 2], [2, 3], [1, 0]], dtype=torch.int32)
+    w = torch.rand(T, K, generator=gen)
+    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, gate_up_tile=gate_up, down_tile=down)
+    torch.testing.assert_close(out, naive.latent_moe_decode(x, ids, w, *packs), rtol=1e-5, atol=1e-5)
+
+
 PACKS = _experts(torch.Generator().manual_seed(12), 5, 64, 32)  # E=5, l=64, F=32, shared by the examples
 
 
