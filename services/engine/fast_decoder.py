@@ -49,12 +49,13 @@ class FastDecoder:
             self.ffn.append(MoeDecode(layer.block_sparse_moe, config, grouped, derived) if layer.is_moe
                             else MlpDecode(layer.mlp, config))
         if config.uses_attn_res:
-            size, layers = config.attn_res_block_size, model.model.layers
-            sites = [[site for lay in layers[i : i + size] for site in (lay.attn_res["attn"], lay.attn_res["mlp"])]
-                     for i in range(0, len(layers), size)]
-            self.block_queries = [derived.derive(lambda b=block: torch.stack([s.query for s in b])) for block in sites]
-            self.block_key_norms = [derived.derive(lambda b=block: torch.stack([s.norm.weight for s in b]))
-                                    for block in sites]
+            layers = model.model.layers
+            # Every site in forward order (layer i's attention and MLP sites are 2i and 2i + 1), the final last:
+            # a block's logits against the sites after it are computed once (block_logits) into a cache.
+            sites = [s for lay in layers for s in (lay.attn_res["attn"], lay.attn_res["mlp"])]
+            sites.append(model.model.attn_res_final)
+            self.site_queries = derived.derive(lambda: torch.stack([s.query for s in sites]))
+            self.site_key_norms = derived.derive(lambda: torch.stack([s.norm.weight for s in sites]))
 
     @torch.no_grad()
     def forward(self, inp: DecodeInputs) -> torch.Tensor:
@@ -81,11 +82,23 @@ class FastDecoder:
         """Block AttnRes over the layers -> the final site's output after the final RMSNorm (normed [B, D])."""
         config, layers = self.config, self.model.model.layers
         size, eps = config.attn_res_block_size, config.rms_norm_eps
-        blocks, partial = [h], None
+        n_sites = len(self.site_queries)
+        logits = h.new_empty(n_sites, -(-len(layers) // size) + 1, h.shape[0], dtype=torch.float32)
+        blocks: list[torch.Tensor] = []
+        partial = None
+
+        def complete(block: torch.Tensor) -> None:  # its logits against the sites after it, once
+            first = min(2 * len(blocks) * size, n_sites - 1)
+            dispatch.attnres_block_logits(self.site_queries[first:], block, self.site_key_norms[first:], eps,
+                                          out=logits[first:, len(blocks)])
+            blocks.append(block)
+
+        complete(h)
         for i, layer in enumerate(layers):
             if i % size == 0:
-                inter = dispatch.attnres_inter(self.block_queries[i // size], torch.stack(blocks),
-                                               self.block_key_norms[i // size], eps)
+                here = slice(2 * i, 2 * min(i + size, len(layers)))
+                inter = dispatch.attnres_inter(self.site_queries[here], torch.stack(blocks), self.site_key_norms[here],
+                                               eps, logits=logits[here, : len(blocks)])
                 inter.acc = inter.acc.contiguous()  # the merge kernel reads each site's rows densely
             sublayers = ((layer.attn_res["attn"], layer.input_layernorm, (inp,)),
                          (layer.attn_res["mlp"], layer.post_attention_layernorm, ()))
@@ -96,14 +109,14 @@ class FastDecoder:
                     key_norm_weight=site.norm.weight, key_eps=eps, out_eps=norm.eps, out_dtype=h.dtype)
                 partial = self._sublayer(j, i, normed, partial, *args)
             if (i + 1) % size == 0:
-                blocks.append(partial)
+                complete(partial)
                 partial = None
         if partial is not None:
-            blocks.append(partial)
+            complete(partial)
         # The final site: the same two kernels with no partial sum, its merge fused with the final norm.
         final, norm = self.model.model.attn_res_final, self.model.model.norm
-        stats = dispatch.attnres_inter(final.query.unsqueeze(0), torch.stack(blocks), final.norm.weight.unsqueeze(0),
-                                       eps).row(0)
+        stats = dispatch.attnres_inter(self.site_queries[-1:], torch.stack(blocks), self.site_key_norms[-1:], eps,
+                                       logits=logits[-1:, : len(blocks)]).row(0)
         _, normed = dispatch.attnres_merge_norm(stats.max, stats.denom, stats.acc, final.query, None, norm.weight,
                                                 key_norm_weight=final.norm.weight, key_eps=eps, out_eps=norm.eps,
                                                 out_dtype=h.dtype)
