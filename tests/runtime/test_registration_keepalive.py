@@ -1,0 +1,41 @@
+"""A registration's lease keepalive against a real etcd: refreshes that fail while the lease still has time
+left (injected: the real client's refresh raises, as a slow or briefly unreachable etcd makes it) are
+retried on the same lease, so the record never leaves the membership and is not re-registered under a new
+lease; the failover tests' "a killed member leaves within TTL + 1 s" is tested in test_service_runtime.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from services.runtime.registry import InstanceRecord, Registration, Watcher
+from tests.runtime.test_service_runtime import wait_until
+
+
+def test_failed_refreshes_are_retried_on_the_live_lease(etcd_server):
+    prefix = "/k3-keepalive-test"
+    record = InstanceRecord("svc", "c9", "flaky", "127.0.0.1:1")
+    registration = Registration([etcd_server], prefix, record, ttl_s=2)
+    seen: list[bool] = []  # per membership change: is the record there?
+    watcher = Watcher([etcd_server], prefix, on_change=lambda snapshot: seen.append(record.key(prefix) in snapshot))
+    try:
+        assert wait_until(lambda: seen and seen[-1] and registration._lease is not None, 10)
+        lease = registration._lease.id
+        client = registration._client
+        real_refresh, failures = client.refresh_lease, [3]
+        lock = threading.Lock()
+
+        def flaky_refresh(lease_id):  # INJECTED fault: the next 3 refreshes fail before reaching etcd
+            with lock:
+                if failures[0]:
+                    failures[0] -= 1
+                    raise ConnectionError("injected: etcd did not answer in time")
+            return real_refresh(lease_id)
+        client.refresh_lease = flaky_refresh
+        assert wait_until(lambda: failures[0] == 0, 5)
+        time.sleep(2.5)  # past the TTL: the lease lives only if a retry refreshed it
+        assert registration._lease.id == lease and registration._client is client  # never re-registered
+        assert watcher.snapshot().get(record.key(prefix)) == record and all(seen[seen.index(True):])
+    finally:
+        watcher.close()
+        registration.close()
