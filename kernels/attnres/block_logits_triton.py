@@ -21,20 +21,51 @@ import os
 import torch
 
 from kernels._triton import next_pow2, require, sm_count, tl, triton
-from kernels.attnres.inter_triton import _chunks, _partial_scores
+from kernels.attnres.inter_triton import _block_tile, _chunks, _partial_scores
+from kernels.attnres.query_parts import query_part_count
 
 if triton is not None:
 
     @triton.jit
-    def _block_logits_kernel(queries, norm_w, block, out, part_dots, part_sq, counters, S, M, D, CHUNK,
-                             stride_os, eps, CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr,
-                             SPLIT: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
+    def _parts_scores(parts, block, m0, d_lo, d_hi, S_left, stride_p, M, D, PARTS: tl.constexpr,
+                      SPLIT: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
+        """q_eff . block[m0 + r] [BS, BM] and the rows' sums of squares [BM] over d_lo..d_hi, q_eff given as
+        PARTS bf16 parts [PARTS, sites, D] (`parts` at this tile's first site, S_left sites from there, parts
+        stride_p apart): one bf16 MMA per part, smallest first."""
+        qs = tl.arange(0, BS)
+        dots = tl.zeros([BS, BM], dtype=tl.float32)
+        sq = tl.zeros([BM], dtype=tl.float32)
+        for d0 in range(d_lo, d_hi, BD):
+            d = d0 + tl.arange(0, BD)
+            blk = _block_tile(block, m0, d, 1, M, D, BM, 1, False)
+            sq += tl.sum(blk.to(tl.float32) * blk.to(tl.float32), 1)
+            q_ok = (qs < S_left)[:, None] & (d < D)[None, :]
+            tile = tl.zeros([BS, BM], dtype=tl.float32)
+            for i in tl.static_range(PARTS):
+                part = tl.load(parts + (PARTS - 1 - i) * stride_p + qs[:, None] * D + d[None, :], mask=q_ok,
+                               other=0.0)
+                if SPLIT == 1:
+                    tile = tl.dot(part, tl.trans(blk), tile)
+                else:  # the interpreter's bf16 dot is wrong: the same products in float32
+                    tile = tl.dot(part.to(tl.float32), tl.trans(blk).to(tl.float32), tile, input_precision="ieee")
+            dots += tile
+        return dots, sq
+
+    @triton.jit
+    def _block_logits_kernel(queries, norm_w, parts, block, out, part_dots, part_sq, counters, S, M, D, CHUNK,
+                             stride_p, stride_os, eps, CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr,
+                             PARTS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
+                             BD: tl.constexpr):
         m0 = tl.program_id(0).to(tl.int64) * BM
         s0 = tl.program_id(1).to(tl.int64) * BS
         c = tl.program_id(2)
-        dots, sq = _partial_scores(queries + s0 * D, norm_w + s0 * D, block, m0, c * CHUNK,
-                                   tl.minimum(c * CHUNK + CHUNK, D), 1, S - s0, M, D, HAS_NORM_W, SPLIT, BM, 1,
-                                   BS, BD)  # [BS, BM], [BM]
+        d_lo, d_hi = c * CHUNK, tl.minimum(c * CHUNK + CHUNK, D)
+        if PARTS > 0:  # q_eff's bf16 parts cut once, ahead
+            dots, sq = _parts_scores(parts + s0 * D, block, m0, d_lo, d_hi, S - s0, stride_p, M, D, PARTS, SPLIT, BM,
+                                     BS, BD)
+        else:  # q_eff formed and cut in every D step
+            dots, sq = _partial_scores(queries + s0 * D, norm_w + s0 * D, block, m0, d_lo, d_hi, 1, S - s0, M, D,
+                                       HAS_NORM_W, SPLIT, BM, 1, BS, BD)  # [BS, BM], [BM]
         sites, rows = s0 + tl.arange(0, BS), m0 + tl.arange(0, BM)
         last = True
         if CHUNKS > 1:
@@ -76,11 +107,13 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
 def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weights: torch.Tensor | None = None,
                          eps: float = 1e-6, out: torch.Tensor | None = None, rows: int | None = None,
                          sites: int | None = None, block_d: int = 64, chunks: int | None = None,
-                         num_warps: int = 4) -> torch.Tensor:
+                         num_warps: int = 4, parts: torch.Tensor | None = None) -> torch.Tensor:
     """queries [S, D] (and key-norm weights [S, D]) of later sites, one block [..., D] -> logits [S, ...]
     float32 = k3core.ops.attnres.attnres_logits(queries, block[None], norm_weights)[:, 0].
     `out`: where to write them ([S, ...] float32 with dense rows, e.g. one block's column of a logit cache).
-    Tuning: `rows` / `sites` per program (None: 32 / up to 64 rows at prefill-sized M, 16 at decode),
+    `parts`: `query_parts.query_parts(queries, norm_weights)` (or its [:, first:] slice for queries[first:]),
+    cut once ahead (used for bf16 blocks).
+    Tuning: `rows` / `sites` per program (None: 64 / up to 64 at prefill-sized M, 16 rows at decode),
     `block_d` the D step, `chunks` the D chunks (None: about two programs per SM)."""
     S, D = queries.shape[0], block.shape[-1]
     require(queries.dim() == 2 and queries.shape[1] == D, f"queries must be [S, {D}], got {tuple(queries.shape)}")
@@ -93,7 +126,7 @@ def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weight
             f"out must be float32 [{S}, {', '.join(map(str, block.shape[:-1]))}]")
     require(out.is_contiguous() or out[0].is_contiguous(), "out must be dense along the rows")
     flat_out = out.view(S, M)
-    BM = rows or (32 if M >= 32 * sms else 16)
+    BM = rows or (64 if M >= 32 * sms else 16)  # H200, M=8192: 64 rows 0.11 ms, 32 rows 0.25 ms
     BS = sites or min(64, max(16, next_pow2(S)))
     for name, value in (("rows", BM), ("sites", BS)):
         require(value >= 16 and value == next_pow2(value), f"{name} must be a power of two >= 16, got {value}")
@@ -109,9 +142,16 @@ def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weight
     q = queries.contiguous()
     flat = block.reshape(M, D).contiguous()
     split = 0 if flat.dtype != torch.bfloat16 else 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+    if parts is not None:
+        P = query_part_count(queries, norm_weights)
+        require(parts.dtype == torch.bfloat16 and parts.shape == (P, S, D) and parts[0].is_contiguous(),
+                f"parts must be bf16 [{P}, {S}, {D}], each part dense (query_parts.query_parts, or a slice of it)")
+    use_parts = parts is not None and split != 0  # other blocks take 3xTF32 on q_eff
     _block_logits_kernel[(*grid_tiles, n_chunks)](
-        q, norm_weights.contiguous() if norm_weights is not None else q, flat, flat_out, part_dots, part_sq,
-        _counters(block.device, tiles), S, M, D, chunk, flat_out.stride(0), eps, CHUNKS=n_chunks,
-        HAS_NORM_W=norm_weights is not None, SPLIT=split, BM=BM, BS=BS, BD=BD, num_warps=num_warps,
+        q, norm_weights.contiguous() if norm_weights is not None else q, parts if use_parts else q, flat, flat_out,
+        part_dots, part_sq, _counters(block.device, tiles), S, M, D, chunk, parts.stride(0) if use_parts else 0,
+        flat_out.stride(0), eps,
+        CHUNKS=n_chunks, HAS_NORM_W=norm_weights is not None, PARTS=parts.shape[0] if use_parts else 0,
+        SPLIT=split, BM=BM, BS=BS, BD=BD, num_warps=num_warps,
     )
     return out

@@ -38,8 +38,9 @@ def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: tor
 def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weights: torch.Tensor | None = None,
                          eps: float = 1e-6, out: torch.Tensor | None = None, rows: int | None = None,
                          sites: int | None = None, block_d: int = 64, chunks: int | None = None,
-                         num_warps: int = 4) -> torch.Tensor:
-    """Reference of kernels.attnres.block_logits_triton.attnres_block_logits (tuning arguments ignored)."""
-    del rows, sites, block_d, chunks, num_warps
+                         num_warps: int = 4, parts: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of kernels.attnres.block_logits_triton.attnres_block_logits (tuning arguments and the
+    precomputed query parts ignored)."""
+    del rows, sites, block_d, chunks, num_warps, parts
     logits = attnres_logits(queries, block.unsqueeze(0), norm_weights, eps)[:, 0]
     return logits if out is None else out.copy_(logits)

@@ -10,6 +10,7 @@ from k3core.ops.attnres import attnres_inter, attnres_logits
 from kernels._triton import tl, triton
 from kernels.attnres import block_logits_triton, inter_triton, merge_norm_triton
 from kernels.attnres import naive as attnres_naive
+from kernels.attnres.query_parts import query_parts
 from kernels.moe import naive as moe_naive
 from kernels.moe import situ_glu_triton
 from kernels.perf.harness import Row, max_err, rel_err, time_ms
@@ -28,8 +29,12 @@ CACHED_VARIANTS = {
     "decode": ({}, {"apply_block_d": 64}, {"apply_rows": 4}),
     "prefill": ({}, {"apply_block_d": 64}, {"apply_rows": 4}),
 }
-# block_logits tunings (the newest block against the sites after it).
-LOGITS_VARIANTS = {"decode": ({}, {"chunks": 14}), "prefill": ({}, {"rows": 64})}
+# block_logits tunings (the newest block against the sites after it); all but "parts=None" (q_eff cut
+# into bf16 parts in every D step, as in run 1) take the parts cut once ahead, as the serving path does.
+LOGITS_VARIANTS = {
+    "decode": ({}, {"block_d": 128}, {"chunks": 56}, {"parts": None}),
+    "prefill": ({}, {"rows": 128}, {"parts": None}),
+}
 MID_FORWARD_SITES = 163  # K3: the sites after its first layer block (93 layers x 2 + 1 - 24)
 
 
@@ -124,20 +129,23 @@ def _cached_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple, l
     shape = f"M={M},D={D},N={N},Q={SITES}"
     phase_bytes = N * M * D * 2 + SITES * M * (D + 2) * 4 + SITES * D * 2 * 2
     cache_bytes = later * M * 4 + SITES * N * M * 4 + later * D * 2 * 2
+    later_parts = query_parts(later_q, later_w)  # a derived weight in the serving path: not timed
     for kwargs in logits_variants:
         run = partial(block_logits_triton.attnres_block_logits, later_q, blocks[-1], later_w, out=cache[:, N - 1],
-                      **kwargs)
+                      **{"parts": later_parts, **kwargs})
         run()
         err = {"logits_rel": rel_err(cache[:, N - 1], logits_ref)}
         ms, how = time_ms(run)
         label = ",".join(f"{k}={v}" for k, v in kwargs.items()) or "default"
         rows.append(Row("attnres_block_logits", f"M={M},D={D},S={later}", f"ours({label}), newest block", ms,
                         M * D * 2 + later * M * 4 + later * D * 2 * 2, note=how, extra=err))
-    newest = partial(block_logits_triton.attnres_block_logits, later_q, blocks[-1], later_w, out=cache[:, N - 1])
+    newest = partial(block_logits_triton.attnres_block_logits, later_q, blocks[-1], later_w, out=cache[:, N - 1],
+                     parts=later_parts)
     if M <= 64:  # a block early in the forward has many more sites after it
         many_q = torch.randn(MID_FORWARD_SITES, D, device="cuda", dtype=BF16) * D**-0.5
         many_w = (torch.rand(MID_FORWARD_SITES, D, device="cuda") + 0.5).to(BF16)
-        ms, how = time_ms(partial(block_logits_triton.attnres_block_logits, many_q, blocks[0], many_w))
+        ms, how = time_ms(partial(block_logits_triton.attnres_block_logits, many_q, blocks[0], many_w,
+                                  parts=query_parts(many_q, many_w)))
         rows.append(Row("attnres_block_logits", f"M={M},D={D},S={MID_FORWARD_SITES}", "ours(default)", ms,
                         M * D * 2 + MID_FORWARD_SITES * (M + D) * 4, note=how))
     for kwargs in variants:

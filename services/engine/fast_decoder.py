@@ -16,6 +16,7 @@ from k3core.cache.pool_views import PoolViews
 from k3core.layers.kda import KimiDeltaAttention
 from k3core.model import K3Model
 from kernels import dispatch
+from kernels.attnres.query_parts import query_parts
 from services.engine.decode_inputs import DecodeInputs
 from services.engine.derived_weights import DerivedWeights
 from services.engine.fast_attention import KdaDecode, MlaDecode, rms
@@ -56,6 +57,8 @@ class FastDecoder:
             sites.append(model.model.attn_res_final)
             self.site_queries = derived.derive(lambda: torch.stack([s.query for s in sites]))
             self.site_key_norms = derived.derive(lambda: torch.stack([s.norm.weight for s in sites]))
+            # q_eff's bf16 parts for the logits' MMAs, cut once (refreshed after the two above)
+            self.site_query_parts = derived.derive(lambda: query_parts(self.site_queries, self.site_key_norms))
 
     @torch.no_grad()
     def forward(self, inp: DecodeInputs) -> torch.Tensor:
@@ -90,7 +93,7 @@ class FastDecoder:
         def complete(block: torch.Tensor) -> None:  # its logits against the sites after it, once
             first = min(2 * len(blocks) * size, n_sites - 1)
             dispatch.attnres_block_logits(self.site_queries[first:], block, self.site_key_norms[first:], eps,
-                                          out=logits[first:, len(blocks)])
+                                          out=logits[first:, len(blocks)], parts=self.site_query_parts[:, first:])
             blocks.append(block)
 
         complete(h)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels.attnres import block_logits_triton, inter_triton
+from kernels.attnres.query_parts import query_parts
 
 
 def _float64_logits(queries: torch.Tensor, block: torch.Tensor, norm_w: torch.Tensor | None, eps: float = 1e-6):
@@ -39,6 +40,33 @@ def test_block_logits_match_float64(interpreted, rows, dim, sites, dtype, with_n
         got = block_logits_triton.attnres_block_logits(queries, block, norm_w, block_d=16, **kwargs)
         assert got.dtype == torch.float32 and got.shape == want.shape
         torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-5)
+
+
+@pytest.mark.parametrize(("q_dtype", "w_dtype", "count"), [(torch.bfloat16, torch.bfloat16, 2),
+                                                            (torch.bfloat16, None, 1), (torch.float32, torch.bfloat16, 3)])
+def test_query_parts_sum_to_the_effective_query_exactly(q_dtype, w_dtype, count):
+    """The parts add up to q_eff = float32(query) * float32(weight) bit for bit (float64 sums are exact here),
+    including tiny and huge magnitudes; bf16 x bf16 needs 2 parts, a bf16 query alone 1, float32 3."""
+    gen = torch.Generator().manual_seed(count)
+    queries = (torch.randn(5, 64, generator=gen) * torch.logspace(-30, 30, 64)).to(q_dtype)
+    norm_w = (torch.rand(5, 64, generator=gen) * 4 - 2).to(w_dtype) if w_dtype is not None else None
+    parts = query_parts(queries, norm_w)
+    assert parts.shape == (count, 5, 64) and parts.dtype == torch.bfloat16
+    q_eff = queries.float() * norm_w.float() if norm_w is not None else queries.float()
+    assert torch.equal(parts.double().sum(0), q_eff.double())
+
+
+@pytest.mark.parametrize(("rows", "chunks"), [(5, 3), (40, None)])
+def test_precomputed_parts_give_the_same_logits(interpreted, rows, chunks):
+    gen = torch.Generator().manual_seed(rows)
+    block = (torch.randn(rows, 48, generator=gen) * 3).bfloat16()
+    queries, norm_w = torch.randn(20, 48, generator=gen).bfloat16(), (torch.rand(20, 48, generator=gen) + 0.5).bfloat16()
+    kwargs = {"block_d": 16, "chunks": chunks, "rows": 16, "sites": 16}  # two site tiles: parts addressed per tile
+    got = block_logits_triton.attnres_block_logits(queries, block, norm_w, parts=query_parts(queries, norm_w), **kwargs)
+    torch.testing.assert_close(got.double(), _float64_logits(queries, block, norm_w), rtol=2e-6, atol=2e-5)
+    later = block_logits_triton.attnres_block_logits(queries[3:], block, norm_w[3:],  # the sites after one
+                                                     parts=query_parts(queries, norm_w)[:, 3:], **kwargs)
+    torch.testing.assert_close(later, got[3:], rtol=0, atol=0)
 
 
 def test_cached_logits_give_phase_one(interpreted):
@@ -93,6 +121,8 @@ def test_bad_arguments_name_the_argument(interpreted):
         block_logits_triton.attnres_block_logits(queries, block, rows=8)
     with pytest.raises(ValueError, match="logits"):
         inter_triton.attnres_inter(queries, torch.randn(2, 4, 16), logits=torch.empty(3, 1, 4))
+    with pytest.raises(ValueError, match="parts"):
+        block_logits_triton.attnres_block_logits(queries, block, parts=torch.zeros(1, 3, 16, dtype=torch.bfloat16))
 
 
 @pytest.mark.gpu
@@ -108,8 +138,10 @@ def test_compiled_cached_phase_one_matches_float64_on_gpu(rows, dim):
     queries = torch.randn(sites + 1, dim, generator=gen, device="cuda").bfloat16() * dim**-0.5
     norm_w = (torch.rand(sites + 1, dim, generator=gen, device="cuda") + 0.5).bfloat16()
     cache = torch.empty(sites + 1, n_blocks, rows, device="cuda")
+    parts = query_parts(queries, norm_w)
     for n in range(n_blocks):
-        block_logits_triton.attnres_block_logits(queries, blocks[n], norm_w, out=cache[:, n])
+        block_logits_triton.attnres_block_logits(queries, blocks[n], norm_w, out=cache[:, n],
+                                                 parts=parts if n % 2 else None)  # both forms
         torch.testing.assert_close(cache[:, n].double(), _float64_logits(queries, blocks[n], norm_w),
                                    rtol=1e-5, atol=1e-5)
     got = inter_triton.attnres_inter(queries[:sites], blocks, norm_w[:sites], logits=cache[:sites])
