@@ -141,7 +141,7 @@ def attnres(tokens: int, cached: dict | None = None, logits: dict | None = None,
                                    logits=empty(sites, 3, tokens, dtype=F32), **(cached or {}))
     for later in (SITES + 1, 4 * SITES + 1):
         block_logits_triton.attnres_block_logits(empty(later, HIDDEN), blocks[0], empty(later, HIDDEN), 1e-6,
-                                                 **(logits or {}))
+                                                 **{"parts": empty(2, later, HIDDEN), **(logits or {})})
     stats = (empty(tokens, dtype=F32), empty(tokens, dtype=F32), empty(tokens, HIDDEN, dtype=F32))
     for partial in (empty(tokens, HIDDEN), None):
         merge_norm_triton.attnres_merge_norm(*stats, empty(HIDDEN), partial, empty(HIDDEN), key_norm_weight=empty(HIDDEN),
