@@ -4,9 +4,11 @@ From the prologue's outputs (prefill_prep_triton.py: normalised q, k, the conv o
 cumulative gate G, sigmoid(beta)) it computes (K3 report eq.4, the WY form of Kimi Linear; notation of
 k3core/ops/kda_chunk.py):
     Akk[r, i] = sum_c k_r k_i exp(G_r - G_i)  (i < r),   T = (I + diag(beta) Akk)^-1
-    w = T diag(beta) (K * exp(G)),  u = T diag(beta) V,  Aqk = scale * sum_c q_r k_i exp(G_r - G_i) (i <= r)
+    w = -T diag(beta) (K * exp(G)),  u = T diag(beta) V,  Aqk = scale * sum_c q_r k_i exp(G_r - G_i) (i <= r)
     qg = scale * Q * exp(G),  kg = K * exp(G_C - G),  gC = exp(G_C)
-which is all the recurrence and the output pass (prefill_triton.py) need.
+which is all the recurrence and the output pass (prefill_triton.py) need. w leaves negated (the sign rides
+on beta) so that the recurrence forms v_new = u - (T beta K e^G) S as one dot accumulating onto u: no
+separate float32 tile of w S (sm_90a: the fused recurrence's spills 248 -> 80 B, none left at 64 columns).
 The gate is bounded (g >= lower_bound = -5), so within a sub-block of 16 tokens G moves by at most 80 and
 exp(+-80) fits float32: the decay ratios exp(G_r - G_i) are split at the end of the key's sub-block (every
 factor <= 1 off the diagonal block, <= e^80 on it), which lets tensor-core dots in the input dtype form
@@ -169,7 +171,7 @@ if triton is not None:
             G, g_end = _flat_gate(g, rel, io_mask, last, HD, cols)
             kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
             decay = tl.math.exp2(G)
-            w_blk = tl.dot(T, (kc * decay * bt[:, None]).to(dt), input_precision=DOT)
+            w_blk = tl.dot(T, (kc * decay * -bt[:, None]).to(dt), input_precision=DOT)
             tl.store(w_out + rel, w_blk.to(w_out.dtype.element_ty), mask=io_mask)
             kg_blk = kc * tl.math.exp2(g_end[None, :] - G)
             tl.store(kg_out + rel, kg_blk.to(kg_out.dtype.element_ty), mask=io_mask)

@@ -4,11 +4,12 @@ Four passes (the output norm epilogue never takes a pass of its own):
 1. `prefill_prep_triton`: per (chunk, head), ShortConv + Swish + L2Norm + gate cumsum + sigmoid(beta).
 2. `prefill_chunk_triton`: per (chunk, head), the chunk's UT transform -> w, u, qg, kg, Aqk, exp(G_C).
 3. the recurrence: per (sequence, head, value block) the state S [K, BV] stays on chip across the chunks:
-   v_new = u - w S,  S <- exp(G_C) * S + kg^T v_new; it stores the state entering each chunk (bf16) and
-   v_new.
+   v_new = u - w S (w comes negated: one dot onto u),  S <- exp(G_C) * S + kg^T v_new; it stores the
+   state entering each chunk (bf16) and v_new.
 4. the output: o = qg S_in + Aqk v_new per (chunk, head), then RMSNorm x w x sigmoid(gate) -> y.
-With many sequences x heads, 3 and 4 are one pass (one program per sequence and head: the chunk-entry
-states and v_new stay on chip). The final conv windows are written by the recurrence (value block 0), also for empty sequences.
+With many, balanced sequences 3 and 4 are one pass (one program per sequence and head: the chunk-entry
+states and v_new stay on chip). The final conv windows are written by the recurrence (value block 0),
+also for empty sequences.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ if triton is not None:
             kg_c = tl.load(kg + step + rel_k, mask=valid, other=0.0)
             decay = tl.load(gc + c * H * D + offs)
             S_in = S.to(w_c.dtype)
-            v_new = (u_c - tl.dot(w_c, S_in, input_precision=DOT)).to(kg_c.dtype)
+            v_new = tl.dot(w_c, S_in, acc=u_c, input_precision=DOT).to(kg_c.dtype)  # w_c is -w
             if FUSED_OUT:
                 qg_c = tl.load(qg + step + rel_k, mask=valid, other=0.0)
                 a_c = tl.load(aqk + c * C * H * C + rel_a, mask=valid, other=0.0)
