@@ -112,6 +112,7 @@ class DeviceClock:
         self.replay_s = replay_s
         self.busy_until = 0.0
         self.idle = 0.0  # added up since the caller last reset it
+        self.late = 0.0  # the part of it between the device's end and the engine thread running again
 
     def replayed(self) -> None:
         now = time.perf_counter()
@@ -123,6 +124,7 @@ class DeviceClock:
         left = self.busy_until - time.perf_counter()
         if left > 0:
             time.sleep(left)
+            self.late += time.perf_counter() - self.busy_until
 
 
 class StageTimer:
@@ -225,6 +227,7 @@ def run_steps(engine: Engine, timer: StageTimer, count: int, clock: DeviceClock 
         engine._step()
         if clock is not None:
             timer.current["gpu_idle"], clock.idle = clock.idle, 0.0
+            timer.current["wake"], clock.late = clock.late, 0.0
         steps.append((time.perf_counter() - began, timer.current))
     return steps
 
@@ -256,7 +259,7 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
         staged = {stage: t[stage] for stage in STAGES if stage not in ("other", "step", "idle")}
         staged.update(other=total - sum(staged.values()), step=total, idle=t["idle"])
         if clock is not None:
-            staged["gpu_idle"] = t["gpu_idle"]
+            staged["gpu_idle"], staged["wake"] = t["gpu_idle"], t["wake"]
         for stage, seconds in staged.items():
             rows[stage].append(1e3 * seconds)
     assert all(len(r.output) == 1 + args.warmup + args.steps for r in engine.scheduler.running)
@@ -318,7 +321,8 @@ def main() -> None:
         print(f"{batch:>5} " + " ".join(f"{row[s]['p50_ms']:>8.3f}/{row[s]['p99_ms']:<9.3f}" for s in columns)
               + f" {ratio:>14}", flush=True)
         if args.replay_ms:
-            print(f"      device idle per step (emulated {args.replay_ms} ms replay): mean {row['gpu_idle']['mean_ms']:.3f} ms,"
+            print(f"      device idle per step (emulated {args.replay_ms} ms replay): mean {row['gpu_idle']['mean_ms']:.3f} ms"
+                  f" (waking the engine thread: {row['wake']['mean_ms']:.3f}),"
                   f" step mean {row['step']['mean_ms']:.3f} ms", flush=True)
     vocab = preset(args.model).vocab_size
     for key, batch, reps in (("sampled_row", 1, 20), ("sampled_rows_64", 64, 5)) if args.sampled else ():

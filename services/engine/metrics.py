@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 
@@ -10,6 +11,37 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from k3core.cache.metrics import CacheMetrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class BatchedObservations:
+    """Observations of one histogram gathered over an engine step and recorded together (`flush`): the
+    same bucket counts and sum as one `Histogram.observe` per value, at ~0.3 us a value instead of 1.5 (a
+    lock, a `_raise_if_not_observable` and a scan of the buckets each; the TPOT of every row of every
+    decode step: 0.4 ms of the engine thread per step at batch 256). Uses the histogram's value cells
+    (`_upper_bounds`, `_buckets`, `_sum`), checked against `observe` itself in tests/workers/test_serve_host.py."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self.histogram = histogram
+        self._values: list[float] = []
+
+    def add(self, value: float) -> None:
+        self._values.append(value)
+
+    def flush(self) -> None:
+        values, self._values = self._values, []
+        if not values:
+            return
+        histogram = self.histogram
+        bounds = histogram._upper_bounds  # ascending, +Inf last: value v goes to the first bound >= v
+        counts = [0] * len(bounds)
+        total = 0.0
+        for value in values:
+            counts[bisect.bisect_left(bounds, value)] += 1
+            total += value
+        histogram._sum.inc(total)
+        for bucket, count in zip(histogram._buckets, counts, strict=True):
+            if count:
+                bucket.inc(count)
 
 
 class EngineMetrics:
@@ -32,6 +64,7 @@ class EngineMetrics:
         self.hit_rate = Gauge(f"{p}_prefix_hit_rate", "Prompt tokens served from the prefix cache / looked up")
         self.ttft = Histogram(f"{p}_ttft_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS)
         self.tpot = Histogram(f"{p}_tpot_seconds", "Time per output token after the first", buckets=LATENCY_BUCKETS)
+        self.tpot_batch = BatchedObservations(self.tpot)  # the engine adds a step's values, flushed at hand-over
         self.tokens_per_second = Gauge(f"{p}_tokens_per_second", "Generated tokens per second (last 10 s)")
         self.generated = Counter(f"{p}_generated_tokens", "Tokens generated")
         self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens computed (not served from cache)")

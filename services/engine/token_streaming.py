@@ -43,6 +43,7 @@ class TokenStreaming:
         self._outbox.append((req, output))
 
     def _flush(self) -> None:
+        self.metrics.tpot_batch.flush()  # the TPOTs of the outputs handed over here
         outbox, self._outbox = self._outbox, []
         with handover.burst():  # one wake-up per event loop, not one per output
             for req, output in outbox:
@@ -74,7 +75,7 @@ class TokenStreaming:
             self.metrics.ttft.observe(ttft)
         elif req.last_token_at is not None:
             for _ in outs:  # a window's tokens share the step's time
-                self.metrics.tpot.observe((now - req.last_token_at) / len(outs))
+                self.metrics.tpot_batch.add((now - req.last_token_at) / len(outs))
         req.last_token_at = now
         self._step_tokens += len(outs)
         if len(outs) == 1 and not logprobs:  # a decode step's one token: its output as it is

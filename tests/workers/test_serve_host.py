@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram
 
 from bench import serve_host
 from services.engine import metrics as metrics_module
-from services.engine.metrics import EngineMetrics
+from services.engine.metrics import LATENCY_BUCKETS, BatchedObservations, EngineMetrics
 from services.engine.params import GenerationOptions
 from services.engine.request import EngineRequest
 from services.engine.sampler import sample_rows, token_logprobs
@@ -61,6 +63,31 @@ def test_tokens_per_second_window_equals_the_sum_over_its_last_ten_seconds(monke
         window = [(t, c) for t, c in seen if now[0] - t <= 10]
         expected = sum(c for _, c in window) / max(now[0] - window[0][0], 1.0)
         assert metrics.current_tokens_per_second == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from([0.0, *LATENCY_BUCKETS, 61.0]),
+                          st.floats(0, 100, allow_nan=False)), max_size=50))
+def test_batched_observations_equal_one_observe_per_value(values):
+    """The oracle is prometheus_client's own `observe`: same cumulative bucket counts (bounds included) and
+    count, the same sum up to the order of the float additions."""
+    one_by_one = Histogram("one_by_one", "", buckets=LATENCY_BUCKETS, registry=CollectorRegistry())
+    batched = Histogram("batched", "", buckets=LATENCY_BUCKETS, registry=CollectorRegistry())
+    gathered = BatchedObservations(batched)
+    for value in values:
+        one_by_one.observe(value)
+        gathered.add(value)
+    gathered.flush()
+    gathered.flush()  # nothing left: changes nothing
+
+    def samples(histogram):
+        (metric,) = histogram.collect()
+        return {(s.name[len(metric.name):], s.labels.get("le")): s.value for s in metric.samples
+                if not s.name.endswith("_created")}
+    expected, got = samples(one_by_one), samples(batched)
+    assert len(got) == len(LATENCY_BUCKETS) + 3  # the buckets, +Inf, count and sum
+    assert {k: v for k, v in got.items() if k[0] != "_sum"} == {k: v for k, v in expected.items() if k[0] != "_sum"}
+    assert math.isclose(got[("_sum", None)], expected[("_sum", None)], rel_tol=1e-12, abs_tol=1e-12)
 
 
 def test_host_bench_runs_the_engine_step_with_its_stand_in_forward():
