@@ -42,15 +42,16 @@ from kernels.fused import (
 from kernels.moe import situ_glu_triton
 from services.engine.fast_ffn import MoeDecode, grouped_mm_available
 
-ROUTER_CONFIGS = [  # (block_t, block_h, num_warps, num_stages)
-    (16, 256, 4, 4), (16, 128, 4, 3), (16, 512, 4, 3), (16, 512, 4, 2), (16, 256, 8, 4), (64, 256, 4, 3)]
+ROUTER_CONFIGS = [  # (block_t, block_h, num_warps, num_stages, H splits; None: the launcher's rule)
+    (16, 256, 4, 4, None), (16, 256, 4, 4, 1), (16, 128, 4, 3, None), (16, 256, 8, 4, None), (64, 256, 4, 3, None)]
 EXPERT_CONFIGS = [  # (block_n, block_k, num_warps, num_stages)
-    (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (64, 64, 8, 3), (128, 64, 4, 3), (64, 32, 4, 4)]
+    (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 4), (64, 128, 4, 3), (64, 64, 4, 4)]
 WEIGHT_COPIES = 3  # distinct weight sets cycled through the timed calls: 300 MB, far past the 50 MB L2
 Case = tuple[Callable[[], object], Callable[[], object] | None, int]  # fused, peer, weight bytes read per call
 
 
 def device_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """Device microseconds of one call: `reps` calls captured in one CUDA graph, replayed."""
     fn()
     if not torch.cuda.is_available():  # CPU dry run (TRITON_INTERPRET=1): wall time
         began = time.perf_counter()
@@ -104,10 +105,10 @@ def router_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[t
     router = (torch.randn(c.num_experts, c.hidden_size, device=gen.device, generator=gen)
               / c.hidden_size ** 0.5).to(torch.bfloat16)
     bias, k = torch.randn(c.num_experts, device=gen.device, generator=gen) * 0.1, c.num_experts_per_token
-    return {f"moe_route t{bt} h{bh} w{warps} s{stages}": (
-        lambda t=(bt, bh, warps, stages): moe_router_triton.moe_route(
-            x, router, bias, k, block_t=t[0], block_h=t[1], num_warps=t[2], num_stages=t[3]),
-        lambda: naive.moe_route(x, router, bias, k), 0) for bt, bh, warps, stages in configs}
+    return {f"moe_route t{bt} h{bh} w{warps} s{stages} split{'auto' if sp is None else sp}": (
+        lambda t=(bt, bh, warps, stages, sp): moe_router_triton.moe_route(
+            x, router, bias, k, block_t=t[0], block_h=t[1], num_warps=t[2], num_stages=t[3], splits=t[4]),
+        lambda: naive.moe_route(x, router, bias, k), 0) for bt, bh, warps, stages, sp in configs}
 
 
 def moe_layer_case(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, Case]:
@@ -170,11 +171,15 @@ def cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, tuple[Cal
     }
 
 
+GROUPS = ("glue", "router", "experts", "layer")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="mini", help="preset whose shapes are timed (nano for a CPU dry run)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     parser.add_argument("--sweep", type=int, nargs="*", default=[64], help="token counts of the block-shape sweep")
+    parser.add_argument("--groups", nargs="+", default=list(GROUPS), choices=GROUPS, help="which cases to time")
     parser.add_argument("--out", default="bench/results/serve_glue.json")
     args = parser.parse_args()
     config = preset(args.model)
@@ -187,11 +192,14 @@ def main() -> None:
           f"{'fused GB/s':>10} {'of copy':>8}")
     for tokens in args.tokens:
         sweep = tokens in args.sweep
-        timed = {name: (*pair, 0) for name, pair in cases(config, tokens, gen).items()}
-        timed |= router_cases(config, tokens, gen, ROUTER_CONFIGS if sweep else ROUTER_CONFIGS[:1])
-        if tokens <= 128:  # the dense experts' range (MoeDecode._dense)
+        groups = set(args.groups)
+        timed = {name: (*pair, 0) for name, pair in cases(config, tokens, gen).items()} if "glue" in groups else {}
+        if "router" in groups:
+            timed |= router_cases(config, tokens, gen, ROUTER_CONFIGS if sweep else ROUTER_CONFIGS[:1])
+        if tokens <= 128 and "experts" in groups:  # the dense experts' range (MoeDecode._dense)
             timed |= expert_cases(config, tokens, gen, EXPERT_CONFIGS if sweep else EXPERT_CONFIGS[:1])
-        timed |= moe_layer_case(config, tokens, gen)
+        if "layer" in groups:
+            timed |= moe_layer_case(config, tokens, gen)
         for name, (fused, reference, weight_bytes) in timed.items():
             diff = max_diff(fused(), reference()) if reference else float("nan")
             fused_us = device_us(fused)

@@ -112,8 +112,14 @@ class MlaDecode:
         q = q.reshape(batch, attn.heads, attn.nope + attn.rope)
         norm = attn.kv_a_layernorm
         dispatch.mla_latent_write(parts[1], norm.weight, norm.eps, self.rows, write_rows)  # [RMSNorm(c) | rope]
-        q_latent = torch.bmm(q[..., : attn.nope].transpose(0, 1), self.w_uk.to(q.dtype))  # [H, B, R]
-        absorbed = torch.cat([q_latent.transpose(0, 1), q[..., attn.nope :]], dim=-1).to(self.cache.dtype)
+        # [q_nope W_uk | q_pe] per head: the batched GEMM writes its [H, B, R] product straight into the latent
+        # columns of the absorbed query (a strided output cuBLAS takes as is), only the rope part is copied
+        # (a concat cost a 4.6 us launch a layer at batch 64 on the H200).
+        absorbed = q.new_empty(batch, attn.heads, attn.rank + attn.rope)
+        torch.bmm(q[..., : attn.nope].transpose(0, 1), self.w_uk.to(q.dtype),
+                  out=absorbed.transpose(0, 1)[..., : attn.rank])
+        absorbed[..., attn.rank :] = q[..., attn.nope :]
+        absorbed = absorbed.to(self.cache.dtype)
         o_latent = dispatch.mla_decode_paged(absorbed, self.cache, page_table, lengths, attn.scale,
                                              latent_dim=attn.rank)
         o = torch.bmm(o_latent.transpose(0, 1).to(x.dtype), self.w_uv_t.to(x.dtype))  # [H, B, Dv]

@@ -194,3 +194,18 @@ def test_expert_gate_up_refuses_mismatched_shapes():
     z, w13 = _experts_case(2, H)
     with pytest.raises(ValueError, match="w13"):
         expert_gemm_triton.expert_gate_up_glu(z[:, 1:], w13)
+
+
+def test_triton_route_split_along_h_matches_one_program(interpreted):
+    """The H slices' partial logits summed by the last program to arrive give the single-program result, and
+    the counters are left at zero (a second launch on the same scratch selects the same experts)."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(21, 70, generator=gen)
+    weight, bias = torch.randn(E, 70, generator=gen) * 0.4, torch.randn(E, generator=gen) * 0.3
+    one_w, one_i = moe_router_triton.moe_route(x, weight, bias, K, True, 1.0, block_h=16, splits=1)
+    want_w, want_i = fused_naive.moe_route(x, weight, bias, K, True, 1.0)
+    assert torch.equal(one_i, want_i)
+    for _ in range(2):
+        got_w, got_i = moe_router_triton.moe_route(x, weight, bias, K, True, 1.0, block_h=16, splits=3)
+        assert torch.equal(got_i, want_i)
+        torch.testing.assert_close(got_w, one_w, rtol=1e-6, atol=1e-7)
