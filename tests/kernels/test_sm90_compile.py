@@ -164,12 +164,13 @@ def moe_step(tokens: int) -> None:
 
 def latent_moe(tokens: int, experts: int = E, latent: int = LATENT, width: int = F_MOE, top_k: int = TOP_K,
                **tuning) -> None:
-    """The MXFP4 routed-expert decode (kernels/moe): packed [E, 2F, l/2] / [E, l, F/2] weights."""
+    """The MXFP4 routed-expert decode (kernels/moe) on prepared experts (int32 words, uint8 multipliers)."""
     u8 = torch.uint8
-    gate_up = (empty(experts, 2 * width, latent // 2, dtype=u8), empty(experts, 2 * width, latent // 32, dtype=u8))
-    down = (empty(experts, latent, width // 2, dtype=u8), empty(experts, latent, width // 32, dtype=u8))
-    latent_moe_decode_triton.latent_moe_decode(empty(tokens, latent), torch.zeros(tokens, top_k, dtype=I64),
-                                               empty(tokens, top_k, dtype=F32), *gate_up, *down, **tuning)
+    experts_ = latent_moe_decode_triton.PreparedExperts(
+        empty(experts, 2 * width, latent // 8, dtype=I32), empty(experts, 2 * width, latent // 32, dtype=u8),
+        empty(experts, latent, width // 8, dtype=I32), empty(experts, latent, width // 32, dtype=u8))
+    latent_moe_decode_triton.latent_moe_decode_prepared(empty(tokens, latent), torch.zeros(tokens, top_k, dtype=I64),
+                                                        empty(tokens, top_k, dtype=F32), experts_, **tuning)
 
 
 def launch_floor() -> None:
