@@ -86,22 +86,25 @@ class FastDecoder:
         config, layers = self.config, self.model.model.layers
         size, eps = config.attn_res_block_size, config.rms_norm_eps
         n_sites = len(self.site_queries)
-        logits = h.new_empty(n_sites, -(-len(layers) // size) + 1, h.shape[0], dtype=torch.float32)
-        blocks: list[torch.Tensor] = []
-        partial = None
+        n_blocks = -(-len(layers) // size) + 1
+        logits = h.new_empty(n_sites, n_blocks, h.shape[0], dtype=torch.float32)
+        stacked = h.new_empty(n_blocks, *h.shape)  # each completed block copied in once, not stacked per phase
+        done, partial = 0, None  # completed blocks
 
         def complete(block: torch.Tensor) -> None:  # its logits against the sites after it, once
-            first = min(2 * len(blocks) * size, n_sites - 1)
+            nonlocal done
+            first = min(2 * done * size, n_sites - 1)
+            stacked[done].copy_(block)
             dispatch.attnres_block_logits(self.site_queries[first:], block, self.site_key_norms[first:], eps,
-                                          out=logits[first:, len(blocks)], parts=self.site_query_parts[:, first:])
-            blocks.append(block)
+                                          out=logits[first:, done], parts=self.site_query_parts[:, first:])
+            done += 1
 
         complete(h)
         for i, layer in enumerate(layers):
             if i % size == 0:
                 here = slice(2 * i, 2 * min(i + size, len(layers)))
-                inter = dispatch.attnres_inter(self.site_queries[here], torch.stack(blocks), self.site_key_norms[here],
-                                               eps, logits=logits[here, : len(blocks)])
+                inter = dispatch.attnres_inter(self.site_queries[here], stacked[:done], self.site_key_norms[here],
+                                               eps, logits=logits[here, :done])
                 inter.acc = inter.acc.contiguous()  # the merge kernel reads each site's rows densely
             sublayers = ((layer.attn_res["attn"], layer.input_layernorm, (inp,)),
                          (layer.attn_res["mlp"], layer.post_attention_layernorm, ()))
@@ -118,8 +121,8 @@ class FastDecoder:
             complete(partial)
         # The final site: the same two kernels with no partial sum, its merge fused with the final norm.
         final, norm = self.model.model.attn_res_final, self.model.model.norm
-        stats = dispatch.attnres_inter(self.site_queries[-1:], torch.stack(blocks), self.site_key_norms[-1:], eps,
-                                       logits=logits[-1:, : len(blocks)]).row(0)
+        stats = dispatch.attnres_inter(self.site_queries[-1:], stacked[:done], self.site_key_norms[-1:], eps,
+                                       logits=logits[-1:, :done]).row(0)
         _, normed = dispatch.attnres_merge_norm(stats.max, stats.denom, stats.acc, final.query, None, norm.weight,
                                                 key_norm_weight=final.norm.weight, key_eps=eps, out_eps=norm.eps,
                                                 out_dtype=h.dtype)
