@@ -24,6 +24,7 @@ from k3.v1 import common_pb2
 from services.engine import sampler
 from services.engine.engine import Engine
 from services.engine.executor import Executor
+from services.engine.heap import freeze_startup_heap
 from services.engine.metrics import EngineMetrics
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager
@@ -107,6 +108,7 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
         rank.fast.launch = timed_launch  # type: ignore[method-assign]
     try:
         run(engine._step, 3)  # captures this bucket's graph, then warm
+        freeze_startup_heap()  # as `Engine.start` does after a worker's warm-up (no full GC pass mid-run)
         clock.pairs.clear()
         sync()
         started = time.perf_counter()
