@@ -20,6 +20,7 @@ from k3core.tokenizer import ByteTokenizer
 from services.engine.config import WorkerConfig
 from services.engine.engine import Engine
 from services.engine.executor import Executor
+from services.engine.heap import freeze_startup_heap
 from services.engine.metrics import EngineMetrics
 from services.engine.model_runner import ModelRunner, build_model
 from services.engine.output import OutputProcessor
@@ -113,6 +114,7 @@ def run_rank(config: WorkerConfig, role: str, rank: int, port: int) -> None:
     executor = build_executor(config, role, rank, instance, None)
     verifier = build_verifier(config, role, executor)  # speculative decoding: verify windows on every rank
     warm_up(executor, config, role, export=False)  # the same forwards as rank 0's: their collectives pair up
+    freeze_startup_heap()  # as rank 0's `Engine.start`: a full GC pass here would stall every rank's collectives
     dist.barrier()
     try:
         while True:
