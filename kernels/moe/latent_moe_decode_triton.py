@@ -10,8 +10,10 @@ accumulators) and multiplied once for all of the expert's tokens. Activations th
 sum of 2-3 bf16 parts, so the products keep the activations' precision.
 
 Kernel 1: gate and up rows -> SiTU-GLU -> h, stored as bf16 parts [parts, T*k, F] with x's precision (the
-operand format of kernel 2). Kernel 2: down rows times the router weight -> [T*k, l] (rows of a token's
-first pair that names the expert). Kernel 3: a token's rows summed into u [T, l] in x's dtype.
+operand format of kernel 2). Kernel 2: down rows times the router weight -> [splits, T*k, l] (rows of a
+token's first pair that names the expert; the down tile's `splits` cut the reduction over F, so that few
+experts still give enough programs). Kernel 3: a token's rows and splits summed into u [T, l] in x's
+dtype, in a fixed order.
 """
 
 from __future__ import annotations
@@ -107,28 +109,32 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])  # one build for every decode batch (T = 1 would be a constant)
     def _down_kernel(h, ids, weights, wd, md, partial, T, K, L, F: tl.constexpr, BR: tl.constexpr,
                      G: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, HP: tl.constexpr,
-                     STAGES: tl.constexpr, USE_ASM: tl.constexpr):
+                     SPLITS: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr):
         e, leader, first, match, index = _expert_tokens(ids, tl.program_id(0), T, K, TP, BK)
         if leader:
             rows = tl.program_id(1) * BR + tl.arange(0, BR)
             ok = rows < L
+            split = tl.program_id(2)
             words, mults = wd + e * L * (F // 8), md + e * L * (F // 32)
             # A token that names the expert in several slots gets the sum of their router weights.
             p_tok = tl.sum(tl.load(weights + index, mask=match, other=0.0), 1)
             for n0 in range(0, tl.sum((first < (1 << 30)).to(tl.int32)), BT):
                 hit, pair, used = _slots(first, n0, BT)
                 acc = tl.zeros([BT, BR], dtype=tl.float32)
-                for g0 in tl.range(0, F // 32, G, num_stages=STAGES):
+                # This program's share of the reduction: groups split * F / (32 SPLITS) onwards.
+                for g0 in tl.range(split * (F // (32 * SPLITS)), (split + 1) * (F // (32 * SPLITS)), G,
+                                   num_stages=STAGES):
                     w = mxfp4_tile(words, mults, rows, ok, g0, F // 8, G, USE_ASM)
                     for p in tl.static_range(HP):
                         ht = _activations(h + (p * T * K + pair) * F, used, g0 * 32, BT, G)
                         acc = _mma(w, ht, acc, USE_ASM)
                 p_slot = tl.sum(tl.where(hit, p_tok[None, :], 0.0), 1)
-                tl.store(partial + pair[:, None] * L + rows[None, :], unshift(acc) * p_slot[:, None],
-                         mask=used[:, None] & ok[None, :])
+                tl.store(partial + (split * T * K + pair[:, None]) * L + rows[None, :],
+                         unshift(acc) * p_slot[:, None], mask=used[:, None] & ok[None, :])
 
     @triton.jit
-    def _sum_pairs_kernel(partial, ids, out, K, L, BK: tl.constexpr, BL: tl.constexpr):
+    def _sum_pairs_kernel(partial, ids, out, TK, K, L, SPLITS: tl.constexpr, BK: tl.constexpr,
+                          BL: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BL + tl.arange(0, BL)
         slot = tl.arange(0, BK)
@@ -136,10 +142,13 @@ if triton is not None:
         # A slot whose expert an earlier slot of the token names has no row: its weight went to that one.
         earlier = (mine[:, None] == mine[None, :]) & (slot[None, :] < slot[:, None])
         repeat = tl.sum(earlier.to(tl.int32), 1) > 0
-        keep = (slot < K) & (repeat == 0)
-        rows = tl.load(partial + (t * K + slot[:, None]) * L + cols[None, :],
-                       mask=keep[:, None] & (cols[None, :] < L), other=0.0)
-        tl.store(out + t * L + cols, tl.sum(rows, 0).to(out.dtype.element_ty), mask=cols < L)
+        keep = ((slot < K) & (repeat == 0))[:, None] & (cols[None, :] < L)
+        total = tl.zeros([BL], dtype=tl.float32)
+        for split in tl.static_range(SPLITS):  # the down kernel's reduction splits, in a fixed order
+            rows = tl.load(partial + (split * TK + t * K + slot[:, None]) * L + cols[None, :], mask=keep,
+                           other=0.0)
+            total += tl.sum(rows, 0)
+        tl.store(out + t * L + cols, total.to(out.dtype.element_ty), mask=cols < L)
 
 
 class PreparedExperts(NamedTuple):
@@ -220,6 +229,8 @@ def latent_moe_decode_prepared(
     require(1 <= hp <= 3, f"h_parts must be 1, 2 or 3, got {h_parts}")
     default_gu, default_down = default_tiles(T * K, F, sm_count(x.device, cpu=132))
     gu_tile, d_tile = gate_up_tile or default_gu, down_tile or default_down
+    require(gu_tile.splits == 1, f"gate/up tiles cannot split the reduction (SiTU-GLU needs whole sums), got "
+            f"splits={gu_tile.splits}")
     gu_groups, d_groups = gu_tile.groups(L), d_tile.groups(F)
     ids = expert_ids.contiguous()
     # Token tiles of at least 16 rows: one build serves every decode batch up to 16.
@@ -231,11 +242,13 @@ def latent_moe_decode_prepared(
         X_PARTS=_parts(x.dtype), BR=gu_tile.rows, G=gu_groups, STAGES=gu_tile.stages, **common,
         **gu_tile.launch_options(),
     )
-    partial = torch.empty(T * K, L, dtype=torch.float32, device=x.device)
-    _down_kernel[(T * K, triton.cdiv(L, d_tile.rows))](
+    partial = torch.empty(d_tile.splits, T * K, L, dtype=torch.float32, device=x.device)
+    _down_kernel[(T * K, triton.cdiv(L, d_tile.rows), d_tile.splits)](
         h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial, T, K, L, F=F,
-        BR=d_tile.rows, G=d_groups, STAGES=d_tile.stages, **common, **d_tile.launch_options(),
+        BR=d_tile.rows, G=d_groups, SPLITS=d_tile.splits, STAGES=d_tile.stages, **common,
+        **d_tile.launch_options(),
     )
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
-    _sum_pairs_kernel[(T, triton.cdiv(L, 128))](partial, ids, out, K, L, BK=next_pow2(K), BL=128)
+    _sum_pairs_kernel[(T, triton.cdiv(L, 128))](partial, ids, out, T * K, K, L, SPLITS=d_tile.splits,
+                                                  BK=next_pow2(K), BL=128)
     return out

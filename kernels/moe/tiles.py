@@ -4,7 +4,8 @@ Both kernels stream weight rows: a program owns `rows` rows of one expert and wa
 columns per step. Each step decodes rows x cols MXFP4 weights in registers, so the tile sets both how many
 programs exist (rows) and how much fixed per-step work (activation fragments, scale bytes, pipeline
 bookkeeping) each decoded word carries (rows x cols); `max_registers` caps ptxas so that more programs
-share an SM.
+share an SM; `splits` (down kernel) cuts the reduction between programs whose partial rows the last kernel
+adds, for more programs when few experts are routed.
 """
 
 from __future__ import annotations
@@ -21,13 +22,19 @@ class Tile:
     warps: int = 4
     stages: int = 3
     max_registers: int | None = None
+    splits: int = 1  # programs per row block, each over 1 / splits of the reduction (down kernel only)
 
     def label(self) -> str:
         cap = f",r{self.max_registers}" if self.max_registers else ""
-        return f"{self.rows}x{self.cols},w{self.warps},s{self.stages}{cap}"
+        split = f",k{self.splits}" if self.splits > 1 else ""
+        return f"{self.rows}x{self.cols},w{self.warps},s{self.stages}{cap}{split}"
 
     def groups(self, depth: int) -> int:
-        """32-column groups per step over a reduction of `depth` columns (cols capped at depth)."""
+        """32-column groups per step over a reduction of `depth` columns (cols capped at the depth of one
+        split)."""
+        require(self.splits >= 1 and depth % (32 * self.splits) == 0,
+                f"tile splits={self.splits} must divide the reduction of {depth} columns into 32-column groups")
+        depth //= self.splits
         rows, cols = self.rows, min(self.cols, depth)
         require(rows >= 16 and rows == next_pow2(rows), f"tile rows must be a power of two >= 16, got {rows}")
         require(cols % 32 == 0 and cols == 32 * next_pow2(cols // 32) and depth % cols == 0,

@@ -34,11 +34,14 @@ def test_non_power_of_two_shapes_match_the_reference(interpreted):
     torch.testing.assert_close(out, naive.latent_moe_decode(x, ids, w, *packs), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("gate_up", "down"), [(Tile(16, 128), Tile(32, 128)), (Tile(32, 256), Tile(16, 64))])
+@pytest.mark.parametrize(("gate_up", "down"), [
+    (Tile(16, 128), Tile(32, 128)), (Tile(32, 256), Tile(16, 64)), (Tile(16, 128), Tile(16, 128, splits=2)),
+    (Tile(16, 64), Tile(16, 32, splits=4))])
 def test_lane_group_column_order_matches_the_reference(interpreted, gate_up, down):
     """Steps of 4 and 8 scale groups (128 / 256 columns), where the weights' words and the activations are
-    reordered so that a tensor-core lane's words share a scale (kernels.moe.mxfp4_tile_triton); 2 groups
-    (64 columns) keep the plain order. T=3, k=2, E=4, l=256, F=128, float32 x as three bf16 parts."""
+    reordered so that a tensor-core lane's words share a scale (kernels.moe.mxfp4_tile_triton); 1-2 groups
+    keep the plain order; the down reduction split 2 and 4 ways (partials added by the last kernel). T=3,
+    k=2, E=4, l=256, F=128, float32 x as three bf16 parts."""
     gen = torch.Generator().manual_seed(13)
     T, K, E, L, F = 3, 2, 4, 256, 128
     packs = _experts(gen, E, L, F)
@@ -72,14 +75,22 @@ def test_any_routing_matches_the_reference(interpreted, tokens, top_k, data):
 @pytest.mark.parametrize(("tile", "message"), [
     (Tile(24, 32), "tile rows"), (Tile(8, 32), "tile rows"), (Tile(16, 48), "tile cols"),
     (Tile(16, 32, warps=3), "tile warps"), (Tile(16, 32, stages=0), "tile stages"),
+    (Tile(16, 32, splits=3), "tile splits"),
 ])
 def test_bad_tiles_name_the_field(tile, message):
     with pytest.raises(ValueError, match=message):
         tile.groups(64)
 
 
+def test_gate_up_tiles_cannot_split():
+    x, ids, w = torch.zeros(1, 64), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+    with pytest.raises(ValueError, match="gate/up tiles cannot split"):
+        latent_moe_decode_triton.latent_moe_decode(x, ids, w, *PACKS, gate_up_tile=Tile(16, 32, splits=2))
+
+
 def test_tile_columns_are_capped_at_the_reduction_width():
     assert Tile(16, 512).groups(64) == 2
+    assert Tile(16, 512, splits=2).groups(64) == 1
     assert Tile(128, 128, 8, 3, 168).launch_options() == {"num_warps": 8, "maxnreg": 168}
 
 
