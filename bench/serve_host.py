@@ -50,8 +50,10 @@ import torch
 
 from bench.serve_streams import StreamLoop
 from k3.v1 import common_pb2
+from k3core.cache.hashing import checksums
 from k3core.cache.layout import plan_layout, shape_from_config
 from k3core.cache.manager import PrefixCacheManager
+from k3core.cache.page_store import PageStore
 from k3core.model import K3Model
 from k3core.presets import preset
 from services.engine import decode_overlap, sampler
@@ -283,6 +285,28 @@ def sampled_rows_ms(vocab: int, batch: int, reps: int = 20) -> dict:
     return {"p50_ms": float(np.percentile(times, 50)), "p99_ms": float(np.percentile(times, 99))}
 
 
+def fingerprints_ms(pages: int, page_bytes: int, reps: int = 5) -> dict:
+    """Host ms of a commit's checkpoint fingerprints over `pages` pool pages on this CPU: `PageStore.fingerprints`
+    (row-batched, `checksum_rows`) against the per-page form it replaced (`checksums` of each page's bytes:
+    a set of launches and an XOR fold per page). Same values asserted."""
+    data = torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    store = PageStore.__new__(PageStore)  # only its bytes are read
+    store.data = data
+    rows = list(range(pages))
+    assert store.fingerprints(rows, page_bytes) == checksums([data[p] for p in rows])
+    timed = {}
+    for name, run in (("row_batched", lambda: store.fingerprints(rows, page_bytes)),
+                      ("per_page", lambda: checksums([data[p] for p in rows]))):
+        times = []
+        for _ in range(reps):
+            began = time.perf_counter()
+            run()
+            times.append(1e3 * (time.perf_counter() - began))
+        timed[name] = float(np.percentile(times, 50))
+    return {"pages": pages, "page_bytes": page_bytes, "row_batched_ms": timed["row_batched"],
+            "per_page_ms": timed["per_page"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="mini")
@@ -298,6 +322,9 @@ def main() -> None:
     parser.add_argument("--no-freeze-heap", dest="freeze_heap", action="store_false",
                         help="leave the GC as it is (the code before `heap.freeze_startup_heap`)")
     parser.add_argument("--no-sampled", dest="sampled", action="store_false", help="skip the sampled-rows timing")
+    parser.add_argument("--fingerprint-pages", type=int, default=768, help="pages fingerprinted (0: skip); "
+                        "768 = 64 rows x 12 KDA groups of mini")
+    parser.add_argument("--fingerprint-bytes", type=int, default=16384, help="bytes per page (mini: 1 MiB)")
     parser.add_argument("--label", default="after", help="this run's key in the JSON (before / after)")
     parser.add_argument("--out", default="bench/results/serve_host.json")
     parser.add_argument("--peer", default="before", help="the JSON key of the run the ratios compare against")
@@ -331,6 +358,11 @@ def main() -> None:
         ratio = f", {peer['p50_ms'] / run[key]['p50_ms']:.2f}x of {args.peer}" if peer and args.label != args.peer else ""
         print(f"{batch} sampled row(s) (temperature 0.7, {vocab} columns, `sample_rows` on this CPU): "
               f"{run[key]['p50_ms']:.2f} ms p50{ratio}")
+    if args.fingerprint_pages:
+        run["fingerprints"] = fp = fingerprints_ms(args.fingerprint_pages, args.fingerprint_bytes)
+        print(f"fingerprints of {fp['pages']} pages x {fp['page_bytes']} B (a hash-boundary commit): row-batched "
+              f"{fp['row_batched_ms']:.2f} ms, per page {fp['per_page_ms']:.2f} ms "
+              f"({fp['per_page_ms'] / fp['row_batched_ms']:.2f}x)")
     result[args.label] = run
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))

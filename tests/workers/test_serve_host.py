@@ -122,3 +122,8 @@ def test_host_bench_with_an_emulated_device_reports_its_idle():
     row = serve_host.measure(args, 2)
     assert row["replay_ms"] == 1.0 and row["gpu_idle"]["p50_ms"] >= 0
     assert row["step"]["mean_ms"] >= 0.9  # each step waits for the previous replay's tokens
+
+
+def test_host_bench_fingerprints_compare_the_row_batched_and_per_page_forms():
+    result = serve_host.fingerprints_ms(5, 99, reps=1)  # asserts both forms give the same values
+    assert result["pages"] == 5 and result["row_batched_ms"] > 0 and result["per_page_ms"] > 0
