@@ -26,31 +26,11 @@ SHIFT = 32  # 2^-SHIFT rides on every decoded weight; accumulators are multiplie
 _FIELD_TO_BF16X2 = (1 << 7) | (1 << 23)
 
 
-BLOCK_ROWS = 32  # rows of a stored block (every MXFP4 matrix here has a multiple of 32 rows)
-
-
-def block_words(words: int) -> int:
-    """Words per row of a stored block for rows of `words` words: 16 (128 columns, 2 KB blocks) where they
-    divide the row, else 4 (one scale group)."""
-    return 16 if words % 16 == 0 else 4
-
-
-def _blocked(t: torch.Tensor, cols: int) -> torch.Tensor:
-    """[..., R, C] -> the same shape, stored as [..., R / BLOCK_ROWS, C / cols, BLOCK_ROWS, cols] blocks."""
-    *lead, rows, width = t.shape
-    b = t.reshape(*lead, rows // BLOCK_ROWS, BLOCK_ROWS, width // cols, cols).transpose(-3, -2)
-    return b.contiguous().reshape(t.shape)
-
-
 def prepare(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Canonical MXFP4 (packed uint8 [..., R, K // 2], e8m0 scales [..., R, K // 32]) -> what `mxfp4_tile`
-    reads, once per weight load (the same bytes): int32 words [..., R, K // 8] in the device layout and uint8
-    multiplier fields [..., R, K // 32], each stored in blocks of BLOCK_ROWS rows x `block_words` words (and
-    their scales) so that a tile step reads whole 2 KB blocks, not 64-byte pieces of 32-128 rows."""
-    if packed.shape[-2] % BLOCK_ROWS:
-        raise ValueError(f"MXFP4 matrices need a multiple of {BLOCK_ROWS} rows, got {packed.shape[-2]}")
-    cols = block_words(packed.shape[-1] // 4)
-    return _blocked(device_words(packed), cols), _blocked(decode_multipliers(scales, SHIFT), cols // 4)
+    """Canonical MXFP4 (packed uint8 [..., K // 2], e8m0 scales [..., K // 32]) -> what `mxfp4_tile` reads:
+    int32 words [..., K // 8] in the device layout and uint8 multiplier fields [..., K // 32]. Once per
+    weight load; the same bytes."""
+    return device_words(packed), decode_multipliers(scales, SHIFT)
 
 
 def _decode_asm() -> str:
@@ -74,7 +54,6 @@ if triton is not None:
     _ROTATIONS = tl.constexpr(ROTATIONS)
     _DECODE_ASM = tl.constexpr(_decode_asm())
     _FIELDS_TO_BF16X2 = tl.constexpr(_FIELD_TO_BF16X2)
-    _BLOCK_ROWS = tl.constexpr(BLOCK_ROWS)
 
     @triton.jit
     def unshift(acc):
@@ -134,22 +113,16 @@ if triton is not None:
         return tl.reshape(tl.permute(tl.reshape(a, (BT, 4 * G, 2, 4)), (0, 1, 3, 2)), (BT, 32 * G))
 
     @triton.jit
-    def _block_offsets(rows, cols, WIDTH: tl.constexpr, CB: tl.constexpr):
-        """Offsets of (rows, cols) elements of a [R, WIDTH] matrix stored as `_blocked` [BLOCK_ROWS, CB] blocks."""
-        block = (rows[:, None] // _BLOCK_ROWS) * (WIDTH // CB) + cols[None, :] // CB
-        return block * (_BLOCK_ROWS * CB) + (rows[:, None] % _BLOCK_ROWS) * CB + cols[None, :] % CB
-
-    @triton.jit
-    def mxfp4_tile(words, mults, rows, row_ok, g0, WORDS: tl.constexpr, G: tl.constexpr, CW: tl.constexpr,
+    def mxfp4_tile(words, mults, rows, row_ok, g0, WORDS: tl.constexpr, G: tl.constexpr,
                    USE_ASM: tl.constexpr):
         """bf16 [len(rows), 32 G] tile of weights x 2^-SHIFT, columns 32 g0 .. 32 (g0 + G), from `prepare`'s
-        words (rows of WORDS, blocks of CW = block_words(WORDS)) and multiplier fields (one byte per 4 words),
-        in the column order of `lane_group_columns` (activations go through it)."""
+        words (rows of WORDS) and multiplier fields (one byte per 4 words), in the column order of
+        `lane_group_columns` (activations go through it)."""
         R: tl.constexpr = rows.shape[0]
-        w = tl.load(words + _block_offsets(rows, g0 * 4 + tl.arange(0, 4 * G), WORDS, CW), mask=row_ok[:, None],
-                    other=0)
+        w = tl.load(words + rows[:, None] * WORDS + g0 * 4 + tl.arange(0, 4 * G)[None, :],
+                    mask=row_ok[:, None], other=0)
         w = _lane_groups(tl.reshape(w, (R, G, 4)).to(tl.uint32, bitcast=True), G)
-        f = tl.load(mults + _block_offsets(rows, g0 + tl.arange(0, G), WORDS // 4, CW // 4),
+        f = tl.load(mults + rows[:, None] * (WORDS // 4) + g0 + tl.arange(0, G)[None, :],
                     mask=row_ok[:, None], other=0)
         m = _lane_groups(tl.broadcast_to((f.to(tl.uint32) * _FIELDS_TO_BF16X2)[:, :, None], (R, G, 4)), G)
         if USE_ASM:

@@ -23,7 +23,11 @@ E, L, F, TOP_K = 256, 2048, 1024, 16
 # both kernels, so every gate/up tile and every down tile is measured on its own (kernel_us). Register caps
 # (3-4 programs per SM) measured slower at every T (history 19) and are no longer swept.
 VARIANTS = ((Tile(128, 128), Tile(128, 128)),)
-SWEEP = VARIANTS + ((Tile(64, 128, 2), Tile(128, 128, 2)), (Tile(64, 128, 2), Tile(128, 128, 2, splits=2)))
+SWEEP = VARIANTS + (
+    (Tile(64, 128, 2), Tile(128, 128, 2)), (Tile(64, 128, 2), Tile(128, 128, 2, splits=2)),
+    (Tile(32, 128, 1), Tile(64, 128, 1)), (Tile(64, 128, 2, 4), Tile(128, 128, 2, 4)),
+    (Tile(64, 64, 2), Tile(64, 128, 2)), (Tile(32, 128, 1, 4), Tile(64, 128, 1, 4, splits=2)),
+)
 MAX_REL_ERR = 1e-2  # a variant further than this from the float32 oracle is wrong, whatever its time
 
 
