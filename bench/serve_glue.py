@@ -6,6 +6,10 @@ which the weights stream against the device's copy bandwidth measured in the sam
 roofline). At the sweep's token counts, the router and the experts' kernel run in a few block shapes each
 (the launchers' defaults first). Last, one whole latent-MoE layer of the fast path (`MoeDecode`) per token
 count, against `SparseMoE` for the difference (its per-expert loop syncs the host: not timed).
+`--groups skinny`: every decode projection (`skinny_gemm_triton.decode_projections`) in the skinny GEMM's
+candidate tilings against cuBLAS as the fast path calls it, weights cycled through enough copies to come from
+HBM. `--compile-only --shard I N` launches a share of the cases once (run shards in parallel to fill
+Triton's cache before a timed run).
 
     python -m bench.serve_glue [--model mini] [--tokens 1 16 64 128 256] [--sweep 64] [--out bench/results/serve_glue.json]
 
@@ -38,6 +42,7 @@ from kernels.fused import (
     moe_combine_triton,
     moe_router_triton,
     naive,
+    skinny_gemm_triton,
 )
 from kernels.moe import situ_glu_triton
 from services.engine.fast_ffn import MoeDecode, grouped_mm_available
@@ -136,6 +141,26 @@ def max_diff(a: object, b: object) -> float:
     return max(float((x.double() - y.double()).abs().max()) for x, y in pairs)
 
 
+def skinny_cases(c: K3Config, tokens: int, gen: torch.Generator, sweep: bool) -> dict[str, Case]:
+    """Each decode projection of the model (`skinny_gemm_triton.decode_projections`) in the skinny GEMM's
+    tilings, against cuBLAS as the fast path calls it (F.linear, or addmm_ into the residual). Enough weight
+    copies that every call of a timed graph reads its weight from HBM."""
+    found: dict[str, Case] = {}
+    for name, (n, k, residual) in skinny_gemm_triton.decode_projections(c).items():
+        x = torch.randn(tokens, k, device=gen.device, generator=gen).to(torch.bfloat16)
+        res = torch.randn(tokens, n, device=gen.device, generator=gen).to(torch.bfloat16) if residual else None
+        copies = max(WEIGHT_COPIES, min(24, -(-200_000_000 // (n * k * 2))))
+        weights = [(torch.randn(n, k, device=gen.device, generator=gen) / k ** 0.5).to(torch.bfloat16)
+                   for _ in range(copies)]
+        tilings = skinny_gemm_triton.candidate_tilings(n, k)[: None if sweep else 1]
+        for t in tilings:
+            mine, peer = (None, None) if res is None else (res.clone(), res.clone())
+            found[f"skinny {name} n{t.block_n} k{t.block_k} s{t.splits} w{t.num_warps} st{t.num_stages}"] = (
+                each_call(lambda w, x=x, r=mine, t=t: skinny_gemm_triton.skinny_gemm(x, w, r, t), weights),
+                each_call(lambda w, x=x, r=peer: naive.skinny_linear(x, w, r), weights), n * k * 2)
+    return found
+
+
 def cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, tuple[Callable, Callable]]:
     """name -> (fused launch, torch reference) on the model's shapes at `tokens` decode rows."""
     dev, bf = gen.device, torch.bfloat16
@@ -171,7 +196,7 @@ def cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, tuple[Cal
     }
 
 
-GROUPS = ("glue", "router", "experts", "layer")
+GROUPS = ("glue", "router", "experts", "layer", "skinny")
 
 
 def main() -> None:
@@ -181,6 +206,10 @@ def main() -> None:
     parser.add_argument("--sweep", type=int, nargs="*", default=[64], help="token counts of the block-shape sweep")
     parser.add_argument("--groups", nargs="+", default=list(GROUPS), choices=GROUPS, help="which cases to time")
     parser.add_argument("--out", default="bench/results/serve_glue.json")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="launch each fused case once, time nothing (fills Triton's cache: run shards in parallel)")
+    parser.add_argument("--shard", type=int, nargs=2, default=(0, 1), metavar=("I", "N"),
+                        help="only every N-th case, from the I-th")
     args = parser.parse_args()
     config = preset(args.model)
     on_gpu = torch.cuda.is_available()
@@ -188,7 +217,7 @@ def main() -> None:
     copy = copy_bandwidth("cuda", 1 << 30) / 1e9 if on_gpu else float("nan")
     print(f"copy bandwidth {copy:.0f} GB/s (the experts' GEMM roofline)")
     rows = []
-    print(f"{'kernel':<36} {'tokens':>6} {'max |diff|':>11} {'fused us':>9} {'peer us':>9} {'speedup':>8} "
+    print(f"{'kernel':<60} {'tokens':>6} {'max |diff|':>11} {'fused us':>9} {'peer us':>9} {'speedup':>8} "
           f"{'fused GB/s':>10} {'of copy':>8}")
     for tokens in args.tokens:
         sweep = tokens in args.sweep
@@ -198,18 +227,28 @@ def main() -> None:
             timed |= router_cases(config, tokens, gen, ROUTER_CONFIGS if sweep else ROUTER_CONFIGS[:1])
         if tokens <= 128 and "experts" in groups:  # the dense experts' range (MoeDecode._dense)
             timed |= expert_cases(config, tokens, gen, EXPERT_CONFIGS if sweep else EXPERT_CONFIGS[:1])
+        if "skinny" in groups and tokens <= skinny_gemm_triton.MAX_ROWS:
+            timed |= skinny_cases(config, tokens, gen, sweep)
         if "layer" in groups:
             timed |= moe_layer_case(config, tokens, gen)
-        for name, (fused, reference, weight_bytes) in timed.items():
+        for index, (name, (fused, reference, weight_bytes)) in enumerate(timed.items()):
+            if index % args.shard[1] != args.shard[0]:
+                continue
+            if args.compile_only:
+                fused()
+                continue
             diff = max_diff(fused(), reference()) if reference else float("nan")
             fused_us = device_us(fused)
             peer_us = device_us(reference) if reference else float("nan")
             gbps = weight_bytes / fused_us / 1e3
             rows.append({"kernel": name, "tokens": tokens, "max_abs_diff": diff, "fused_us": fused_us,
-                         "peer_us": peer_us, "weight_gbps": gbps or None, "of_copy": gbps / copy if gbps else None})
+                         "peer_us": peer_us, "weight_gbps": gbps or None, "of_copy": gbps / copy if gbps else None,
+                         "peer_gbps": weight_bytes / peer_us / 1e3 if weight_bytes else None})
             rate = f"{gbps:>10.0f} {gbps / copy:>7.0%}" if gbps else ""
-            print(f"{name:<36} {tokens:>6} {diff:>11.3g} {fused_us:>9.1f} {peer_us:>9.1f} "
+            print(f"{name:<60} {tokens:>6} {diff:>11.3g} {fused_us:>9.1f} {peer_us:>9.1f} "
                   f"{peer_us / fused_us:>7.1f}x {rate}", flush=True)
+    if args.compile_only:
+        return
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name() if on_gpu else "cpu",
                                            "copy_gbps": copy, "rows": rows}, indent=2))

@@ -55,6 +55,7 @@ moe_combine = _dispatcher("kernels.fused.naive", "kernels.fused.moe_combine_trit
 moe_align = _dispatcher("kernels.fused.naive", "kernels.fused.moe_align_triton", "moe_align")
 mla_latent_write = _dispatcher("kernels.fused.naive", "kernels.fused.mla_latent_write_triton", "mla_latent_write")
 gated_heads = _dispatcher("kernels.fused.naive", "kernels.fused.gated_heads_triton", "gated_heads")
+skinny_linear = _dispatcher("kernels.fused.naive", "kernels.fused.skinny_gemm_triton", "skinny_linear")
 
 
 def kda_verify_replay(*args: Any, **kwargs: Any) -> Any:

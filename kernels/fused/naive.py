@@ -98,3 +98,11 @@ def gated_heads(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     o (token-major) * sigmoid(gate), computed in float32+, in o's dtype (k3core's sigmoid_output_gate)."""
     heads, batch, width = o.shape
     return sigmoid_output_gate(o.transpose(0, 1), gate.reshape(batch, heads, width)).reshape(batch, heads * width)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """A projection x [M, K] @ weight [N, K]^T -> [M, N], or `residual` [M, N] += x @ weight^T in place in the
+    GEMM's epilogue (one launch: the out-of-place addmm copies the residual first), returned."""
+    if residual is None:
+        return F.linear(x, weight)
+    return residual.addmm_(x, weight.t())

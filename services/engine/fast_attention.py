@@ -35,10 +35,9 @@ def rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T, or `residual` += x @ weight.T in the GEMM's epilogue, in place (one launch; the
-    out-of-place addmm copies the residual first). `residual` must be the forward's own running sum."""
-    if residual is None:
-        return F.linear(x, weight)
-    return residual.addmm_(x, weight.t())
+    out-of-place addmm copies the residual first). `residual` must be the forward's own running sum.
+    cuBLAS, or the skinny Triton GEMM for the shapes it measured faster at (`dispatch.skinny_linear`)."""
+    return dispatch.skinny_linear(x, weight, residual)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
@@ -74,8 +73,8 @@ class KdaDecode:
         this group."""
         attn, batch = self.attn, x.shape[0]
         heads, dim = attn.heads, attn.head_dim
-        q, k, v, g, f_a, beta = F.linear(x, self.weight).split(self.splits, dim=-1)
-        z = attn.f_b_proj(f_a)
+        q, k, v, g, f_a, beta = linear_add(x, self.weight, None).split(self.splits, dim=-1)
+        z = linear_add(f_a, attn.f_b_proj.weight, None)
         if not attn.full_rank_gate:
             g = attn.g_b_proj(g)
         q, k, v, z, g = (t.view(batch, heads, dim) for t in (q, k, v, z, g))  # row-strided views, no copy

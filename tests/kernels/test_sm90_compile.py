@@ -39,6 +39,7 @@ from kernels.fused import (
     moe_align_triton,
     moe_combine_triton,
     moe_router_triton,
+    skinny_gemm_triton,
 )
 from kernels.kda import decode_step_triton, decode_triton, prefill_triton, verify_triton
 from kernels.mla import decode_triton as mla_decode
@@ -173,6 +174,16 @@ def latent_moe(tokens: int, experts: int = E, latent: int = LATENT, width: int =
                                                         empty(tokens, top_k, dtype=F32), experts_, **tuning)
 
 
+def skinny_gemm(tokens: int, tilings=lambda n, k: [skinny_gemm_triton.default_tiling(n, k)]) -> None:
+    """The decode projections (services/engine/fast_*.py through dispatch.skinny_linear): the routed tiling
+    and the launcher's default of every mini projection shape."""
+    for n, k, residual in skinny_gemm_triton.decode_projections(MINI).values():
+        routed = skinny_gemm_triton.ROUTES.get((n, k, skinny_gemm_triton.block_rows(tokens)))
+        for tiling in dict.fromkeys([*tilings(n, k), *([routed] if routed else [])]):
+            skinny_gemm_triton.skinny_gemm(empty(tokens, k), empty(n, k), empty(tokens, n) if residual else None,
+                                           tiling)
+
+
 def launch_floor() -> None:
     attnres_cases._empty_kernel[(132,)](empty(132, dtype=I32))
 
@@ -185,6 +196,7 @@ CASES = {
     **{f"attnres M={m}": lambda m=m: attnres(m) for m in (*DECODE_BATCHES, PREFILL_TOKENS)},
     **{f"moe T={t}": lambda t=t: moe_step(t) for t in DECODE_BATCHES},
     **{f"latent moe T={t}": lambda t=t: latent_moe(t) for t in DECODE_BATCHES},
+    **{f"skinny gemm T={t}": lambda t=t: skinny_gemm(t) for t in DECODE_BATCHES},
     "launch floor": launch_floor,
 }
 
@@ -212,6 +224,7 @@ def _bench_variants() -> dict:
         cases[f"latent moe {gate_up.label()} | {down.label()}"] = lambda g=gate_up, d=down: [
             latent_moe(n, moe_cases.E, moe_cases.L, moe_cases.F, moe_cases.TOP_K, gate_up_tile=g, down_tile=d)
             for n in DECODE_BATCHES]
+    cases["skinny gemm tilings"] = lambda: skinny_gemm(64, skinny_gemm_triton.candidate_tilings)
     return cases
 
 
