@@ -52,8 +52,9 @@ class Tile:
 
 def default_tiles(pairs: int, width: int, sms: int) -> tuple[Tile, Tile]:
     """(gate/up, down) tiles for `pairs` (token, expert) pairs (T x k) of experts `width` (F) wide on `sms`
-    SMs. Measured on the H200 (round 3 of docs/kernels.md, per-kernel times of one run): 128 x 128 fastest
-    for both kernels at T = 4 and 16; at T = 1, where 128-row gate/up tiles give fewer programs than SMs,
-    64 x 256 gate/up tiles took 22.1 us against 24.6 (down: 128 x 128 at every T)."""
+    SMs. Measured on the H200 (history 21 of docs/kernels.md, two runs): 2-warp programs (64 x 128 gate/up,
+    128 x 128 down) fastest as a whole call at T = 4 and 16 (down 36.6 / 101 us against 53.5 / 137 with 4
+    warps); while 128-row gate/up tiles would give fewer programs than SMs (T = 1) the down reduction is
+    split in two (down 13.0 against 14.1 us; slower at T >= 4)."""
     few_programs = pairs * -(-width // 128) <= sms
-    return (Tile(64, 256) if few_programs else Tile(128, 128)), Tile(128, 128)
+    return Tile(64, 128, 2), Tile(128, 128, 2, splits=2 if few_programs else 1)

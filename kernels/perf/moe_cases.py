@@ -22,9 +22,9 @@ E, L, F, TOP_K = 256, 2048, 1024, 16
 # (gate/up tile, down tile) pairs: rows, cols, warps, stages[, register cap]. Each row of the sweep times
 # both kernels, so every gate/up tile and every down tile is measured on its own (kernel_us). Register caps
 # (3-4 programs per SM) measured slower at every T (history 19) and are no longer swept.
-VARIANTS = ((Tile(128, 128), Tile(128, 128)),)
+VARIANTS = ((Tile(64, 128, 2), Tile(128, 128, 2)),)  # default_tiles at T >= 4; T = 1 splits the down tile
 SWEEP = VARIANTS + (
-    (Tile(64, 128, 2), Tile(128, 128, 2)), (Tile(64, 128, 2), Tile(128, 128, 2, splits=2)),
+    (Tile(128, 128), Tile(128, 128)), (Tile(64, 128, 2), Tile(128, 128, 2, splits=2)),
     (Tile(32, 128, 1), Tile(64, 128, 1)), (Tile(64, 128, 2, 4), Tile(128, 128, 2, 4)),
     (Tile(64, 64, 2), Tile(64, 128, 2)), (Tile(32, 128, 1, 4), Tile(64, 128, 1, 4, splits=2)),
 )

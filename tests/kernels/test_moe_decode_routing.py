@@ -94,11 +94,12 @@ def test_tile_columns_are_capped_at_the_reduction_width():
     assert Tile(128, 128, 8, 3, 168).launch_options() == {"num_warps": 8, "maxnreg": 168}
 
 
-@pytest.mark.parametrize(("pairs", "gate_up_rows"), [(1, 64), (16, 64), (64, 128), (256, 128)])
-def test_default_tiles_follow_the_measured_choice(pairs, gate_up_rows):
-    """64-row gate/up tiles only while 128-row ones give fewer programs than SMs (F=1024: 8 per pair)."""
+@pytest.mark.parametrize(("pairs", "splits"), [(1, 2), (16, 2), (64, 1), (256, 1)])
+def test_default_tiles_follow_the_measured_choice(pairs, splits):
+    """2-warp tiles; the down reduction split in two only while 128-row gate/up tiles would give fewer
+    programs than SMs (F=1024: 8 per pair)."""
     gate_up, down = default_tiles(pairs, 1024, 132)
-    assert gate_up.rows == gate_up_rows and down == Tile(128, 128)
+    assert gate_up == Tile(64, 128, 2) and down == Tile(128, 128, 2, splits=splits)
     assert gate_up.groups(2048) >= 1 and down.groups(1024) >= 1
 
 
