@@ -127,7 +127,7 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple | None = None, 
 
 
 def parse_tiles(text: str) -> tuple:
-    """"rows,cols,warps,stages[,regs]/rows,cols,warps,stages[,regs];..." -> ((gate/up, down Tile), ...)."""
+    """"rows,cols,warps,stages[,regs[,splits]]/...;..." -> ((gate/up, down Tile), ...) (regs 0: no cap)."""
     def tile(spec: str) -> Tile:
         return Tile(*(int(v) for v in spec.split(",")))
     return tuple(tuple(tile(t) for t in pair.split("/")) for pair in text.split(";"))
