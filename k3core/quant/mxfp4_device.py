@@ -28,7 +28,6 @@ PAIR_MASK = sum(1 << b for half in PAIR_BITS for b in half)
 # Register j = (rot(w, a) ^ rot(w, b)) & PAIR_MASK for ROTATIONS[j] = (a, b); (a,) is rot(w, a) & PAIR_MASK.
 # Found by search: every register a lop3 of at most two rotations, among 4 distinct non-zero rotations.
 ROTATIONS: tuple[tuple[int, ...], ...] = ((0,), (12,), (2, 6), (2, 8))
-CODES_PER_WORD = 8
 
 
 def _rows() -> list[int]:

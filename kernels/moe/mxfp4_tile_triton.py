@@ -95,7 +95,7 @@ if triton is not None:
 
     @triton.jit
     def _lane_groups(t, G: tl.constexpr):
-        """[R, G, 4, ...] (group, word of the group) -> [R, 4 G, ...] word slots such that the 8-column chunk
+        """[R, G, 4] (group, word of the group) -> [R, 4 G] word slots such that the 8-column chunk
         a thread holds in each 32-column block of a tensor-core operand (the q-th of 4 in block 4a + b) is
         word b of group 4a + q: the G words of a thread share G / 4 scales, so its multipliers are built
         once per 4 words (when G % 4 == 0; else the identity)."""
