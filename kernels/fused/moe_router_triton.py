@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import next_pow2, require, tl, triton
+from kernels._triton import next_pow2, require, sm_count, tl, triton
 from kernels.fused.split_scratch import split_scratch
 
 MAX_SPLITS = 8  # programs per token tile along H (the selection needs every expert's logit in one program)
@@ -91,9 +91,9 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
               splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as kernels.fused.naive.moe_route: x [T, H] (row-strided allowed) and weight [E, H] of one
     dtype -> (weights [T, k] float32, expert ids [T, k] int64). `splits`: programs per token tile along H
-    (default: one per BLOCK_H slice, up to MAX_SPLITS), each one K step or a few, so the logits take about one
-    memory latency instead of H / BLOCK_H dependent ones (a single program per tile took 7.5 us at 64 tokens
-    on the H200, whatever its block shape)."""
+    (default: one per BLOCK_H slice, up to MAX_SPLITS and about two programs per SM), each one K step or a
+    few, so the logits take about one memory latency instead of H / BLOCK_H dependent ones (a single program
+    per tile took 7.5 us at 64 tokens on the H200, whatever its block shape)."""
     require(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and x.stride(1) == 1
             and weight.stride(1) == 1, f"x must be [T, H] and weight [E, H] with unit column stride, got "
             f"{tuple(x.shape)} and {tuple(weight.shape)}")
@@ -105,10 +105,14 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     if tokens:
         block_h = min(block_h, max(16, next_pow2(hidden)))
         block_e = max(16, next_pow2(experts))
-        splits = min(MAX_SPLITS, triton.cdiv(hidden, block_h)) if splits is None else splits
+        tiles = triton.cdiv(tokens, block_t)
+        if splits is None:  # split only while the token tiles leave SMs idle (decode): a prefill chunk's tiles
+            # fill them alone, and its partials (splits x T x BLOCK_E float32) would grow the scratch with T
+            wanted = triton.cdiv(2 * sm_count(x.device, cpu=132), tiles)
+            splits = min(MAX_SPLITS, triton.cdiv(hidden, block_h), wanted)
         h_split = triton.cdiv(triton.cdiv(hidden, splits), block_h) * block_h
         splits = triton.cdiv(hidden, h_split)  # no empty trailing slices
-        grid = (triton.cdiv(tokens, block_t), splits)
+        grid = (tiles, splits)
         partials, counters = split_scratch(splits * tokens * block_e if splits > 1 else 1, grid[0], x.device)
         _route_kernel[grid](
             x, weight, x if bias is None else bias, weights, indices, partials, counters, tokens, experts, hidden,

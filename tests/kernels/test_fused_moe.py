@@ -209,3 +209,27 @@ def test_triton_route_split_along_h_matches_one_program(interpreted):
         got_w, got_i = moe_router_triton.moe_route(x, weight, bias, K, True, 1.0, block_h=16, splits=3)
         assert torch.equal(got_i, want_i)
         torch.testing.assert_close(got_w, one_w, rtol=1e-6, atol=1e-7)
+
+
+def test_route_splits_h_only_while_token_tiles_leave_the_device_idle(monkeypatch):
+    """A prefill chunk's token tiles fill the SMs alone: no H split there, so the split scratch (splits x T x
+    BLOCK_E float32, kept for the process) stays bounded instead of growing with the chunk (8 x 32K tokens x
+    512 experts = 512 MB at K3's shapes). Decode batches keep their splits. CPU plans for 132 SMs."""
+    grids, scratch = [], []
+
+    class _Recorder:  # records the launch grid, runs nothing
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(moe_router_triton, "_route_kernel", _Recorder())
+    monkeypatch.setattr(moe_router_triton, "split_scratch",
+                        lambda floats, tiles, device: scratch.append(floats) or (torch.zeros(1), torch.zeros(1)))
+    weight = torch.zeros(32, 2048)
+    for tokens in (64, 256, 8192):
+        moe_router_triton.moe_route(torch.zeros(tokens, 2048), weight, None, 4)
+    assert [g[1] for g in grids[:2]] == [8, 8]  # decode: one program per 256-wide slice of H
+    assert grids[2] == (8192 // 16, 1) and scratch[2] <= 1 << 18
+    for tokens in range(1, 9000, 37):  # never more than ~4 programs per SM's worth of partial rows
+        moe_router_triton.moe_route(torch.zeros(tokens, 2048), weight, None, 4)
+        assert scratch[-1] <= 4 * 132 * 16 * 32
