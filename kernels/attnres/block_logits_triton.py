@@ -23,6 +23,7 @@ import torch
 from kernels._triton import next_pow2, require, sm_count, tl, triton
 from kernels.attnres.inter_triton import _block_tile, _chunks, _partial_scores
 from kernels.attnres.query_parts import query_part_count
+from kernels.fused.split_scratch import split_scratch
 
 if triton is not None:
 
@@ -91,17 +92,10 @@ if triton is not None:
             tl.store(out + sites[:, None] * stride_os + rows[None, :], logits, mask=ok)
 
 
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
 def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed tile counters that the kernel leaves zeroed, one set per (device, stream) so that launches on
-    two streams never share them."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    if key not in _COUNTERS or _COUNTERS[key].numel() < tiles:
-        _COUNTERS[key] = torch.zeros(max(tiles, 256), dtype=torch.int32, device=device)
-    return _COUNTERS[key]
+    """Zeroed tile counters that the kernel leaves zeroed: the split kernels' shared ones (`split_scratch`:
+    outgrown counters stay allocated for the graphs captured with them, and none is sized inside a capture)."""
+    return split_scratch(0, tiles, device)[1]
 
 
 def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weights: torch.Tensor | None = None,

@@ -1,7 +1,9 @@
-"""Scratch of the fused kernels that split a reduction over programs (`moe_router_triton`): each program parks
-its float32 partial tile, and the last one to arrive at a tile's int32 counter sums the partials and sets the
-counter back to zero. Launches on one stream run one after another, so every such kernel shares one buffer
-pair per device.
+"""Scratch of the fused kernels that split a reduction over programs (`moe_router_triton`,
+`skinny_gemm_triton`, `attnres.block_logits_triton`): each program parks its float32 partial tile, and the
+last one to arrive at a tile's int32 counter sums the partials and sets the counter back to zero. Launches
+on one stream run one after another, so every such kernel shares one buffer pair per device; the engine runs
+its forwards on one stream (the graph warm-up's side stream is joined before the capture). Two such kernels
+running at once on two streams would race on the counters.
 """
 
 from __future__ import annotations

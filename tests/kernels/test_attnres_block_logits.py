@@ -6,6 +6,9 @@ softmaxes the cached column of every completed block; the result must be eq.9's 
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -123,6 +126,18 @@ def test_bad_arguments_name_the_argument(interpreted):
         inter_triton.attnres_inter(queries, torch.randn(2, 4, 16), logits=torch.empty(3, 1, 4))
     with pytest.raises(ValueError, match="parts"):
         block_logits_triton.attnres_block_logits(queries, block, parts=torch.zeros(1, 3, 16, dtype=torch.bfloat16))
+
+
+def test_outgrown_tile_counters_stay_allocated():
+    """A CUDA graph keeps the counters it was captured with: when a larger launch grows them, the old tensor
+    must stay allocated (freed, its memory goes to other tensors, which the graph's atomics then change)."""
+    cpu = torch.device("cpu")
+    captured = block_logits_triton._counters(cpu, 8)
+    alive = weakref.ref(captured)
+    del captured
+    block_logits_triton._counters(cpu, 1 << 16)
+    gc.collect()
+    assert alive() is not None
 
 
 @pytest.mark.gpu
