@@ -17,7 +17,7 @@ from services.engine.acceptance import accept_drafts
 from services.engine.decode_overlap import DecodeOverlap
 from services.engine.draft_runner import Proposal
 from services.engine.executor import Executor, StepResult
-from services.engine.heap import freeze_startup_heap
+from services.engine.heap import freeze_startup_heap, release_startup_heap
 from services.engine.metrics import EngineMetrics
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager, StepPlan
@@ -55,11 +55,13 @@ class Engine(TokenStreaming):
         self._outbox: list[tuple[EngineRequest, StepOutput]] = []
         # Decode steps planned while the previous one computes (decode_overlap.py).
         self.overlap = DecodeOverlap(self)
+        self._heap_held = False  # a `freeze_startup_heap` hold, given back at `stop`
 
     # ---- called from the server's event loop ----------------------------------------------------------
     def start(self) -> None:
         # after the warm-up (the worker builds the engine last): no full GC pass walks the startup heap
         frozen = freeze_startup_heap()
+        self._heap_held = True
         log.info("startup heap frozen", extra={"objects": frozen})
         self._thread.start()
 
@@ -83,6 +85,9 @@ class Engine(TokenStreaming):
     def stop(self) -> None:
         self._inbox.put(("stop", None))
         self._thread.join(timeout=30)
+        if self._heap_held:  # unfrozen with the last hold: a stopped engine (cycles) can be collected
+            self._heap_held = False
+            release_startup_heap()
 
     @property
     def alive(self) -> bool:
