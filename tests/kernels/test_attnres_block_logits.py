@@ -70,6 +70,10 @@ def test_precomputed_parts_give_the_same_logits(interpreted, rows, chunks):
     later = block_logits_triton.attnres_block_logits(queries[3:], block, norm_w[3:],  # the sites after one
                                                      parts=query_parts(queries, norm_w)[:, 3:], **kwargs)
     torch.testing.assert_close(later, got[3:], rtol=0, atol=0)
+    # the parts really are what the kernel multiplies: parts of 2 x the queries (exact in bf16) double the logits
+    doubled = block_logits_triton.attnres_block_logits(queries, block, norm_w, parts=query_parts(2 * queries, norm_w),
+                                                       **kwargs)
+    torch.testing.assert_close(doubled, 2 * got, rtol=0, atol=0)
 
 
 def test_cached_logits_give_phase_one(interpreted):
@@ -99,6 +103,21 @@ def test_cached_logits_give_phase_one(interpreted):
                              strict=True):
             torch.testing.assert_close(g.double(), w64, rtol=2e-6, atol=2e-5)
             torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+
+
+def test_phase_one_softmaxes_the_given_logits(interpreted):
+    """With `logits=` the apply kernel takes exactly those (here numbers unrelated to the blocks, from a strided
+    slice of a cache): a launcher that scored the blocks again would not match."""
+    gen = torch.Generator().manual_seed(5)
+    blocks = (torch.randn(3, 5, 32, generator=gen) * 2).bfloat16()
+    queries, cache = torch.randn(4, 32, generator=gen), torch.randn(6, 4, 5, generator=gen) * 3
+    logits = cache[1:5, :3]
+    got = inter_triton.attnres_inter(queries, blocks, logits=logits, apply_block_d=16)
+    top = logits.double().max(1).values
+    weights = (logits.double() - top.unsqueeze(1)).exp()
+    want = (top, weights.sum(1), torch.einsum("qnm,nmd->qmd", weights, blocks.double()))
+    for g, w64 in zip((got.max, got.denom, got.acc), want, strict=True):
+        torch.testing.assert_close(g.double(), w64, rtol=2e-6, atol=2e-5)
 
 
 def test_out_slice_leaves_the_rest_of_the_cache(interpreted):
