@@ -63,11 +63,12 @@ class Registration:
         while not self._stop.is_set():
             try:
                 self._client = connect(self.endpoints)
+                requested = time.monotonic()  # etcd grants after this: the lease lives at least until + TTL
                 self._lease = self._client.lease(self.ttl)
                 self._client.put(self.record.key(self.prefix), self.record.to_json(), lease=self._lease)
                 log.info("registered in etcd", extra={"key": self.record.key(self.prefix), "ttl_s": self.ttl})
                 self.on_state(True)
-                self._keepalive()
+                self._keepalive(requested)
             except Exception as exc:  # noqa: BLE001 - etcd down: keep serving, retry
                 log.error("etcd registration lost; serving on, retrying", extra={"error": str(exc)})
                 if self._client is not None:  # each retry connects afresh; do not leak the dead client
@@ -76,7 +77,7 @@ class Registration:
             self.on_state(False)
             self._stop.wait(min(1.0, self.ttl / 3))
 
-    def _keepalive(self) -> None:
+    def _keepalive(self, requested: float) -> None:
         """Refresh every TTL/5 (etcd's own clients use TTL/3): a process starved by a loaded machine keeps
         its lease through a stall of up to 4/5 of the TTL (was 2/3: at TTL 2 s, 1.6 s instead of 1.33 s). A
         refresh that fails while the lease has time left is retried on the same lease every 0.1 s (a slow
@@ -84,7 +85,9 @@ class Registration:
         successful refresh before it runs out, raises and the caller registers afresh. A killed process
         refreshes nothing: its lease still ends one TTL after its last refresh."""
         period = self.ttl / 5
-        alive_until = time.monotonic() + self.ttl  # granted just before: a lower bound of its deadline
+        # a lower bound of the lease's deadline: counted from the grant request, not from now (the put and
+        # `on_state` ran since), so no failed refresh is retried on a lease etcd may already have expired
+        alive_until = requested + self.ttl
         wait = period
         while not self._stop.wait(wait):
             sent = time.monotonic()

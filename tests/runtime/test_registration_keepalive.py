@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+from services.runtime import registry
 from services.runtime.registry import InstanceRecord, Registration, Watcher
 from tests.runtime.test_service_runtime import wait_until
 
@@ -38,4 +39,42 @@ def test_failed_refreshes_are_retried_on_the_live_lease(etcd_server):
         assert watcher.snapshot().get(record.key(prefix)) == record and all(seen[seen.index(True):])
     finally:
         watcher.close()
+        registration.close()
+
+
+def test_failed_refreshes_are_not_retried_past_the_leases_deadline(etcd_server, monkeypatch):
+    """The retries stop at a lower bound of the lease's deadline, counted from the grant request: a slow
+    `on_state` (or put) between the grant and the first refresh must not stretch them onto a lease etcd has
+    already expired (the member would stay out of the membership that much longer before registering afresh)."""
+    granted: list[float] = []  # when each lease was asked for
+    attempts: list[float] = []  # when each refresh was tried
+    real_connect = registry.connect
+
+    def connect(endpoints):  # the real client; its refreshes fail (INJECTED), its grants are timed
+        client = real_connect(endpoints)
+        real_lease = client.lease
+
+        def lease(ttl):
+            granted.append(time.monotonic())
+            return real_lease(ttl)
+
+        def refresh_lease(lease_id):
+            attempts.append(time.monotonic())
+            raise ConnectionError("injected: etcd did not answer in time")
+        client.lease, client.refresh_lease = lease, refresh_lease
+        return client
+    monkeypatch.setattr(registry, "connect", connect)
+    slow = [True]
+
+    def on_state(up: bool) -> None:  # the first registration's callback takes 1.5 s of the 2 s TTL
+        if up and slow[0]:
+            slow[0] = False
+            time.sleep(1.5)
+    record = InstanceRecord("svc", "c9", "slow-callback", "127.0.0.1:1")
+    registration = Registration([etcd_server], "/k3-keepalive-deadline", record, ttl_s=2, on_state=on_state)
+    try:
+        assert wait_until(lambda: len(granted) >= 2, 15)  # gave the first lease up and registered afresh
+        on_first = [t for t in attempts if t < granted[1]]
+        assert on_first and max(on_first) < granted[0] + 2 + 0.5  # one retry wait (0.1 s) and slack past it
+    finally:
         registration.close()
