@@ -113,7 +113,9 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         h_split = triton.cdiv(triton.cdiv(hidden, splits), block_h) * block_h
         splits = triton.cdiv(hidden, h_split)  # no empty trailing slices
         grid = (tiles, splits)
-        partials, counters = split_scratch(splits * tokens * block_e if splits > 1 else 1, grid[0], x.device)
+        # unsplit, the kernel touches neither: ask for nothing that would grow the shared scratch
+        partials, counters = split_scratch(splits * tokens * block_e if splits > 1 else 1, tiles if splits > 1 else 1,
+                                           x.device)
         _route_kernel[grid](
             x, weight, x if bias is None else bias, weights, indices, partials, counters, tokens, experts, hidden,
             h_split, splits, x.stride(0), weight.stride(0), float(scaling), TOP_K=top_k, HAS_BIAS=bias is not None,
