@@ -143,7 +143,7 @@ def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weight
     use_parts = parts is not None and split != 0  # other blocks take 3xTF32 on q_eff
     _block_logits_kernel[(*grid_tiles, n_chunks)](
         q, norm_weights.contiguous() if norm_weights is not None else q, parts if use_parts else q, flat, flat_out,
-        part_dots, part_sq, _counters(block.device, tiles), S, M, D, chunk, parts.stride(0) if use_parts else 0,
+        part_dots, part_sq, _counters(block.device, tiles if n_chunks > 1 else 1), S, M, D, chunk, parts.stride(0) if use_parts else 0,
         flat_out.stride(0), eps,
         CHUNKS=n_chunks, HAS_NORM_W=norm_weights is not None, PARTS=parts.shape[0] if use_parts else 0,
         SPLIT=split, BM=BM, BS=BS, BD=BD, num_warps=num_warps,

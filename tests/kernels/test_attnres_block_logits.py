@@ -159,6 +159,25 @@ def test_outgrown_tile_counters_stay_allocated():
     assert alive() is not None
 
 
+def test_unchunked_launch_asks_for_no_counters(monkeypatch):
+    """Prefill-sized blocks fill the device without D chunks: the kernel then touches no counter, so none is
+    asked of the shared scratch (one per tile would grow it with M, and be refused inside a graph capture)."""
+    asked, grids = [], []
+
+    class _Recorder:  # records the launch grid, runs nothing
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(block_logits_triton, "_block_logits_kernel", _Recorder())
+    monkeypatch.setattr(block_logits_triton, "split_scratch",
+                        lambda floats, tiles, device: asked.append(tiles) or (torch.zeros(1), torch.zeros(1)))
+    for rows, dim in ((64, 7168), (1 << 17, 256)):  # decode: D chunks; prefill: 2048 x 2 tiles, one chunk
+        block_logits_triton.attnres_block_logits(torch.zeros(100, dim), torch.zeros(rows, dim, dtype=torch.bfloat16))
+    assert grids[0][2] > 1 and asked[0] == grids[0][0] * grids[0][1]
+    assert grids[1] == (2048, 2, 1) and asked[1] <= 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("rows", "dim"), [(64, 7168), (37, 200), (4100, 512)])
 def test_compiled_cached_phase_one_matches_float64_on_gpu(rows, dim):
