@@ -141,10 +141,10 @@ def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weight
         require(parts.dtype == torch.bfloat16 and parts.shape == (P, S, D) and parts[0].is_contiguous(),
                 f"parts must be bf16 [{P}, {S}, {D}], each part dense (query_parts.query_parts, or a slice of it)")
     use_parts = parts is not None and split != 0  # other blocks take 3xTF32 on q_eff
+    counters = _counters(block.device, tiles if n_chunks > 1 else 1)  # unchunked, the kernel counts nothing
     _block_logits_kernel[(*grid_tiles, n_chunks)](
         q, norm_weights.contiguous() if norm_weights is not None else q, parts if use_parts else q, flat, flat_out,
-        part_dots, part_sq, _counters(block.device, tiles if n_chunks > 1 else 1), S, M, D, chunk, parts.stride(0) if use_parts else 0,
-        flat_out.stride(0), eps,
+        part_dots, part_sq, counters, S, M, D, chunk, parts.stride(0) if use_parts else 0, flat_out.stride(0), eps,
         CHUNKS=n_chunks, HAS_NORM_W=norm_weights is not None, PARTS=parts.shape[0] if use_parts else 0,
         SPLIT=split, BM=BM, BS=BS, BD=BD, num_warps=num_warps,
     )

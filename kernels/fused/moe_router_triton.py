@@ -114,8 +114,8 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         splits = triton.cdiv(hidden, h_split)  # no empty trailing slices
         grid = (tiles, splits)
         # unsplit, the kernel touches neither: ask for nothing that would grow the shared scratch
-        partials, counters = split_scratch(splits * tokens * block_e if splits > 1 else 1, tiles if splits > 1 else 1,
-                                           x.device)
+        split = splits > 1
+        partials, counters = split_scratch(splits * tokens * block_e if split else 1, tiles if split else 1, x.device)
         _route_kernel[grid](
             x, weight, x if bias is None else bias, weights, indices, partials, counters, tokens, experts, hidden,
             h_split, splits, x.stride(0), weight.stride(0), float(scaling), TOP_K=top_k, HAS_BIAS=bias is not None,

@@ -223,8 +223,11 @@ def test_route_splits_h_only_while_token_tiles_leave_the_device_idle(monkeypatch
             return lambda *args, **kwargs: None
 
     monkeypatch.setattr(moe_router_triton, "_route_kernel", _Recorder())
-    monkeypatch.setattr(moe_router_triton, "split_scratch",
-                        lambda floats, tiles, device: scratch.append((floats, tiles)) or (torch.zeros(1), torch.zeros(1)))
+    def _scratch(floats, tiles, device):
+        scratch.append((floats, tiles))
+        return torch.zeros(1), torch.zeros(1)
+
+    monkeypatch.setattr(moe_router_triton, "split_scratch", _scratch)
     weight = torch.zeros(32, 2048)
     for tokens in (64, 256, 8192):
         moe_router_triton.moe_route(torch.zeros(tokens, 2048), weight, None, 4)
