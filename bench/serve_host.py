@@ -8,7 +8,7 @@ Drives the real engine step (`Engine._step`: scheduler, executor, the decode fas
 `context` tokens. Only the forward is replaced, by `StandInGraphs`: a STAND-IN for the captured CUDA graph
 whose replay does nothing and whose logits are a static tensor, so what is timed is host work only. The
 real forward cannot run here; the model and the page store live on the meta device (shapes and page ids
-are the preset's, no bytes; the store's fingerprints are stubbed for the setup's checkpoint). The stand-in
+are the preset's, no bytes; the store's fingerprints are stubbed: zeros, see `build_engine`). The stand-in
 logits are bf16 (the graph's dtype) with `--vocab` columns (default 64, not the preset's 163840): on a GPU
 the cast and argmax over them are device work, which on this CPU would be timed as host work (at 1024
 columns and batch 256 the CPU's bf16 argmax alone takes ~1 ms). Greedy rows, no tokenizer (the mini
@@ -53,7 +53,7 @@ from k3.v1 import common_pb2
 from k3core.cache.hashing import checksums
 from k3core.cache.layout import plan_layout, shape_from_config
 from k3core.cache.manager import PrefixCacheManager
-from k3core.cache.page_store import PageStore
+from k3core.cache.page_store import PageStore, PendingFingerprints
 from k3core.model import K3Model
 from k3core.presets import preset
 from services.engine import decode_overlap, sampler
@@ -164,7 +164,12 @@ def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer, stream
                          conv_dtype=torch.bfloat16, mla_dtype=torch.bfloat16, hash_block_tokens=args.hash_block)
     pages = batch * (layout.num_kda_groups + layout.num_mla_groups * (2 + args.context // layout.tokens_per_block))
     manager = PrefixCacheManager(layout, pages + 64, device="meta")
-    manager.store.fingerprints = lambda pages, num_bytes: [0] * len(pages)  # meta pages have no bytes (setup only)
+    # Meta pages have no bytes: a restore check or write-back reads zeros, and a commit's checksum is queued as
+    # on a device (its launches are timed) but hands zeros over (a meta tensor cannot reach the host).
+    store, queue_checksum = manager.store, manager.store.fingerprints_later
+    store.fingerprints = lambda pages, num_bytes: [0] * len(pages)
+    store.fingerprints_later = lambda pages, num_bytes: (queue_checksum(pages, num_bytes), PendingFingerprints(
+        torch.zeros(len(pages), 2, dtype=torch.int64)))[1]
     runner = ModelRunner(model, "cpu", max_model_len=args.max_model_len, max_batch=max(args.batches))
     executor = Executor(manager, runner, rank=0, tp_size=1, total_heads=config.kda_num_heads,
                         instance=common_pb2.InstanceId(service="bench"))

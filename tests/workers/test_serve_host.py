@@ -100,6 +100,15 @@ def test_host_bench_runs_the_engine_step_with_its_stand_in_forward():
     assert "gpu_idle" not in row
 
 
+def test_host_bench_runs_through_two_hash_boundary_commits():
+    """The setup's commit (context 32, blocks of 16) and the step reaching 48 take checkpoints; the second
+    commit settles the first's fingerprints, which on the meta pool have no bytes to copy out."""
+    args = argparse.Namespace(model="nano", context=32, max_model_len=256, hash_block=16, vocab=16, steps=16,
+                              warmup=1, batches=[2], replay_ms=0.0, freeze_heap=False)
+    row = serve_host.measure(args, 2)  # asserts every request got one token per step
+    assert row["batch"] == 2
+
+
 def test_emulated_device_clock_counts_the_gap_between_a_replay_end_and_the_next_launch(monkeypatch):
     now = [10.0]
     monkeypatch.setattr(serve_host.time, "perf_counter", lambda: now[0])
