@@ -62,6 +62,7 @@ class InFlight:
     tokens: SampledTokens  # one per request, in order
     image: np.ndarray
     size: int  # rows of the image (bucket)
+    token_slot: np.ndarray  # the image's tokens of the requests' rows (a view), written just before the launch
     crossing: list[int]  # image rows whose next position starts a block not reserved yet
     always_check: np.ndarray  # [rows] bool: stop strings, or the token reaches max_tokens
     stop_ids: np.ndarray  # every row's stop token ids and the EOS: a row holding one is checked
@@ -135,7 +136,8 @@ class DecodeOverlap:
         eos = engine.output.eos_token_id
         if eos is not None and not all(r.options.ignore_eos for r in requests):
             stop_ids.add(eos)
-        return InFlight(requests, tokens, image, size, crossing, always, np.fromiter(stop_ids, dtype=np.int64))
+        return InFlight(requests, tokens, image, size, engine.executor.fastpath.builder.token_slots(image, len(requests)),
+                        crossing, always, np.fromiter(stop_ids, dtype=np.int64))
 
     # ---- leaving to a plain step ------------------------------------------------------------------------
     def settle(self) -> None:
@@ -159,32 +161,36 @@ class DecodeOverlap:
         started = time.perf_counter()
         self.inflight = None
         tokens = inflight.tokens.array()  # the device finished step N
+        # From here to the launch the device idles: the common step (no candidate, no row leaving or crossing a
+        # block) does a few array ops and the launch; the other cases pay for themselves only.
         candidates = inflight.always_check | stop_hits(tokens, inflight.stop_ids)
-        accepted = candidates.copy()
-        self._accept_rows(inflight, tokens, np.flatnonzero(candidates).tolist())
+        if candidates.any():
+            self._accept_rows(inflight, tokens, np.flatnonzero(candidates).tolist())
         requests = inflight.requests
         scheduler, manager = engine.scheduler, engine.executor.manager
         # rows only leave the running list while a step is in flight (nothing joins): equal lengths, all live
         live = range(len(requests)) if len(scheduler.running) == len(requests) else \
             [i for i, req in enumerate(requests) if req.phase is Phase.RUNNING]
         scheduler.finish_leaving()
-        crossing = [i for i in inflight.crossing if requests[i].phase is Phase.RUNNING]
+        crossing = [i for i in inflight.crossing if requests[i].phase is Phase.RUNNING] if inflight.crossing else []
         fits = all(len(manager.requests[requests[i].rid].blocks) < engine.executor.fastpath.builder.max_pages
                    for i in crossing)
         # the scheduler's own admission test: a request it cannot admit yet (pool, budget) leaves this step overlapped
         joins = scheduler.admits_next(len(live), len(crossing) * manager.layout.num_mla_groups)
         if (joins or not live or len(live) != len(scheduler.running) or len(live) > scheduler.budget or not fits
                 or len(crossing) * manager.layout.num_mla_groups > manager.pool.num_available):
-            self._accept_rows(inflight, tokens, np.flatnonzero(~accepted).tolist())
+            self._accept_rows(inflight, tokens, np.flatnonzero(~candidates).tolist())
             return False
-        # Rows whose token starts a block: accepted and reserved now, in the plain schedule's order.
-        for i in plain_order(crossing, requests, scheduler.running):
-            if not accepted[i]:
-                engine._take(requests[i], int(tokens[i]))
-                accepted[i] = True
-            manager.reserve(requests[i].rid, 1)
+        accepted = candidates  # rows whose token is taken before the launch
         fast = engine.executor.fastpath
         image, size = inflight.image, inflight.size
+        if crossing:  # rows whose token starts a block: accepted and reserved now, in the plain schedule's order
+            accepted = candidates.copy()
+            for i in plain_order(crossing, requests, scheduler.running):
+                if not accepted[i]:
+                    engine._take(requests[i], int(tokens[i]))
+                    accepted[i] = True
+                manager.reserve(requests[i].rid, 1)
         if len(live) < len(requests):  # the rows of requests that ended leave the batch, as in a plain step
             buffer, compacted = fast.staging(len(live))
             image, size = fast.builder.compact(image, size, live, buffer, compacted), compacted
@@ -192,16 +198,20 @@ class DecodeOverlap:
             at = {i: k for k, i in enumerate(live)}  # request row -> image row
             fast.builder.refresh(image, size, [manager.requests[requests[i].rid] for i in crossing],
                                  [at[i] for i in crossing])
-        fast.builder.set_tokens(image, size, slice(0, len(live)), tokens if len(live) == len(requests) else tokens[live])
+        if len(live) == len(requests):
+            inflight.token_slot[:] = tokens
+        else:
+            fast.builder.set_tokens(image, size, slice(0, len(live)), tokens[live])
         manager.pre_forward()
         logits = fast.launch(image, len(live))
         engine.metrics.overlapped_steps.inc()
         # ---- step N+1 runs: N's bookkeeping overlaps it
-        drawn = [(k, requests[i].options, len(requests[i].output) + (not accepted[i])) for k, i in enumerate(live)]
+        taken = accepted.tolist()
+        drawn = [(k, requests[i].options, len(requests[i].output) + (not taken[i])) for k, i in enumerate(live)]
         next_tokens = sample_rows_async(logits, drawn)
         reserved, token_list = set(crossing), tokens.tolist()
         for i in live:
-            if not accepted[i]:
+            if not taken[i]:
                 engine._take(requests[i], token_list[i])
                 if requests[i].phase is not Phase.RUNNING:
                     raise RuntimeError(f"request {requests[i].rid!r} stopped on a token the stop check passed")
