@@ -61,7 +61,8 @@ class Checkpoint:
     owner: str | None = None  # request that took it; it may reclaim it when superseded
     keep: bool = False  # turn boundary: survives supersession
     ready: bool = False  # bytes landed (committed)
-    fingerprints: list[int] | None = None  # per page, taken when the snapshot landed
+    # per page, of the bytes at the commit; queued there and set before the first read (`settle_fingerprints`)
+    fingerprints: list[int] | None = None
     pins: int = 0  # hits being restored from it
     superseded: bool = False  # a later turn of its conversation ended on top of it (evicted early)
     anchored: list[Block] = field(default_factory=list)  # prefix blocks it keeps worth holding (retention)

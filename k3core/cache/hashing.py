@@ -70,7 +70,8 @@ def checksum_rows(matrix: torch.Tensor, rows: Sequence[int], num_bytes: int, chu
     """The lanes of `checksum(matrix[r, :num_bytes])` for each r in `rows`, as int64 [len(rows), 2] on the
     matrix's device (no host sync). All rows go through each column chunk together: one gather and one set
     of elementwise launches per chunk for every row (a chunk holds about `chunk_words` words in all), and
-    the XOR lane is folded once at the end, so the launches do not grow with the number of rows."""
+    the XOR lane is folded once at the end, so the launches grow with the bytes checksummed, not with the
+    number of rows (pages smaller than a chunk share its launches)."""
     raw = matrix.detach().view(torch.uint8)
     device = raw.device
     if not rows:
