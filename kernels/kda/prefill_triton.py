@@ -226,9 +226,10 @@ def kda_prefill_block(
       10-bit mantissa with float32's range.
     - fuse_output: the output pass inside the recurrence (one program per sequence and head, all value
       columns, `fused_warps` warps), which saves writing and reading back the chunk-entry states and v_new.
-      Default: when sequences x heads fill the SMs (B=8, H=32: 256 programs); with few of them (B=1, H=16)
-      the recurrence needs its value-column split to have enough programs. fused_stages: its chunk loop's
-      pipelining depth (3 needs 288 KB of shared memory on sm_90a: 2, 197 KB, is the most that fits).
+      Default (`fuses_output`; never with an explicit block_v, which True overrides): sequences x heads fill
+      the SMs (B=8, H=32: 256 programs) and no sequence holds over 1.25x the mean chunk count; with few of
+      them (B=1, H=16) the recurrence needs its value-column split to have enough programs. fused_stages:
+      its chunk loop's pipelining depth (3 needs 288 KB of shared memory on sm_90a: 2, 197 KB, fits).
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
