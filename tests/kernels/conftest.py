@@ -35,3 +35,22 @@ def interpreted():
     if not _interpreter_ready():
         reason = "triton was imported before TRITON_INTERPRET=1" if _TRITON_PREIMPORTED else "no interpreter"
         pytest.skip(f"Triton interpreter unavailable: {reason}")
+
+
+@pytest.fixture
+def launch_grids(monkeypatch):
+    """`launch_grids(module, kernel_name)` replaces that Triton kernel with a recorder that runs nothing and
+    returns the list of the grids it is launched with (for tests of a launcher's planning)."""
+
+    def record(module, name: str) -> list:
+        grids: list = []
+
+        class _Recorder:
+            def __getitem__(self, grid):
+                grids.append(grid)
+                return lambda *args, **kwargs: None
+
+        monkeypatch.setattr(module, name, _Recorder())
+        return grids
+
+    return record

@@ -159,17 +159,10 @@ def test_outgrown_tile_counters_stay_allocated():
     assert alive() is not None
 
 
-def test_unchunked_launch_asks_for_no_counters(monkeypatch):
+def test_unchunked_launch_asks_for_no_counters(monkeypatch, launch_grids):
     """Prefill-sized blocks fill the device without D chunks: the kernel then touches no counter, so none is
     asked of the shared scratch (one per tile would grow it with M, and be refused inside a graph capture)."""
-    asked, grids = [], []
-
-    class _Recorder:  # records the launch grid, runs nothing
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return lambda *args, **kwargs: None
-
-    monkeypatch.setattr(block_logits_triton, "_block_logits_kernel", _Recorder())
+    asked, grids = [], launch_grids(block_logits_triton, "_block_logits_kernel")
     monkeypatch.setattr(block_logits_triton, "split_scratch",
                         lambda floats, tiles, device: asked.append(tiles) or (torch.zeros(1), torch.zeros(1)))
     for rows, dim in ((64, 7168), (1 << 17, 256)):  # decode: D chunks; prefill: 2048 x 2 tiles, one chunk
