@@ -20,7 +20,7 @@ Stages (ms per step, p50 and p99 over `--steps` timed steps after warm-up):
 - launch: `DecodeFastPath.launch` (staging copy, stand-in replay)
 - executor: the rest of `Executor.execute` (manager pre_forward / forward_done / commit_step)
 - sample: `sample_rows_async` and the wait for its tokens (one argmax, one host copy for greedy rows)
-- accept: `Engine._take` (output processing, metrics, append_tokens)
+- accept: `Engine._take` / `_take_rows` (output processing, metrics, append_tokens)
 - emit: `Engine._flush`, the hand-over of outputs to their streams
 - step: the whole `Engine._step`; "other" is what none of the above covers (gauges, the step histogram,
   an overlapped step's stop check, finishes and reserves)
@@ -205,6 +205,7 @@ def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer, stream
             timer.current["executor"] -= timer.current["build"] + timer.current["launch"] - inner
     executor.execute = execute_less_forward
     engine._take = timer.wrap("accept", engine._take)
+    engine._take_rows = timer.wrap("accept", engine._take_rows)
     engine._flush = timer.wrap("emit", engine._flush)
     return engine
 

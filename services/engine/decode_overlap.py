@@ -209,12 +209,14 @@ class DecodeOverlap:
         taken = accepted.tolist()
         drawn = [(k, requests[i].options, len(requests[i].output) + (not taken[i])) for k, i in enumerate(live)]
         next_tokens = sample_rows_async(logits, drawn)
-        reserved, token_list = set(crossing), tokens.tolist()
+        token_list = tokens.tolist()
+        rest = [i for i in live if not taken[i]]
+        engine._take_rows([(requests[i], token_list[i]) for i in rest])
+        for i in rest:
+            if requests[i].phase is not Phase.RUNNING:
+                raise RuntimeError(f"request {requests[i].rid!r} stopped on a token the stop check passed")
+        reserved = set(crossing)
         for i in live:
-            if not taken[i]:
-                engine._take(requests[i], token_list[i])
-                if requests[i].phase is not Phase.RUNNING:
-                    raise RuntimeError(f"request {requests[i].rid!r} stopped on a token the stop check passed")
             if i not in reserved:
                 manager.reserve(requests[i].rid, 1)  # directly: at TP 1 no rank replays the calls
         for i in live:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from k3.v1 import common_pb2
@@ -35,6 +36,25 @@ class TokenStreaming:
         """Accept a sampled token of a running request (its stream, stop checks, the manager's append)."""
         self._count_prompt(req)
         self._accept(req, token, logprob)
+
+    def _take_rows(self, rows: Iterable[tuple[EngineRequest, int]]) -> None:
+        """`_take` of one token, without logprobs, for each (request, token) in order: the same outputs,
+        finishes, metrics and manager calls, with `_take` / `_accept` / `_stream`'s per-call work folded into
+        one loop (a decode step's bulk: 256 rows a step; ~1 us a row less here)."""
+        accept, call, outbox, unfinished = self.output.accept, self.manager.call, self._outbox.append, \
+            common_pb2.FINISH_REASON_UNSPECIFIED
+        count = 0
+        for req, token in rows:
+            self._count_prompt(req)
+            output = accept(req, token)
+            if output.finish_reason != unfinished:
+                self._finish(req, output.finish_reason, keep_turn=True)
+            ttft = self._clock(req, 1)
+            outbox((req, output if ttft is None else dataclasses.replace(output, ttft_s=ttft)))
+            if req.phase is Phase.RUNNING:
+                call("append_tokens", req.rid, [token])
+            count += 1
+        self._step_tokens += count
 
     def _emit(self, req: EngineRequest, output: StepOutput) -> None:
         """Queue an output for the request's stream, in order. Handing it over (a cross-thread wake-up of the
@@ -67,16 +87,7 @@ class TokenStreaming:
             if outs[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 self._finish(req, outs[-1].finish_reason, keep_turn=True)
                 break
-        now = time.monotonic()
-        ttft = None
-        if req.first_token_at is None:
-            req.first_token_at = now
-            ttft = now - req.arrival
-            self.metrics.ttft.observe(ttft)
-        elif req.last_token_at is not None:
-            for _ in outs:  # a window's tokens share the step's time
-                self.metrics.tpot_batch.add((now - req.last_token_at) / len(outs))
-        req.last_token_at = now
+        ttft = self._clock(req, len(outs))
         self._step_tokens += len(outs)
         if len(outs) == 1 and not logprobs:  # a decode step's one token: its output as it is
             output = outs[0]
@@ -85,3 +96,18 @@ class TokenStreaming:
                                 outs[-1].finish_reason, logprobs=(logprobs or [])[:len(outs)])
         self._emit(req, output if ttft is None else dataclasses.replace(output, ttft_s=ttft))
         return len(outs)
+
+    def _clock(self, req: EngineRequest, count: int) -> float | None:
+        """A request streams `count` new tokens now: its TTFT (returned, and observed) if they are its first,
+        else `count` TPOT observations sharing the time since its last tokens."""
+        now = time.monotonic()
+        ttft = None
+        if req.first_token_at is None:
+            req.first_token_at = now
+            ttft = now - req.arrival
+            self.metrics.ttft.observe(ttft)
+        elif req.last_token_at is not None:
+            for _ in range(count):  # a window's tokens share the step's time
+                self.metrics.tpot_batch.add((now - req.last_token_at) / count)
+        req.last_token_at = now
+        return ttft
