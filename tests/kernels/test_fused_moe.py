@@ -205,6 +205,7 @@ def test_triton_route_split_along_h_matches_one_program(interpreted):
     one_w, one_i = moe_router_triton.moe_route(x, weight, bias, K, True, 1.0, block_h=16, splits=1)
     want_w, want_i = fused_naive.moe_route(x, weight, bias, K, True, 1.0)
     assert torch.equal(one_i, want_i)
+    torch.testing.assert_close(one_w, want_w, rtol=1e-5, atol=1e-6)
     for _ in range(2):
         got_w, got_i = moe_router_triton.moe_route(x, weight, bias, K, True, 1.0, block_h=16, splits=3)
         assert torch.equal(got_i, want_i)
