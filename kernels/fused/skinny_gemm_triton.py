@@ -155,7 +155,7 @@ def candidate_tilings(n: int, k: int, sms: int = 132) -> list[Tiling]:
                   Tiling(32, 128, most_splits(n, k, 32, 128, sms, 2)),
                   Tiling(64, 128, most_splits(n, k, 64, 128, sms, 2))]
     found.append(Tiling(64, 64, most_splits(n, k, 64, 64, sms), num_stages=6))
-    return list(dict.fromkeys(t for t in found if k % (t.splits * t.block_k) == 0 and t.splits <= MAX_SPLITS))
+    return list(dict.fromkeys(t for t in found if k % (t.splits * t.block_k) == 0))
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
