@@ -214,8 +214,8 @@ def test_triton_route_split_along_h_matches_one_program(interpreted):
 
 def test_route_splits_h_only_while_token_tiles_leave_the_device_idle(monkeypatch, launch_grids):
     """A prefill chunk's token tiles fill the SMs alone: no H split there, so the split scratch (splits x T x
-    BLOCK_E float32, kept for the process) stays bounded instead of growing with the chunk (8 x 32K tokens x
-    512 experts = 512 MB at K3's shapes). Decode batches keep their splits. CPU plans for 132 SMs."""
+    BLOCK_E float32, kept for the process) stays bounded instead of growing with the chunk (K3, 896 experts:
+    8 x 32K tokens x 1024 = 1 GiB). Decode batches keep their splits. CPU plans for 132 SMs."""
     grids, scratch = launch_grids(moe_router_triton, "_route_kernel"), []
 
     def _scratch(floats, tiles, device):
