@@ -131,3 +131,23 @@ async def test_a_closed_loop_leaves_the_engine_serving_the_other_streams():
         assert sum(len(out.token_ids) for out in [out async for out in later.outputs(engine, req)]) == 3
     finally:
         await asyncio.to_thread(engine.stop)
+
+
+async def test_a_reader_cancelled_while_waiting_loses_nothing():
+    """`OutputQueue` (the stream's queue): a reader cancelled in `get` leaves its wake-up behind; outputs put
+    after that are all read, in order, by the next reader."""
+    queue = RequestStream()._queue
+    waiting = asyncio.create_task(queue.get())
+    await asyncio.sleep(0)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert waiting.cancelled() and queue.empty()
+    for token in range(3):
+        queue.put_nowait(StepOutput([token]))
+    assert not queue.empty()
+    assert [(await queue.get()).token_ids[0] for _ in range(3)] == [0, 1, 2]
+    reader = asyncio.create_task(queue.get())  # waits, then is woken by the next put
+    await asyncio.sleep(0)
+    assert not reader.done()
+    queue.put_nowait(StepOutput([7]))
+    assert (await reader).token_ids == [7] and queue.empty()
