@@ -24,7 +24,7 @@ from k3.v1 import common_pb2
 from services.engine import sampler
 from services.engine.engine import Engine
 from services.engine.executor import Executor
-from services.engine.heap import freeze_startup_heap
+from services.engine.heap import freeze_startup_heap, release_startup_heap
 from services.engine.metrics import EngineMetrics
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager
@@ -106,9 +106,11 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
     sampler.SampledTokens.array = fed_tokens  # type: ignore[method-assign]
     if rank.fast is not None:  # else the reference layers run (fwd stays NaN)
         rank.fast.launch = timed_launch  # type: ignore[method-assign]
+    frozen = False
     try:
         run(engine._step, 3)  # captures this bucket's graph, then warm
         freeze_startup_heap()  # as `Engine.start` does after a worker's warm-up (no full GC pass mid-run)
+        frozen = True
         clock.pairs.clear()
         sync()
         started = time.perf_counter()
@@ -122,6 +124,8 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
             del rank.fast.launch
         streams.close()
         engine.executor.close()
+        if frozen:  # as `Engine.stop` does: this row's engine must not outlive it
+            release_startup_heap()
     assert all(len(engine.requests[r].output) == 4 + steps for r in rids), "a row missed a step"
     return wall, clock.median_seconds()
 
