@@ -76,6 +76,14 @@ class Registration:
                     self._client = None
             self.on_state(False)
             self._stop.wait(min(1.0, self.ttl / 3))
+        self._revoke()  # a lease granted while `close()` ran (it revoked the one before) must not linger
+
+    def _revoke(self) -> None:
+        if self._lease is not None:
+            try:
+                self._lease.revoke()
+            except Exception:  # noqa: BLE001 - etcd gone or already revoked: the lease expires by itself
+                pass
 
     def _keepalive(self, requested: float) -> None:
         """Refresh every TTL/5 (etcd's own clients use TTL/3): a process starved by a loaded machine keeps
@@ -106,11 +114,7 @@ class Registration:
     def close(self) -> None:
         """Stop refreshing and revoke the lease, so peers see this instance leave at once."""
         self._stop.set()
-        if self._lease is not None:
-            try:
-                self._lease.revoke()
-            except Exception:  # noqa: BLE001 - etcd gone: the lease expires by itself
-                pass
+        self._revoke()  # at once, even if the thread is stuck in a call to etcd
         self._thread.join(timeout=2)
         if self._client is not None:
             self._client.close()

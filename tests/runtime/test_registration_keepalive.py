@@ -79,3 +79,26 @@ def test_failed_refreshes_are_not_retried_past_the_leases_deadline(etcd_server, 
         assert on_first and max(on_first) < granted[0] + 2 + 0.8
     finally:
         registration.close()
+
+
+def test_a_lease_granted_while_closing_is_revoked(etcd_server, monkeypatch):
+    """`close()` racing a (re-)registration: the thread was connecting when `close()` revoked the lease it
+    knew of (none), then granted a new one and put the record. The thread revokes what it holds on its way
+    out, so the record leaves at once instead of one TTL later."""
+    real_connect = registry.connect
+    registration: list[Registration] = []
+
+    def connect(endpoints):  # the real client, handed over only once close() has begun
+        assert wait_until(lambda: registration and registration[0]._stop.is_set(), 10)
+        time.sleep(0.2)  # close() has revoked (nothing) and is joining the thread
+        return real_connect(endpoints)
+    monkeypatch.setattr(registry, "connect", connect)
+    prefix, record = "/k3-keepalive-close", InstanceRecord("svc", "c9", "closing", "127.0.0.1:1")
+    registration.append(Registration([etcd_server], prefix, record, ttl_s=10))
+    registration[0].close()
+    client = real_connect([etcd_server])
+    try:
+        value, _ = client.get(record.key(prefix))
+        assert value is None  # before the fix: there for the lease's 10 s TTL
+    finally:
+        client.close()
