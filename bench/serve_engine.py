@@ -12,6 +12,7 @@ for every row, which would route the whole batch to four experts).
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 
@@ -29,6 +30,31 @@ from services.engine.metrics import EngineMetrics
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager
 from services.engine.scheduler import Scheduler
+
+
+class GcPauses:
+    """Garbage-collector passes inside a `with` block, per generation, and the wall time they took: a
+    step-time outlier with a long pass in its window is the collector's (a full pass once cost 0.2 s)."""
+
+    def __init__(self) -> None:
+        self.passes, self.seconds, self._began = [0, 0, 0], 0.0, 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.passes[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._began
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def __str__(self) -> str:
+        return f"gc passes by generation {self.passes}, {1e3 * self.seconds:.1f} ms in the timed window"
 
 
 class StepClock:
@@ -114,10 +140,12 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
         clock.pairs.clear()
         sync()
         started = time.perf_counter()
-        run(engine._step, steps)
-        engine.overlap.settle()  # the last step's tokens
-        sync()
+        with GcPauses() as pauses:
+            run(engine._step, steps)
+            engine.overlap.settle()  # the last step's tokens
+            sync()
         wall = (time.perf_counter() - started) / steps
+        print(f"  batch {len(rids)}: {pauses}", flush=True)
     finally:
         sampler.SampledTokens.array = result  # type: ignore[method-assign]
         if rank.fast is not None:
