@@ -28,6 +28,8 @@ Stages (ms per step, p50 and p99 over `--steps` timed steps after warm-up):
   waits through (everything else runs while a graph computes). With the overlap (default) that is the stop
   check and the next step's launch; with K3_DECODE_OVERLAP=0 (the plain loop) it is the whole step but the
   executor's post-forward calls and the hand-over.
+- to_launch: the part of idle before `DecodeFastPath.launch` is called, i.e. the engine's own Python on that
+  path; the rest of idle is the launch (here the stand-in's input copy is a CPU memcpy; on a GPU an async H2D).
 Each request streams into a real `RequestStream` on an event loop thread (the service's hand-over: one
 call_soon_threadsafe per output), drained by a task per request as the servicer does (without gRPC).
 The peer each stage is compared against is the same stage of the `--peer` run in the JSON (default
@@ -38,6 +40,7 @@ The peer each stage is compared against is the same stage of the `--peer` run in
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import time
@@ -69,8 +72,9 @@ from services.engine.output import OutputProcessor
 from services.engine.params import GenerationOptions
 from services.engine.plan import RecordingManager
 from services.engine.scheduler import Scheduler
+from services.engine.streams import OutputQueue
 
-STAGES = ("schedule", "build", "launch", "executor", "sample", "accept", "emit", "other", "step", "idle")
+STAGES = ("schedule", "build", "launch", "executor", "sample", "accept", "emit", "other", "step", "idle", "to_launch")
 
 
 class _NoEvent:
@@ -122,10 +126,17 @@ class DeviceClock:
             self.idle += max(0.0, now - self.busy_until)
         self.busy_until = max(now, self.busy_until) + self.replay_s
 
+    SPIN_S = 3e-4  # the last part of a wait spins: a sleep's own wake-up (~0.1 ms here) would dominate `late`
+
     def wait(self) -> None:
+        """Until the device is done: a sleep, then a spin that releases the GIL at every turn (CUDA's event
+        wait spins in C with the GIL released), so `late` is what the host adds: taking the GIL back."""
         left = self.busy_until - time.perf_counter()
         if left > 0:
-            time.sleep(left)
+            if left > self.SPIN_S:
+                time.sleep(left - self.SPIN_S)
+            while time.perf_counter() < self.busy_until:
+                time.sleep(0)
             self.late += time.perf_counter() - self.busy_until
 
 
@@ -139,6 +150,10 @@ class StageTimer:
 
     def tokens_ready(self) -> None:
         self._tokens_at = time.perf_counter()
+
+    def launching(self) -> None:
+        if self._tokens_at is not None:
+            self.current["to_launch"] += time.perf_counter() - self._tokens_at
 
     def replayed(self) -> None:
         if self._tokens_at is not None:
@@ -193,7 +208,12 @@ def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer, stream
     # the stages: each wrapper adds its own time; "executor" is `execute` less the build and launch inside it
     for name in ("prepare", "compact"):
         setattr(fast.builder, name, timer.wrap("build", getattr(fast.builder, name)))
-    fast.launch = timer.wrap("launch", fast.launch)
+    launch = timer.wrap("launch", fast.launch)
+
+    def marked_launch(*args):
+        timer.launching()
+        return launch(*args)
+    fast.launch = marked_launch
     scheduler.schedule = timer.wrap("schedule", scheduler.schedule)
     execute = timer.wrap("executor", executor.execute)
 
@@ -264,8 +284,8 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
         engine.executor.close()
         streams.close()
     for total, t in steps[args.warmup:]:
-        staged = {stage: t[stage] for stage in STAGES if stage not in ("other", "step", "idle")}
-        staged.update(other=total - sum(staged.values()), step=total, idle=t["idle"])
+        staged = {stage: t[stage] for stage in STAGES if stage not in ("other", "step", "idle", "to_launch")}
+        staged.update(other=total - sum(staged.values()), step=total, idle=t["idle"], to_launch=t["to_launch"])
         if clock is not None:
             staged["gpu_idle"], staged["wake"] = t["gpu_idle"], t["wake"]
         for stage, seconds in staged.items():
@@ -275,6 +295,40 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
             **{stage: {"p50_ms": float(np.percentile(rows[stage], 50)), "p99_ms": float(np.percentile(rows[stage], 99)),
                        "mean_ms": float(np.mean(rows[stage]))}
                for stage in rows}, **({"replay_ms": args.replay_ms} if clock is not None else {})}
+
+
+def stream_burst_ms(readers: int, bursts: int = 200) -> dict:
+    """Event-loop ms to hand one output to each of `readers` streams and resume their readers (the loop's share
+    of a step's hand-over: GIL time the engine thread shares): `RequestStream`'s `OutputQueue` against the
+    `asyncio.Queue` it replaced, each timed twice, alternated, in one run (median of the two medians)."""
+    async def burst_ms(make: Callable[[], OutputQueue | asyncio.Queue]) -> float:
+        queues, left, done = [make() for _ in range(readers)], [0], asyncio.Event()
+
+        async def read(queue) -> None:
+            while True:
+                await queue.get()
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+        tasks = [asyncio.create_task(read(queue)) for queue in queues]
+        await asyncio.sleep(0)
+        times = []
+        for step in range(bursts):
+            left[0] = readers
+            done.clear()
+            began = time.perf_counter()
+            for queue in queues:
+                queue.put_nowait(step)
+            await done.wait()
+            times.append(1e3 * (time.perf_counter() - began))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return float(np.percentile(times, 50))
+    timed: dict[str, list[float]] = defaultdict(list)
+    for name, make in (("asyncio_queue", asyncio.Queue), ("output_queue", OutputQueue)) * 2:
+        timed[name].append(asyncio.run(burst_ms(make)))
+    return {"readers": readers, **{f"{name}_ms": float(np.median(ms)) for name, ms in timed.items()}}
 
 
 def sampled_rows_ms(vocab: int, batch: int, reps: int = 20) -> dict:
@@ -354,9 +408,13 @@ def main() -> None:
         print(f"{batch:>5} " + " ".join(f"{row[s]['p50_ms']:>8.3f}/{row[s]['p99_ms']:<9.3f}" for s in columns)
               + f" {ratio:>14}", flush=True)
         if args.replay_ms:
-            print(f"      device idle per step (emulated {args.replay_ms} ms replay): mean {row['gpu_idle']['mean_ms']:.3f} ms"
-                  f" (waking the engine thread: {row['wake']['mean_ms']:.3f}),"
+            print(f"      device idle per step (emulated {args.replay_ms} ms replay): p50 {row['gpu_idle']['p50_ms']:.3f} / mean "
+                  f"{row['gpu_idle']['mean_ms']:.3f} ms (waking the engine thread: {row['wake']['mean_ms']:.3f}),"
                   f" step mean {row['step']['mean_ms']:.3f} ms", flush=True)
+    run["stream_burst"] = burst = [stream_burst_ms(batch) for batch in args.batches]
+    for row in burst:
+        print(f"hand-over of {row['readers']} outputs on the streams' loop: OutputQueue {row['output_queue_ms']:.3f} ms, "
+              f"asyncio.Queue {row['asyncio_queue_ms']:.3f} ms ({row['asyncio_queue_ms'] / row['output_queue_ms']:.2f}x)")
     vocab = preset(args.model).vocab_size
     for key, batch, reps in (("sampled_row", 1, 20), ("sampled_rows_64", 64, 5)) if args.sampled else ():
         run[key] = sampled_rows_ms(vocab, batch, reps)

@@ -97,7 +97,13 @@ def test_host_bench_runs_the_engine_step_with_its_stand_in_forward():
     # overlapped steps (the default): no schedule call, the next step's image built while one runs
     assert row["batch"] == 3 and row["overlap"] and row["schedule"]["p50_ms"] == 0
     assert all(row[stage]["p50_ms"] > 0 for stage in ("build", "launch", "accept", "step", "idle"))
+    assert 0 < row["to_launch"]["p50_ms"] <= row["idle"]["p50_ms"]  # a part of each step's idle
     assert "gpu_idle" not in row
+
+
+def test_stream_burst_times_both_queues_delivering_every_output():
+    result = serve_host.stream_burst_ms(3, bursts=2)  # returns only once every reader got every output
+    assert result["readers"] == 3 and result["output_queue_ms"] > 0 and result["asyncio_queue_ms"] > 0
 
 
 def test_host_bench_runs_through_two_hash_boundary_commits():
@@ -112,17 +118,19 @@ def test_host_bench_runs_through_two_hash_boundary_commits():
 def test_emulated_device_clock_counts_the_gap_between_a_replay_end_and_the_next_launch(monkeypatch):
     now = [10.0]
     monkeypatch.setattr(serve_host.time, "perf_counter", lambda: now[0])
-    monkeypatch.setattr(serve_host.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+    # a sleep of s advances the clock by s; sleep(0) (the wait's spin, GIL released) by a microsecond
+    monkeypatch.setattr(serve_host.time, "sleep", lambda s: now.__setitem__(0, now[0] + (s or 1e-6)))
     clock = serve_host.DeviceClock(0.003)
     clock.replayed()  # busy until 10.003
     now[0] += 0.001
     clock.replayed()  # launched while busy: queued, busy until 10.006, no idle
     assert clock.idle == 0 and abs(clock.busy_until - 10.006) < 1e-12
-    clock.wait()  # the tokens: the host sleeps until the device is done
-    assert abs(now[0] - 10.006) < 1e-12
+    clock.wait()  # the tokens: the host sleeps, then spins, until the device is done
+    assert 10.006 <= now[0] < 10.006 + 1.1e-6 and clock.late == now[0] - 10.006
+    resumed = now[0]
     now[0] += 0.0005
-    clock.replayed()  # the host's critical path after the tokens: 0.5 ms of device idle
-    assert abs(clock.idle - 0.0005) < 1e-12
+    clock.replayed()  # the host's critical path after the tokens: 0.5 ms of device idle (and the spin's overshoot)
+    assert abs(clock.idle - (resumed - 10.006 + 0.0005)) < 1e-12
 
 
 def test_host_bench_with_an_emulated_device_reports_its_idle():
