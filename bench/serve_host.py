@@ -30,6 +30,8 @@ Stages (ms per step, p50 and p99 over `--steps` timed steps after warm-up):
   executor's post-forward calls and the hand-over.
 - to_launch: the part of idle before `DecodeFastPath.launch` is called, i.e. the engine's own Python on that
   path; the rest of idle is the launch (here the stand-in's input copy is a CPU memcpy; on a GPU an async H2D).
+Per batch also `prepare_alone` (the input build with no other thread about) and `stream_burst` (the streams'
+loop handing one output to each of B readers, `OutputQueue` against `asyncio.Queue`).
 Each request streams into a real `RequestStream` on an event loop thread (the service's hand-over: one
 call_soon_threadsafe per output), drained by a task per request as the servicer does (without gRPC).
 The peer each stage is compared against is the same stage of the `--peer` run in the JSON (default
@@ -278,6 +280,7 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
     try:
         steps = run_steps(engine, timer, args.warmup + args.steps, clock)
         engine.overlap.settle()  # the last step's tokens
+        prepare = prepare_alone_ms(engine)
     finally:
         sampler.sample_rows_async = decode_overlap.sample_rows_async = draw
         sampler.SampledTokens.array = result  # type: ignore[method-assign]
@@ -291,10 +294,24 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
         for stage, seconds in staged.items():
             rows[stage].append(1e3 * seconds)
     assert all(len(r.output) == 1 + args.warmup + args.steps for r in engine.scheduler.running)
-    return {"batch": batch, "context": args.context, "overlap": engine.overlap.enabled,
+    return {"batch": batch, "context": args.context, "overlap": engine.overlap.enabled, "prepare_alone": prepare,
             **{stage: {"p50_ms": float(np.percentile(rows[stage], 50)), "p99_ms": float(np.percentile(rows[stage], 99)),
                        "mean_ms": float(np.mean(rows[stage]))}
                for stage in rows}, **({"replay_ms": args.replay_ms} if clock is not None else {})}
+
+
+def prepare_alone_ms(engine: Engine, reps: int = 200) -> dict:
+    """`DecodeInputBuilder.prepare` of the running batch alone, with no other thread taking the GIL from it (in
+    the steps the streams' loop often runs inside its numpy calls, and "build" counts that)."""
+    fast, manager = engine.executor.fastpath, engine.executor.manager
+    cached = [manager.requests[req.rid] for req in engine.scheduler.running]
+    image, size = fast.staging(len(cached))
+    times = []
+    for _ in range(reps):
+        began = time.perf_counter()
+        DecodeInputBuilder.prepare(fast.builder, cached, size, out=image)  # the class's: the instance's is timed
+        times.append(1e3 * (time.perf_counter() - began))
+    return {"p50_ms": float(np.percentile(times, 50))}
 
 
 def stream_burst_ms(readers: int, bursts: int = 200) -> dict:
@@ -407,6 +424,7 @@ def main() -> None:
         ratio = f"{peer['step']['p50_ms'] / row['step']['p50_ms']:>13.2f}x" if peer and args.label != args.peer else ""
         print(f"{batch:>5} " + " ".join(f"{row[s]['p50_ms']:>8.3f}/{row[s]['p99_ms']:<9.3f}" for s in columns)
               + f" {ratio:>14}", flush=True)
+        print(f"      prepare alone (no other thread): {row['prepare_alone']['p50_ms']:.3f} ms p50", flush=True)
         if args.replay_ms:
             print(f"      device idle per step (emulated {args.replay_ms} ms replay): p50 {row['gpu_idle']['p50_ms']:.3f} / mean "
                   f"{row['gpu_idle']['mean_ms']:.3f} ms (waking the engine thread: {row['wake']['mean_ms']:.3f}),"
