@@ -26,7 +26,9 @@ MAX_SPLITS = 8  # programs per token tile along H (the selection needs every exp
 
 if triton is not None:
 
-    @triton.jit
+    # T is not specialised (its divisibility by 16, T == 1): every prompt length then shares the split and the
+    # unsplit kernel a worker's warm-up compiled, instead of a first request paying a JIT compile (~1 s)
+    @triton.jit(do_not_specialize=["T"])
     def _route_kernel(x, w, bias, weights_out, indices_out, partials, counters, T, E, H, H_SPLIT, SPLITS,
                       stride_x, stride_w, scaling, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                       RENORMALIZE: tl.constexpr, EVEN_H: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -91,7 +93,7 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
               splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as kernels.fused.naive.moe_route: x [T, H] (row-strided allowed) and weight [E, H] of one
     dtype -> (weights [T, k] float32, expert ids [T, k] int64). `splits`: programs per token tile along H
-    (default: one per BLOCK_H slice, up to MAX_SPLITS and about two programs per SM), each one K step or a
+    (default: a power of two up to one per BLOCK_H slice, MAX_SPLITS and about two programs per SM), each one K step or a
     few, so the logits take about one memory latency instead of H / BLOCK_H dependent ones (a single program
     per tile took 7.5 us at 64 tokens on the H200, whatever its block shape)."""
     require(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and x.stride(1) == 1
@@ -110,6 +112,7 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
             # fill them alone, and its partials (splits x T x BLOCK_E float32) would grow the scratch with T
             wanted = triton.cdiv(2 * sm_count(x.device, cpu=132), tiles)
             splits = min(MAX_SPLITS, triton.cdiv(hidden, block_h), wanted)
+            splits = 1 << (splits.bit_length() - 1)  # a power of two: slices stay even (one EVEN_H variant)
         h_split = triton.cdiv(triton.cdiv(hidden, splits), block_h) * block_h
         splits = triton.cdiv(hidden, h_split)  # no empty trailing slices
         grid = (tiles, splits)
