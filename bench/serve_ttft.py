@@ -30,7 +30,7 @@ from bench.serve_rank import Rank, random_model, sync
 from k3core.model import K3Model
 from k3core.presets import preset
 
-WARMUP_TOKENS = 2048 + 7  # a hash-aligned chunk and an unaligned tail: both shapes' kernel variants
+WARMUP_TAIL = 7  # warm-up prompts: one full-budget chunk and this unaligned tail, as a worker's warm-up runs
 
 
 def gemm_flops_per_s(device: str, n: int = 8192) -> float:
@@ -120,7 +120,10 @@ def ttft(rank: Rank, prefix: list[int], increment: int, row: int = 0, peak: floa
     several calls on one rank apart. `work_ratio` is the uncached over the hit matmul FLOPs: the speedup if
     both ran equally efficiently; with `peak` (FLOP/s), each one's time at that roofline too."""
     vocab, tag = rank.vocab, str(row)
-    warm = [_prefill(rank, f"warm{tag}{k}", [(t * (5 + k) + 31 * row) % vocab + 1 for t in range(WARMUP_TOKENS)])[0]
+    # both chunk shapes' kernel variants (a full-budget chunk, an unaligned tail), so no JIT compile falls in the
+    # timed prefills (a 2048-token warm-up chunk once left the 8192-token chunks' router kernel uncompiled)
+    length = rank.budget + WARMUP_TAIL
+    warm = [_prefill(rank, f"warm{tag}{k}", [(t * (5 + k) + 31 * row) % vocab + 1 for t in range(length)])[0]
             for k in range(2)]
     budget = rank.budget
     rank.budget = math.gcd(budget, len(prefix))  # a forward ends at the prefix: its checkpoint is kept
