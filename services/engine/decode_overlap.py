@@ -47,6 +47,7 @@ from services.engine.executor import StepResult
 from services.engine.plan import StepPlan
 from services.engine.request import EngineRequest, Phase
 from services.engine.sampler import SampledTokens, sample_rows_async
+from services.engine.trace_labels import label
 
 if TYPE_CHECKING:
     from services.engine.engine import Engine
@@ -162,71 +163,79 @@ class DecodeOverlap:
         assert inflight is not None
         started = time.perf_counter()
         self.inflight = None
-        tokens = inflight.tokens.array()  # the device finished step N
-        # From here to the launch the device idles: the common step (no candidate, no row leaving or crossing a
-        # block) does a few array ops and the launch; the other cases pay for themselves only.
-        candidates = inflight.always_check | stop_hits(tokens, inflight.stop_ids)
-        if candidates.any():
-            self._accept_rows(inflight, tokens, np.flatnonzero(candidates).tolist())
-        requests = inflight.requests
-        scheduler, manager = engine.scheduler, engine.executor.manager
-        # rows only leave the running list while a step is in flight (nothing joins): equal lengths, all live
-        live = range(len(requests)) if len(scheduler.running) == len(requests) else \
-            [i for i, req in enumerate(requests) if req.phase is Phase.RUNNING]
-        scheduler.finish_leaving()
-        crossing = [i for i in inflight.crossing if requests[i].phase is Phase.RUNNING] if inflight.crossing else []
-        fits = all(len(manager.requests[requests[i].rid].blocks) < engine.executor.fastpath.builder.max_pages
-                   for i in crossing)
-        # the scheduler's own admission test: a request it cannot admit yet (pool, budget) leaves this step overlapped
-        joins = scheduler.admits_next(len(live), len(crossing) * manager.layout.num_mla_groups)
-        if (joins or not live or len(live) != len(scheduler.running) or len(live) > scheduler.budget or not fits
-                or len(crossing) * manager.layout.num_mla_groups > manager.pool.num_available):
-            self._accept_rows(inflight, tokens, np.flatnonzero(~candidates).tolist())
-            return False
-        accepted = candidates  # rows whose token is taken before the launch
-        fast = engine.executor.fastpath
-        image, size = inflight.image, inflight.size
-        if crossing:  # rows whose token starts a block: accepted and reserved now, in the plain schedule's order
-            accepted = candidates.copy()
-            for i in plain_order(crossing, requests, scheduler.running):
-                if not accepted[i]:
-                    engine._take(requests[i], int(tokens[i]))
-                    accepted[i] = True
-                manager.reserve(requests[i].rid, 1)
-        if len(live) < len(requests):  # the rows of requests that ended leave the batch, as in a plain step
-            buffer, compacted = fast.staging(len(live))
-            image, size = fast.builder.compact(image, size, live, buffer, compacted), compacted
-        if crossing:
-            at = {i: k for k, i in enumerate(live)}  # request row -> image row
-            fast.builder.refresh(image, size, [manager.requests[requests[i].rid] for i in crossing],
-                                 [at[i] for i in crossing])
-        if len(live) == len(requests):
-            inflight.token_slot[:] = tokens
-        else:
-            fast.builder.set_tokens(image, size, slice(0, len(live)), tokens[live])
-        manager.pre_forward()
-        logits = fast.launch(image, len(live))
+        with label("k3.tokens_ready"):
+            tokens = inflight.tokens.array()  # the device finished step N
+        with label("k3.to_launch"):  # the stop check, rows leaving or crossing a block, the tokens' write
+            # From here to the launch the device idles: the common step (no candidate, no row leaving or crossing a
+            # block) does a few array ops and the launch; the other cases pay for themselves only.
+            candidates = inflight.always_check | stop_hits(tokens, inflight.stop_ids)
+            if candidates.any():
+                self._accept_rows(inflight, tokens, np.flatnonzero(candidates).tolist())
+            requests = inflight.requests
+            scheduler, manager = engine.scheduler, engine.executor.manager
+            # rows only leave the running list while a step is in flight (nothing joins): equal lengths, all live
+            live = range(len(requests)) if len(scheduler.running) == len(requests) else \
+                [i for i, req in enumerate(requests) if req.phase is Phase.RUNNING]
+            scheduler.finish_leaving()
+            crossing = [i for i in inflight.crossing if requests[i].phase is Phase.RUNNING] if inflight.crossing else []
+            fits = all(len(manager.requests[requests[i].rid].blocks) < engine.executor.fastpath.builder.max_pages
+                       for i in crossing)
+            # the scheduler's own admission test: a request it cannot admit yet (pool, budget) leaves this step overlapped
+            joins = scheduler.admits_next(len(live), len(crossing) * manager.layout.num_mla_groups)
+            if (joins or not live or len(live) != len(scheduler.running) or len(live) > scheduler.budget or not fits
+                    or len(crossing) * manager.layout.num_mla_groups > manager.pool.num_available):
+                self._accept_rows(inflight, tokens, np.flatnonzero(~candidates).tolist())
+                return False
+            accepted = candidates  # rows whose token is taken before the launch
+            fast = engine.executor.fastpath
+            image, size = inflight.image, inflight.size
+            if crossing:  # rows whose token starts a block: accepted and reserved now, in the plain schedule's order
+                accepted = candidates.copy()
+                for i in plain_order(crossing, requests, scheduler.running):
+                    if not accepted[i]:
+                        engine._take(requests[i], int(tokens[i]))
+                        accepted[i] = True
+                    manager.reserve(requests[i].rid, 1)
+            if len(live) < len(requests):  # the rows of requests that ended leave the batch, as in a plain step
+                buffer, compacted = fast.staging(len(live))
+                image, size = fast.builder.compact(image, size, live, buffer, compacted), compacted
+            if crossing:
+                at = {i: k for k, i in enumerate(live)}  # request row -> image row
+                fast.builder.refresh(image, size, [manager.requests[requests[i].rid] for i in crossing],
+                                     [at[i] for i in crossing])
+            if len(live) == len(requests):
+                inflight.token_slot[:] = tokens
+            else:
+                fast.builder.set_tokens(image, size, slice(0, len(live)), tokens[live])
+            manager.pre_forward()
+        with label("k3.launch"):
+            logits = fast.launch(image, len(live))
         engine.metrics.overlapped_steps.inc()
         # ---- step N+1 runs: N's bookkeeping overlaps it
         taken = accepted.tolist()
         drawn = [(k, requests[i].options, len(requests[i].output) + (not taken[i])) for k, i in enumerate(live)]
-        next_tokens = sample_rows_async(logits, drawn)
-        token_list = tokens.tolist()
-        rest = [i for i in live if not taken[i]]
-        engine._take_rows([(requests[i], token_list[i]) for i in rest])
-        for i in rest:
-            if requests[i].phase is not Phase.RUNNING:
-                raise RuntimeError(f"request {requests[i].rid!r} stopped on a token the stop check passed")
-        reserved = set(crossing)
-        for i in live:
-            if i not in reserved:
-                manager.reserve(requests[i].rid, 1)  # directly: at TP 1 no rank replays the calls
-        for i in live:
-            manager.forward_done(requests[i].rid)
-        engine.manager.take_calls()  # those made through the recording manager (finishes, appends): dropped too
+        with label("k3.sample"):
+            next_tokens = sample_rows_async(logits, drawn)
+        with label("k3.accept"):
+            token_list = tokens.tolist()
+            rest = [i for i in live if not taken[i]]
+            engine._take_rows([(requests[i], token_list[i]) for i in rest])
+            for i in rest:
+                if requests[i].phase is not Phase.RUNNING:
+                    raise RuntimeError(f"request {requests[i].rid!r} stopped on a token the stop check passed")
+            reserved = set(crossing)
+            for i in live:
+                if i not in reserved:
+                    manager.reserve(requests[i].rid, 1)  # directly: at TP 1 no rank replays the calls
+            for i in live:
+                manager.forward_done(requests[i].rid)
+            engine.manager.take_calls()  # those made through the recording manager (finishes, appends): dropped too
         engine._flush()
-        self.inflight = self._prepare([requests[i] for i in live], next_tokens)
+        with label("k3.prepare_inputs"):
+            self.inflight = self._prepare([requests[i] for i in live], next_tokens)
         # Last: a checkpoint taken at a hash boundary has its snapshot copies and checksum queued behind this forward.
-        manager.commit_step()
-        engine._end_step(started)
+        with label("k3.commit"):
+            manager.commit_step()
+        with label("k3.end_step"):
+            engine._end_step(started)
         return True

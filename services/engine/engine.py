@@ -26,6 +26,7 @@ from services.engine.sampler import sample_rows, token_logprobs
 from services.engine.scheduler import Scheduler
 from services.engine.speculative import Speculator
 from services.engine.token_streaming import TokenStreaming
+from services.engine.trace_labels import label
 from services.runtime import errors
 
 log = logging.getLogger("k3.engine")
@@ -165,7 +166,8 @@ class Engine(TokenStreaming):
         proposals = self.speculator.propose(self.scheduler.running) if self.speculator is not None else {}
         if proposals:
             self.scheduler.offer_drafts({rid: p.tokens for rid, p in proposals.items()})
-        plan = self.scheduler.schedule()
+        with label("k3.schedule"):
+            plan = self.scheduler.schedule()
         for req in self.scheduler.rejected:
             self.requests.pop(req.rid, None)
             self._emit(req, StepOutput([], error=errors.ResourceExhausted(
@@ -178,13 +180,16 @@ class Engine(TokenStreaming):
             self.broadcast(plan)
         if plan.verify:
             self._verify(plan, proposals)
-        result = self.executor.execute(plan)
+        with label("k3.execute"):
+            result = self.executor.execute(plan)
         self._flush()  # the previous step's outputs, while this step's forward runs (no sync before here)
-        if self.overlap.eligible(plan):
-            self.overlap.begin(plan, result)  # its tokens are accepted by the next step, after its launch
-        else:
-            self._after_step(plan, result)
-        self._end_step(started)
+        with label("k3.after_step"):  # plain: sample (waits for the device) and accept; overlapped: prepare
+            if self.overlap.eligible(plan):
+                self.overlap.begin(plan, result)  # its tokens are accepted by the next step, after its launch
+            else:
+                self._after_step(plan, result)
+        with label("k3.end_step"):
+            self._end_step(started)
 
     def _end_step(self, started: float) -> None:
         if self._step_tokens:

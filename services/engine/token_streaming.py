@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from k3.v1 import common_pb2
 from services.engine import handover
 from services.engine.request import EngineRequest, Phase, StepOutput
+from services.engine.trace_labels import label
 
 if TYPE_CHECKING:
     from services.engine.metrics import EngineMetrics
@@ -65,7 +66,7 @@ class TokenStreaming:
     def _flush(self) -> None:
         self.metrics.tpot_batch.flush()  # the TPOTs of the outputs handed over here
         outbox, self._outbox = self._outbox, []
-        with handover.burst():  # one wake-up per event loop, not one per output
+        with label("k3.stream_emit"), handover.burst():  # one wake-up per event loop, not one per output
             for req, output in outbox:
                 req.emit(output)
 

@@ -1,0 +1,128 @@
+"""A chrome trace of engine decode steps (`torch.profiler`, bench/serve_trace.py) split per step: the GPU's
+idle intervals and the host ranges (the engine's `k3.*` labels, profiler CPU ops, CUDA runtime calls) that
+overlap each, and how much of each step's wall time the labels cover."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+HOST_CATS = {"user_annotation", "cpu_op", "cuda_runtime", "cuda_driver", "python_function"}
+LABEL = "k3."
+
+
+@dataclass
+class Span:
+    name: str
+    start: float  # us
+    end: float
+    tid: object = None
+
+
+def spans(trace: dict) -> tuple[list[Span], list[Span], list[Span]]:
+    """(steps `ProfilerStep#k`, host ranges, GPU ops) of a chrome trace, each sorted by start."""
+    steps, host, gpu = [], [], []
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        span = Span(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("tid"))
+        if span.name.startswith("ProfilerStep#"):
+            steps.append(span)
+        elif e.get("cat") in GPU_CATS:
+            gpu.append(span)
+        elif e.get("cat") in HOST_CATS:
+            host.append(span)
+    return [sorted(x, key=lambda s: s.start) for x in (steps, host, gpu)]
+
+
+def gaps(gpu: list[Span], min_us: float) -> list[Span]:
+    """The GPU's idle intervals longer than `min_us` between its ops (all streams merged), each named
+    "<op before> -> <op after>"."""
+    out: list[Span] = []
+    end, last = None, ""
+    for op in gpu:
+        if end is not None and op.start - end > min_us:
+            out.append(Span(f"{last[:48]} -> {op.name[:48]}", end, op.start))
+        if end is None or op.end >= end:
+            end, last = op.end, op.name
+    return out
+
+
+def overlap(a: Span, start: float, end: float) -> float:
+    return max(0.0, min(a.end, end) - max(a.start, start))
+
+
+def union_length(ranges: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(ranges):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def host_overlaps(host: list[Span], start: float, end: float) -> dict[str, float]:
+    """us of each host range name inside [start, end] (nested ranges each count in full)."""
+    out: dict[str, float] = defaultdict(float)
+    for span in host:
+        if span.start >= end:
+            break
+        us = overlap(span, start, end)
+        if us > 0:
+            out[span.name] += us
+    return dict(out)
+
+
+def breakdown(trace: dict, min_gap_us: float = 5.0) -> dict:
+    """Per step: wall, the labels' time and their coverage of the step (on the step's thread), GPU busy time,
+    and each GPU gap with the host ranges overlapping it; then the gaps summed over steps by kind."""
+    steps, host, gpu = spans(trace)
+    idle = gaps(gpu, min_gap_us)
+    rows, by_kind = [], defaultdict(lambda: {"count": 0, "us": 0.0, "host": defaultdict(float)})
+    for step in steps:
+        wall = step.end - step.start
+        mine = [s for s in host if s.tid == step.tid and s.name.startswith(LABEL) and overlap(s, step.start, step.end)]
+        labels: dict[str, float] = defaultdict(float)
+        for s in mine:
+            labels[s.name] += overlap(s, step.start, step.end)
+        covered = union_length([(max(s.start, step.start), min(s.end, step.end)) for s in mine])
+        busy = union_length([(max(g.start, step.start), min(g.end, step.end)) for g in gpu
+                             if overlap(g, step.start, step.end)])
+        row_gaps = []
+        for gap in (g for g in idle if step.start <= g.start < step.end):
+            over = host_overlaps(host, gap.start, gap.end)
+            unlabelled = gap.end - gap.start - union_length(
+                [(max(s.start, gap.start), min(s.end, gap.end)) for s in host
+                 if s.name.startswith(LABEL) and overlap(s, gap.start, gap.end)])
+            row_gaps.append({"between": gap.name, "at_us": gap.start - step.start, "us": gap.end - gap.start,
+                             "host_us": over, "unlabelled_us": unlabelled})
+            kind = by_kind[gap.name]
+            kind["count"] += 1
+            kind["us"] += gap.end - gap.start
+            for name, us in over.items():
+                kind["host"][name] += us
+        rows.append({"step": step.name, "wall_us": wall, "labels_us": dict(labels), "label_coverage": covered / wall,
+                     "unlabelled_us": wall - covered, "gpu_busy_us": busy, "gaps": row_gaps})
+    kinds = sorted(({"between": k, "count": v["count"], "us": v["us"],
+                     "host_us": dict(sorted(v["host"].items(), key=lambda kv: -kv[1]))} for k, v in by_kind.items()),
+                   key=lambda k: -k["us"])
+    return {"steps": rows, "gaps_by_kind": kinds, "min_gap_us": min_gap_us}
+
+
+def report(summary: dict, top: int = 12) -> str:
+    """The breakdown as text: one line per step, then the gaps by kind with their top host ranges."""
+    lines = [f"{'step':>16} {'wall us':>9} {'labels':>7} {'unlabelled':>10} {'gpu busy':>9} {'gaps':>5} {'idle us':>8}"
+             f"  labels (us)"]
+    for row in summary["steps"]:
+        idle = sum(g["us"] for g in row["gaps"])
+        named = " ".join(f"{k[3:]}={v:.0f}" for k, v in sorted(row["labels_us"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"{row['step']:>16} {row['wall_us']:>9.0f} {row['label_coverage']:>7.1%} {row['unlabelled_us']:>10.0f} "
+                     f"{row['gpu_busy_us']:>9.0f} {len(row['gaps']):>5} {idle:>8.0f}  {named}")
+    steps = max(1, len(summary["steps"]))
+    for kind in summary["gaps_by_kind"]:
+        lines.append(f"gap {kind['between']}: {kind['count']}x, {kind['us'] / steps:.1f} us per step; host ranges "
+                     f"overlapping it (us per step):")
+        for name, us in list(kind["host_us"].items())[:top]:
+            lines.append(f"    {us / steps:9.1f}  {name[:90]}")
+    return "\n".join(lines)
