@@ -16,20 +16,26 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 _current = threading.local()  # .boxes: the mailboxes posted to in this thread's open burst, else None
 
 
+class Receiver(Protocol):
+    """Where a delivery puts an item, on the loop's thread (a stream's `OutputQueue`)."""
+
+    def put_nowait(self, item: Any) -> None: ...
+
+
 class Mailbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.items: deque[tuple[asyncio.Queue, Any]] = deque()
+        self.items: deque[tuple[Receiver, Any]] = deque()
         self.scheduled = False
         self.closed = False  # the loop was found closed: posts are dropped
 
-    def post(self, queue: asyncio.Queue, item: Any) -> None:
+    def post(self, queue: Receiver, item: Any) -> None:
         if self.closed:
             return
         self.items.append((queue, item))
