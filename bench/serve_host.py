@@ -32,8 +32,9 @@ Stages (ms per step, p50 and p99 over `--steps` timed steps after warm-up):
   path; the rest of idle is the launch (here the stand-in's input copy is a CPU memcpy; on a GPU an async H2D).
 Per batch also `prepare_alone` (the input build with no other thread about) and `stream_burst` (the streams'
 loop handing one output to each of B readers, `OutputQueue` against `asyncio.Queue`).
-Each request streams into a real `RequestStream` on an event loop thread (the service's hand-over: one
-call_soon_threadsafe per output), drained by a task per request as the servicer does (without gRPC).
+Each request streams into a real `RequestStream` on an event loop thread (the service's hand-over: its
+loop's mailbox, woken once per step's burst, `handover.py`), drained by a task per request as the servicer
+does (without gRPC).
 The peer each stage is compared against is the same stage of the `--peer` run in the JSON (default
 `before`). Then `sample_rows` alone on 1 and 64 temperature > 0 rows over the preset's full vocabulary
 (`sampled_row`, `sampled_rows_64`): device work on a GPU, host CPU here.
