@@ -4,12 +4,14 @@ overlap each, and how much of each step's wall time the labels cover."""
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 HOST_CATS = {"user_annotation", "cpu_op", "cuda_runtime", "cuda_driver", "python_function"}
 LABEL = "k3."
+TIMELINE = 40  # host ranges kept per gap, in order
 
 
 @dataclass
@@ -27,12 +29,10 @@ def spans(trace: dict) -> tuple[list[Span], list[Span], list[Span]]:
         if e.get("ph") != "X":
             continue
         span = Span(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("tid"))
-        if span.name.startswith("ProfilerStep#"):
-            steps.append(span)
-        elif e.get("cat") in GPU_CATS:
+        if e.get("cat") in GPU_CATS:
             gpu.append(span)
-        elif e.get("cat") in HOST_CATS:
-            host.append(span)
+        elif e.get("cat") in HOST_CATS:  # not "gpu_user_annotation": a range's projection on the GPU's timeline
+            (steps if span.name.startswith("ProfilerStep#") else host).append(span)
     return [sorted(x, key=lambda s: s.start) for x in (steps, host, gpu)]
 
 
@@ -95,8 +95,11 @@ def breakdown(trace: dict, min_gap_us: float = 5.0) -> dict:
             unlabelled = gap.end - gap.start - union_length(
                 [(max(s.start, gap.start), min(s.end, gap.end)) for s in host
                  if s.name.startswith(LABEL) and overlap(s, gap.start, gap.end)])
+            # in order, from the gap's start (negative: began before it), the first TIMELINE of them
+            timeline = [[s.name, s.start - gap.start, s.end - s.start] for s in host
+                        if overlap(s, gap.start, gap.end)][:TIMELINE]
             row_gaps.append({"between": gap.name, "at_us": gap.start - step.start, "us": gap.end - gap.start,
-                             "host_us": over, "unlabelled_us": unlabelled})
+                             "host_us": over, "unlabelled_us": unlabelled, "timeline": timeline})
             kind = by_kind[gap.name]
             kind["count"] += 1
             kind["us"] += gap.end - gap.start
@@ -110,8 +113,9 @@ def breakdown(trace: dict, min_gap_us: float = 5.0) -> dict:
     return {"steps": rows, "gaps_by_kind": kinds, "min_gap_us": min_gap_us}
 
 
-def report(summary: dict, top: int = 12) -> str:
-    """The breakdown as text: one line per step, then the gaps by kind with their top host ranges."""
+def report(summary: dict, kinds: int = 8, top: int = 12) -> str:
+    """The breakdown as text: one line per step, the medians, then the longest `kinds` kinds of gap with the
+    `top` host ranges overlapping each."""
     lines = [f"{'step':>16} {'wall us':>9} {'labels':>7} {'unlabelled':>10} {'gpu busy':>9} {'gaps':>5} {'idle us':>8}"
              f"  labels (us)"]
     for row in summary["steps"]:
@@ -120,7 +124,17 @@ def report(summary: dict, top: int = 12) -> str:
         lines.append(f"{row['step']:>16} {row['wall_us']:>9.0f} {row['label_coverage']:>7.1%} {row['unlabelled_us']:>10.0f} "
                      f"{row['gpu_busy_us']:>9.0f} {len(row['gaps']):>5} {idle:>8.0f}  {named}")
     steps = max(1, len(summary["steps"]))
-    for kind in summary["gaps_by_kind"]:
+    if summary["steps"]:
+        def median(key) -> float:
+            return statistics.median(key(row) for row in summary["steps"])
+        lines.append(f"median of {len(summary['steps'])} steps: wall {median(lambda r: r['wall_us']):.0f} us, GPU busy "
+                     f"{median(lambda r: r['gpu_busy_us']):.0f}, GPU idle {median(lambda r: sum(g['us'] for g in r['gaps'])):.0f}"
+                     f" in gaps > {summary['min_gap_us']:g} us, unlabelled host {median(lambda r: r['unlabelled_us']):.0f}")
+        longest = max((g for r in summary["steps"] for g in r["gaps"]), key=lambda g: g["us"], default=None)
+        if longest is not None:  # where the time goes, in order
+            lines.append(f"longest gap ({longest['us']:.1f} us, {longest['between']}), host ranges from its start (us):")
+            lines += [f"    {at:8.1f} {us:8.1f}  {name[:90]}" for name, at, us in longest["timeline"]]
+    for kind in summary["gaps_by_kind"][:kinds]:
         lines.append(f"gap {kind['between']}: {kind['count']}x, {kind['us'] / steps:.1f} us per step; host ranges "
                      f"overlapping it (us per step):")
         for name, us in list(kind["host_us"].items())[:top]:

@@ -64,11 +64,12 @@ class TokenStreaming:
         self._outbox.append((req, output))
 
     def _flush(self) -> None:
-        self.metrics.tpot_batch.flush()  # the TPOTs of the outputs handed over here
-        outbox, self._outbox = self._outbox, []
-        with label("k3.stream_emit"), handover.burst():  # one wake-up per event loop, not one per output
-            for req, output in outbox:
-                req.emit(output)
+        with label("k3.stream_emit"):
+            self.metrics.tpot_batch.flush()  # the TPOTs of the outputs handed over here
+            outbox, self._outbox = self._outbox, []
+            with handover.burst():  # one wake-up per event loop, not one per output
+                for req, output in outbox:
+                    req.emit(output)
 
     def _accept_forced(self, req: EngineRequest) -> None:
         self._accept(req, req.forced.pop(0), req.forced_logprobs.pop(0) if req.forced_logprobs else None)

@@ -87,7 +87,7 @@ def test_the_oracle_fails_without_a_label(traced, dropped):
 def test_gaps_and_the_host_ranges_inside_them():
     """Hand-computed: GPU ops [0, 10] on one stream and [2, 12] on another, [14, 20], [50, 60]; with gaps over
     5 us only 20 -> 50 counts. Host ranges: k3.tokens_ready [15, 40], k3.launch [40, 52] (a cudaGraphLaunch
-    [45, 51] inside it), one on another thread [25, 30]."""
+    [45, 51] inside it), one on another thread [25, 30]. The step is [0, 100]."""
     def x(name, cat, ts, dur, tid=1):
         return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid}
     trace = {"traceEvents": [
@@ -95,11 +95,15 @@ def test_gaps_and_the_host_ranges_inside_them():
         x("k3.launch", "user_annotation", 40, 12), x("cudaGraphLaunch", "cuda_runtime", 45, 6),
         x("loop", "user_annotation", 25, 5, tid=2),
         x("argmax", "kernel", 0, 10, tid=7), x("copy", "gpu_memcpy", 2, 10, tid=8), x("Memcpy DtoH", "gpu_memcpy", 14, 6, tid=7),
-        x("gemm", "kernel", 50, 10, tid=7)]}
+        x("gemm", "kernel", 50, 10, tid=7),
+        # the ranges' projections on the GPU's timeline are neither steps, host ranges nor GPU work
+        x("ProfilerStep#1", "gpu_user_annotation", 0, 60, tid=7), x("k3.launch", "gpu_user_annotation", 50, 10, tid=7)]}
     (step,) = breakdown(trace, 5.0)["steps"]
     (gap,) = step["gaps"]
     assert gap["between"] == "Memcpy DtoH -> gemm" and gap["us"] == 30 and gap["at_us"] == 20
     assert gap["host_us"] == {"k3.tokens_ready": 20, "k3.launch": 10, "cudaGraphLaunch": 5, "loop": 5}
     assert gap["unlabelled_us"] == 0
+    assert gap["timeline"] == [["k3.tokens_ready", -5, 25], ["loop", 5, 5], ["k3.launch", 20, 12],
+                               ["cudaGraphLaunch", 25, 6]]
     assert step["gpu_busy_us"] == 12 + 6 + 10 and step["unlabelled_us"] == 100 - 37
     assert step["labels_us"] == {"k3.tokens_ready": 25, "k3.launch": 12}
