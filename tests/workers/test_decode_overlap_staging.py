@@ -1,0 +1,101 @@
+"""The decode overlap with the CUDA graphs' host side: one staging image per batch bucket, reused every step.
+
+On CPU the fast path builds each step into a fresh array, so the overlap's writes into a staging image that
+a launched step was copied from (the tokens through `InFlight.token_slot`, `compact` in place, the next
+step's `prepare`) are never exercised by test_decode_overlap.py. Here a STAND-IN for `DecodeGraphs` runs
+the real `staging` / `launch` (bucket padding, one pinned-like image per bucket) with the eager forward
+as its "replay", and its copy-landed event checks the ordering rule of a non-blocking copy: nothing writes
+a bucket's image between its launch and the next `staging` of that bucket (the event's synchronize), else
+the device could read half-overwritten inputs. Oracle: the plain loop's streams, pages and states
+(`_compare`), both engines on the stand-in so that the forwards' shapes are the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.cuda_graphs import DecodeGraphs, _Captured
+from tests.workers.overlap_harness import ScriptedEngine, options
+from tests.workers.test_decode_overlap import _compare, _prompt, nano  # noqa: F401 - the module fixture
+
+
+class _CopyLanded:
+    """STAND-IN for the copy's CUDA event: `record` at the launch, `synchronize` before the image is reused."""
+
+    def __init__(self, host: torch.Tensor, hazards: list[str]) -> None:
+        self.host, self.hazards, self.launched = host, hazards, None
+
+    def record(self) -> None:
+        self.synchronize()  # written since the previous launch without a `staging` in between: a hazard too
+        self.launched = self.host.clone()
+
+    def synchronize(self) -> None:
+        if self.launched is not None and not torch.equal(self.host, self.launched):
+            self.hazards.append("a staging image was written while its copy to the device could be in flight")
+        self.launched = None
+
+
+class _Replay:
+    def __init__(self, run) -> None:
+        self.replay = run
+
+
+class StagedGraphs(DecodeGraphs):
+    """STAND-IN for the CUDA graphs on CPU: `DecodeGraphs.staging` / `launch` as they are; a bucket's
+    "graph" is the eager forward over its device-side inputs, into a static logits tensor."""
+
+    def __init__(self, scripted: ScriptedEngine, buckets: tuple[int, ...]) -> None:
+        fast = scripted.engine.executor.fastpath
+        self.forward, self.builder, self.device = fast.decoder.forward, fast.builder, torch.device("cpu")
+        self.buckets, self._graphs, self.hazards = sorted(buckets), {}, []
+        self.launches: list[int] = []  # bucket of each launch
+
+    def _get(self, size: int) -> _Captured:
+        if size not in self._graphs:
+            host = torch.empty(self.builder.numel(size), dtype=torch.int64)
+            self.builder.build([], [], size, out=host.numpy())  # every row on the scratch pages
+            device_inputs = host.clone()
+            inputs = self.builder.view(device_inputs, size)
+            logits = self.forward(inputs).clone()
+
+            def run() -> None:
+                self.launches.append(size)
+                logits.copy_(self.forward(inputs))
+            self._graphs[size] = _Captured(_Replay(run), device_inputs, host,  # type: ignore[arg-type]
+                                           _CopyLanded(host, self.hazards), logits)  # type: ignore[arg-type]
+        return self._graphs[size]
+
+
+def _staged(scripted: ScriptedEngine) -> None:
+    scripted.engine.executor.fastpath.graphs = scripted.graphs = StagedGraphs(scripted, (1, 2, 4, 8))
+
+
+def _check(plain: ScriptedEngine, overlap: ScriptedEngine) -> None:
+    assert overlap.overlapped > 0
+    for scripted in (plain, overlap):
+        assert scripted.graphs.launches and not scripted.graphs.hazards
+
+
+def test_stops_and_block_crossings_with_reused_staging_images_give_the_plain_streams(nano):  # noqa: F811
+    # 5 -> 4 -> 3 rows (buckets 8, 4, 4: compaction into another bucket's image and into the same one), rows
+    # crossing into their second 80-token block while another stops, one sampled row
+    vocab = nano.config.vocab_size
+    requests = [("r0", 76, options(vocab, max_tokens=5, ignore_eos=True)),
+                ("r1", 76, options(vocab, max_tokens=12, ignore_eos=True)),
+                ("r2", 60, options(vocab, max_tokens=3, ignore_eos=True)),
+                ("r3", 76, options(vocab, temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)),
+                ("r4", 9, options(vocab, max_tokens=8, ignore_eos=True))]
+    script = {0: [("add", rid, _prompt(i, n), o) for i, (rid, n, o) in enumerate(requests)]}
+    plain, overlap = _compare(nano, script, watch=_staged, budget=512)
+    _check(plain, overlap)
+    assert {4, 8} <= set(overlap.graphs.launches)
+
+
+def test_cancellation_and_arrivals_with_reused_staging_images(nano):  # noqa: F811
+    vocab = nano.config.vocab_size
+    greedy = options(vocab, max_tokens=10, ignore_eos=True)
+    script = {0: [("add", "a", _prompt(0, 6), greedy), ("add", "b", _prompt(1, 20), greedy),
+                  ("add", "f", _prompt(4, 11), greedy)],
+              2: [("add", "c", _prompt(2, 3), options(vocab, temperature=0.7, seed=9, max_tokens=8))],
+              4: [("cancel", "b")], 5: [("add", "d", _prompt(3, 12), greedy)], 6: [("add", "e", [3], greedy)]}
+    _check(*_compare(nano, script, watch=_staged))
