@@ -152,7 +152,9 @@ class DecodeInputBuilder:
         blocks = np.fromiter((len(r.blocks) for r in requests), dtype=np.int64, count=n)
         for i in np.flatnonzero(blocks != self._filled[rows]).tolist():
             self._extend_table(requests[i], int(rows[i]))
-        np.take(self._slots, rows, axis=1, out=slots[:, :n], mode="clip")  # rows are in range: "clip" is unbuffered
+        # rows are in range; "clip" writes `out` directly where it is contiguous (a batch that fills its bucket:
+        # "raise" always goes through a copy), a padded batch's columns go through numpy's copy either way
+        np.take(self._slots, rows, axis=1, out=slots[:, :n], mode="clip")
         np.take(self._tables, rows, axis=1, out=table[:, :n], mode="clip")
         position = np.fromiter((r.num_computed for r in requests), dtype=np.int64, count=n)
         lengths[:n] = position + 1
