@@ -11,7 +11,8 @@ from dataclasses import dataclass
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 HOST_CATS = {"user_annotation", "cpu_op", "cuda_runtime", "cuda_driver", "python_function"}
 LABEL = "k3."
-TIMELINE = 40  # host ranges kept per gap, in order
+TIMELINE = 40  # host ranges kept per gap of TIMELINE_MIN_US or more, in order
+TIMELINE_MIN_US = 20.0
 
 
 @dataclass
@@ -89,15 +90,17 @@ def breakdown(trace: dict, min_gap_us: float = 5.0) -> dict:
         covered = union_length([(max(s.start, step.start), min(s.end, step.end)) for s in mine])
         busy = union_length([(max(g.start, step.start), min(g.end, step.end)) for g in gpu
                              if overlap(g, step.start, step.end)])
-        row_gaps = []
-        for gap in (g for g in idle if step.start <= g.start < step.end):
-            over = host_overlaps(host, gap.start, gap.end)
+        row_gaps, own = [], [g for g in idle if step.start <= g.start < step.end]
+        reach = max([step.end] + [g.end for g in own])  # a gap may end in the next step
+        host_here = [s for s in host if overlap(s, step.start, reach)]  # (keeps the scans below short)
+        for gap in own:
+            over = host_overlaps(host_here, gap.start, gap.end)
             unlabelled = gap.end - gap.start - union_length(
-                [(max(s.start, gap.start), min(s.end, gap.end)) for s in host
+                [(max(s.start, gap.start), min(s.end, gap.end)) for s in host_here
                  if s.name.startswith(LABEL) and overlap(s, gap.start, gap.end)])
             # in order, from the gap's start (negative: began before it), the first TIMELINE of them
-            timeline = [[s.name, s.start - gap.start, s.end - s.start] for s in host
-                        if overlap(s, gap.start, gap.end)][:TIMELINE]
+            timeline = [[s.name, s.start - gap.start, s.end - s.start] for s in host_here
+                        if overlap(s, gap.start, gap.end)][:TIMELINE] if gap.end - gap.start >= TIMELINE_MIN_US else []
             row_gaps.append({"between": gap.name, "at_us": gap.start - step.start, "us": gap.end - gap.start,
                              "host_us": over, "unlabelled_us": unlabelled, "timeline": timeline})
             kind = by_kind[gap.name]
@@ -113,9 +116,9 @@ def breakdown(trace: dict, min_gap_us: float = 5.0) -> dict:
     return {"steps": rows, "gaps_by_kind": kinds, "min_gap_us": min_gap_us}
 
 
-def report(summary: dict, kinds: int = 8, top: int = 12) -> str:
+def report(summary: dict, kinds: int = 6, top: int = 8, timeline: int = 20) -> str:
     """The breakdown as text: one line per step, the medians, then the longest `kinds` kinds of gap with the
-    `top` host ranges overlapping each."""
+    `top` host ranges overlapping each; first the longest gap's first `timeline` host ranges, in order."""
     lines = [f"{'step':>16} {'wall us':>9} {'labels':>7} {'unlabelled':>10} {'gpu busy':>9} {'gaps':>5} {'idle us':>8}"
              f"  labels (us)"]
     for row in summary["steps"]:
@@ -133,7 +136,7 @@ def report(summary: dict, kinds: int = 8, top: int = 12) -> str:
         longest = max((g for r in summary["steps"] for g in r["gaps"]), key=lambda g: g["us"], default=None)
         if longest is not None:  # where the time goes, in order
             lines.append(f"longest gap ({longest['us']:.1f} us, {longest['between']}), host ranges from its start (us):")
-            lines += [f"    {at:8.1f} {us:8.1f}  {name[:90]}" for name, at, us in longest["timeline"]]
+            lines += [f"    {at:8.1f} {us:8.1f}  {name[:90]}" for name, at, us in longest["timeline"][:timeline]]
     for kind in summary["gaps_by_kind"][:kinds]:
         lines.append(f"gap {kind['between']}: {kind['count']}x, {kind['us'] / steps:.1f} us per step; host ranges "
                      f"overlapping it (us per step):")
