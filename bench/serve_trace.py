@@ -21,6 +21,7 @@ import argparse
 import gzip
 import json
 import os
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -118,8 +119,15 @@ def main(argv: list[str] | None = None) -> dict:
         trace_path = out.with_name(f"{out.stem}_b{batch}_c{args.context}.json.gz")
         summary = traced_row(rank, batch, args.context, args, trace_path)
         print(report(summary), flush=True)
+        # Integrity: the GPU ops recorded in a step must hold about one replay (some CUPTI setups drop the
+        # kernels of graph replays: the gaps would then be the whole step).
+        busy = statistics.median(r["gpu_busy_us"] for r in summary["steps"]) / 1e6
+        recorded = busy / replay if replay == replay else float("nan")  # NaN without CUDA graphs
+        if recorded == recorded:
+            print(f"GPU ops recorded per step: {1e3 * busy:.3f} ms = {recorded:.0%} of the replay"
+                  + ("" if recorded > 0.8 else ": KERNELS MISSING from the trace, its gaps are not idle time"))
         result["rows"].append({"batch": batch, "step_s": wall, "forward_s": forward, "replay_s": replay,
-                               "trace": str(trace_path), **summary})
+                               "recorded_of_replay": recorded, "trace": str(trace_path), **summary})
         out.write_text(json.dumps(result, indent=1))
     return result
 
