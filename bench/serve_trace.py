@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cpu":  # under the profiler each op split over this CPU's OpenMP threads took ~5 ms
         torch.set_num_threads(1)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    rank = Rank(random_model(preset(args.model), args.device, dtype), args.model, args, dtype)
+    # Rank sizes its sequences for `steps` more tokens than the context: both rows' steps and warm-ups
+    longest = argparse.Namespace(**{**vars(args), "steps": max(args.row_steps, args.skip + args.steps + 2) + 4})
+    rank = Rank(random_model(preset(args.model), args.device, dtype), args.model, longest, dtype)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
