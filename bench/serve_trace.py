@@ -88,6 +88,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--row-steps", type=int, default=10, help="steps of the untraced bench.serve row")
     parser.add_argument("--gap-us", type=float, default=5.0, help="shortest GPU idle interval reported")
     parser.add_argument("--with-stack", action="store_true", help="Python stacks in the trace (larger)")
+    parser.add_argument("--table-context", type=int, default=4096,
+                        help="the page tables' length (the input image's size) is the serve sweep's at its longest context")
     parser.add_argument("--num-pages", type=int, default=16000)
     parser.add_argument("--hash-block", type=int, default=512)
     parser.add_argument("--out", default="bench/results/serve_trace.json")
@@ -104,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(1)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     # Rank sizes its sequences for `steps` more tokens than the context: both rows' steps and warm-ups
-    longest = argparse.Namespace(**{**vars(args), "steps": max(args.row_steps, args.skip + args.steps + 2) + 4})
+    longest = argparse.Namespace(**{**vars(args), "steps": max(args.row_steps, args.skip + args.steps + 2) + 4,
+                                    "contexts": [args.context, args.table_context]})
     rank = Rank(random_model(preset(args.model), args.device, dtype), args.model, longest, dtype)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     out = Path(args.out)
