@@ -77,6 +77,8 @@ class Registration:
             self.on_state(False)
             self._stop.wait(min(1.0, self.ttl / 3))
         self._revoke()  # a lease granted while `close()` ran (it revoked the one before) must not linger
+        if self._client is not None:
+            self._client.close()
 
     def _revoke(self) -> None:
         if self._lease is not None:
@@ -115,9 +117,8 @@ class Registration:
         """Stop refreshing and revoke the lease, so peers see this instance leave at once."""
         self._stop.set()
         self._revoke()  # at once, even if the thread is stuck in a call to etcd
+        # the thread closes its client on its way out; one still in a call to etcd after this keeps it until then
         self._thread.join(timeout=2)
-        if self._client is not None:
-            self._client.close()
 
 
 class Watcher(EtcdFollower):
