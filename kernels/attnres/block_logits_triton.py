@@ -16,12 +16,10 @@ by that program) adds the chunks' partials in a fixed order, so the result does 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kernels._triton import next_pow2, require, sm_count, tl, triton
-from kernels.attnres.inter_triton import _block_tile, _chunks, _partial_scores
+from kernels.attnres.inter_triton import _block_tile, _chunks, _partial_scores, split_mode
 from kernels.attnres.query_parts import query_part_count
 from kernels.fused.split_scratch import split_scratch
 
@@ -135,7 +133,7 @@ def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weight
     part_sq = torch.empty(n_chunks * tiles * BM if n_chunks > 1 else 0, dtype=torch.float32, device=block.device)
     q = queries.contiguous()
     flat = block.reshape(M, D).contiguous()
-    split = 0 if flat.dtype != torch.bfloat16 else 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+    split = split_mode(flat.dtype)
     if parts is not None:
         P = query_part_count(queries, norm_weights)
         require(parts.dtype == torch.bfloat16 and parts.shape == (P, S, D) and parts[0].is_contiguous(),

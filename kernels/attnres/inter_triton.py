@@ -159,6 +159,14 @@ if triton is not None:
                 tl.store(ptrs, acc, mask=in_bounds)
 
 
+def split_mode(dtype: torch.dtype) -> int:
+    """The SPLIT constexpr of `_dot_exact` for blocks of `dtype`: 1 bf16 parts on bf16 MMAs, 2 the same parts
+    multiplied as float32 (under the interpreter, whose bf16 dot is wrong), 0 3xTF32 (other dtypes)."""
+    if dtype != torch.bfloat16:
+        return 0
+    return 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+
+
 def _chunks(programs: int, D: int, block_d: int, sms: int) -> int:
     """D chunks that give about two programs per SM (1 when the rows alone do), each >= 4 column blocks."""
     wanted = max(1, -(-2 * sms // programs))
@@ -247,7 +255,7 @@ def plan_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.
     # Every tl.dot operand needs >= 16 along K: pad the block axis so that rows * blocks >= 16.
     BN = max(next_pow2(N), 16 // apply_rows, 1 if fused or logits is not None else 16 // score_rows)
     BQ, BD, BDA = max(16, next_pow2(Q)), min(block_d, next_pow2(D)), min(apply_block_d, next_pow2(D))
-    split = 0 if flat.dtype != torch.bfloat16 else 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+    split = split_mode(flat.dtype)
     apply_programs, row_blocks = triton.cdiv(M, apply_rows), triton.cdiv(M, score_rows)
     if fused or logits is not None:  # fused: one program per row tile does all of D
         score_chunks = 1
