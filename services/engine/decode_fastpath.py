@@ -67,7 +67,7 @@ class DecodeFastPath:
         dtype: sampling reads bf16 as it is (a float32 copy of [256, V] is ~170 MB of device traffic a step);
         with CUDA graphs a view of the graph's output, valid until the next replay."""
         image, size = self.prepare(requests, len(requests))
-        self.builder.set_tokens(image, size, slice(0, len(requests)), tokens)
+        self.builder.token_slots(image, len(requests))[:] = tokens
         return self.launch(image, len(requests))
 
     def prepare(self, requests: list[CachedRequest], batch: int) -> tuple[np.ndarray, int]:

@@ -202,6 +202,3 @@ class DecodeInputBuilder:
     def token_slots(out: np.ndarray, rows: int) -> np.ndarray:
         """The tokens of an image's first `rows` rows, as a view (the tokens lead the image at any size)."""
         return out[:rows]
-
-    def set_tokens(self, out: np.ndarray, size: int, rows: list[int] | slice, tokens) -> None:
-        out[:size][rows] = tokens

@@ -63,7 +63,6 @@ class InFlight:
     tokens: SampledTokens  # one per request, in order
     image: np.ndarray
     size: int  # rows of the image (bucket)
-    token_slot: np.ndarray  # the image's tokens of the requests' rows (a view), written just before the launch
     crossing: list[int]  # image rows whose next position starts a block not reserved yet
     always_check: np.ndarray  # [rows] bool: stop strings, or the token reaches max_tokens
     stop_ids: np.ndarray  # every row's stop token ids and the EOS: a row holding one is checked
@@ -139,8 +138,7 @@ class DecodeOverlap:
         eos = engine.output.eos_token_id
         if eos is not None and not all(r.options.ignore_eos for r in requests):
             stop_ids.add(eos)
-        return InFlight(requests, tokens, image, size, engine.executor.fastpath.builder.token_slots(image, len(requests)),
-                        crossing, always, np.fromiter(stop_ids, dtype=np.int64))
+        return InFlight(requests, tokens, image, size, crossing, always, np.fromiter(stop_ids, dtype=np.int64))
 
     # ---- leaving to a plain step ------------------------------------------------------------------------
     def settle(self) -> None:
@@ -203,10 +201,7 @@ class DecodeOverlap:
                 at = {i: k for k, i in enumerate(live)}  # request row -> image row
                 fast.builder.refresh(image, size, [manager.requests[requests[i].rid] for i in crossing],
                                      [at[i] for i in crossing])
-            if len(live) == len(requests):
-                inflight.token_slot[:] = tokens
-            else:
-                fast.builder.set_tokens(image, size, slice(0, len(live)), tokens[live])
+            fast.builder.token_slots(image, len(live))[:] = tokens if len(live) == len(requests) else tokens[live]
             manager.pre_forward()
         with label("k3.launch"):
             logits = fast.launch(image, len(live))

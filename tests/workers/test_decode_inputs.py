@@ -157,5 +157,5 @@ def test_prepared_images_refreshed_and_compacted_equal_the_definition(data):
     at = {i: k for k, i in enumerate(keep)}
     builder.refresh(out, size2, [reqs[i] for i in crossing if i in at], [at[i] for i in crossing if i in at])
     tokens = [data.draw(st.integers(0, 1000)) for _ in keep]
-    builder.set_tokens(out, size2, slice(0, len(keep)), tokens)
+    builder.token_slots(out, len(keep))[:] = tokens
     np.testing.assert_array_equal(out, oracle(layout, [reqs[i] for i in keep], tokens, size2))

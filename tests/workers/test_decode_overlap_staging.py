@@ -1,7 +1,7 @@
 """The decode overlap with the CUDA graphs' host side: one staging image per batch bucket, reused every step.
 
 On CPU the fast path builds each step into a fresh array, so the overlap's writes into a staging image that
-a launched step was copied from (the tokens through `InFlight.token_slot`, `compact` in place, the next
+a launched step was copied from (the tokens through `token_slots`, `compact` in place, the next
 step's `prepare`) are never exercised by test_decode_overlap.py. Here a STAND-IN for `DecodeGraphs` runs
 the real `staging` / `launch` (bucket padding, one pinned-like image per bucket) with the eager forward
 as its "replay", and its copy-landed event checks the ordering rule of a non-blocking copy: nothing writes
