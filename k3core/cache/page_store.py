@@ -15,6 +15,7 @@ import torch
 from k3core.cache.hashing import checksum, checksum_rows, fingerprint, lanes_to_int
 from k3core.cache.layout import PoolLayout
 from k3core.cache.pool import PageKind, PagePool
+from k3core.host_copy import HostCopy
 
 
 class PageKindError(RuntimeError):
@@ -41,19 +42,11 @@ class PendingFingerprints:
     """Checksum lanes computed (or queued) on the pool's device, on their way to pinned host memory."""
 
     def __init__(self, lanes: torch.Tensor) -> None:
-        self._event: torch.cuda.Event | None = None
-        self._host = lanes
-        if lanes.device.type == "cuda":
-            self._host = torch.empty(lanes.shape, dtype=lanes.dtype, pin_memory=True)
-            self._host.copy_(lanes, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+        self._copy = HostCopy(lanes)
 
     def result(self) -> list[int]:
         """The fingerprints (waits for the device only if the checksum has not finished yet)."""
-        if self._event is not None:
-            self._event.synchronize()
-        return [lanes_to_int(pair) for pair in self._host.tolist()]
+        return [lanes_to_int(pair) for pair in self._copy.wait().tolist()]
 
 
 class PageStore:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from k3.v1 import common_pb2
+from k3core.host_copy import HostCopy
 from k3core.mix import GOLDEN63, MASK63, mix63_, position_keys
 from services.engine.params import GenerationOptions
 
@@ -74,13 +75,7 @@ class SampledTokens:
         self._rows, self._sampled = rows, sampled
         # every row greedy, row i at logit row i (a decode batch): the host copy is the answer as it is
         self._in_order = not sampled and all(row == i for i, (row, _, _) in enumerate(rows))
-        self._event: torch.cuda.Event | None = None
-        self._host = device_tokens
-        if device_tokens is not None and device_tokens.device.type == "cuda":
-            self._host = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=True)
-            self._host.copy_(device_tokens, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+        self._copy = None if device_tokens is None else HostCopy(device_tokens)
 
     def result(self) -> list[int]:
         """The token of each row (waits for the device's draw and copy)."""
@@ -88,13 +83,12 @@ class SampledTokens:
 
     def array(self) -> np.ndarray:
         """`result` as an int64 array."""
-        if self._host is None:
+        if self._copy is None:
             return np.empty(0, dtype=np.int64)
-        if self._event is not None:
-            self._event.synchronize()
+        landed = self._copy.wait()
         if self._in_order:
-            return self._host.numpy()[: len(self._rows)]
-        host, rows = self._host.tolist(), self._rows
+            return landed.numpy()[: len(self._rows)]
+        host, rows = landed.tolist(), self._rows
         if not self._sampled:
             return np.array([host[row] for row, _, _ in rows], dtype=np.int64)
         drawn = dict(zip(self._sampled, host[len(host) - len(self._sampled):], strict=True))  # after the argmax
