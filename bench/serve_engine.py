@@ -22,11 +22,13 @@ import torch
 from bench.serve_rank import Rank, sync
 from bench.serve_streams import StreamLoop
 from k3.v1 import common_pb2
+from k3core.cache.manager import PrefixCacheManager
 from services.engine import sampler
 from services.engine.engine import Engine
 from services.engine.executor import Executor
 from services.engine.heap import freeze_startup_heap, release_startup_heap
 from services.engine.metrics import EngineMetrics
+from services.engine.model_runner import ModelRunner
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager
 from services.engine.scheduler import Scheduler
@@ -89,16 +91,24 @@ class StepClock:
 
 def build_engine(rank: Rank, batch: int) -> Engine:
     """An engine over the rank's manager, model and fast path (TP 1, greedy, no tokenizer)."""
-    runner = rank.runner
-    runner.decode_fastpath = lambda manager, tp_size: rank.fast  # the executor takes the rank's fast path
-    config = runner.model.config
-    executor = Executor(rank.manager, runner, rank=0, tp_size=1, total_heads=config.kda_num_heads,
-                        instance=common_pb2.InstanceId(service="bench"))
-    recording = RecordingManager(rank.manager)
-    scheduler = Scheduler(recording, hash_block_tokens=rank.manager.layout.hash_block_tokens, max_running=batch,
-                          step_token_budget=max(8192, batch), model_name="bench")
-    return Engine(executor, scheduler, recording, OutputProcessor(None, config.eos_token_id),
-                  EngineMetrics.for_role("bench_serve"))
+    rank.runner.decode_fastpath = lambda manager, tp_size: rank.fast  # the executor takes the rank's fast path
+    return engine_over(bench_executor(rank.manager, rank.runner), batch, max(8192, batch), "bench", "bench_serve")
+
+
+def bench_executor(manager: PrefixCacheManager, runner: ModelRunner) -> Executor:
+    """A TP-1 executor over `manager` and `runner` (its fast path: `runner.decode_fastpath`'s)."""
+    return Executor(manager, runner, rank=0, tp_size=1, total_heads=runner.model.config.kda_num_heads,
+                    instance=common_pb2.InstanceId(service="bench"))
+
+
+def engine_over(executor: Executor, batch: int, step_token_budget: int, model_name: str, role: str) -> Engine:
+    """The engine the benches drive (bench.serve_engine, bench.serve_host): `executor` (its fast path set
+    before this: the overlap is decided at construction), up to `batch` running rows, no tokenizer."""
+    recording = RecordingManager(executor.manager)
+    scheduler = Scheduler(recording, hash_block_tokens=executor.manager.layout.hash_block_tokens, max_running=batch,
+                          step_token_budget=step_token_budget, model_name=model_name)
+    return Engine(executor, scheduler, recording, OutputProcessor(None, executor.runner.model.config.eos_token_id),
+                  EngineMetrics.for_role(role))
 
 
 def admit(engine: Engine, rank: Rank, rids: list[str], prompts: list[list[int]], streams: StreamLoop) -> None:

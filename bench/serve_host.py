@@ -54,8 +54,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.serve_engine import bench_executor, engine_over
 from bench.serve_streams import StreamLoop
-from k3.v1 import common_pb2
 from k3core.cache.hashing import checksums
 from k3core.cache.layout import plan_layout, shape_from_config
 from k3core.cache.manager import PrefixCacheManager
@@ -67,14 +67,9 @@ from services.engine.cuda_graphs import DecodeGraphs, _Captured
 from services.engine.decode_fastpath import DecodeFastPath
 from services.engine.decode_inputs import DecodeInputBuilder
 from services.engine.engine import Engine
-from services.engine.executor import Executor
 from services.engine.heap import freeze_startup_heap
-from services.engine.metrics import EngineMetrics
 from services.engine.model_runner import ModelRunner
-from services.engine.output import OutputProcessor
 from services.engine.params import GenerationOptions
-from services.engine.plan import RecordingManager
-from services.engine.scheduler import Scheduler
 from services.engine.streams import OutputQueue
 
 STAGES = ("schedule", "build", "launch", "executor", "sample", "accept", "emit", "other", "step", "idle", "to_launch")
@@ -189,8 +184,7 @@ def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer, stream
     store.fingerprints_later = lambda pages, num_bytes: (queue_checksum(pages, num_bytes), PendingFingerprints(
         torch.zeros(len(pages), 2, dtype=torch.int64)))[1]
     runner = ModelRunner(model, "cpu", max_model_len=args.max_model_len, max_batch=max(args.batches))
-    executor = Executor(manager, runner, rank=0, tp_size=1, total_heads=config.kda_num_heads,
-                        instance=common_pb2.InstanceId(service="bench"))
+    executor = bench_executor(manager, runner)
     # the executor takes the fast path on CUDA only (or with K3_DECODE_FASTPATH=1): here it is given one
     fast = executor.fastpath = executor.fastpath or DecodeFastPath(model, manager, max_model_len=args.max_model_len,
                                                                    max_batch=max(args.batches))
@@ -200,11 +194,7 @@ def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer, stream
             clock.replayed()
     fast.graphs = StandInGraphs(fast.builder, tuple(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch})),
                                 args.vocab, replayed)
-    recording = RecordingManager(manager)
-    scheduler = Scheduler(recording, hash_block_tokens=args.hash_block, max_running=batch,
-                          step_token_budget=8192, model_name=args.model)
-    engine = Engine(executor, scheduler, recording, OutputProcessor(None, config.eos_token_id),
-                    EngineMetrics.for_role("bench_host"))
+    engine = engine_over(executor, batch, 8192, args.model, "bench_host")
     fill(engine, manager, batch, args.context, streams)
     if args.freeze_heap:
         freeze_startup_heap()  # as `Engine.start` does after a worker's warm-up
@@ -217,7 +207,7 @@ def build_engine(args: argparse.Namespace, batch: int, timer: StageTimer, stream
         timer.launching()
         return launch(*args)
     fast.launch = marked_launch
-    scheduler.schedule = timer.wrap("schedule", scheduler.schedule)
+    engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     execute = timer.wrap("executor", executor.execute)
 
     def execute_less_forward(plan):
