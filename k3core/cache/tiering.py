@@ -50,11 +50,10 @@ class Tiering:
                 return False
         checkpoint = hit.checkpoint
         store = self.m.store
-        self.m.settle_fingerprints()  # a checkpoint committed last step may not have them yet
-        if (isinstance(checkpoint, Checkpoint) and store is not None and self.m.verify_restore
-                and checkpoint.fingerprints is not None):
-            used = self.lay.kda_page_used_bytes
-            if store.fingerprints(checkpoint.pages, used) != checkpoint.fingerprints:
+        if isinstance(checkpoint, Checkpoint) and store is not None and self.m.verify_restore:
+            self.m.settle_fingerprints()  # a checkpoint committed last step may not have them yet
+            if (checkpoint.fingerprints is not None
+                    and store.fingerprints(checkpoint.pages, self.lay.kda_page_used_bytes) != checkpoint.fingerprints):
                 self._integrity_error("restore")
                 self.m.drop_checkpoint(checkpoint)
                 return False
