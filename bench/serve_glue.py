@@ -76,11 +76,11 @@ def device_us(fn: Callable[[], object], reps: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
-def weight_copies(shape: tuple[int, ...], gen: torch.Generator) -> list[torch.Tensor]:
-    """WEIGHT_COPIES random bf16 weights of `shape`, to cycle through (each timed form its own cycle, both
+def weight_copies(shape: tuple[int, ...], gen: torch.Generator, count: int = WEIGHT_COPIES) -> list[torch.Tensor]:
+    """`count` random bf16 weights of `shape`, to cycle through (each timed form its own cycle, both
     starting at the first copy, so their first outputs compare on equal inputs)."""
     return [(torch.randn(shape, device=gen.device, generator=gen) / shape[-1] ** 0.5).to(torch.bfloat16)
-            for _ in range(WEIGHT_COPIES)]
+            for _ in range(count)]
 
 
 def each_call(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> Callable[[], object]:
@@ -149,9 +149,7 @@ def skinny_cases(c: K3Config, tokens: int, gen: torch.Generator, sweep: bool) ->
     for name, (n, k, residual) in skinny_gemm_triton.decode_projections(c).items():
         x = torch.randn(tokens, k, device=gen.device, generator=gen).to(torch.bfloat16)
         res = torch.randn(tokens, n, device=gen.device, generator=gen).to(torch.bfloat16) if residual else None
-        copies = max(WEIGHT_COPIES, min(24, -(-200_000_000 // (n * k * 2))))
-        weights = [(torch.randn(n, k, device=gen.device, generator=gen) / k ** 0.5).to(torch.bfloat16)
-                   for _ in range(copies)]
+        weights = weight_copies((n, k), gen, max(WEIGHT_COPIES, min(24, -(-200_000_000 // (n * k * 2)))))
         tilings = skinny_gemm_triton.candidate_tilings(n, k)[: None if sweep else 1]
         for t in tilings:
             mine, peer = (None, None) if res is None else (res.clone(), res.clone())
