@@ -10,11 +10,11 @@ import random
 import torch
 from cache_synth import VOCAB, tiny_layout
 from prometheus_client import CollectorRegistry
-from test_checksum import oracle
 
 from k3core.cache.cpu_tier import CpuTier
 from k3core.cache.manager import PrefixCacheManager
 from k3core.cache.metrics import CacheMetrics
+from tests.support.mix_oracle import checksum as oracle
 
 LAYOUT = tiny_layout(hash_block=4, tokens_per_block=12)
 TOKENS = [random.Random(5).randrange(VOCAB) for _ in range(40)]

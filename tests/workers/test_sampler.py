@@ -22,19 +22,8 @@ from services.engine.sampler import (
     sampling_probs,
     token_seed,
 )
-
-MOD = 1 << 63
-GOLDEN, MUL_A, MUL_B = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
-def reference_bits(key: int, column: int) -> int:
-    """The hash in Python's unbounded integers, mod 2**63."""
-    x = (key + (column + 1) * GOLDEN) % MOD
-    x ^= x >> 30
-    x = x * MUL_A % MOD
-    x ^= x >> 27
-    x = x * MUL_B % MOD
-    return x ^ (x >> 31)
+from tests.support.mix_oracle import GOLDEN, MOD
+from tests.support.mix_oracle import noise_bits as reference_bits
 
 
 def options(temperature: float, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> GenerationOptions:
