@@ -14,15 +14,7 @@ import torch
 
 from kernels.attnres import block_logits_triton, inter_triton
 from kernels.attnres.query_parts import query_parts
-
-
-def _float64_logits(queries: torch.Tensor, block: torch.Tensor, norm_w: torch.Tensor | None, eps: float = 1e-6):
-    """q_eff . RMSNorm(block) in float64: [S, ...]."""
-    b = block.double()
-    q = queries.double() * (norm_w.double() if norm_w is not None else 1.0)
-    keys = b / b.square().mean(-1, keepdim=True).add(eps).sqrt()
-    return torch.einsum("...d,sd->s...", keys, q)
-
+from tests.kernels.test_attnres_inter import _float64_logits, _float64_softmax, _float64_stats
 
 CASES = [  # (rows shape, D, sites S, dtype, key-norm weights, launcher arguments)
     ((5,), 48, 4, torch.bfloat16, True, {"chunks": 3}),  # D chunks added by the last program of a tile
@@ -95,10 +87,7 @@ def test_cached_logits_give_phase_one(interpreted):
         q, w = queries[site_range], norm_w[site_range]
         got = inter_triton.attnres_inter(q, blocks[:k], w, apply_block_d=16, logits=cache[site_range, :k])
         rescored = inter_triton.attnres_inter(q, blocks[:k], w, block_d=16, apply_block_d=16)
-        logits = torch.stack([_float64_logits(q, blocks[n], w) for n in range(k)], 1)  # [Q, k, rows]
-        top = logits.max(1).values
-        weights = (logits - top.unsqueeze(1)).exp()
-        want = (top, weights.sum(1), torch.einsum("qnm,nmd->qmd", weights, blocks[:k].double()))
+        want = _float64_stats(q, blocks[:k], w)
         for g, r, w64 in zip((got.max, got.denom, got.acc), (rescored.max, rescored.denom, rescored.acc), want,
                              strict=True):
             torch.testing.assert_close(g.double(), w64, rtol=2e-6, atol=2e-5)
@@ -113,9 +102,7 @@ def test_phase_one_softmaxes_the_given_logits(interpreted):
     queries, cache = torch.randn(4, 32, generator=gen), torch.randn(6, 4, 5, generator=gen) * 3
     logits = cache[1:5, :3]
     got = inter_triton.attnres_inter(queries, blocks, logits=logits, apply_block_d=16)
-    top = logits.double().max(1).values
-    weights = (logits.double() - top.unsqueeze(1)).exp()
-    want = (top, weights.sum(1), torch.einsum("qnm,nmd->qmd", weights, blocks.double()))
+    want = _float64_softmax(logits, blocks)
     for g, w64 in zip((got.max, got.denom, got.acc), want, strict=True):
         torch.testing.assert_close(g.double(), w64, rtol=2e-6, atol=2e-5)
 
@@ -191,9 +178,6 @@ def test_compiled_cached_phase_one_matches_float64_on_gpu(rows, dim):
         torch.testing.assert_close(cache[:, n].double(), _float64_logits(queries, blocks[n], norm_w),
                                    rtol=1e-5, atol=1e-5)
     got = inter_triton.attnres_inter(queries[:sites], blocks, norm_w[:sites], logits=cache[:sites])
-    logits = torch.stack([_float64_logits(queries[:sites], blocks[n], norm_w[:sites]) for n in range(n_blocks)], 1)
-    top = logits.max(1).values
-    weights = (logits - top.unsqueeze(1)).exp()
-    want = (top, weights.sum(1), torch.einsum("qnm,nmd->qmd", weights, blocks.double()))
+    want = _float64_stats(queries[:sites], blocks, norm_w[:sites])
     for g, w64 in zip((got.max, got.denom, got.acc), want, strict=True):
         torch.testing.assert_close(g.double(), w64, rtol=1e-5, atol=5e-5 * w64.abs().max().item())

@@ -15,15 +15,25 @@ from k3core.ops.attnres import attnres_direct
 from kernels.attnres import inter_triton
 
 
-def _float64_stats(queries: torch.Tensor, blocks: torch.Tensor, norm_w: torch.Tensor | None, eps: float = 1e-6):
-    """max, denominator, accumulator of softmax_n(q_eff . RMSNorm(b_n)) over the blocks, in float64."""
+def _float64_logits(queries: torch.Tensor, blocks: torch.Tensor, norm_w: torch.Tensor | None, eps: float = 1e-6):
+    """q_eff . RMSNorm(b) in float64: blocks [..., D] -> [Q, ...] (blocks [N, R, D] -> [Q, N, R])."""
     b = blocks.double()
     q = queries.double() * (norm_w.double() if norm_w is not None else 1.0)
     keys = b / b.square().mean(-1, keepdim=True).add(eps).sqrt()
-    logits = torch.einsum("n...d,qd->qn...", keys, q)
+    return torch.einsum("...d,qd->q...", keys, q)
+
+
+def _float64_softmax(logits: torch.Tensor, blocks: torch.Tensor):
+    """max, denominator, accumulator of softmax over the blocks of logits [Q, N, ...], in float64."""
+    logits = logits.double()
     top = logits.max(1).values
     weights = (logits - top.unsqueeze(1)).exp()
-    return top, weights.sum(1), torch.einsum("qn...,n...d->q...d", weights, b)
+    return top, weights.sum(1), torch.einsum("qn...,n...d->q...d", weights, blocks.double())
+
+
+def _float64_stats(queries: torch.Tensor, blocks: torch.Tensor, norm_w: torch.Tensor | None, eps: float = 1e-6):
+    """max, denominator, accumulator of softmax_n(q_eff . RMSNorm(b_n)) over the blocks, in float64."""
+    return _float64_softmax(_float64_logits(queries, blocks, norm_w, eps), blocks)
 
 
 CASES = [  # (blocks N, rows shape, D, sites Q, dtype, key-norm weights, launcher arguments)
