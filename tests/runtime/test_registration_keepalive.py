@@ -87,15 +87,20 @@ def test_a_lease_granted_while_closing_is_revoked(etcd_server, monkeypatch):
     out, so the record leaves at once instead of one TTL later."""
     real_connect = registry.connect
     registration: list[Registration] = []
+    puts: list[str] = []  # the records the thread put (the race happened: the record was there to remove)
 
     def connect(endpoints):  # the real client, handed over only once close() has begun
         assert wait_until(lambda: registration and registration[0]._stop.is_set(), 10)
         time.sleep(0.2)  # close() has revoked (nothing) and is joining the thread
-        return real_connect(endpoints)
+        client = real_connect(endpoints)
+        real_put = client.put
+        client.put = lambda key, value, **kwargs: (puts.append(key), real_put(key, value, **kwargs))[1]
+        return client
     monkeypatch.setattr(registry, "connect", connect)
     prefix, record = "/k3-keepalive-close", InstanceRecord("svc", "c9", "closing", "127.0.0.1:1")
     registration.append(Registration([etcd_server], prefix, record, ttl_s=10))
     registration[0].close()
+    assert puts == [record.key(prefix)]
     client = real_connect([etcd_server])
     try:  # gone well inside the lease's 10 s TTL (before the fix it stayed for all of it)
         assert wait_until(lambda: client.get(record.key(prefix))[0] is None, 5)
