@@ -91,10 +91,14 @@ def test_routes_are_valid_tilings_of_mini():
 
 
 def test_default_tiling_divides_k_and_fills_the_device():
+    """The most K splits (up to 4) whose programs fit one per SM: no larger split that divides K would fit;
+    a split only while the N tiles alone leave SMs idle."""
     for n, k in [(2048, 2048), (2048, 2560), (8336, 2048), (3072, 768), (2048, 128), (11264, 2048)]:
         t = skinny_gemm_triton.default_tiling(n, k)
         assert k % (t.splits * t.block_k) == 0
-        assert -(-n // t.block_n) * t.splits <= 2 * 132
+        tiles, steps = -(-n // t.block_n), k // t.block_k
+        assert t.splits == 1 or tiles * t.splits <= 132
+        assert all(tiles * s > 132 for s in range(t.splits + 1, 5) if steps % s == 0), (n, k, t)
 
 
 def test_dispatch_keeps_cpu_tensors_on_torch():
