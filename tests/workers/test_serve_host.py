@@ -106,13 +106,25 @@ def test_stream_burst_times_both_queues_delivering_every_output():
     assert result["readers"] == 3 and result["output_queue_ms"] > 0 and result["asyncio_queue_ms"] > 0
 
 
-def test_host_bench_runs_through_two_hash_boundary_commits():
+def test_host_bench_runs_through_two_hash_boundary_commits(monkeypatch):
     """The setup's commit (context 32, blocks of 16) and the step reaching 48 take checkpoints; the second
     commit settles the first's fingerprints, which on the meta pool have no bytes to copy out."""
+    queued, settled = [], []
+
+    class Counted(serve_host.PendingFingerprints):
+        def __init__(self, lanes: torch.Tensor) -> None:
+            super().__init__(lanes)
+            queued.append(len(lanes))
+
+        def result(self) -> list[int]:
+            settled.append(self)
+            return super().result()
+    monkeypatch.setattr(serve_host, "PendingFingerprints", Counted)
     args = argparse.Namespace(model="nano", context=32, max_model_len=256, hash_block=16, vocab=16, steps=16,
                               warmup=1, batches=[2], replay_ms=0.0, freeze_heap=False)
     row = serve_host.measure(args, 2)  # asserts every request got one token per step
     assert row["batch"] == 2
+    assert len(queued) >= 2 and all(queued) and settled  # two commits' checkpoints; the first one settled
 
 
 def test_emulated_device_clock_counts_the_gap_between_a_replay_end_and_the_next_launch(monkeypatch):
