@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -30,6 +31,7 @@ from bench.serve_rank import Rank, random_model, sync
 from k3core.model import K3Model
 from k3core.presets import preset
 
+T = TypeVar("T")
 WARMUP_TAIL = 7  # warm-up prompts: one full-budget chunk and this unaligned tail, as a worker's warm-up runs
 
 
@@ -40,7 +42,7 @@ def gemm_flops_per_s(device: str, n: int = 8192) -> float:
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     a @ b
     reps = 10
-    return 2 * n**3 * reps / _seconds(lambda: [a @ b for _ in range(reps)])
+    return 2 * n**3 * reps / _timed(lambda: [a @ b for _ in range(reps)])[0]
 
 
 def forward_flops(model: K3Model, context: int, new: int) -> float:
@@ -67,23 +69,18 @@ def prompt_flops(model: K3Model, start: int, end: int, chunk: int) -> float:
     return sum(forward_flops(model, pos, min(chunk, end - pos)) for pos in range(start, end, chunk))
 
 
-def _seconds(run: Callable[[], object]) -> float:
+def _timed(run: Callable[[], T]) -> tuple[float, T]:
+    """(seconds, result) of `run()`, the device synced before and after."""
     sync()
     started = time.perf_counter()
-    run()
+    out = run()
     sync()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, out
 
 
 def _prefill(rank: Rank, rid: str, tokens: list[int], keep_turn: bool = False) -> tuple[float, int]:
     """(seconds to the first token, prompt tokens served by the cache) of one prompt, then finished."""
-    hit = 0
-
-    def run() -> None:
-        nonlocal hit
-        hit = rank.prefill(rid, tokens)[1]
-
-    seconds = _seconds(run)
+    seconds, (_, hit) = _timed(lambda: rank.prefill(rid, tokens))
     rank.finish([rid], keep_turn)
     return seconds, hit
 
@@ -96,13 +93,8 @@ def _split(rank: Rank, rid: str, tokens: list[int]) -> dict[str, float]:
                (rank.manager, "commit_step", "commit_s")]
     for obj, name, phase in targets:
         def timed(*args, _call=getattr(obj, name), _phase=phase, **kwargs):
-            out = None
-
-            def run() -> None:
-                nonlocal out
-                out = _call(*args, **kwargs)
-
-            phases[_phase] += _seconds(run)
+            seconds, out = _timed(lambda: _call(*args, **kwargs))
+            phases[_phase] += seconds
             return out
 
         setattr(obj, name, timed)  # an instance attribute over the method, removed below
