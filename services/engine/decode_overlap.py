@@ -176,16 +176,16 @@ class DecodeOverlap:
                 [i for i, req in enumerate(requests) if req.phase is Phase.RUNNING]
             scheduler.finish_leaving()
             crossing = [i for i in inflight.crossing if requests[i].phase is Phase.RUNNING] if inflight.crossing else []
-            fits = all(len(manager.requests[requests[i].rid].blocks) < engine.executor.fastpath.builder.max_pages
-                       for i in crossing)
+            fast = engine.executor.fastpath
+            fits = all(len(manager.requests[requests[i].rid].blocks) < fast.builder.max_pages for i in crossing)
+            new_pages = len(crossing) * manager.layout.num_mla_groups  # the crossing rows' reserves
             # the scheduler's own admission test: a request it cannot admit yet (pool, budget) leaves this step overlapped
-            joins = scheduler.admits_next(len(live), len(crossing) * manager.layout.num_mla_groups)
+            joins = scheduler.admits_next(len(live), new_pages)
             if (joins or not live or len(live) != len(scheduler.running) or len(live) > scheduler.budget or not fits
-                    or len(crossing) * manager.layout.num_mla_groups > manager.pool.num_available):
+                    or new_pages > manager.pool.num_available):
                 self._accept_rows(inflight, tokens, np.flatnonzero(~candidates).tolist())
                 return False
             accepted = candidates  # rows whose token is taken before the launch
-            fast = engine.executor.fastpath
             image, size = inflight.image, inflight.size
             if crossing:  # rows whose token starts a block: accepted and reserved now, in the plain schedule's order
                 accepted = candidates.copy()
