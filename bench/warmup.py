@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
+from bench.serve_engine import bench_executor
 from bench.serve_rank import random_model, sync
-from k3.v1 import common_pb2
 from k3core.cache.manager import PrefixCacheManager
 from services.engine.config import WorkerConfig
 from services.engine.executor import Executor
@@ -73,8 +73,7 @@ def build_rank(config: WorkerConfig) -> Executor:
     torch.set_num_threads(config.torch_threads)  # as build_model: one intra-op thread per rank
     model = random_model(config.model_config(), config.device, config.torch_dtype)
     manager = PrefixCacheManager(config.pool_layout(), config.num_pages, device=config.device)
-    return Executor(manager, ModelRunner(model, config.device), rank=0, tp_size=1,
-                    total_heads=config.model_config().kda_num_heads, instance=common_pb2.InstanceId())
+    return bench_executor(manager, ModelRunner(model, config.device))
 
 
 def child(args: argparse.Namespace) -> dict:
