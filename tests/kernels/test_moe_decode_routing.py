@@ -20,6 +20,11 @@ def _experts(gen: torch.Generator, experts: int, latent: int, width: int) -> tup
             *quantize(torch.randn(experts, latent, width, generator=gen) * width**-0.5))
 
 
+def _assert_matches_reference(x, ids, w, packs, gate_up: Tile, down: Tile) -> None:
+    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, gate_up_tile=gate_up, down_tile=down)
+    torch.testing.assert_close(out, naive.latent_moe_decode(x, ids, w, *packs), rtol=1e-5, atol=1e-5)
+
+
 def test_non_power_of_two_shapes_match_the_reference(interpreted):
     """T=3, k=3, E=5, l=96, F=96: a partial row block in both kernels (96 rows in 64-row tiles), three
     32-column steps each, float32 x as three bf16 parts."""
@@ -29,9 +34,7 @@ def test_non_power_of_two_shapes_match_the_reference(interpreted):
     x = torch.randn(T, L, generator=gen)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).int()
     w = torch.rand(T, K, generator=gen)
-    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, gate_up_tile=Tile(64, 32),
-                                                     down_tile=Tile(64, 32))
-    torch.testing.assert_close(out, naive.latent_moe_decode(x, ids, w, *packs), rtol=1e-5, atol=1e-5)
+    _assert_matches_reference(x, ids, w, packs, Tile(64, 32), Tile(64, 32))
 
 
 @pytest.mark.parametrize(("gate_up", "down"), [
@@ -48,8 +51,7 @@ def test_lane_group_column_order_matches_the_reference(interpreted, gate_up, dow
     x = torch.randn(T, L, generator=gen)
     ids = torch.tensor([[0, 2], [2, 3], [1, 0]], dtype=torch.int32)
     w = torch.rand(T, K, generator=gen)
-    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *packs, gate_up_tile=gate_up, down_tile=down)
-    torch.testing.assert_close(out, naive.latent_moe_decode(x, ids, w, *packs), rtol=1e-5, atol=1e-5)
+    _assert_matches_reference(x, ids, w, packs, gate_up, down)
 
 
 PACKS = _experts(torch.Generator().manual_seed(12), 5, 64, 32)  # E=5, l=64, F=32, shared by the examples
@@ -67,9 +69,7 @@ def test_any_routing_matches_the_reference(interpreted, tokens, top_k, data):
     gen = torch.Generator().manual_seed(tokens * 7 + top_k)
     x = torch.randn(tokens, 64, generator=gen)
     w = torch.rand(tokens, top_k, generator=gen)
-    out = latent_moe_decode_triton.latent_moe_decode(x, ids, w, *PACKS, gate_up_tile=Tile(32, 64),
-                                                     down_tile=Tile(64, 32))
-    torch.testing.assert_close(out, naive.latent_moe_decode(x, ids, w, *PACKS), rtol=1e-5, atol=1e-5)
+    _assert_matches_reference(x, ids, w, PACKS, Tile(32, 64), Tile(64, 32))
 
 
 @pytest.mark.parametrize(("tile", "message"), [
