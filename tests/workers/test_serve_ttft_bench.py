@@ -1,6 +1,7 @@
 """bench/serve_ttft.py end to end on the CPU with `nano`: its rank is sized from the TTFT arguments alone
 (a Namespace without decode contexts once crashed it before the first row), and the hit really comes from
-the prefix cache: every prefix token is served by it, and the hit's matmul work is the increment's share."""
+the prefix cache: every prefix token is served by it, and the hit's counted matmul work is below the
+uncached prompt's (its size is `prompt_flops`' own arithmetic, not checked here)."""
 
 from __future__ import annotations
 
