@@ -22,6 +22,7 @@ import torch
 from kernels._triton import next_pow2, require, sm_count, tl, triton
 from kernels.kda import naive
 from kernels.kda.prefill_chunk_triton import CHUNK, SUB, _kda_chunk_ut_kernel
+from kernels.kda.prefill_fused_ut_triton import _kda_fused_ut_kernel
 from kernels.kda.prefill_prep_triton import _kda_prep_kernel
 
 if triton is not None:
@@ -201,7 +202,7 @@ def kda_prefill_block(
     norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
     prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 3, f32_dots: bool = False,
     ut_maxnreg: int | None = 168, few_block_v: int = 16, ut_stages: int = 3, fuse_output: bool | None = None,
-    fused_warps: int = 8, fused_stages: int = 2,
+    fused_warps: int = 8, fused_stages: int = 2, fuse_prep: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
@@ -230,6 +231,8 @@ def kda_prefill_block(
       the SMs (B=8, H=32: 256 programs) and no sequence holds over 1.25x the mean chunk count; with few of
       them (B=1, H=16) the recurrence needs its value-column split to have enough programs. fused_stages:
       its chunk loop's pipelining depth (3 needs 288 KB of shared memory on sm_90a: 2, 197 KB, fits).
+    - fuse_prep: passes 1 and 2 as one kernel (`prefill_fused_ut_triton`, ut_* tuning), the prologue
+      recomputed from the raw projections (no HBM round trip of q, k, v, G); not measured yet on the H200.
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
@@ -261,18 +264,22 @@ def kda_prefill_block(
     shape = {"H": H, "D": D, "C": CHUNK}
     dot = dot_precision(q.dtype)
     if n_chunks:
-        qn, kn, vc = (torch.empty_like(q) for _ in range(3))
-        g = torch.empty(q.shape, device=dev, dtype=torch.float32)
-        beta_f = torch.empty(beta.shape, device=dev, dtype=torch.float32)
-        _kda_prep_kernel[(n_chunks, H, 3)](
-            q, k, v, z, beta, conv_weight.contiguous(), A_log, dt_bias.contiguous(), conv, cu, chunk_seq,
-            chunk_start, qn, kn, vc, g, beta_f, lower_bound, l2_eps, **shape, W=W,
-            HAS_CONV=initial_conv is not None, num_warps=prep_warps)
-        _kda_chunk_ut_kernel[(n_chunks, H)](
-            qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
-            torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,
-            BK=k_block, F32_DOTS=f32_dots or q.dtype == torch.float16, DOT=dot, num_warps=ut_warps, num_stages=ut_stages,
-            maxnreg=ut_maxnreg)
+        raw = (q, k, v, z, beta, conv_weight.contiguous(), A_log, dt_bias.contiguous(), conv, cu, chunk_seq,
+               chunk_start)
+        ws = torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32)
+        ut = {**shape, "BC": SUB, "BK": k_block, "F32_DOTS": f32_dots or q.dtype == torch.float16, "DOT": dot,
+              "num_warps": ut_warps, "num_stages": ut_stages, "maxnreg": ut_maxnreg}
+        if fuse_prep:
+            _kda_fused_ut_kernel[(n_chunks, H)](*raw, *work, aqk, gc, ws, scale, lower_bound, l2_eps, **ut, W=W,
+                                                HAS_CONV=initial_conv is not None)
+        else:
+            qn, kn, vc = (torch.empty_like(q) for _ in range(3))
+            g = torch.empty(q.shape, device=dev, dtype=torch.float32)
+            beta_f = torch.empty(beta.shape, device=dev, dtype=torch.float32)
+            _kda_prep_kernel[(n_chunks, H, 3)](*raw, qn, kn, vc, g, beta_f, lower_bound, l2_eps, **shape, W=W,
+                                               HAS_CONV=initial_conv is not None, num_warps=prep_warps)
+            _kda_chunk_ut_kernel[(n_chunks, H)](qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
+                                                ws, scale, **ut)
     if fuse_output is None:  # an explicit block_v asks for the split recurrence
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         fuse_output = not block_v and fuses_output(lengths, H, dev)

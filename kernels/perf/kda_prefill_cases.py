@@ -41,6 +41,10 @@ SHAPES = (
 # UT at 8 warps capped at 128 registers 1.19.
 VARIANTS = (
     ("default", {}, None),
+    # passes 1 + 2 as one kernel (None: it replaces two kernels). k_block 16: 40 B of spills under the
+    # 168 cap (3 programs per SM) where 32 spills 556 B; nocap: 255 registers, no spills, 2 per SM (sm_90a).
+    ("fused prep", {"fuse_prep": True, "k_block": 16}, None),
+    ("fused prep nocap", {"fuse_prep": True, "k_block": 16, "ut_maxnreg": None}, None),
     # None: its recurrence kernel time leaves out the output pass, which the fused one includes
     ("no fuse", {"fuse_output": False}, None),
     ("ut st2", {"ut_stages": 2}, "_kda_chunk_ut_kernel"),
@@ -71,7 +75,9 @@ def selected_variants(variants=VARIANTS) -> tuple[tuple[str, dict], ...]:
     """The variants to time: KDA_PREFILL_VARIANTS (comma-separated labels) picks some, KDA_PREFILL_TUNING
     (a JSON object of kda_prefill_block arguments) is added to every one, e.g. '{"block_v": 16}'.
     KDA_PREFILL_PEER=0 skips the fla peer (its autotuning takes ~50 s per shape on the H200); =last times it
-    after ours (when ours is known not to fault, so that a time limit cuts the peer's last shapes, not ours)."""
+    after ours (when ours is known not to fault, so that a time limit cuts the peer's last shapes, not ours);
+    =second after ours' first variant and before the others (a variant never run on the device that faults
+    then loses only the variants after it, not the same-run comparison of the first with the peer)."""
     base = json.loads(os.environ.get("KDA_PREFILL_TUNING") or "{}")
     names = os.environ.get("KDA_PREFILL_VARIANTS")
     picked = [v for v in variants if names is None or v[0] in names.split(",")]
@@ -225,10 +231,10 @@ def prefill_rows(shapes=None, variants=None) -> list[Row]:
     variants = selected_variants() if variants is None else variants
     shapes = selected_shapes() if shapes is None else shapes
     rows: list[Row] = []
-    when = os.environ.get("KDA_PREFILL_PEER", "1")  # 0: no peer; last: after ours (ours already checked)
+    when = os.environ.get("KDA_PREFILL_PEER", "1")  # 0: no peer; last / second: see selected_variants
     peer = [("fla-core composition", fla_block, {})] if when != "0" else []
     ours = [(f"ours({name})", ours_block, tuning) for name, tuning in variants]
-    runs = ours + peer if when == "last" else peer + ours
+    runs = {"last": ours + peer, "second": ours[:1] + peer + ours[1:]}.get(when, peer + ours)
     with torch.inference_mode():
         oracles = [_accuracy_oracle(heads, batch, length, lengths) for _, batch, length, heads, lengths
                    in shapes]

@@ -34,7 +34,8 @@ for s in "B=1,T=32K" "B=8" "varlen"; do
     python3 -m kernels.perf.kda_prefill_cases --warm-peer "$s" &
 done
 wait; log "warm"
-# Ours first (F0_PEER=last): a limit that falls inside fla's autotuning then still leaves ours measured.
+# Ours first (F0_PEER=last): a limit that falls inside fla's autotuning then still leaves ours measured;
+# F0_PEER=second: the default, fla, then the F0 variants (a new variant that faults loses only what follows).
 KDA_PREFILL_PEER="${F0_PEER:-last}" KDA_PREFILL_ROWS="$OUT/final.jsonl" KDA_PREFILL_VARIANTS="$F0_VARIANTS" \
   timeout -k 3 "$(limit "$RESERVE")" python3 -m bench.kernels --only kda_prefill --out "$OUT/final.json" \
   > "$OUT/final.log" 2>&1
