@@ -26,11 +26,36 @@ SHIFT = 32  # 2^-SHIFT rides on every decoded weight; accumulators are multiplie
 _FIELD_TO_BF16X2 = (1 << 7) | (1 << 23)
 
 
-def prepare(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Canonical MXFP4 (packed uint8 [..., K // 2], e8m0 scales [..., K // 32]) -> what `mxfp4_tile` reads:
-    int32 words [..., K // 8] in the device layout and uint8 multiplier fields [..., K // 32]. Once per
-    weight load; the same bytes."""
-    return device_words(packed), decode_multipliers(scales, SHIFT)
+BLOCK_ROWS = 32  # rows of a stored block (both MXFP4 matrices of an expert have a multiple of 32 rows)
+
+
+def block_words(words: int) -> int:
+    """Words per row of a stored block, for rows of `words` words: 16 (128 columns: a block is 2 KB of words
+    and 128 bytes of multipliers) where that divides the row, else the largest of 8 and 4 that does."""
+    return next(cw for cw in (16, 8, 4, 1) if words % cw == 0)
+
+
+def _blocked(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """[..., R, C] -> the same shape, stored as [..., R / BLOCK_ROWS, C / cols, BLOCK_ROWS, cols] blocks."""
+    *lead, rows, width = t.shape
+    b = t.reshape(*lead, rows // BLOCK_ROWS, BLOCK_ROWS, width // cols, cols).transpose(-3, -2)
+    return b.contiguous().reshape(t.shape)
+
+
+def prepare(packed: torch.Tensor, scales: torch.Tensor, blocked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical MXFP4 (packed uint8 [..., R, K // 2], e8m0 scales [..., R, K // 32]) -> what `mxfp4_tile`
+    reads, once per weight load (the same bytes): int32 words [..., R, K // 8] in the device layout and uint8
+    multiplier fields [..., R, K // 32]. `blocked`: both stored in blocks of BLOCK_ROWS rows x
+    `block_words(K // 8)` words (and their multipliers), so that a tile step reads whole contiguous blocks
+    (2 KB) instead of 64-byte pieces of 32-128 rows 1 KB apart (DRAM pages opened once per block, and one
+    L2 prefetch per block: `prefetch_l2`); else row by row."""
+    words, mults = device_words(packed), decode_multipliers(scales, SHIFT)
+    if not blocked:
+        return words, mults
+    if packed.shape[-2] % BLOCK_ROWS:
+        raise ValueError(f"blocked MXFP4 needs a multiple of {BLOCK_ROWS} rows, got {packed.shape[-2]}")
+    cw = block_words(words.shape[-1])
+    return _blocked(words, cw), _blocked(mults, cw // 4)
 
 
 def _decode_asm() -> str:
@@ -54,6 +79,7 @@ if triton is not None:
     _ROTATIONS = tl.constexpr(ROTATIONS)
     _DECODE_ASM = tl.constexpr(_decode_asm())
     _FIELDS_TO_BF16X2 = tl.constexpr(_FIELD_TO_BF16X2)
+    _BLOCK_ROWS = tl.constexpr(BLOCK_ROWS)
 
     @triton.jit
     def unshift(acc):
@@ -113,16 +139,45 @@ if triton is not None:
         return tl.reshape(tl.permute(tl.reshape(a, (BT, 4 * G, 2, 4)), (0, 1, 3, 2)), (BT, 32 * G))
 
     @triton.jit
-    def mxfp4_tile(words, mults, rows, row_ok, g0, WORDS: tl.constexpr, G: tl.constexpr,
+    def block_offsets(rows, cols, WIDTH: tl.constexpr, CB: tl.constexpr):
+        """[len(rows), len(cols)] element offsets of a [R, WIDTH] matrix stored as `_blocked` [BLOCK_ROWS, CB]
+        blocks (CB = WIDTH: row by row); a row part and a column part, so the row part leaves the loop."""
+        row_part = (rows // _BLOCK_ROWS) * (_BLOCK_ROWS * WIDTH) + (rows % _BLOCK_ROWS) * CB
+        col_part = (cols // CB) * (_BLOCK_ROWS * CB) + cols % CB
+        if CB >= cols.shape[0]:  # a step inside one block: its columns stay contiguous and aligned
+            col_part = tl.max_contiguous(tl.multiple_of(col_part, cols.shape[0]), cols.shape[0])
+        return row_part[:, None] + col_part[None, :]
+
+    @triton.jit
+    def prefetch_l2(base, row0, R: tl.constexpr, rows_total, col0, NCOLS: tl.constexpr, WIDTH: tl.constexpr,
+                    CB: tl.constexpr, BYTES: tl.constexpr, live):
+        """Ask the L2 for rows row0 .. row0 + R x columns col0 .. col0 + NCOLS of a `_blocked` [rows_total,
+        WIDTH] matrix of BYTES-wide elements at `base` (row0 and R multiples of BLOCK_ROWS, the columns whole
+        blocks or inside one; blocks past rows_total are not asked for), where `live` (bool) holds: one bulk
+        prefetch per 32-row block, issued by one thread, nothing waited for. More bytes in flight without
+        registers or shared memory."""
+        start = (col0 // CB) * (_BLOCK_ROWS * CB)
+        span: tl.constexpr = _BLOCK_ROWS * BYTES * (NCOLS if NCOLS > CB else CB)
+        for b in tl.static_range(R // _BLOCK_ROWS):
+            block = tl.minimum(row0 // _BLOCK_ROWS + b, rows_total // _BLOCK_ROWS - 1)
+            at = base + block.to(tl.int64) * (_BLOCK_ROWS * WIDTH) + start
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;\n"
+                "setp.ne.and.u32 p, $3, 0, p; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+                "=r,l,r,r", [at.to(tl.int64), tl.full([], span, tl.int32), live.to(tl.int32)], dtype=tl.int32,
+                is_pure=False, pack=1)
+
+    @triton.jit
+    def mxfp4_tile(words, mults, rows, row_ok, g0, WORDS: tl.constexpr, G: tl.constexpr, CW: tl.constexpr,
                    USE_ASM: tl.constexpr):
         """bf16 [len(rows), 32 G] tile of weights x 2^-SHIFT, columns 32 g0 .. 32 (g0 + G), from `prepare`'s
-        words (rows of WORDS) and multiplier fields (one byte per 4 words), in the column order of
-        `lane_group_columns` (activations go through it)."""
+        words (rows of WORDS in blocks of CW words, CW = WORDS: row by row) and multiplier fields (one byte
+        per 4 words), in the column order of `lane_group_columns` (activations go through it)."""
         R: tl.constexpr = rows.shape[0]
-        w = tl.load(words + rows[:, None] * WORDS + g0 * 4 + tl.arange(0, 4 * G)[None, :],
-                    mask=row_ok[:, None], other=0)
+        w = tl.load(words + block_offsets(rows, g0 * 4 + tl.arange(0, 4 * G), WORDS, CW), mask=row_ok[:, None],
+                    other=0)
         w = _lane_groups(tl.reshape(w, (R, G, 4)).to(tl.uint32, bitcast=True), G)
-        f = tl.load(mults + rows[:, None] * (WORDS // 4) + g0 + tl.arange(0, G)[None, :],
+        f = tl.load(mults + block_offsets(rows, g0 + tl.arange(0, G), WORDS // 4, CW // 4),
                     mask=row_ok[:, None], other=0)
         m = _lane_groups(tl.broadcast_to((f.to(tl.uint32) * _FIELDS_TO_BF16X2)[:, :, None], (R, G, 4)), G)
         if USE_ASM:

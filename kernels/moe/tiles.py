@@ -23,11 +23,13 @@ class Tile:
     stages: int = 3
     max_registers: int | None = None
     splits: int = 1  # programs per row block, each over 1 / splits of the reduction (down kernel only)
+    prefetch: int = 0  # steps of weights asked of the L2 ahead of the loads (0: none; blocked experts only)
 
     def label(self) -> str:
         cap = f",r{self.max_registers}" if self.max_registers else ""
         split = f",k{self.splits}" if self.splits > 1 else ""
-        return f"{self.rows}x{self.cols},w{self.warps},s{self.stages}{cap}{split}"
+        ahead = f",p{self.prefetch}" if self.prefetch else ""
+        return f"{self.rows}x{self.cols},w{self.warps},s{self.stages}{cap}{split}{ahead}"
 
     def groups(self, depth: int) -> int:
         """32-column groups per step over a reduction of `depth` columns (cols capped at the depth of one
@@ -41,6 +43,7 @@ class Tile:
                 f"tile cols={self.cols} must be 32 x a power of two dividing {depth}")
         require(self.warps in (1, 2, 4, 8, 16), f"tile warps must be a power of two <= 16, got {self.warps}")
         require(self.stages >= 1, f"tile stages must be >= 1, got {self.stages}")
+        require(self.prefetch >= 0, f"tile prefetch must be >= 0, got {self.prefetch}")
         return cols // 32
 
     def launch_options(self) -> dict:

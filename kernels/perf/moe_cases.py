@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -19,21 +20,39 @@ from kernels.moe.tiles import Tile
 from kernels.perf.harness import Row, copy_bandwidth, kernel_ms, rel_err, time_ms
 
 E, L, F, TOP_K = 256, 2048, 1024, 16
-# (gate/up tile, down tile) pairs: rows, cols, warps, stages[, register cap]. Each row of the sweep times
-# both kernels, so every gate/up tile and every down tile is measured on its own (kernel_us). Register caps
-# (3-4 programs per SM) measured slower at every T (history 19) and are no longer swept.
-VARIANTS = ((Tile(64, 128, 2), Tile(128, 128, 2)),)  # default_tiles at T >= 4; T = 1 splits the down tile
-SWEEP = VARIANTS + (
-    (Tile(128, 128), Tile(128, 128)), (Tile(64, 128, 2), Tile(128, 128, 2, splits=2)),
-    (Tile(32, 128, 1), Tile(64, 128, 1)), (Tile(64, 128, 2, 4), Tile(128, 128, 2, 4)),
-    (Tile(64, 64, 2), Tile(64, 128, 2)), (Tile(32, 128, 1, 4), Tile(64, 128, 1, 4, splits=2)),
-)
+
+
+class Variant(NamedTuple):
+    """One timed configuration: the two kernels' tiles, the experts' storage (32-row blocks or whole rows,
+    `prepare_experts`) and programmatic dependent launch of the down and sum kernels."""
+
+    gate_up: Tile
+    down: Tile
+    blocked: bool = True
+    pdl: bool = False
+
+    def label(self) -> str:
+        mode = ("" if self.blocked else ",rows") + (",pdl" if self.pdl else "")
+        return f"ours(gu={self.gate_up.label()},down={self.down.label()}{mode})"
+
+
+# (gate/up tile, down tile) pairs on blocked experts. Each row of the sweep times both kernels, so every
+# gate/up tile and every down tile is measured on its own (kernels_ms). Register caps (3-4 programs per SM)
+# measured slower at every T (history 19); 1-warp tiles, 64x64 gate/up and 4 warps slower in session 5
+# (history 23): no longer swept.
+DEFAULT = (Tile(64, 128, 2), Tile(128, 128, 2))  # default_tiles at T >= 4; T = 1 splits the down tile
+SWEEP = (DEFAULT, (Tile(64, 128, 2, prefetch=4), Tile(128, 128, 2, prefetch=4)),
+         (Tile(64, 128, 2, prefetch=16), Tile(128, 128, 2, splits=2, prefetch=4)))
+VARIANTS = (Variant(*DEFAULT),)
+# The sweep's pairs, the session-5 storage (whole rows) with the default tiles, and dependent launches.
+SWEEP_VARIANTS = (*(Variant(*pair) for pair in SWEEP), Variant(*DEFAULT, blocked=False),
+                  Variant(*SWEEP[2], pdl=True))
 MAX_REL_ERR = 1e-2  # a variant further than this from the float32 oracle is wrong, whatever its time
 
 
 def variants() -> tuple:
-    """K3_MOE_VARIANTS=sweep times every tile pair of SWEEP (bench.kernels --only moe records them all)."""
-    return SWEEP if os.environ.get("K3_MOE_VARIANTS") == "sweep" else VARIANTS
+    """K3_MOE_VARIANTS=sweep times every SWEEP_VARIANTS entry (bench.kernels --only moe records them all)."""
+    return SWEEP_VARIANTS if os.environ.get("K3_MOE_VARIANTS") == "sweep" else VARIANTS
 
 
 def _experts(dev: str = "cuda"):
@@ -63,11 +82,8 @@ def _torch_peer(x, ids, weights, packs):
     return (y.reshape(*ids.shape, L) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
-def _label(gate_up: Tile, down: Tile) -> str:
-    return f"ours(gu={gate_up.label()},down={down.label()})"
-
-
-def precompile(batches: tuple[int, ...], tiles: tuple, experts: latent_moe_decode_triton.PreparedExperts) -> None:
+def precompile(batches: tuple[int, ...], tiles: tuple[Variant, ...],
+               experts: dict[bool, latent_moe_decode_triton.PreparedExperts]) -> None:
     """Build every (batch, tile pair) specialization in parallel processes before timing: one process
     compiling them one by one would spend most of a short device session in ptxas. The kernels land in
     Triton's on-disk cache, where the timed launches find them."""
@@ -79,18 +95,20 @@ def precompile(batches: tuple[int, ...], tiles: tuple, experts: latent_moe_decod
         for T in batches:
             x = torch.empty(T, L, device="cuda", dtype=torch.bfloat16)
             ids = torch.zeros(T, TOP_K, device="cuda", dtype=torch.int32)
-            for gate_up, down in tiles:
-                latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, ids.float(), experts,
-                                                                    gate_up_tile=gate_up, down_tile=down)
+            for v in tiles:
+                latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, ids.float(), experts[v.blocked],
+                                                                    gate_up_tile=v.gate_up, down_tile=v.down,
+                                                                    pdl=v.pdl)
     compile_specs(recorder.unique(), workers=max(1, (os.cpu_count() or 2) - 2))
 
 
-def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple | None = None, peer: bool = True,
+def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] | None = None, peer: bool = True,
              on_row=lambda row: None) -> list[Row]:
     rows: list[Row] = []
     tiles = tiles or variants()
     packs = _experts()
-    experts = latent_moe_decode_triton.prepare_experts(*packs)  # once, as at weight load
+    # once, as at weight load (each storage a variant asks for)
+    experts = {b: latent_moe_decode_triton.prepare_experts(*packs, blocked=b) for b in {v.blocked for v in tiles}}
     if len(tiles) > 1:
         try:
             precompile(batches, tiles, experts)
@@ -105,9 +123,9 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple | None = None, 
             ids[1, 0] = ids[0, 0]
         ref = naive.latent_moe_decode(x.float(), ids, weights, *packs)  # float32 h and output: the oracle
         shape = f"T={T},E={E},k={TOP_K},l={L},F={F},mxfp4"
-        for gate_up, down in tiles:
-            call = partial(latent_moe_decode_triton.latent_moe_decode_prepared, x, ids, weights, experts,
-                           gate_up_tile=gate_up, down_tile=down)
+        for v in tiles:
+            call = partial(latent_moe_decode_triton.latent_moe_decode_prepared, x, ids, weights, experts[v.blocked],
+                           gate_up_tile=v.gate_up, down_tile=v.down, pdl=v.pdl)
             try:
                 err = rel_err(call(), ref)
                 ms, how = time_ms(call)
@@ -116,7 +134,7 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple | None = None, 
                     ms, how = float("nan"), f"WRONG: rel err {err:.1e}"
             except Exception as e:  # noqa: BLE001 - a variant that does not build must not hide the others
                 ms, how, extra = float("nan"), f"failed: {e!r}"[-300:], {}
-            rows.append(Row("latent_moe_decode", shape, _label(gate_up, down), ms,
+            rows.append(Row("latent_moe_decode", shape, v.label(), ms,
                             expert_bytes(ids), note=how, extra=extra))
             on_row(rows[-1])
         if peer:
@@ -126,11 +144,14 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple | None = None, 
     return rows
 
 
-def parse_tiles(text: str) -> tuple:
-    """"rows,cols,warps,stages[,regs[,splits]]/...;..." -> ((gate/up, down Tile), ...) (regs 0: no cap)."""
-    def tile(spec: str) -> Tile:
-        return Tile(*(int(v) for v in spec.split(",")))
-    return tuple(tuple(tile(t) for t in pair.split("/")) for pair in text.split(";"))
+def parse_tiles(text: str) -> tuple[Variant, ...]:
+    """"rows,cols,warps,stages[,regs[,splits[,prefetch]]]/...[/rows][/pdl];..." -> Variants (regs 0: no cap;
+    "rows": experts stored row by row; "pdl": dependent launches)."""
+    def variant(spec: str) -> Variant:
+        parts = spec.split("/")
+        gate_up, down = (Tile(*(int(v) for v in t.split(","))) for t in parts[:2])
+        return Variant(gate_up, down, blocked="rows" not in parts[2:], pdl="pdl" in parts[2:])
+    return tuple(variant(spec) for spec in text.split(";"))
 
 
 def main() -> None:
@@ -154,7 +175,7 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(done, f, indent=1)
 
-    tiles = parse_tiles(args.tiles) if args.tiles else SWEEP if args.variants == "sweep" else VARIANTS
+    tiles = parse_tiles(args.tiles) if args.tiles else SWEEP_VARIANTS if args.variants == "sweep" else VARIANTS
     moe_rows(tuple(int(t) for t in args.batches.split(",")), tiles=tiles, peer=False, on_row=show)
 
 

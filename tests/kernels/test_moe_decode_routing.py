@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from k3core.quant.mxfp4 import quantize
 from kernels.moe import latent_moe_decode_triton, naive
 from kernels.moe.tiles import Tile, default_tiles
-from kernels.perf.moe_cases import parse_tiles
+from kernels.perf.moe_cases import Variant, parse_tiles
 
 
 def _experts(gen: torch.Generator, experts: int, latent: int, width: int) -> tuple[torch.Tensor, ...]:
@@ -52,6 +52,22 @@ def test_lane_group_column_order_matches_the_reference(interpreted, gate_up, dow
     ids = torch.tensor([[0, 2], [2, 3], [1, 0]], dtype=torch.int32)
     w = torch.rand(T, K, generator=gen)
     _assert_matches_reference(x, ids, w, packs, gate_up, down)
+
+
+def test_row_by_row_storage_matches_the_reference(interpreted):
+    """Experts prepared whole-row (`blocked=False`, the storage the benchmark measures against) give the
+    blocked storage's result: l=256 (two 16-word blocks a row), partial gate/up row block."""
+    gen = torch.Generator().manual_seed(17)
+    T, K, E, L, F = 2, 2, 3, 256, 96
+    packs = _experts(gen, E, L, F)
+    x = torch.randn(T, L, generator=gen)
+    ids, w = torch.tensor([[0, 2], [2, 1]], dtype=torch.int32), torch.rand(T, K, generator=gen)
+    ref = naive.latent_moe_decode(x, ids, w, *packs)
+    for blocked in (True, False):
+        experts = latent_moe_decode_triton.prepare_experts(*packs, blocked=blocked)
+        out = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, gate_up_tile=Tile(64, 128),
+                                                                  down_tile=Tile(32, 32))
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 PACKS = _experts(torch.Generator().manual_seed(12), 5, 64, 32)  # E=5, l=64, F=32, shared by the examples
@@ -104,5 +120,13 @@ def test_default_tiles_follow_the_measured_choice(pairs, splits):
 
 
 def test_tile_pairs_parse_from_the_command_line():
-    assert parse_tiles("128,64,4,4,168/64,128,4,3;32,32,2,1/16,32,1,2") == (
-        (Tile(128, 64, 4, 4, 168), Tile(64, 128, 4, 3)), (Tile(32, 32, 2, 1), Tile(16, 32, 1, 2)))
+    assert parse_tiles("128,64,4,4,168/64,128,4,3;32,32,2,1/16,32,1,2,0,2,4/rows/pdl") == (
+        Variant(Tile(128, 64, 4, 4, 168), Tile(64, 128, 4, 3)),
+        Variant(Tile(32, 32, 2, 1), Tile(16, 32, 1, 2, 0, 2, 4), blocked=False, pdl=True))
+
+
+def test_prefetch_needs_blocked_storage():
+    experts = latent_moe_decode_triton.prepare_experts(*PACKS, blocked=False)
+    x, ids, w = torch.zeros(1, 64), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+    with pytest.raises(ValueError, match="prefetch needs blocked"):
+        latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, gate_up_tile=Tile(32, 64, prefetch=2))

@@ -8,23 +8,25 @@ import torch
 
 from k3core.quant.mxfp4 import dequantize
 from kernels._triton import tl, triton
-from kernels.moe.mxfp4_tile_triton import SHIFT, mxfp4_tile, prepare
+from kernels.moe.mxfp4_tile_triton import SHIFT, block_words, mxfp4_tile, prepare
 
-ROWS, GROUPS = 16, 4  # 16 rows x 128 columns: every code in every row, 4 scales per row
+ROWS, GROUPS = 64, 8  # 64 rows x 256 columns (2 x 2 stored blocks): every code in every row, 8 scales a row
 
 
 @triton.jit
-def tile_kernel(words, mults, out, R: tl.constexpr, WORDS: tl.constexpr):
+def tile_kernel(words, mults, out, R: tl.constexpr, WORDS: tl.constexpr, CW: tl.constexpr):
     rows = tl.arange(0, R)
-    t = mxfp4_tile(words, mults, rows, rows < R, 0, WORDS, WORDS // 4, False)
+    t = mxfp4_tile(words, mults, rows, rows < R, 0, WORDS, WORDS // 4, CW, False)
     tl.store(out + rows[:, None] * (8 * WORDS) + tl.arange(0, 8 * WORDS)[None, :], t.to(tl.float32))
 
 
-def _decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Whole matrix through `prepare` and `mxfp4_tile`, positions in the tile's order, times 2^SHIFT, as
-    float64."""
+def _decode(packed: torch.Tensor, scales: torch.Tensor, blocked: bool = True) -> torch.Tensor:
+    """Whole matrix through `prepare` (32-row blocks or whole rows) and `mxfp4_tile`, positions in the tile's
+    order, times 2^SHIFT, as float64."""
     out = torch.empty(packed.shape[0], packed.shape[1] * 2)
-    tile_kernel[(1,)](*prepare(packed, scales), out, R=packed.shape[0], WORDS=packed.shape[1] // 4)
+    words = packed.shape[1] // 4
+    tile_kernel[(1,)](*prepare(packed, scales, blocked), out, R=packed.shape[0], WORDS=words,
+                      CW=block_words(words) if blocked else words)
     return out.double() * 2.0**SHIFT
 
 
@@ -44,14 +46,16 @@ def _all_codes(gen: torch.Generator) -> torch.Tensor:
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
 
 
-def test_tile_equals_dequantize_for_every_code_across_the_exact_scale_range(interpreted):
-    """Bit-exact for all 16 codes (the e2m1 subnormal 0.5 and -0 included) at scales 2^-93 .. 2^33."""
+@pytest.mark.parametrize("blocked", [True, False])
+def test_tile_equals_dequantize_for_every_code_across_the_exact_scale_range(interpreted, blocked):
+    """Bit-exact for all 16 codes (the e2m1 subnormal 0.5 and -0 included) at scales 2^-93 .. 2^33, from
+    blocked storage (2 x 2 blocks) and from whole rows."""
     gen = torch.Generator().manual_seed(0)
     packed = _all_codes(gen)
     scales = torch.randint(34, 161, (ROWS, GROUPS), generator=gen, dtype=torch.uint8)
-    scales[0] = torch.tensor([34, 127, 160, 100], dtype=torch.uint8)  # both ends of the exact range
+    scales[0] = torch.tensor([34, 127, 160, 100, 34, 160, 127, 99], dtype=torch.uint8)  # the exact range's ends
     expected = dequantize(packed, scales, torch.float64)[:, _tile_order(32 * GROUPS)]
-    got = _decode(packed, scales)
+    got = _decode(packed, scales, blocked)
     assert torch.equal(got, expected)
     assert torch.equal(torch.signbit(got), torch.signbit(expected))  # -0 stays -0
 
@@ -81,3 +85,16 @@ def test_a_lane_holds_one_group_per_four_words():
     (which holds chunk q of each block) needs one multiplier for its 4 words."""
     groups = _tile_order(128).reshape(4, 4, 8) // 32  # [block, chunk q, position]
     assert torch.equal(groups, torch.arange(4)[None, :, None].expand(4, 4, 8))
+
+
+def test_blocked_storage_is_a_permutation_of_the_row_layout():
+    """Same bytes: each 32-row x 16-word block (2 KB) is contiguous, blocks of a row band in column order."""
+    packed = torch.randint(0, 256, (64, 128), dtype=torch.uint8)  # 64 rows x 32 words
+    scales = torch.randint(100, 140, (64, 8), dtype=torch.uint8)
+    rows_w, rows_m = prepare(packed, scales, blocked=False)
+    words, mults = prepare(packed, scales)
+    assert torch.equal(words.flatten()[:512].view(32, 16), rows_w[:32, :16])  # block (0, 0)
+    assert torch.equal(words.flatten()[512:1024].view(32, 16), rows_w[:32, 16:])  # block (0, 1)
+    assert torch.equal(words.flatten()[1024:1536].view(32, 16), rows_w[32:, :16])  # block (1, 0)
+    assert torch.equal(mults.flatten()[128:256].view(32, 4), rows_m[:32, 4:])  # multipliers alike
+    assert sorted(words.flatten().tolist()) == sorted(rows_w.flatten().tolist())
