@@ -31,6 +31,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "kda_prefill": ("kernels.perf.kda_prefill_cases", "prefill_rows"),
     "mla": ("kernels.perf.mla_cases", "mla_rows"),
     "attnres": ("kernels.perf.attnres_cases", "attnres_rows"),
+    "attnres_phase1": ("kernels.perf.attnres_cases", "phase1_rows"),
     "moe": ("kernels.perf.moe_cases", "moe_rows"),
 }
 PEER_PREFIXES = ("fla", "torch", "baseline")

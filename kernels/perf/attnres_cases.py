@@ -7,8 +7,9 @@ from functools import partial
 import torch
 
 from k3core.ops.attnres import attnres_inter, attnres_logits
+from k3core.presets import preset
 from kernels._triton import tl, triton
-from kernels.attnres import block_logits_triton, inter_triton, merge_norm_triton
+from kernels.attnres import block_logits_triton, inter_triton, merge_norm_triton, phase1_triton
 from kernels.attnres import naive as attnres_naive
 from kernels.attnres.query_parts import query_parts
 from kernels.moe import naive as moe_naive
@@ -127,8 +128,6 @@ def _cached_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple, l
     ref = attnres_inter(queries, blocks, norm_w)
     logits_ref = attnres_logits(later_q, blocks[-1:], later_w)[:, 0]
     shape = f"M={M},D={D},N={N},Q={SITES}"
-    phase_bytes = N * M * D * 2 + SITES * M * (D + 2) * 4 + SITES * D * 2 * 2
-    cache_bytes = later * M * 4 + SITES * N * M * 4 + later * D * 2 * 2
     later_parts = query_parts(later_q, later_w)  # a derived weight in the serving path: not timed
     for kwargs in logits_variants:
         run = partial(block_logits_triton.attnres_block_logits, later_q, blocks[-1], later_w, out=cache[:, N - 1],
@@ -148,6 +147,15 @@ def _cached_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple, l
                                   parts=query_parts(many_q, many_w)))
         rows.append(Row("attnres_block_logits", f"M={M},D={D},S={MID_FORWARD_SITES}", "ours(default)", ms,
                         M * D * 2 + MID_FORWARD_SITES * (M + D) * 4, note=how))
+    one = partial(phase1_triton.attnres_inter_with_newest, later_q, blocks[-1], blocks, cache, later_w, sites=SITES,
+                  parts=later_parts)
+    ours = one()
+    err = {"acc_rel": rel_err(ours.acc, ref.acc), "max_abs": max_err(ours.max, ref.max),
+           "denom_rel": rel_err(ours.denom, ref.denom)}
+    ms, how = time_ms(one)
+    rows.append(Row("attnres_inter", shape, "one launch: newest block's logits, then apply", ms,
+                    phase1_bytes(M, D, N, SITES, later), note=how, extra=err))
+    del ours
     for kwargs in variants:
         label = ",".join(f"{k}={v}" for k, v in kwargs.items()) or "default"
         apply = partial(inter_triton.attnres_inter, queries, blocks, norm_w, logits=cache[:SITES], **kwargs)
@@ -157,10 +165,98 @@ def _cached_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple, l
         del ours
         ms, how = time_ms(lambda a=apply: (newest(), a()))
         rows.append(Row("attnres_inter", shape, f"cached: newest block's logits + apply({label})", ms,
-                        phase_bytes + cache_bytes, note=how, extra=err))
+                        phase1_bytes(M, D, N, SITES, later), note=how, extra=err))
         ms, how = time_ms(apply)
         rows.append(Row("attnres_inter_apply_cached", shape, f"ours({label}), this kernel alone", ms,
                         N * M * D * 2 + SITES * M * (D + 2) * 4 + SITES * N * M * 4, note=how))
+    return rows
+
+
+def phase1_bytes(M: int, D: int, N: int, Q: int, S: int, parts: int = 2, copy: bool = False) -> int:
+    """The least bytes of a phase 1 in serving form (blocks [N, M, D] bf16, the newest without cached logits;
+    Q sites of the S after it): each block read once, the float32 accumulators, max and denominators written,
+    the older blocks' cached logits read, the newest block's logits written for all S later sites, the
+    later sites' q_eff parts read; `copy`: the newest block also written into the block buffer. Re-reads
+    (the newest block by both passes, its logits through L2) are not counted."""
+    return (N * M * D * 2 + Q * M * (D + 2) * 4 + Q * (N - 1) * M * 4 + S * M * 4 + parts * S * D * 2
+            + (M * D * 2 if copy else 0))
+
+
+def forward_phases(name: str) -> list[tuple[int, int, int]]:
+    """(N completed blocks, Q sites, S sites after the newest block) of each phase 1 in a decode forward of
+    preset `name`, as services/engine/fast_decoder runs them: one per layer block, then the final site."""
+    config = preset(name)
+    layers, size = config.num_hidden_layers, config.attn_res_block_size
+    n_sites, n_blocks = 2 * layers + 1, -(-layers // size)
+    phases = [(b + 1, 2 * min(size, layers - b * size), n_sites - 2 * b * size) for b in range(n_blocks)]
+    return [*phases, (n_blocks + 1, 1, 1)]
+
+
+def phase1_rows(tokens: tuple[int, ...] = (64, 8192), forwards: tuple[str, ...] = ("k3", "mini"),
+                batch: int = 64) -> list[Row]:
+    """The one-launch phase 1 (`phase1_triton`) against the two-launch form it replaces, at the fixed shape of
+    `attnres_rows` (the newest block alone, then as served: copied into the block buffer, after which the
+    old path ran copy, logits and apply), then every phase 1 of a decode forward of each preset in
+    `forwards` at `batch` rows, as served."""
+    rows: list[Row] = launch_floor_rows()
+    for M in tokens:
+        blocks = torch.randn(BLOCKS, M, D, device="cuda", dtype=BF16)
+        queries = torch.randn(SITES, D, device="cuda", dtype=BF16) * D**-0.5
+        rows += _cached_rows(blocks, queries, ({},), ({},))
+        rows += _served_rows(f"M={M},D={D},N={BLOCKS},Q={SITES}", D, M, [(BLOCKS, SITES, SITES + 1)])
+        del blocks
+        torch.cuda.empty_cache()
+    for name in forwards:
+        config = preset(name)
+        rows += _served_rows(f"{name} forward, B={batch}", config.hidden_size, batch, forward_phases(name))
+    return rows
+
+
+def _served_rows(shape: str, dim: int, M: int, phases: list[tuple[int, int, int]]) -> list[Row]:
+    """`phases` ((N, Q, S) each, in forward order: the blocks' and sites' layout of fast_decoder) as served:
+    before, per phase, the newest block copied into the buffer, its logits, the apply; now one launch."""
+    n_blocks, n_sites = phases[-1][0], phases[0][2]
+    gen = torch.Generator(device="cuda").manual_seed(M + dim)
+    sources = torch.randn(n_blocks, M, dim, device="cuda", dtype=BF16, generator=gen)
+    site_q = torch.randn(n_sites, dim, device="cuda", dtype=BF16, generator=gen) * dim**-0.5
+    site_w = (torch.rand(n_sites, dim, device="cuda", generator=gen) + 0.5).to(BF16)
+    parts = query_parts(site_q, site_w)
+    stacked = sources.clone()
+    cache = torch.zeros(n_sites, n_blocks, M, device="cuda")
+    for n in range(phases[0][0] - 1):  # blocks completed before the first phase timed: their logits cached
+        block_logits_triton.attnres_block_logits(site_q, sources[n], site_w, out=cache[:, n], parts=parts)
+
+    def old() -> list:
+        out = []
+        for N, Q, S in phases:
+            first = n_sites - S
+            stacked[N - 1].copy_(sources[N - 1])
+            block_logits_triton.attnres_block_logits(site_q[first:], sources[N - 1], site_w[first:],
+                                                     out=cache[first:, N - 1], parts=parts[:, first:])
+            out.append(inter_triton.attnres_inter(site_q[first:first + Q], stacked[:N], site_w[first:first + Q],
+                                                  logits=cache[first:first + Q, :N]))
+        return out
+
+    def new() -> list:
+        return [phase1_triton.attnres_inter_with_newest(site_q[n_sites - S:], sources[N - 1], stacked[:N],
+                                                        cache[n_sites - S:, :N], site_w[n_sites - S:], sites=Q,
+                                                        parts=parts[:, n_sites - S:], copy=True)
+                for N, Q, S in phases]
+
+    want = old()
+    got = new()
+    same = all(torch.equal(a, b) for w, g in zip(want, got, strict=True)
+               for a, b in ((w.max, g.max), (w.denom, g.denom), (w.acc, g.acc)))
+    N, Q, S = phases[-1]
+    ref = attnres_inter(site_q[n_sites - S:][:Q], sources[:N], site_w[n_sites - S:][:Q])  # torch float32
+    err = {"bitwise_equal_to_old": same, "last_acc_rel_vs_torch": rel_err(got[-1].acc, ref.acc),
+           "phases": len(phases)}
+    del want, got
+    moved = sum(phase1_bytes(M, dim, N, Q, S, copy=True) for N, Q, S in phases)
+    rows: list[Row] = []
+    for label, run in (("served before: copy + logits + apply per phase", old), ("one launch per phase", new)):
+        ms, how = time_ms(run)
+        rows.append(Row("attnres_phase1_served", shape, label, ms, moved, note=how, extra=err))
     return rows
 
 

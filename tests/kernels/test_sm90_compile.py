@@ -31,7 +31,7 @@ from k3core.cache.layout import plan_layout, shape_from_config
 from k3core.cache.pool_views import PoolViews
 from k3core.presets import preset
 from kernels import compile_check
-from kernels.attnres import block_logits_triton, inter_triton, merge_norm_triton
+from kernels.attnres import block_logits_triton, inter_triton, merge_norm_triton, phase1_triton
 from kernels.fused import (
     expert_gemm_triton,
     gated_heads_triton,
@@ -143,6 +143,12 @@ def attnres(tokens: int, cached: dict | None = None, logits: dict | None = None,
     for later in (SITES + 1, 4 * SITES + 1):
         block_logits_triton.attnres_block_logits(empty(later, HIDDEN), blocks[0], empty(later, HIDDEN), 1e-6,
                                                  **{"parts": empty(2, later, HIDDEN), **(logits or {})})
+        # the serving form: the block's logits and the next phase 1 in one launch (the final site's too)
+        phase1_triton.attnres_inter_with_newest(empty(later, HIDDEN), blocks[0], blocks,
+                                                empty(later, 3, tokens, dtype=F32), empty(later, HIDDEN), 1e-6,
+                                                sites=min(SITES, later), parts=empty(2, later, HIDDEN), copy=True)
+    phase1_triton.attnres_inter_with_newest(empty(1, HIDDEN), blocks[0], blocks, empty(1, 3, tokens, dtype=F32),
+                                            empty(1, HIDDEN), 1e-6, parts=empty(2, 1, HIDDEN), copy=True)
     stats = (empty(tokens, dtype=F32), empty(tokens, dtype=F32), empty(tokens, HIDDEN, dtype=F32))
     for partial in (empty(tokens, HIDDEN), None):
         merge_norm_triton.attnres_merge_norm(*stats, empty(HIDDEN), partial, empty(HIDDEN), key_norm_weight=empty(HIDDEN),
