@@ -2,6 +2,7 @@
 
     python -m bench.serve [--model mini] [--batches 1 16 64 256] [--contexts 1024 4096] [--steps 10]
                           [--prefix 32768] [--increment 512] [--peer-batches 1 16] [--time-limit 420]
+                          [--variant NAME=ENV=value,... ...] [--repeats 1]
 
 Runs one TP-1 rank in-process on seeded random weights: the paged pool (`k3core.cache`), the reference
 layers for prefill (`ModelRunner`), and the decode fast path the executor uses on CUDA (`DecodeFastPath`:
@@ -19,6 +20,9 @@ kernels through `kernels.dispatch` on the pool's pages, one CUDA graph per batch
 - peer: Hugging Face transformers' `kimi_linear` model on the Kimi-Linear form of the preset (`<model>-kl`)
   with the same weights (our state dict loaded into it), decode at the same batch and context; ours runs
   the same `-kl` model. Greedy tokens of both on one prompt are compared as a check.
+- variants (`--variant`, repeatable): each decode row is measured once per variant in turn, in one process on
+  one rank (a fair comparison: same weights, pool, clocks), each under its environment settings (e.g.
+  K3_GREEDY_ARGMAX=torch, K3_GRAPH_INPUT_COPY=0), the CUDA graphs captured again for each.
 Rows are written to `--out` as they are measured. Parts: `serve_rank` (the rank), `serve_decode` (sweep,
 roofline, profile), `serve_engine` (the engine loop of a decode row), `serve_check` (--check), `serve_ttft`,
 `serve_peer`; only `serve_engine` imports the service runtime.
@@ -27,12 +31,13 @@ roofline, profile), `serve_engine` (the engine loop of a decode row), `serve_che
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 
 from bench.serve_check import check_fast_path
-from bench.serve_decode import SWEEP_HEADER, decode_sweep_row, profile_forward
+from bench.serve_decode import SWEEP_HEADER, apply_variant, decode_sweep_row, parse_variant, profile_forward
 from bench.serve_peer import run_peer
 from bench.serve_rank import Rank, copy_bandwidth, random_model
 from bench.serve_ttft import save, ttft
@@ -56,6 +61,10 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=8192, help="prefill tokens per forward")
     parser.add_argument("--check", action="store_true", help="compare one fast-path step with the reference")
     parser.add_argument("--profile", type=int, nargs="*", default=[], help="print the kernel profile at these batches")
+    parser.add_argument("--variant", action="append", default=[], type=parse_variant,
+                        help="name=ENV=value,...: every decode row once per variant, in turn (the same rank), "
+                             "with these settings over the starting environment; repeat the flag")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the variants per decode row")
     parser.add_argument("--time-limit", type=float, default=420.0, help="skip what would start after this")
     parser.add_argument("--out", default="bench/results/serve.json")
     args = parser.parse_args()
@@ -76,13 +85,23 @@ def main() -> None:
     for batch in args.profile if rank.fast is not None else []:
         result.setdefault("profile", []).append(profile_forward(rank, batch, args.contexts[0]))
         save(args.out, result)
+    variants = args.variant or [("", {})]
+    base = {key: os.environ.get(key) for _, settings in variants for key in settings}
+    result["variants"] = dict(variants)
     for context in args.contexts:
         for batch in args.batches:
-            if time.perf_counter() - began > args.time_limit:
-                result["skipped"].append(f"decode batch {batch} context {context}")
-                continue
-            result["decode"].append(decode_sweep_row(rank, model, batch, context, args.steps, bandwidth))
-            save(args.out, result)
+            for _ in range(args.repeats):
+                for name, settings in variants:
+                    if time.perf_counter() - began > args.time_limit:
+                        result["skipped"].append(f"decode batch {batch} context {context} {name}")
+                        continue
+                    if args.variant:
+                        apply_variant(rank, settings, base)
+                    result["decode"].append(decode_sweep_row(rank, model, batch, context, args.steps, bandwidth,
+                                                             name))
+                    save(args.out, result)
+    if args.variant:
+        apply_variant(rank, {}, base)
     if time.perf_counter() - began < args.time_limit and args.prefix:
         result["ttft"] = ttft(rank, [(11 * j) % rank.vocab + 1 for j in range(args.prefix)], args.increment)
         t = result["ttft"]

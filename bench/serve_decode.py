@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from bench.serve_rank import Rank, sync
 from k3core.model import K3Model
 from services.engine import fast_ffn
+from services.engine.cuda_graphs import DecodeGraphs
 
 
 def step_bytes(model: K3Model, batch: int, context: int) -> int:
@@ -32,22 +34,26 @@ def step_bytes(model: K3Model, batch: int, context: int) -> int:
     return total + batch * (2 * state + latent)
 
 
-def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str) -> tuple[float, float, float]:
-    """(wall seconds per engine step, "fwd" seconds, graph replay seconds) of `batch` requests at `context`
-    tokens, through the engine's loop (`bench.serve_engine`): "fwd" runs from the moment a step's tokens are
-    on the host (the device idles from there) to the end of the next step's forward. Without the service
-    runtime's packages, the rank's own loop (`rank_decode`, said so in the output and the JSON)."""
+def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str) -> tuple[float, float, float, dict]:
+    """(wall seconds per engine step, "fwd" seconds, graph replay seconds, the critical path's parts in us)
+    of `batch` requests at `context` tokens, through the engine's loop (`bench.serve_engine`): "fwd" runs
+    from the moment a step's tokens are on the host (the device idles from there) to the end of the next
+    step's forward; the parts: `StepClock.critical_path`. Without the service runtime's packages, the rank's
+    own loop (`rank_decode`, said so in the output and the JSON; no parts)."""
     rids = [f"{tag}-{batch}-{context}-{i}" for i in range(batch)]
     missing = engine_loop_missing()
     if missing:
         wall, forward = rank_decode(rank, rids, context, steps)
+        replay, path = replay_seconds(rank, batch, steps), {}
     else:
-        from bench.serve_engine import engine_decode
+        from bench.serve_engine import critical_path_line, engine_decode
 
-        wall, forward = engine_decode(rank, rids, context, steps)
-    replay = replay_seconds(rank, batch, steps)
+        wall, clock = engine_decode(rank, rids, context, steps)
+        forward, replay = clock.median_seconds(), replay_seconds(rank, batch, steps)
+        path = clock.critical_path(replay)
+        print(critical_path_line(path), flush=True)
     rank.finish(rids)
-    return wall, forward, replay
+    return wall, forward, replay, path
 
 
 @functools.cache
@@ -96,19 +102,43 @@ def replay_seconds(rank: Rank, batch: int, reps: int) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
-def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps: int, bandwidth: float) -> dict:
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """"name=ENV=value,ENV=value" (or "name=") -> (name, settings): a `--variant` of bench.serve."""
+    name, _, rest = text.partition("=")
+    settings = dict(item.split("=", 1) for item in rest.split(",") if item)
+    return name, settings
+
+
+def apply_variant(rank: Rank, settings: dict[str, str], base: dict[str, str | None]) -> None:
+    """The process environment as it started (`base`: the values of every variant's names) plus `settings`,
+    and the rank's CUDA graphs rebuilt (captured again on first use) since their form is read at build."""
+    for key, value in base.items():
+        if key in settings:
+            os.environ[key] = settings[key]
+        elif value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    fast = rank.fast
+    if fast is not None and fast.graphs is not None:
+        fast.graphs = DecodeGraphs(fast.decoder.forward, fast.builder, fast.device, fast.max_batch)
+
+
+def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps: int, bandwidth: float,
+                     variant: str = "") -> dict:
     """One row of the sweep (printed as it is measured): step and forward time against the roofline."""
-    wall, forward, replay = decode_row(rank, batch, context, steps, "d")
+    wall, forward, replay, path = decode_row(rank, batch, context, steps, "d")
     roof = step_bytes(model, batch, context) / bandwidth
-    print(f"{batch:>6} {context:>8} {1e3 * wall:>9.2f} {1e3 * forward:>8.2f} {batch / wall:>9.1f} "
+    print(f"{variant:>8} {batch:>6} {context:>8} {1e3 * wall:>9.2f} {1e3 * forward:>8.2f} {batch / wall:>9.1f} "
           f"{1e3 * roof:>12.3f} {roof / wall:>8.1%} {1e3 * replay:>10.2f} {roof / replay:>10.1%}", flush=True)
     return {"batch": batch, "context": context, "step_s": wall, "forward_s": forward, "tokens_per_s": batch / wall,
             "roofline_step_s": roof, "fraction_of_roofline": roof / wall, "forward_fraction_of_roofline": roof / forward,
             "replay_s": replay, "replay_fraction_of_roofline": roof / replay,
+            "critical_path_us": path, "variant": variant,
             "loop": f"rank ({engine_loop_missing()})" if engine_loop_missing() else "engine"}
 
 
-SWEEP_HEADER = (f"{'batch':>6} {'context':>8} {'step ms':>9} {'fwd ms':>8} {'tok/s':>9} {'roofline ms':>12} "
+SWEEP_HEADER = (f"{'variant':>8} {'batch':>6} {'context':>8} {'step ms':>9} {'fwd ms':>8} {'tok/s':>9} {'roofline ms':>12} "
                 f"{'of roof':>8} {'replay ms':>10} {'replay/roof':>10}")
 
 

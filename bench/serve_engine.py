@@ -13,6 +13,7 @@ for every row, which would route the whole batch to four experts).
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 from collections.abc import Callable
 
@@ -23,7 +24,7 @@ from bench.serve_rank import Rank, sync
 from bench.serve_streams import StreamLoop
 from k3.v1 import common_pb2
 from k3core.cache.manager import PrefixCacheManager
-from services.engine import sampler
+from services.engine import decode_overlap, sampler
 from services.engine.engine import Engine
 from services.engine.executor import Executor
 from services.engine.heap import freeze_startup_heap, release_startup_heap
@@ -61,12 +62,18 @@ class GcPauses:
 
 class StepClock:
     """Per step: from the moment the previous step's tokens are on the host (the device has nothing left to
-    run) to the end of this step's launched forward: CUDA events on a GPU, wall time on the CPU."""
+    run) to the end of this step's launched forward ("fwd"), and the critical path around it split in four
+    (`critical_path`): CUDA events on a GPU (one clock for host and device: an event recorded while the GPU
+    idles fires about when the host records it), wall time on the CPU."""
 
     def __init__(self) -> None:
         self.cuda = torch.cuda.is_available()
-        self._start: object | None = None
-        self.pairs: list[tuple[object, object]] = []
+        self._ready: object | None = None
+        self._prelaunch: object | None = None
+        self._host_launch = 0.0
+        # per launched step: [tokens ready, before the launch call, after the forward, after its draw's copy]
+        self.steps: list[list[object]] = []
+        self.launch_host_s: list[float] = []  # host seconds inside the launch call
 
     def _mark(self) -> object:
         if not self.cuda:
@@ -75,18 +82,65 @@ class StepClock:
         event.record()
         return event
 
+    def _elapsed(self, start: object, end: object) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start  # type: ignore[union-attr,operator]
+
     def tokens_ready(self) -> None:
-        self._start = self._mark()
+        self._ready = self._mark()
+
+    def launching(self) -> None:
+        self._prelaunch = self._mark()
+        self._host_launch = time.perf_counter()
 
     def launched(self) -> None:
-        if self._start is not None:
-            self.pairs.append((self._start, self._mark()))
-            self._start = None
+        if self._ready is not None and self._prelaunch is not None:
+            self.launch_host_s.append(time.perf_counter() - self._host_launch)
+            self.steps.append([self._ready, self._prelaunch, self._mark()])
+        self._ready = self._prelaunch = None
+
+    def sampled(self) -> None:
+        """After the draw of the last launched step was queued (its tokens' copy to the host included)."""
+        if self.steps and len(self.steps[-1]) == 3:
+            self.steps[-1].append(self._mark())
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.launch_host_s.clear()
 
     def median_seconds(self) -> float:
         sync()
-        times = sorted(s.elapsed_time(e) / 1e3 if self.cuda else e - s for s, e in self.pairs)  # type: ignore[union-attr,operator]
+        times = sorted(self._elapsed(ready, end) for ready, _, end, *_ in self.steps)
         return times[len(times) // 2] if times else float("nan")
+
+    def critical_path(self, replay_s: float) -> dict[str, float]:
+        """Median microseconds of each part of the device's idle path between two forwards (consecutive
+        launched steps): the draw (its kernels and the tokens' copy, after the forward), the host's wake-up
+        (from the copy to the tokens read on the host), the host's work to the launch, and the launch (from
+        the launch call to the forward's end, less one graph replay); the launch call's own host time; the
+        device-clock cycle's median and mean (a mean above the median: outlier steps)."""
+        sync()
+        parts: dict[str, list[float]] = {"draw": [], "wake": [], "to_launch": [], "launch": [], "cycle": []}
+        for before, this in zip(self.steps, self.steps[1:], strict=False):
+            if len(before) < 4:
+                continue
+            ready, prelaunch, end = this[:3]
+            parts["draw"].append(self._elapsed(before[2], before[3]))
+            parts["wake"].append(self._elapsed(before[3], ready))
+            parts["to_launch"].append(self._elapsed(ready, prelaunch))
+            parts["launch"].append(self._elapsed(prelaunch, end) - (replay_s if replay_s == replay_s else 0.0))
+            parts["cycle"].append(self._elapsed(before[2], end))
+        out = {f"{name}_us": 1e6 * statistics.median(v) for name, v in parts.items() if v}
+        if parts["cycle"]:
+            out["cycle_mean_us"] = 1e6 * statistics.fmean(parts["cycle"])
+        if self.launch_host_s:
+            out["launch_call_us"] = 1e6 * statistics.median(self.launch_host_s)
+        return out
+
+
+def critical_path_line(path: dict[str, float]) -> str:
+    names = ("draw", "wake", "to_launch", "launch", "launch_call", "cycle", "cycle_mean")
+    return "  critical path (median us): " + ", ".join(f"{n} {path[n + '_us']:.1f}" for n in names
+                                                         if n + "_us" in path)
 
 
 def build_engine(rank: Rank, batch: int) -> Engine:
@@ -118,28 +172,36 @@ def admit(engine: Engine, rank: Rank, rids: list[str], prompts: list[list[int]],
         rank.manager.append_tokens(rid, req.output)
 
 
-def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tuple[float, float]:
-    """(wall seconds per engine step, median seconds from one step's tokens on the host to the end of the
-    next step's forward) of a request per rid at `context` tokens, left running in the pool (`Rank.finish`)."""
+def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tuple[float, StepClock]:
+    """(wall seconds per engine step, the steps' `StepClock`) of a request per rid at `context` tokens, left
+    running in the pool (`Rank.finish`)."""
     prompts = rank.fill(rids, context)
     streams, clock = StreamLoop(), StepClock()
     engine = build_engine(rank, len(rids))
     admit(engine, rank, rids, prompts, streams)
     fed = [0]
     result, launch = sampler.SampledTokens.array, rank.fast.launch if rank.fast is not None else None
+    draw = decode_overlap.sample_rows_async
 
     def fed_tokens(handle: sampler.SampledTokens) -> np.ndarray:
         drawn = result(handle)
         clock.tokens_ready()
         fed[0] += 1
-        return np.array(rank.next_tokens(len(drawn), fed[0]), dtype=np.int64)
+        return rank.next_token_array(len(drawn), fed[0])
 
     def timed_launch(*args) -> torch.Tensor:
+        clock.launching()
         logits = launch(*args)  # type: ignore[misc]
         clock.launched()
         return logits
 
+    def timed_draw(*args) -> sampler.SampledTokens:
+        tokens = draw(*args)
+        clock.sampled()
+        return tokens
+
     sampler.SampledTokens.array = fed_tokens  # type: ignore[method-assign]
+    decode_overlap.sample_rows_async = timed_draw
     if rank.fast is not None:  # else the reference layers run (fwd stays NaN)
         rank.fast.launch = timed_launch  # type: ignore[method-assign]
     frozen = False
@@ -147,7 +209,7 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
         run(engine._step, 3)  # captures this bucket's graph, then warm
         freeze_startup_heap()  # as `Engine.start` does after a worker's warm-up (no full GC pass mid-run)
         frozen = True
-        clock.pairs.clear()
+        clock.clear()
         sync()
         started = time.perf_counter()
         with GcPauses() as pauses:
@@ -158,6 +220,7 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
         print(f"  batch {len(rids)}: {pauses}", flush=True)
     finally:
         sampler.SampledTokens.array = result  # type: ignore[method-assign]
+        decode_overlap.sample_rows_async = draw
         if rank.fast is not None:
             del rank.fast.launch
         streams.close()
@@ -165,7 +228,7 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
         if frozen:  # as `Engine.stop` does: this row's engine must not outlive it
             release_startup_heap()
     assert all(len(engine.requests[r].output) == 4 + steps for r in rids), "a row missed a step"
-    return wall, clock.median_seconds()
+    return wall, clock
 
 
 def run(step: Callable[[], None], count: int) -> None:

@@ -69,7 +69,7 @@ def peer_row(peer: torch.nn.Module, rank: Rank, args: argparse.Namespace, batch:
             token = torch.tensor(rank.next_tokens(batch, step), device=args.device)[:, None]
         sync()
     peer_s = (time.perf_counter() - started) / args.peer_steps
-    ours_s, _, _ = decode_row(rank, batch, args.peer_context, args.peer_steps, "peer")
+    ours_s, *_ = decode_row(rank, batch, args.peer_context, args.peer_steps, "peer")
     print(f"peer kimi_linear ({name}) batch {batch} ctx {args.peer_context}: {1e3 * peer_s:.2f} ms/step, "
           f"ours {1e3 * ours_s:.2f} ms/step: {peer_s / ours_s:.1f}x")
     return {"batch": batch, "context": args.peer_context, "peer_step_s": peer_s, "ours_step_s": ours_s,

@@ -9,6 +9,7 @@ import argparse
 import math
 import time
 
+import numpy as np
 import torch
 
 from k3core.cache.checkpoints import CheckpointPolicy
@@ -125,7 +126,12 @@ class Rank:
         """The tokens fed back: one pseudo-random id per row and step. (The greedy argmax of random weights
         is the same token for every row, so every row would route to the same few experts; a trained
         model's batch spreads over them, which is what the roofline assumes.)"""
-        return [(104729 * (step + 1) + 7919 * row) % self.vocab + 1 for row in range(batch)]
+        return self.next_token_array(batch, step).tolist()
+
+    def next_token_array(self, batch: int, step: int) -> np.ndarray:
+        """`next_tokens` as an int64 array (the engine loop's feed: one vectorised expression, since it runs
+        between the tokens' arrival and the next launch)."""
+        return (104729 * (step + 1) + 7919 * np.arange(batch, dtype=np.int64)) % self.vocab + 1
 
     def begin_step(self, rids: list[str], tokens: list[int]) -> None:
         """Append each row's token and reserve its slot: the executor's calls before a decode forward."""

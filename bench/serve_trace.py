@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"model {args.model} on {device}; fast path {result['fast_path']}, graphs {result['cuda_graphs']}, "
           f"overlap {result['decode_overlap']}", flush=True)
     for batch in args.batches:
-        wall, forward, replay = decode_row(rank, batch, args.context, args.row_steps, "row")
+        wall, forward, replay, path = decode_row(rank, batch, args.context, args.row_steps, "row")
         print(f"batch {batch} ctx {args.context}: step {1e3 * wall:.3f} ms, fwd {1e3 * forward:.3f} ms, replay "
               f"{1e3 * replay:.3f} ms (bench.serve's row, untraced, {args.row_steps} steps)", flush=True)
         trace_path = out.with_name(f"{out.stem}_b{batch}_c{args.context}.json.gz")
@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"GPU ops recorded per step: {1e3 * busy:.3f} ms = {recorded:.0%} of the replay"
                   + ("" if recorded > 0.8 else ": KERNELS MISSING from the trace, its gaps are not idle time"))
         result["rows"].append({"batch": batch, "step_s": wall, "forward_s": forward, "replay_s": replay,
-                               "recorded_of_replay": recorded, "trace": str(trace_path), **summary})
+                               "critical_path_us": path, "recorded_of_replay": recorded, "trace": str(trace_path),
+                               **summary})
         out.write_text(json.dumps(result, indent=1))
     return result
 

@@ -7,11 +7,18 @@ host-to-device copy from a pinned staging buffer, and its output is a static log
 the next replay. Capture
 warms up on a side stream first (Triton compiles there) with every row pointing at the scratch pages, so
 neither the warm-up nor the capture touches a request's state.
+
+The staging copy is captured as the graph's first node where torch can record an event inside a graph
+(`torch.cuda.Event(external=True)`: an event-record node right after the copy, so `staging` still waits
+for the copy alone, not for the forward): a launch is then one `cudaGraphLaunch`, the host's last call
+before the device starts the step. K3_GRAPH_INPUT_COPY=0 copies and records outside the graph instead.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +27,8 @@ import torch
 
 from services.engine.decode_inputs import DecodeInputBuilder, DecodeInputs
 
+log = logging.getLogger(__name__)
+COPY_ENV = "K3_GRAPH_INPUT_COPY"  # "0": the staging copy and its event outside the graph
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -28,8 +37,9 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     device_inputs: torch.Tensor
     host_inputs: torch.Tensor  # pinned
-    copied: torch.cuda.Event
+    copied: torch.cuda.Event  # the staging image's copy has landed (an event-record node when in the graph)
     logits: torch.Tensor
+    copy_in_graph: bool = False  # the graph's replay copies the staging image and records `copied` itself
 
 
 class DecodeGraphs:
@@ -41,6 +51,7 @@ class DecodeGraphs:
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
         self.pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, _Captured] = {}
+        self.copy_in_graph = os.environ.get(COPY_ENV, "1") != "0"
 
     def bucket(self, batch: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
@@ -55,8 +66,9 @@ class DecodeGraphs:
     def launch(self, batch: int) -> torch.Tensor:
         """Copy the bucket's filled staging image to the graph's inputs and replay; logits [batch, V]."""
         captured = self._get(self.bucket(batch))
-        captured.device_inputs.copy_(captured.host_inputs, non_blocking=True)
-        captured.copied.record()
+        if not captured.copy_in_graph:
+            captured.device_inputs.copy_(captured.host_inputs, non_blocking=True)
+            captured.copied.record()
         captured.graph.replay()
         return captured.logits[:batch]
 
@@ -74,10 +86,24 @@ class DecodeGraphs:
             for _ in range(2):
                 self.forward(inputs)
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.forward(inputs)
-        captured = _Captured(graph, device_inputs, host, torch.cuda.Event(), logits)
+        captured = None
+        if self.copy_in_graph:
+            try:
+                captured = self._capture(inputs, host, copy_in_graph=True)
+            except (RuntimeError, TypeError) as exc:  # a torch without external events or pinned copies in graphs
+                log.warning("decode graphs: the staging copy stays outside the graph (%s)", exc)
+                self.copy_in_graph = False
+        captured = captured or self._capture(inputs, host, copy_in_graph=False)
         captured.copied.record()
         self._graphs[size] = captured
         return captured
+
+    def _capture(self, inputs: DecodeInputs, host: torch.Tensor, copy_in_graph: bool) -> _Captured:
+        graph = torch.cuda.CUDAGraph()
+        copied = torch.cuda.Event(external=True) if copy_in_graph else torch.cuda.Event()
+        with torch.cuda.graph(graph, pool=self.pool):
+            if copy_in_graph:
+                inputs.flat.copy_(host, non_blocking=True)
+                copied.record()
+            logits = self.forward(inputs)
+        return _Captured(graph, inputs.flat, host, copied, logits, copy_in_graph)

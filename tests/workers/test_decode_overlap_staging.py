@@ -6,12 +6,15 @@ step's `prepare`) are never exercised by test_decode_overlap.py. Here a STAND-IN
 the real `staging` / `launch` (bucket padding, one pinned-like image per bucket) with the eager forward
 as its "replay", and its copy-landed event checks the ordering rule of a non-blocking copy: nothing writes
 a bucket's image between its launch and the next `staging` of that bucket (the event's synchronize), else
-the device could read half-overwritten inputs. Oracle: the plain loop's streams, pages and states
+the device could read half-overwritten inputs. Both forms of the copy: outside the graph (`launch` copies
+and records) and inside it (the "replay" copies and records first, as the captured copy and event-record
+nodes do). Oracle: the plain loop's streams, pages and states
 (`_compare`), both engines on the stand-in so that the forwards' shapes are the same.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.engine.cuda_graphs import DecodeGraphs, _Captured
@@ -44,9 +47,10 @@ class StagedGraphs(DecodeGraphs):
     """STAND-IN for the CUDA graphs on CPU: `DecodeGraphs.staging` / `launch` as they are; a bucket's
     "graph" is the eager forward over its device-side inputs, into a static logits tensor."""
 
-    def __init__(self, scripted: ScriptedEngine, buckets: tuple[int, ...]) -> None:
+    def __init__(self, scripted: ScriptedEngine, buckets: tuple[int, ...], copy_in_graph: bool) -> None:
         fast = scripted.engine.executor.fastpath
         self.forward, self.builder, self.device = fast.decoder.forward, fast.builder, torch.device("cpu")
+        self.copy_in_graph = copy_in_graph
         self.buckets, self._graphs, self.hazards = sorted(buckets), {}, []
         self.launches: list[int] = []  # bucket of each launch
 
@@ -57,17 +61,24 @@ class StagedGraphs(DecodeGraphs):
             device_inputs = host.clone()
             inputs = self.builder.view(device_inputs, size)
             logits = self.forward(inputs).clone()
+            copied = _CopyLanded(host, self.hazards)
 
             def run() -> None:
+                if self.copy_in_graph:  # the graph's first nodes: the staging copy, then its event
+                    device_inputs.copy_(host)
+                    copied.record()
                 self.launches.append(size)
                 logits.copy_(self.forward(inputs))
-            self._graphs[size] = _Captured(_Replay(run), device_inputs, host,  # type: ignore[arg-type]
-                                           _CopyLanded(host, self.hazards), logits)  # type: ignore[arg-type]
+            self._graphs[size] = _Captured(_Replay(run), device_inputs, host, copied, logits,  # type: ignore[arg-type]
+                                           self.copy_in_graph)
         return self._graphs[size]
 
 
-def _staged(scripted: ScriptedEngine) -> None:
-    scripted.engine.executor.fastpath.graphs = scripted.graphs = StagedGraphs(scripted, (1, 2, 4, 8))
+def _staged(copy_in_graph: bool):
+    def watch(scripted: ScriptedEngine) -> None:
+        graphs = StagedGraphs(scripted, (1, 2, 4, 8), copy_in_graph)
+        scripted.engine.executor.fastpath.graphs = scripted.graphs = graphs
+    return watch
 
 
 def _check(plain: ScriptedEngine, overlap: ScriptedEngine) -> None:
@@ -76,7 +87,8 @@ def _check(plain: ScriptedEngine, overlap: ScriptedEngine) -> None:
         assert scripted.graphs.launches and not scripted.graphs.hazards
 
 
-def test_stops_and_block_crossings_with_reused_staging_images_give_the_plain_streams(nano):  # noqa: F811
+@pytest.mark.parametrize("copy_in_graph", [False, True])
+def test_stops_and_block_crossings_with_reused_staging_images_give_the_plain_streams(nano, copy_in_graph):  # noqa: F811
     # 5 -> 4 -> 3 rows (buckets 8, 4, 4: compaction into another bucket's image and into the same one), rows
     # crossing into their second 80-token block while another stops, one sampled row
     vocab = nano.config.vocab_size
@@ -86,16 +98,17 @@ def test_stops_and_block_crossings_with_reused_staging_images_give_the_plain_str
                 ("r3", 76, options(vocab, temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)),
                 ("r4", 9, options(vocab, max_tokens=8, ignore_eos=True))]
     script = {0: [("add", rid, _prompt(i, n), o) for i, (rid, n, o) in enumerate(requests)]}
-    plain, overlap = _compare(nano, script, watch=_staged, budget=512)
+    plain, overlap = _compare(nano, script, watch=_staged(copy_in_graph), budget=512)
     _check(plain, overlap)
     assert {4, 8} <= set(overlap.graphs.launches)
 
 
-def test_cancellation_and_arrivals_with_reused_staging_images(nano):  # noqa: F811
+@pytest.mark.parametrize("copy_in_graph", [False, True])
+def test_cancellation_and_arrivals_with_reused_staging_images(nano, copy_in_graph):  # noqa: F811
     vocab = nano.config.vocab_size
     greedy = options(vocab, max_tokens=10, ignore_eos=True)
     script = {0: [("add", "a", _prompt(0, 6), greedy), ("add", "b", _prompt(1, 20), greedy),
                   ("add", "f", _prompt(4, 11), greedy)],
               2: [("add", "c", _prompt(2, 3), options(vocab, temperature=0.7, seed=9, max_tokens=8))],
               4: [("cancel", "b")], 5: [("add", "d", _prompt(3, 12), greedy)], 6: [("add", "e", [3], greedy)]}
-    _check(*_compare(nano, script, watch=_staged))
+    _check(*_compare(nano, script, watch=_staged(copy_in_graph)))
