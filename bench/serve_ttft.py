@@ -12,6 +12,10 @@ restore copies), forward, and step commit (snapshot of the new prompt end). Each
 tokens, so no row hits another's. With two or more prefix sizes at one increment, the uncached time is fit
 as a*P + b*P^2 (the MLA attention is quadratic) and the hit as c + d*P, and both are extrapolated to
 `--extrapolate` tokens (the K3 report's 400K-token prefix).
+`--compare` measures every row twice in one process, first as before session 6 (`before`: the reference
+layers for the whole prefill forward, MLA values unpadded, so SDPA's memory-efficient kernel), then as now
+(`after`: services/engine/fast_prefill.py, flash attention); `--check` compares the two forms' logits of
+one uncached prompt.
 """
 
 from __future__ import annotations
@@ -19,15 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
 from bench.serve_rank import Rank, random_model, sync
+from k3core.layers import mla
 from k3core.model import K3Model
 from k3core.presets import preset
 
@@ -155,6 +162,34 @@ def extrapolate(rows: list[dict], target: int) -> dict | None:
             "hit_s": hit, "speedup": uncached / hit}
 
 
+@contextmanager
+def prefill_form(before: bool) -> Iterator[None]:
+    """The prefill as before session 6 (`before`) or as now; see the module docstring."""
+    env, padded = os.environ.get("K3_PREFILL_FASTPATH"), mla.PAD_VALUES_FOR_FLASH
+    os.environ["K3_PREFILL_FASTPATH"], mla.PAD_VALUES_FOR_FLASH = ("0", False) if before else ("1", True)
+    try:
+        yield
+    finally:
+        mla.PAD_VALUES_FOR_FLASH = padded
+        if env is None:
+            del os.environ["K3_PREFILL_FASTPATH"]
+        else:
+            os.environ["K3_PREFILL_FASTPATH"] = env
+
+
+def form_check(rank: Rank, length: int) -> dict[str, float | bool]:
+    """Last-token logits of one prompt shorter than a hash block (never cached), before and after."""
+    prompt = [(37 * j) % rank.vocab + 1 for j in range(length)]
+    logits = []
+    for k, before in enumerate((True, False)):
+        with prefill_form(before):
+            _prefill(rank, f"check{k}", prompt)
+        logits.append(rank.last_logits.float())
+    diff = (logits[0] - logits[1]).abs().max().item()
+    return {"max_abs_diff": diff, "scale": logits[0].abs().max().item(),
+            "same_argmax": bool(logits[0].argmax() == logits[1].argmax())}
+
+
 def prefix_tokens(length: int, row: int, vocab: int) -> list[int]:
     """A prefix of its own per row (the first token already differs, so no row hits another's cache)."""
     return [(11 * j + 17 * row) % vocab + 1 for j in range(length)]
@@ -171,6 +206,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=8192, help="prefill tokens per forward")
     parser.add_argument("--extrapolate", type=int, default=400_000)
     parser.add_argument("--time-limit", type=float, default=300.0, help="skip rows that would start after this")
+    parser.add_argument("--compare", action="store_true", help="each row before and after session 6's prefill")
+    parser.add_argument("--check", action="store_true", help="the two prefill forms' logits of one prompt")
     parser.add_argument("--out", default="bench/results/serve_ttft.json")
     args = parser.parse_args()
     increments = args.increment * len(args.prefix) if len(args.increment) == 1 else args.increment
@@ -189,21 +226,30 @@ def main() -> None:
     result: dict = {"model": args.model, "device": f"{device}, torch {torch.__version__}", "dtype": str(dtype),
                     "gemm_flops_per_s": peak, "rows": [], "skipped": []}
     print(f"{args.model} on {device} ({dtype}); dense matmul {peak / 1e12:.0f} TFLOP/s measured (the roofline)")
-    print(f"{'prefix':>8} {'incr':>6} {'1st prefill':>11} {'again':>7} {'uncached':>9} {'roof':>7} {'hit cold':>9} "
+    if args.check:
+        result["check"] = form_check(rank, args.hash_block - 3)
+        print("before / after logits of one uncached prompt:", result["check"])
+    forms = ("before", "after") if args.compare else (None,)
+    print(f"{'form':>6} {'prefix':>8} {'incr':>6} {'1st prefill':>11} {'again':>7} {'uncached':>9} {'roof':>7} {'hit cold':>9} "
           f"{'hit warm':>9} {'roof':>7} {'ratio':>6} {'work':>6}  hit split (admission / forward / commit ms)")
-    for row, (length, increment) in enumerate(zip(args.prefix, increments, strict=True)):
+    cases = [(length, increment, form) for length, increment in zip(args.prefix, increments, strict=True)
+             for form in forms]
+    for row, (length, increment, form) in enumerate(cases):
         if time.perf_counter() - began > args.time_limit:
-            result["skipped"].append(f"prefix {length} increment {increment}")
+            result["skipped"].append(f"prefix {length} increment {increment} {form or ''}")
             continue
-        r = ttft(rank, prefix_tokens(length, row, rank.vocab), increment, row, peak)
+        with prefill_form(form == "before") if form else nullcontext():
+            r = ttft(rank, prefix_tokens(length, row, rank.vocab), increment, row, peak)
+        r["form"] = form
         split = " / ".join(f"{1e3 * v:.1f}" for v in r["hit_split"].values())
-        print(f"{length:>8} {increment:>6} {r['warmup_s']:>10.3f}s {r['warmup_again_s']:>6.3f}s "
+        print(f"{form or '':>6} {length:>8} {increment:>6} {r['warmup_s']:>10.3f}s {r['warmup_again_s']:>6.3f}s "
               f"{r['uncached_s']:>8.3f}s {r['uncached_roof_s']:>6.3f}s {r['hit_cold_s']:>8.3f}s "
               f"{r['hit_warm_s']:>8.3f}s {r['hit_roof_s']:>6.3f}s {r['speedup']:>5.0f}x {r['work_ratio']:>5.0f}x  "
               f"{split}", flush=True)
         result["rows"].append(r)
         save(args.out, result)
-    e = result["extrapolated"] = extrapolate(result["rows"], args.extrapolate) if result["rows"] else None
+    rows = [r for r in result["rows"] if r["form"] in (None, "after")]
+    e = result["extrapolated"] = extrapolate(rows, args.extrapolate) if rows else None
     if e:
         end = e["prefix"] + e["increment"]
         e["work_ratio"] = prompt_flops(model, 0, end, args.budget) / prompt_flops(model, e["prefix"], end, args.budget)

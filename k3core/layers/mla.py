@@ -19,6 +19,8 @@ from k3core.layers.batch import BatchLayout
 from k3core.layers.norm import RMSNorm
 from k3core.ops.mla import causal_mask, mla_attention_absorbed, mla_attention_naive, sigmoid_output_gate
 
+PAD_VALUES_FOR_FLASH = True  # False: the memory-efficient kernel of unpadded values (bench.serve_ttft's --before)
+
 
 class GatedMLA(nn.Module):
     def __init__(self, config: K3Config, mla_index: int) -> None:
@@ -60,13 +62,18 @@ class GatedMLA(nn.Module):
         kv = F.linear(latent[:, : self.rank], self.kv_b_proj.weight).view(latent.shape[0], self.heads, -1)
         k_pe = latent[:, None, self.rank :].expand(-1, self.heads, -1)
         keys = torch.cat([kv[..., : self.nope], k_pe], dim=-1).transpose(0, 1)
-        values = kv[..., self.nope :].transpose(0, 1)
+        values = kv[..., self.nope :]
+        if PAD_VALUES_FOR_FLASH and q.dtype in (torch.float16, torch.bfloat16):
+            # SDPA's flash kernel takes one head dim for q, k and v (else the memory-efficient one runs): the
+            # values' zero columns add nothing to the output and cost 20 % more FLOPs, against 1.7-1.9x the
+            # speed at 8K x 32K and 4K x 135K on the H200 (session 6, .device exploration in docs/serving.md)
+            values = F.pad(values, (0, keys.shape[-1] - self.v_dim))
         mask = causal_lower_right(q.shape[0], latent.shape[0])
         # 4-D (a batch of one): SDPA's fused kernels take only 4-D inputs. A 3-D call fell back to the math
         # path, which materialises the mask and float32 scores [H, T, S] (17 GB at T=8K, S=32K on mini).
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                                           scale=self.scale)
-        return o[0].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values.transpose(0, 1)[None],
+                                           attn_mask=mask, scale=self.scale)
+        return o[0, ..., : self.v_dim].transpose(0, 1)
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, cache: BatchCache) -> torch.Tensor:
         q = self.queries(x)

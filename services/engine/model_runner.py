@@ -18,6 +18,7 @@ from k3core.weights.checkpoint import load_checkpoint
 from services.engine.decode_fastpath import DecodeFastPath, fastpath_wanted
 from services.engine.fast_decoder import FastDecoder
 from services.engine.fast_ffn import MoeDecode
+from services.engine.fast_prefill import FastPrefill, prefill_fastpath_enabled
 from services.engine.tensor_parallel import shard_model
 
 if TYPE_CHECKING:  # not at run time: the config pulls in the service runtime (gRPC health, etcd), which
@@ -68,14 +69,18 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_batch = max_batch
         self.prefill_moe: list[tuple[SparseMoE, MoeDecode]] = []  # set with the decode fast path
+        self.fast_prefill: FastPrefill | None = None  # likewise
 
     def decode_fastpath(self, manager: PrefixCacheManager, tp_size: int) -> DecodeFastPath | None:
         """The decode fast path over `manager`'s pool where it applies (CUDA, any TP; see fastpath_wanted).
-        Its grouped MoE forms then also run the MoE layers of prefill forwards (`prefill_moe_forms`)."""
+        On an unsharded rank its forms then also run prefill forwards (`FastPrefill`, where every MoE form is
+        grouped), or, with K3_PREFILL_FASTPATH=0, the MoE layers of the reference prefill (`prefill_moe_forms`)."""
         if not fastpath_wanted(self.device, tp_size) or manager.store is None:
             return None
         fast = DecodeFastPath(self.model, manager, max_model_len=self.max_model_len, max_batch=self.max_batch)
         self.prefill_moe = prefill_moe_forms(self.model, fast.decoder) if tp_size == 1 else []
+        applies = tp_size == 1 and FastPrefill.applies(fast.decoder)
+        self.fast_prefill = FastPrefill(fast.decoder) if applies else None
         return fast
 
     @torch.no_grad()
@@ -83,8 +88,13 @@ class ModelRunner:
         """Logits [B, V] (float32) at the last new token of each sequence of the batch. A batch with a
         prefill chunk runs the MoE layers in their fast forms: the reference loops over experts with a
         device sync each (15 ms a layer on an H200 whatever the chunk size, 240 ms of a 512-token forward
-        of mini); decode-only batches keep the reference layers, the fast path's oracle."""
+        of mini); decode-only batches keep the reference layers, the fast path's oracle. With the fast path's
+        `FastPrefill` (unsharded ranks) a prefill batch runs that instead: a fraction of the reference's kernel
+        launches, which set the pace of a short chunk (services/engine/fast_prefill.py)."""
         flat = [t for tokens in token_ids for t in tokens]
         tokens = torch.tensor(flat, dtype=torch.long, device=self.device)
-        with installed(self.prefill_moe if len(flat) > len(token_ids) else []):
+        prefill = len(flat) > len(token_ids)
+        if prefill and self.fast_prefill is not None and prefill_fastpath_enabled():
+            return self.fast_prefill.forward(tokens, cache).float()
+        with installed(self.prefill_moe if prefill else []):
             return self.model(tokens, cache, logits_for="last").float()

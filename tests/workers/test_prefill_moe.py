@@ -1,6 +1,6 @@
 """Prefill forwards of the runner run the MoE layers in the decode fast path's grouped forms
 (`model_runner.prefill_moe_forms`): same logits as the reference layers (the oracle: k3core's model on its
-contiguous cache), the forms are really used, decode-only batches keep the reference, and the layers are
+contiguous cache), the forms are really used (with the prefill fast path off: K3_PREFILL_FASTPATH=0), decode-only batches keep the reference, and the layers are
 left as they were, also when the forward raises."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Counting:
 @pytest.fixture
 def setup(monkeypatch):
     monkeypatch.setenv("K3_DECODE_FASTPATH", "1")  # the fast path (and its MoE forms) on the CPU too
+    monkeypatch.setenv("K3_PREFILL_FASTPATH", "0")  # the reference prefill (else services.engine.fast_prefill)
     model = build_reference("nano", seed=5)
     layout = plan_layout(shape_from_config(model.config, "nano"), 1, conv_dtype=torch.float32,
                          mla_dtype=torch.float32, hash_block_tokens=16)

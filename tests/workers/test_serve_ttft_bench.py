@@ -6,6 +6,7 @@ uncached prompt's (its size is `prompt_flops`' own arithmetic, not checked here)
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from bench import serve_ttft
@@ -21,3 +22,24 @@ def test_ttft_bench_runs_and_the_hit_serves_the_whole_prefix(tmp_path, monkeypat
     assert row["prefix"] == 128 and row["increment"] == 32
     assert row["hit_tokens"] == 128  # the whole (hash-aligned) prefix came from the cache
     assert 0 < row["hit_tflop"] < row["uncached_tflop"]
+
+
+def test_compare_measures_each_row_in_both_forms_and_checks_their_logits(tmp_path, monkeypatch):
+    """--compare: a row per form, each with its own prefix (the `after` row's prompt is uncached too: no
+    hit on the `before` row's entries); --check: the two forms' logits agree; the forms' switches are
+    restored after each row."""
+    from k3core.layers import mla
+
+    monkeypatch.setenv("K3_DECODE_FASTPATH", "1")  # the fast path, and with it the fast prefill, on the CPU
+    monkeypatch.delenv("K3_PREFILL_FASTPATH", raising=False)
+    out = tmp_path / "ttft.json"
+    monkeypatch.setattr(sys, "argv", ["serve_ttft", "--model", "nano", "--device", "cpu", "--prefix", "64",
+                                      "--increment", "16", "--hash-block", "32", "--num-pages", "100",
+                                      "--budget", "64", "--compare", "--check", "--out", str(out)])
+    serve_ttft.main()
+    result = json.loads(out.read_text())
+    assert [r["form"] for r in result["rows"]] == ["before", "after"]
+    assert all(r["hit_tokens"] == 64 for r in result["rows"])
+    check = result["check"]
+    assert check["same_argmax"] and check["max_abs_diff"] < 1e-3 * max(1.0, check["scale"])
+    assert mla.PAD_VALUES_FOR_FLASH and "K3_PREFILL_FASTPATH" not in os.environ
