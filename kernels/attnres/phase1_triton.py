@@ -5,11 +5,14 @@ into the logit cache (`block_logits_triton`) and the phase 1 that follows softma
 all completed blocks (`inter_triton`'s apply kernel). At decode the logits pass is a dependent launch of
 ~7 us (latency: one wave of loads, then the D chunks' reduction) in front of a ~15 us apply. Here one
 launch does both, with the same jitted functions (so the same numbers, bit for bit):
-- every program takes a ticket from an atomic counter as it starts; the first tickets do the logits work
-  items (rows tile x sites tile x D chunk), those of this phase's own sites first; then every ticket does one
-  apply work item (rows tile x D chunk), after waiting until the logits items of this phase's sites are
-  done. Tickets follow start order, so a waiting program waits only for programs that have started and
-  that wait for nothing themselves: no deadlock, whatever the GPU schedules and however few programs fit;
+- every program takes a ticket from an atomic counter as it starts; the first tickets do one logits work
+  item each (rows tile x sites tile x D chunk), those of this phase's own sites first; the later tickets
+  one apply work item each (rows tile x D chunk), after waiting until the logits items of this phase's
+  sites are done. Tickets follow start order, so a waiting program only waits for programs that have
+  started (every logits ticket is lower than its own) and that wait for nothing: no deadlock, whatever the
+  GPU schedules and however few programs fit. (Were a program to do a logits item and then wait, more
+  logits items than fit on the GPU at once would deadlock: the first wave waits for items that no slot
+  is left to run; it hung on the H200 at 514 items);
 - the logits of later phases' sites and the copy of the block into the block buffer (`copy=True`) are
   not waited for (the apply reads the newest block from its source);
 - the last program to finish sets the counters back to zero for the next launch.
@@ -44,7 +47,7 @@ if triton is not None:
     @triton.jit
     def _phase1_kernel(queries, norm_w, parts, block, new_logits, part_dots, part_sq, counters, S, M, D, CHUNK_A,
                        stride_p, stride_os, eps, blocks, given, acc_out, max_out, denom_out, N, Q, CHUNK_B,
-                       stride_gq, stride_gn, sync, copy_to, tiles_m, tiles_s, wait_s, b_rows, b_items, programs,
+                       stride_gq, stride_gn, sync, copy_to, tiles_m, tiles_s, wait_s, b_rows, programs,
                        ROLE: tl.constexpr, COPY: tl.constexpr, CHUNKS_A: tl.constexpr, HAS_NORM_W: tl.constexpr,
                        PARTS: tl.constexpr, SPLIT: tl.constexpr, BM_A: tl.constexpr, BS: tl.constexpr,
                        BD_A: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr,
@@ -55,8 +58,9 @@ if triton is not None:
         else:
             ticket = tl.program_id(0)
         per_site_tile = tiles_m * CHUNKS_A
+        logits_items = tiles_s * per_site_tile
         if ROLE != 2:
-            if ticket < tiles_s * per_site_tile:  # sites tile slowest: this phase's sites come first
+            if ticket < logits_items:  # sites tile slowest: this phase's sites come first
                 tile_s = ticket // per_site_tile
                 tile_m = ticket % per_site_tile // CHUNKS_A
                 c = ticket % CHUNKS_A
@@ -70,13 +74,14 @@ if triton is not None:
                 if COPY and tile_s == 0:
                     _copy_tile(block, copy_to, tile_m, c, M, D, CHUNK_A, BM_A, BD_A)
         if ROLE != 1:
-            if ticket < b_items:
+            item = ticket - logits_items if ROLE == 0 else ticket  # ROLE 0: the tickets after the logits items
+            if item >= 0:
                 if ROLE == 0:
                     # acquire: the loads below come after the stores the logits items released
                     while tl.atomic_add(sync + 1, 0, sem="acquire", scope="gpu") < wait_s * per_site_tile:
                         pass
                 _apply_tile(queries, norm_w, blocks, block, part_dots, part_sq, given, acc_out, max_out, denom_out,
-                            ticket % b_rows, ticket // b_rows, N, Q, M, D, CHUNK_B, stride_gq, stride_gn, eps, False,
+                            item % b_rows, item // b_rows, N, Q, M, D, CHUNK_B, stride_gq, stride_gn, eps, False,
                             True, 1, HAS_NORM_W, SPLIT, BM, BN, BQ, BD, BD, STREAM_STORES, True)
         if ROLE == 0:
             tl.debug_barrier()
@@ -125,7 +130,7 @@ def attnres_inter_with_newest(later_queries: torch.Tensor, block: torch.Tensor, 
     wait_s = triton.cdiv(Q, logits_plan.consts["BS"])  # the sites tiles holding this phase's sites
     b_rows, b_chunks = apply.apply_grid
     stats_args = (apply.blocks, apply.given, acc, top, denom, N, Q, apply.apply_chunk, *apply.given.stride()[:2], sync,
-                  blocks[N - 1].view(M, D), tiles_m, tiles_s, wait_s, b_rows, b_rows * b_chunks)
+                  blocks[N - 1].view(M, D), tiles_m, tiles_s, wait_s, b_rows)
     c = logits_plan.consts
     consts = {"COPY": copy, "CHUNKS_A": c["CHUNKS"], "HAS_NORM_W": c["HAS_NORM_W"], "PARTS": c["PARTS"],
               "SPLIT": c["SPLIT"], "BM_A": c["BM"], "BS": c["BS"], "BD_A": c["BD"], "BM": apply.consts["BM"],
@@ -137,7 +142,7 @@ def attnres_inter_with_newest(later_queries: torch.Tensor, block: torch.Tensor, 
             _phase1_kernel[(programs,)](*logits_plan.args, *stats_args, programs, ROLE=role, **consts,
                                         num_warps=num_warps)
     else:
-        programs = max(items)
+        programs = sum(items)
         _phase1_kernel[(programs,)](*logits_plan.args, *stats_args, programs, ROLE=0, **consts, num_warps=num_warps)
     rows = tuple(block.shape[:-1])
     return OnlineSoftmax(top.reshape(Q, *rows), denom.reshape(Q, *rows), acc.reshape(Q, *rows, D))

@@ -36,6 +36,8 @@ LOGITS_VARIANTS = {
     "decode": ({}, {"block_d": 128}, {"chunks": 56}, {"parts": None}),
     "prefill": ({}, {"rows": 128}, {"parts": None}),
 }
+# The one-launch phase 1 (phase1_triton): its logits items' D chunks (None: about two programs per SM).
+PHASE1_VARIANTS = {"decode": ({}, {"logits_chunks": 14}, {"logits_chunks": 56}), "prefill": ({},)}
 MID_FORWARD_SITES = 163  # K3: the sites after its first layer block (93 layers x 2 + 1 - 24)
 
 
@@ -147,15 +149,17 @@ def _cached_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple, l
                                   parts=query_parts(many_q, many_w)))
         rows.append(Row("attnres_block_logits", f"M={M},D={D},S={MID_FORWARD_SITES}", "ours(default)", ms,
                         M * D * 2 + MID_FORWARD_SITES * (M + D) * 4, note=how))
-    one = partial(phase1_triton.attnres_inter_with_newest, later_q, blocks[-1], blocks, cache, later_w, sites=SITES,
-                  parts=later_parts)
-    ours = one()
-    err = {"acc_rel": rel_err(ours.acc, ref.acc), "max_abs": max_err(ours.max, ref.max),
-           "denom_rel": rel_err(ours.denom, ref.denom)}
-    ms, how = time_ms(one)
-    rows.append(Row("attnres_inter", shape, "one launch: newest block's logits, then apply", ms,
-                    phase1_bytes(M, D, N, SITES, later), note=how, extra=err))
-    del ours
+    for kwargs in PHASE1_VARIANTS["decode" if M <= 64 else "prefill"]:
+        one = partial(phase1_triton.attnres_inter_with_newest, later_q, blocks[-1], blocks, cache, later_w,
+                      sites=SITES, parts=later_parts, **kwargs)
+        ours = one()
+        err = {"acc_rel": rel_err(ours.acc, ref.acc), "max_abs": max_err(ours.max, ref.max),
+               "denom_rel": rel_err(ours.denom, ref.denom)}
+        del ours
+        ms, how = time_ms(one)
+        label = ",".join(f"{k}={v}" for k, v in kwargs.items()) or "default"
+        rows.append(Row("attnres_inter", shape, f"one launch: newest block's logits, then apply({label})", ms,
+                        phase1_bytes(M, D, N, SITES, later), note=how, extra=err))
     for kwargs in variants:
         label = ",".join(f"{k}={v}" for k, v in kwargs.items()) or "default"
         apply = partial(inter_triton.attnres_inter, queries, blocks, norm_w, logits=cache[:SITES], **kwargs)
@@ -203,7 +207,8 @@ def phase1_rows(tokens: tuple[int, ...] = (64, 8192), forwards: tuple[str, ...] 
         blocks = torch.randn(BLOCKS, M, D, device="cuda", dtype=BF16)
         queries = torch.randn(SITES, D, device="cuda", dtype=BF16) * D**-0.5
         rows += _cached_rows(blocks, queries, ({},), ({},))
-        rows += _served_rows(f"M={M},D={D},N={BLOCKS},Q={SITES}", D, M, [(BLOCKS, SITES, SITES + 1)])
+        if M <= 64:  # the serving path is decode's
+            rows += _served_rows(f"M={M},D={D},N={BLOCKS},Q={SITES}", D, M, [(BLOCKS, SITES, SITES + 1)])
         del blocks
         torch.cuda.empty_cache()
     for name in forwards:

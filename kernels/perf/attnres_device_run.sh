@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# AttnRes phase 1 on the lent H200 in one device run (`run` with carry [".device"]; writes under $OUT):
+#  W  in parallel: the GPU tests of the three AttnRes phase-1 test files, and the bench's sections run once
+#     untimed (each compiles its Triton kernels into the shared on-disk cache: compiles, not timing, are
+#     most of a cold run);
+#  B  `bench.kernels --only attnres_phase1` alone on the GPU: copy bandwidth, old vs new, same process.
+# B runs only if the one-launch GPU test passed (a hang there is cut by T_WARM instead of eating B).
+set -u
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+START=$(date +%s)
+pip install -q --no-deps --target /tmp/site .device/wheels/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD:$PWD/protos TRITON_INTERPRET=0
+stamp() { echo "$1 rc=$2 after $(( $(date +%s) - START )) s" >> "$OUT/env.txt"; }
+python3 -c 'import sys,torch,triton;print(sys.version, torch.__version__, triton.__version__)' > "$OUT/env.txt" 2>&1
+for f in ${TESTS:-phase1 block_logits inter}; do
+  ( timeout -k 3 "${T_WARM:-35}" python3 -m pytest -p no:cacheprovider -q -m gpu "tests/kernels/test_attnres_$f.py" \
+    > "$OUT/test_$f.log" 2>&1; stamp "test $f" $? ) &
+done
+UNTIMED='import sys, kernels.perf.attnres_cases as c
+c.time_ms = lambda fn, *a, **k: (fn(), (0.0, "untimed"))[1]
+tokens, forwards = (tuple(x for x in arg.split(",") if x) for arg in sys.argv[1:3])
+c.phase1_rows(tuple(map(int, tokens)), forwards)'
+warm() {
+  local name=$1; shift
+  ( timeout -k 3 "${T_WARM:-35}" python3 -c "$UNTIMED" "$@" > "$OUT/warm_$name.log" 2>&1; stamp "warm $name" $? ) &
+}
+warm decode 64 ""
+warm prefill 8192 ""
+warm k3 "" k3
+warm mini "" mini
+wait
+if grep -q " passed" "$OUT/test_phase1.log" && ! grep -qE "failed|error" "$OUT/test_phase1.log"; then
+  timeout -k 3 "${T_BENCH:-40}" python3 -m bench.kernels --only attnres_phase1 --merge-from /nonexistent \
+    --out "$OUT/attnres_phase1.json" > "$OUT/bench.log" 2>&1
+  stamp bench $?
+fi
+cat "$OUT/env.txt"; tail -n 3 "$OUT"/test_*.log "$OUT"/warm_*.log; grep -v "^ \|^\[\|^{\|^}\|^\]" "$OUT/bench.log" | head -60
