@@ -13,6 +13,7 @@ for every row, which would route the whole batch to four experts).
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from services.engine.model_runner import ModelRunner
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager
 from services.engine.scheduler import Scheduler
+
+POLL_ENV = "K3_BENCH_TOKEN_POLL"  # "1": the bench spins on the tokens' event before the engine waits (an experiment)
 
 
 class GcPauses:
@@ -66,31 +69,41 @@ class StepClock:
     (`critical_path`): CUDA events on a GPU (one clock for host and device: an event recorded while the GPU
     idles fires about when the host records it), wall time on the CPU."""
 
-    def __init__(self) -> None:
+    def __init__(self, steps: int = 0) -> None:
         self.cuda = torch.cuda.is_available()
         self._ready: object | None = None
         self._prelaunch: object | None = None
-        self._host_launch = 0.0
+        self._host_ready = self._host_launch = 0.0
         # per launched step: [tokens ready, before the launch call, after the forward, after its draw's copy]
         self.steps: list[list[object]] = []
         self.launch_host_s: list[float] = []  # host seconds inside the launch call
+        self.waited_s: list[float] = []  # host seconds blocked on the tokens (~0: the host came late)
+        self.host_to_launch_s: list[float] = []  # host clock: tokens read -> the launch call
+        # events made ahead (4 a step): creating one on the critical path would add to what is measured
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4 * steps)] if self.cuda else []
 
     def _mark(self) -> object:
         if not self.cuda:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
+        event = self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+
+    def waited(self, seconds: float) -> None:
+        self.waited_s.append(seconds)
 
     def _elapsed(self, start: object, end: object) -> float:
         return start.elapsed_time(end) / 1e3 if self.cuda else end - start  # type: ignore[union-attr,operator]
 
     def tokens_ready(self) -> None:
         self._ready = self._mark()
+        self._host_ready = time.perf_counter()
 
     def launching(self) -> None:
         self._prelaunch = self._mark()
         self._host_launch = time.perf_counter()
+        if self._ready is not None:
+            self.host_to_launch_s.append(self._host_launch - self._host_ready)
 
     def launched(self) -> None:
         if self._ready is not None and self._prelaunch is not None:
@@ -104,8 +117,8 @@ class StepClock:
             self.steps[-1].append(self._mark())
 
     def clear(self) -> None:
-        self.steps.clear()
-        self.launch_host_s.clear()
+        for kept in (self.steps, self.launch_host_s, self.waited_s, self.host_to_launch_s):
+            kept.clear()
 
     def median_seconds(self) -> float:
         sync()
@@ -117,7 +130,8 @@ class StepClock:
         launched steps): the draw (its kernels and the tokens' copy, after the forward), the host's wake-up
         (from the copy to the tokens read on the host), the host's work to the launch, and the launch (from
         the launch call to the forward's end, less one graph replay); the launch call's own host time; the
-        device-clock cycle's median and mean (a mean above the median: outlier steps)."""
+        device-clock cycle's median and mean (a mean above the median: outlier steps); on the host clock, the
+        tokens-to-launch Python and how long the host waited for the tokens (the host was early by that)."""
         sync()
         parts: dict[str, list[float]] = {"draw": [], "wake": [], "to_launch": [], "launch": [], "cycle": []}
         for before, this in zip(self.steps, self.steps[1:], strict=False):
@@ -132,13 +146,13 @@ class StepClock:
         out = {f"{name}_us": 1e6 * statistics.median(v) for name, v in parts.items() if v}
         if parts["cycle"]:
             out["cycle_mean_us"] = 1e6 * statistics.fmean(parts["cycle"])
-        if self.launch_host_s:
-            out["launch_call_us"] = 1e6 * statistics.median(self.launch_host_s)
+        host = {"launch_call": self.launch_host_s, "host_to_launch": self.host_to_launch_s, "waited": self.waited_s}
+        out.update({f"{name}_us": 1e6 * statistics.median(v) for name, v in host.items() if v})
         return out
 
 
 def critical_path_line(path: dict[str, float]) -> str:
-    names = ("draw", "wake", "to_launch", "launch", "launch_call", "cycle", "cycle_mean")
+    names = ("draw", "wake", "to_launch", "launch", "launch_call", "host_to_launch", "waited", "cycle", "cycle_mean")
     return "  critical path (median us): " + ", ".join(f"{n} {path[n + '_us']:.1f}" for n in names
                                                          if n + "_us" in path)
 
@@ -176,15 +190,22 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
     """(wall seconds per engine step, the steps' `StepClock`) of a request per rid at `context` tokens, left
     running in the pool (`Rank.finish`)."""
     prompts = rank.fill(rids, context)
-    streams, clock = StreamLoop(), StepClock()
+    streams, clock = StreamLoop(), StepClock(steps + 8)
     engine = build_engine(rank, len(rids))
     admit(engine, rank, rids, prompts, streams)
     fed = [0]
     result, launch = sampler.SampledTokens.array, rank.fast.launch if rank.fast is not None else None
     draw = decode_overlap.sample_rows_async
 
+    poll = os.environ.get(POLL_ENV) == "1"
+
     def fed_tokens(handle: sampler.SampledTokens) -> np.ndarray:
+        waiting = time.perf_counter()
+        if poll and handle._copy is not None and handle._copy._event is not None:
+            while not handle._copy._event.query():  # spin holding the GIL: no wake-up through the CUDA wait
+                pass
         drawn = result(handle)
+        clock.waited(time.perf_counter() - waiting)
         clock.tokens_ready()
         fed[0] += 1
         return rank.next_token_array(len(drawn), fed[0])
