@@ -2,9 +2,8 @@
 
 Same wiring as `K3Model.forward` (embedding, Block AttnRes or a plain residual, final norm, LM head), but:
 attention through `fast_attention`, feed-forward through `fast_ffn`, AttnRes phase 1 per block through
-`dispatch.attnres_inter_with_newest` (one launch with the completed block's logits), and each AttnRes site's
-phase 2 fused with the sublayer's input RMSNorm (`dispatch.attnres_merge_norm`); the final site is the same
-pair of kernels, merged with the final norm.
+`dispatch.attnres_inter`, and each AttnRes site's phase 2 fused with the sublayer's input RMSNorm
+(`dispatch.attnres_merge_norm`); the final site is the same pair of kernels, merged with the final norm.
 Inputs are a `DecodeInputs` whose shapes depend on the batch size only, so one forward can be captured in a
 CUDA graph.
 """
@@ -16,7 +15,6 @@ import torch
 from k3core.cache.pool_views import PoolViews
 from k3core.layers.kda import KimiDeltaAttention
 from k3core.model import K3Model
-from k3core.ops.attnres import OnlineSoftmax
 from kernels import dispatch
 from kernels.attnres.query_parts import query_parts
 from services.engine.decode_inputs import DecodeInputs
@@ -91,20 +89,22 @@ class FastDecoder:
         n_blocks = -(-len(layers) // size) + 1
         logits = h.new_empty(n_sites, n_blocks, h.shape[0], dtype=torch.float32)
         stacked = h.new_empty(n_blocks, *h.shape)  # each completed block copied in once, not stacked per phase
-        done, partial, newest = 0, None, h  # completed blocks; the newest one, not yet copied in nor scored
+        done, partial = 0, None  # completed blocks
 
-        def phase1(first: int, sites: int) -> OnlineSoftmax:
-            """The newest block completes (copied in, its logits against the sites after it cached once), then
-            phase 1 of the next `sites` sites, from `first`: one launch."""
+        def complete(block: torch.Tensor) -> None:  # its logits against the sites after it, once
             nonlocal done
+            first = min(2 * done * size, n_sites - 1)
+            stacked[done].copy_(block)
+            dispatch.attnres_block_logits(self.site_queries[first:], block, self.site_key_norms[first:], eps,
+                                          out=logits[first:, done], parts=self.site_query_parts[:, first:])
             done += 1
-            return dispatch.attnres_inter_with_newest(
-                self.site_queries[first:], newest, stacked[:done], logits[first:, :done], self.site_key_norms[first:],
-                eps, sites=sites, parts=self.site_query_parts[:, first:], copy=True)
 
+        complete(h)
         for i, layer in enumerate(layers):
             if i % size == 0:
-                inter = phase1(2 * i, 2 * min(size, len(layers) - i))
+                here = slice(2 * i, 2 * min(i + size, len(layers)))
+                inter = dispatch.attnres_inter(self.site_queries[here], stacked[:done], self.site_key_norms[here],
+                                               eps, logits=logits[here, :done])
                 inter.acc = inter.acc.contiguous()  # the merge kernel reads each site's rows densely
             sublayers = ((layer.attn_res["attn"], layer.input_layernorm, (inp,)),
                          (layer.attn_res["mlp"], layer.post_attention_layernorm, ()))
@@ -115,12 +115,14 @@ class FastDecoder:
                     key_norm_weight=site.norm.weight, key_eps=eps, out_eps=norm.eps, out_dtype=h.dtype)
                 partial = self._sublayer(j, i, normed, partial, *args)
             if (i + 1) % size == 0:
-                newest, partial = partial, None
+                complete(partial)
+                partial = None
         if partial is not None:
-            newest = partial
-        # The final site: phase 1 and the merge with no partial sum, the merge fused with the final norm.
+            complete(partial)
+        # The final site: the same two kernels with no partial sum, its merge fused with the final norm.
         final, norm = self.model.model.attn_res_final, self.model.model.norm
-        stats = phase1(n_sites - 1, 1).row(0)
+        stats = dispatch.attnres_inter(self.site_queries[-1:], stacked[:done], self.site_key_norms[-1:], eps,
+                                       logits=logits[-1:, :done]).row(0)
         _, normed = dispatch.attnres_merge_norm(stats.max, stats.denom, stats.acc, final.query, None, norm.weight,
                                                 key_norm_weight=final.norm.weight, key_eps=eps, out_eps=norm.eps,
                                                 out_dtype=h.dtype)
