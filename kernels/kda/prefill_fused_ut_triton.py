@@ -18,25 +18,16 @@ from __future__ import annotations
 
 from kernels._triton import tl, triton
 from kernels.kda.prefill_chunk_triton import _unit_lower_inverse
-from kernels.kda.prefill_prep_triton import _conv_swish
+from kernels.kda.prefill_prep_triton import _conv_swish, _gate_cumsum
 
 if triton is not None:
-
-    @triton.jit
-    def _gate_cumsum(z, dt_bias, a_exp, lower_bound, rel, io_mask, cols):
-        """G [C, len(cols)] in log2 units: the in-chunk cumsum of lower_bound * sigmoid(e^A_log (z + b)).
-        Rows past the sequence end add 0, so G stays flat there (their k and q are zero: no factor there can
-        overflow) and G is non-increasing in the row."""
-        zt = tl.load(z + rel, mask=io_mask, other=0.0).to(tl.float32) + tl.load(dt_bias + cols).to(tl.float32)[None, :]
-        g = (lower_bound * 1.4426950408889634) * tl.sigmoid(a_exp * zt)
-        return tl.cumsum(tl.where(io_mask, g, 0.0), axis=0)
 
     @triton.jit
     def _kda_fused_ut_kernel(
         q, k, v, z, beta, conv_w, A_log, dt_bias, init_conv, cu_seqlens, chunk_seq, chunk_start,
         w_out, u_out, qg_out, kg_out, aqk_out, gc_out, akk_ws, scale, lower_bound, l2_eps,
         H, D: tl.constexpr, W: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-        HAS_CONV: tl.constexpr, F32_DOTS: tl.constexpr, DOT: tl.constexpr,
+        HAS_CONV: tl.constexpr, F32_DOTS: tl.constexpr, DOT: tl.constexpr, TAP_MAJOR: tl.constexpr,
     ):
         """Grid (chunks, H). Raw token-major [T_total, H, D] projections in (beta [T_total, H], before its
         sigmoid), the UT pass's outputs out (see prefill_chunk_triton); akk_ws [chunks, H, C, C] float32."""
@@ -55,9 +46,9 @@ if triton is not None:
         conv_q = init_conv + ((n * 3 + 0) * H + h) * D * (W - 1)
         conv_k = init_conv + ((n * 3 + 1) * H + h) * D * (W - 1)
         conv_v = init_conv + ((n * 3 + 2) * H + h) * D * (W - 1)
-        taps_q = conv_w + (0 * H + h) * D * W
-        taps_k = conv_w + (1 * H + h) * D * W
-        taps_v = conv_w + (2 * H + h) * D * W
+        taps_q = conv_w + h * D * (1 if TAP_MAJOR else W)
+        taps_k = taps_q + H * D * W
+        taps_v = taps_q + 2 * H * D * W
         HD = H * D
         NB: tl.constexpr = C // BC
         rows = tl.arange(0, C)
@@ -76,8 +67,8 @@ if triton is not None:
             cols = kb * BK + tl.arange(0, BK)
             rel = rows[:, None] * HD + cols[None, :]
             G = _gate_cumsum(z, dt_bias, a_exp, lower_bound, rel, io_mask, cols)
-            kc = _conv_swish(k, conv_k, taps_k, rows, lo, valid, cols, HD, HAS_CONV, W)
-            qc = _conv_swish(q, conv_q, taps_q, rows, lo, valid, cols, HD, HAS_CONV, W)
+            kc = _conv_swish(k, conv_k, taps_k, rows, lo, valid, cols, HD, HAS_CONV, W, TAP_MAJOR)
+            qc = _conv_swish(q, conv_q, taps_q, rows, lo, valid, cols, HD, HAS_CONV, W, TAP_MAJOR)
             ssk += tl.sum(kc * kc, axis=1)
             ssq += tl.sum(qc * qc, axis=1)
             ends = tl.min(tl.reshape(G, [NB, BC, BK]), axis=1)  # G at each sub-block's last row, [NB, BK]
@@ -105,17 +96,17 @@ if triton is not None:
             rel = rows[:, None] * HD + cols[None, :]
             G = _gate_cumsum(z, dt_bias, a_exp, lower_bound, rel, io_mask, cols)
             g_end = tl.min(G, axis=0)
-            kc = _conv_swish(k, conv_k, taps_k, rows, lo, valid, cols, HD, HAS_CONV, W) * rk[:, None]
+            kc = _conv_swish(k, conv_k, taps_k, rows, lo, valid, cols, HD, HAS_CONV, W, TAP_MAJOR) * rk[:, None]
             decay = tl.math.exp2(G)
             w_blk = tl.dot(T, (kc * decay * -bt[:, None]).to(dt), input_precision=DOT)
             tl.store(w_out + rel, w_blk.to(w_out.dtype.element_ty), mask=io_mask)
             tl.store(kg_out + rel, (kc * tl.math.exp2(g_end[None, :] - G)).to(kg_out.dtype.element_ty), mask=io_mask)
             tl.store(gc_out + cols, tl.math.exp2(g_end))
-            qc = _conv_swish(q, conv_q, taps_q, rows, lo, valid, cols, HD, HAS_CONV, W) * rq[:, None]
+            qc = _conv_swish(q, conv_q, taps_q, rows, lo, valid, cols, HD, HAS_CONV, W, TAP_MAJOR) * rq[:, None]
             tl.store(qg_out + rel, (qc * decay * scale).to(qg_out.dtype.element_ty), mask=io_mask)
         for vb in range(0, D // BK):
             cols = vb * BK + tl.arange(0, BK)
             rel = rows[:, None] * HD + cols[None, :]
-            vc = _conv_swish(v, conv_v, taps_v, rows, lo, valid, cols, HD, HAS_CONV, W)
+            vc = _conv_swish(v, conv_v, taps_v, rows, lo, valid, cols, HD, HAS_CONV, W, TAP_MAJOR)
             u_blk = tl.dot(T, (vc * bt[:, None]).to(dt), input_precision=DOT).to(u_out.dtype.element_ty)
             tl.store(u_out + rel, u_blk, mask=io_mask)

@@ -202,7 +202,7 @@ def kda_prefill_block(
     norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
     prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 3, f32_dots: bool = False,
     ut_maxnreg: int | None = 168, few_block_v: int = 16, ut_stages: int = 3, fuse_output: bool | None = None,
-    fused_warps: int = 8, fused_stages: int = 2, fuse_prep: bool = False,
+    fused_warps: int = 8, fused_stages: int = 2, prep: str = "pass", tap_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
@@ -231,8 +231,12 @@ def kda_prefill_block(
       the SMs (B=8, H=32: 256 programs) and no sequence holds over 1.25x the mean chunk count; with few of
       them (B=1, H=16) the recurrence needs its value-column split to have enough programs. fused_stages:
       its chunk loop's pipelining depth (3 needs 288 KB of shared memory on sm_90a: 2, 197 KB, fits).
-    - fuse_prep: passes 1 and 2 as one kernel (`prefill_fused_ut_triton`, ut_* tuning), the prologue
-      recomputed from the raw projections (no HBM round trip of q, k, v, G); not measured yet on the H200.
+    - prep: where pass 1 runs: "pass" (its own kernel), "in_ut" (each UT program first does its chunk's
+      prologue, writing q, k, v, G that it reads back L2-warm), "recompute" (`prefill_fused_ut_triton`: the
+      prologue recomputed in the UT pass's loops, no q, k, v, G in memory at all; ut_* tuning for both).
+    - tap_major: the conv weights transposed once per call to [3, W, H*D], so that each tap's weights for a
+      thread's channels are one vector load (channel-major, sm_90a SASS of the in_ut pass: 96 16-bit loads
+      per 16-channel step of the three streams).
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
@@ -251,6 +255,7 @@ def kda_prefill_block(
         require(initial_conv.shape == (N, 3, H, D, W - 1), f"initial_conv must be [{N}, 3, {H}, {D}, {W - 1}], "
                 f"got {tuple(initial_conv.shape)}")
     k_block = k_block or min(32, D)
+    require(prep in ("pass", "in_ut", "recompute"), f"prep must be 'pass', 'in_ut' or 'recompute', got {prep!r}")
     require(D % k_block == 0 and k_block >= 16, f"k_block must divide {D} and be >= 16, got {k_block}")
     dev = q.device
     cu, chunk_seq, chunk_start, chunk_offsets = chunk_plan(bounds, dev)
@@ -264,22 +269,27 @@ def kda_prefill_block(
     shape = {"H": H, "D": D, "C": CHUNK}
     dot = dot_precision(q.dtype)
     if n_chunks:
-        raw = (q, k, v, z, beta, conv_weight.contiguous(), A_log, dt_bias.contiguous(), conv, cu, chunk_seq,
-               chunk_start)
+        taps = conv_weight.transpose(1, 2) if tap_major else conv_weight  # [3, W, H*D] / [3, H*D, W]
+        raw = (q, k, v, z, beta, taps.contiguous(), A_log, dt_bias.contiguous(), conv, cu, chunk_seq, chunk_start)
         ws = torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32)
         ut = {**shape, "BC": SUB, "BK": k_block, "F32_DOTS": f32_dots or q.dtype == torch.float16, "DOT": dot,
               "num_warps": ut_warps, "num_stages": ut_stages, "maxnreg": ut_maxnreg}
-        if fuse_prep:
+        has_conv = initial_conv is not None
+        if prep == "recompute":
             _kda_fused_ut_kernel[(n_chunks, H)](*raw, *work, aqk, gc, ws, scale, lower_bound, l2_eps, **ut, W=W,
-                                                HAS_CONV=initial_conv is not None)
+                                                HAS_CONV=has_conv, TAP_MAJOR=tap_major)
         else:
             qn, kn, vc = (torch.empty_like(q) for _ in range(3))
             g = torch.empty(q.shape, device=dev, dtype=torch.float32)
-            beta_f = torch.empty(beta.shape, device=dev, dtype=torch.float32)
-            _kda_prep_kernel[(n_chunks, H, 3)](*raw, qn, kn, vc, g, beta_f, lower_bound, l2_eps, **shape, W=W,
-                                               HAS_CONV=initial_conv is not None, num_warps=prep_warps)
+            in_ut = prep == "in_ut"
+            beta_f = beta if in_ut else torch.empty(beta.shape, device=dev, dtype=torch.float32)
+            if not in_ut:
+                _kda_prep_kernel[(n_chunks, H, 3)](*raw, qn, kn, vc, g, beta_f, lower_bound, l2_eps, **shape, W=W,
+                                                   HAS_CONV=has_conv, TAP_MAJOR=tap_major, num_warps=prep_warps)
+            rk_ws = torch.empty(n_chunks, H, CHUNK, device=dev, dtype=torch.float32) if in_ut else ws
             _kda_chunk_ut_kernel[(n_chunks, H)](qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
-                                                ws, scale, **ut)
+                                                ws, scale, *raw[:4], *raw[5:9], rk_ws, lower_bound, l2_eps, **ut,
+                                                W=W, HAS_CONV=has_conv, PREP=in_ut, TAP_MAJOR=tap_major)
     if fuse_output is None:  # an explicit block_v asks for the split recurrence
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         fuse_output = not block_v and fuses_output(lengths, H, dev)

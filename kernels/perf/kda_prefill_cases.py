@@ -41,10 +41,11 @@ SHAPES = (
 # UT at 8 warps capped at 128 registers 1.19.
 VARIANTS = (
     ("default", {}, None),
-    # passes 1 + 2 as one kernel (None: it replaces two kernels). k_block 16: 40 B of spills under the
-    # 168 cap (3 programs per SM) where 32 spills 556 B; nocap: 255 registers, no spills, 2 per SM (sm_90a).
-    ("fused prep", {"fuse_prep": True, "k_block": 16}, None),
-    ("fused prep nocap", {"fuse_prep": True, "k_block": 16, "ut_maxnreg": None}, None),
+    # passes 1 + 2 as one kernel (None: it replaces two kernels); see kda_prefill_block's `prep`. sm_90a,
+    # 168-register cap: in_ut at k_block 16 no spills (32: 212 B), recompute 40 B (32: 556 B).
+    ("prep in ut", {"prep": "in_ut", "k_block": 16, "tap_major": True}, None),
+    ("prep recompute", {"prep": "recompute", "k_block": 16}, None),
+    ("taps", {"tap_major": True}, "_kda_prep_kernel"),
     # None: its recurrence kernel time leaves out the output pass, which the fused one includes
     ("no fuse", {"fuse_output": False}, None),
     ("ut st2", {"ut_stages": 2}, "_kda_chunk_ut_kernel"),

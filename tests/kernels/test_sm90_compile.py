@@ -198,7 +198,8 @@ CASES = {
     **{f"kda decode B={b}": lambda b=b: kda_decode(b) for b in DECODE_BATCHES},
     **{f"kda verify B={b}": lambda b=b: kda_verify(b) for b in DECODE_BATCHES},
     "kda prefill": kda_prefill,
-    "kda prefill fused prep": lambda: kda_prefill(fuse_prep=True, k_block=16),
+    **{f"kda prefill prep {p}": lambda p=p: kda_prefill(prep=p, k_block=16, tap_major=True)
+       for p in ("in_ut", "recompute")},
     **{f"mla decode B={b}": lambda b=b: mla_step(b) for b in DECODE_BATCHES},
     **{f"attnres M={m}": lambda m=m: attnres(m) for m in (*DECODE_BATCHES, PREFILL_TOKENS)},
     **{f"moe T={t}": lambda t=t: moe_step(t) for t in DECODE_BATCHES},
