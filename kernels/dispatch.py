@@ -47,8 +47,6 @@ attnres_merge_norm = _dispatcher("kernels.attnres.naive", "kernels.attnres.merge
 attnres_inter = _dispatcher("kernels.attnres.naive", "kernels.attnres.inter_triton", "attnres_inter")
 attnres_block_logits = _dispatcher("kernels.attnres.naive", "kernels.attnres.block_logits_triton",
                                    "attnres_block_logits")
-attnres_inter_with_newest = _dispatcher("kernels.attnres.naive", "kernels.attnres.phase1_triton",
-                                        "attnres_inter_with_newest")
 situ_glu_fused = _dispatcher("kernels.moe.naive", "kernels.moe.situ_glu_triton", "situ_glu_fused")
 latent_moe_decode = _dispatcher("kernels.moe.naive", "kernels.moe.latent_moe_decode_triton", "latent_moe_decode")
 moe_route = _dispatcher("kernels.fused.naive", "kernels.fused.moe_router_triton", "moe_route")

@@ -45,16 +45,3 @@ def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weight
     logits = attnres_logits(queries, block.unsqueeze(0), norm_weights, eps)[:, 0]
     return logits if out is None else out.copy_(logits)
 
-
-def attnres_inter_with_newest(later_queries: torch.Tensor, block: torch.Tensor, blocks: torch.Tensor,
-                              logits: torch.Tensor, later_norm_weights: torch.Tensor | None = None, eps: float = 1e-6,
-                              sites: int | None = None, parts: torch.Tensor | None = None, copy: bool = False,
-                              **tuning: int | None) -> OnlineSoftmax:
-    """Reference of kernels.attnres.phase1_triton.attnres_inter_with_newest: the newest block copied in (with
-    `copy`), its logits against the later sites into the cache's last column, phase 1 of the first `sites`
-    from the cache (tuning arguments and the precomputed query parts ignored)."""
-    del parts, tuning
-    if copy:
-        blocks[-1].copy_(block)
-    attnres_block_logits(later_queries, block, later_norm_weights, eps, out=logits[:, -1])
-    return attnres_inter_from_logits(logits[: sites or later_queries.shape[0]], blocks)

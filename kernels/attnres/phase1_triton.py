@@ -1,10 +1,13 @@
-"""Block AttnRes: a block completes and the next phase 1 runs, in one launch (the decode path's form).
+"""Block AttnRes: a block completes and the next phase 1 runs, in one launch (opt-in; measured slower).
 
 In serving order (services/engine/fast_decoder.py) a completed block's logits against every later site go
 into the logit cache (`block_logits_triton`) and the phase 1 that follows softmaxes the cached logits of
 all completed blocks (`inter_triton`'s apply kernel). At decode the logits pass is a dependent launch of
 ~7 us (latency: one wave of loads, then the D chunks' reduction) in front of a ~15 us apply. Here one
-launch does both, with the same jitted functions (so the same numbers, bit for bit):
+launch does both, with the same jitted functions (so the same numbers, bit for bit). On the H200 it is
+slower at decode than the two launches (29.3 vs 22.8 us at K3's last block, B=64; 251 vs 220 us for a K3
+forward's nine phases) and equal at prefill, so serving keeps the two launches (docs/kernels.md, AttnRes
+history 24); it stays for the next attempt (`bench.kernels --only attnres_phase1` times both). The form:
 - every program takes a ticket from an atomic counter as it starts; the first tickets do one logits work
   item each (rows tile x sites tile x D chunk), those of this phase's own sites first; the later tickets
   one apply work item each (rows tile x D chunk), after waiting until the logits items of this phase's

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attnres import block_logits_triton, inter_triton, naive, phase1_triton
+from kernels.attnres import block_logits_triton, inter_triton, phase1_triton
 from kernels.attnres.query_parts import query_parts
 from tests.kernels.test_attnres_inter import _float64_logits, _float64_stats
 
@@ -67,20 +67,6 @@ def test_one_launch_equals_two_launches_and_float64(interpreted, n_blocks, rows,
     assert torch.equal(cache[:, -1], new_column)
     for got, ref in zip((ours.max, ours.denom, ours.acc), (two.max, two.denom, two.acc), strict=True):
         assert torch.equal(got, ref)
-
-
-def test_reference_is_the_same_sequence():
-    """kernels.attnres.naive's form (what CPU tensors run through dispatch) against float64 math, and it
-    leaves the cache's earlier columns alone."""
-    blocks, queries, norm_w, cache = _serving_case(3, 4, 32, 6)
-    before = cache[:, :-1].clone()
-    buffer = torch.zeros_like(blocks)
-    buffer[:-1] = blocks[:-1]
-    ours = naive.attnres_inter_with_newest(queries, blocks[-1], buffer, cache, norm_w, sites=2, copy=True)
-    assert torch.equal(buffer, blocks) and torch.equal(cache[:, :-1], before)
-    for got, w64 in zip((ours.max, ours.denom, ours.acc), _float64_stats(queries[:2], blocks, norm_w[:2]),
-                        strict=True):
-        torch.testing.assert_close(got.double(), w64, rtol=2e-6, atol=2e-5)
 
 
 def test_bad_arguments_name_the_argument(interpreted):
