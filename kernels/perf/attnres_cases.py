@@ -25,17 +25,12 @@ MERGE_VARIANTS = (4,)  # num_warps (8: same at decode, 93 vs 98 % at prefill)
 # defaults combine the winners of earlier runs' variants (docs/kernels.md, AttnRes history); the other
 # variants of those runs are left out to save device time.
 INTER_VARIANTS = {"decode": ({},), "prefill": ({},)}
-# Phase 1 from cached logits (block_logits once per block, then the apply kernel alone): apply tunings.
-CACHED_VARIANTS = {
-    "decode": ({}, {"apply_block_d": 64}, {"apply_rows": 4}),
-    "prefill": ({}, {"apply_block_d": 64}, {"apply_rows": 4}),
-}
-# block_logits tunings (the newest block against the sites after it); all but "parts=None" (q_eff cut
-# into bf16 parts in every D step, as in run 1) take the parts cut once ahead, as the serving path does.
-LOGITS_VARIANTS = {
-    "decode": ({}, {"block_d": 128}, {"chunks": 56}, {"parts": None}),
-    "prefill": ({}, {"rows": 128}, {"parts": None}),
-}
+# Phase 1 from cached logits (`phase1_rows`): apply tunings, and block_logits tunings (the newest block
+# against the sites after it, q_eff's parts cut once ahead as in serving). Session 5's sweeps of both
+# (apply_block_d 64, apply_rows 4; block_d 128, 56 chunks, parts cut in the loop, 128 rows) were all
+# slower (docs/kernels.md, AttnRes history 22): the defaults alone now.
+CACHED_VARIANTS = {"decode": ({},), "prefill": ({},)}
+LOGITS_VARIANTS = {"decode": ({},), "prefill": ({},)}
 # The one-launch phase 1 (phase1_triton): its logits items' D chunks (None: about two programs per SM).
 PHASE1_VARIANTS = {"decode": ({}, {"logits_chunks": 14}, {"logits_chunks": 56}), "prefill": ({},)}
 MID_FORWARD_SITES = 163  # K3: the sites after its first layer block (93 layers x 2 + 1 - 24)
@@ -74,8 +69,7 @@ def attnres_rows(tokens: tuple[int, ...] = (64, 8192), variants: tuple = MERGE_V
         ms, how = time_ms(partial(attnres_naive.attnres_merge_norm, *args))
         rows.append(Row("attnres_merge_norm", shape, "torch k3core.ops composition", ms, moved, note=how))
         kind = "decode" if M <= 64 else "prefill"
-        rows += _inter_rows(blocks, queries, inter_variants[kind])
-        rows += _cached_rows(blocks, queries, CACHED_VARIANTS[kind], LOGITS_VARIANTS[kind])
+        rows += _inter_rows(blocks, queries, inter_variants[kind])  # the cached form: `phase1_rows`
         del blocks, args, stats
         torch.cuda.empty_cache()
     rows += _situ_rows()
@@ -206,7 +200,8 @@ def phase1_rows(tokens: tuple[int, ...] = (64, 8192), forwards: tuple[str, ...] 
     for M in tokens:
         blocks = torch.randn(BLOCKS, M, D, device="cuda", dtype=BF16)
         queries = torch.randn(SITES, D, device="cuda", dtype=BF16) * D**-0.5
-        rows += _cached_rows(blocks, queries, ({},), ({},))
+        kind = "decode" if M <= 64 else "prefill"
+        rows += _cached_rows(blocks, queries, CACHED_VARIANTS[kind], LOGITS_VARIANTS[kind])
         if M <= 64:  # the serving path is decode's
             rows += _served_rows(f"M={M},D={D},N={BLOCKS},Q={SITES}", D, M, [(BLOCKS, SITES, SITES + 1)])
         del blocks

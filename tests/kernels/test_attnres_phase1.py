@@ -85,8 +85,8 @@ def test_bad_arguments_name_the_argument(interpreted):
                          [(8, 64, 7168, 25, 24), (2, 64, 7168, 163, 24), (4, 64, 2048, 3, 2), (8, 4100, 512, 25, 24)])
 def test_compiled_one_launch_matches_two_launches_on_gpu(n_blocks, rows, dim, later, sites):
     """Compiled, one launch with tickets (K3 decode: the last block, an early block with 163 later sites;
-    mini's last phase; a prefill-sized case), run twice (the counters must be back at zero): bit for bit
-    the two-launch form, and float64 math."""
+    mini's last phase; 514 logits items, more than fit on the H200 at once: the first ticket scheme hung
+    there), run twice (the counters must be back at zero): bit for bit the two-launch form, and float64."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     blocks, queries, norm_w, cache = _serving_case(n_blocks, rows, dim, later, "cuda", dim**-0.5)
@@ -108,3 +108,18 @@ def test_compiled_one_launch_matches_two_launches_on_gpu(n_blocks, rows, dim, la
     two = inter_triton.attnres_inter(queries[:sites], blocks, norm_w[:sites], logits=cache[:sites])
     for got, ref in zip((ours.max, ours.denom, ours.acc), (two.max, two.denom, two.acc), strict=True):
         assert torch.equal(got, ref)
+
+
+def test_bench_counts_the_served_phases_and_their_bytes():
+    """kernels/perf/attnres_cases: the phase 1s of a decode forward, hand-derived from the presets (K3: 93
+    layers in blocks of 12, two sites a layer and the final one; mini: 17 layers in blocks of 8), and the
+    least bytes of K3's fixed bench shape at decode, by hand."""
+    from kernels.perf.attnres_cases import forward_phases, phase1_bytes
+
+    k3 = [(n, 24, 187 - 24 * (n - 1)) for n in range(1, 8)] + [(8, 18, 19), (9, 1, 1)]
+    assert forward_phases("k3") == k3
+    assert forward_phases("mini") == [(1, 16, 35), (2, 16, 19), (3, 2, 3), (4, 1, 1)]
+    blocks, accumulators, stats = 8 * 64 * 7168 * 2, 24 * 64 * 7168 * 4, 24 * 64 * 2 * 4
+    cached, new, parts = 24 * 7 * 64 * 4, 25 * 64 * 4, 2 * 25 * 7168 * 2
+    assert phase1_bytes(64, 7168, 8, 24, 25) == blocks + accumulators + stats + cached + new + parts
+    assert phase1_bytes(64, 7168, 8, 24, 25, copy=True) - phase1_bytes(64, 7168, 8, 24, 25) == 64 * 7168 * 2
