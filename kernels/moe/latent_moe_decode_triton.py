@@ -27,7 +27,7 @@ from kernels.moe.mxfp4_tile_triton import block_words, prepare
 from kernels.moe.tiles import Tile, default_tiles
 
 if triton is not None:
-    from kernels.moe.mxfp4_tile_triton import lane_group_columns, mxfp4_tile, prefetch_l2, unshift
+    from kernels.moe.mxfp4_tile_triton import lane_group_columns, mxfp4_tile, unshift
     from kernels.moe.situ_glu_triton import situ_glu_values
 
     @triton.jit
@@ -80,48 +80,21 @@ if triton is not None:
             rest = rest - part.to(tl.float32)
         return acc
 
-    @triton.jit
-    def _grid_dependency(op: tl.constexpr):
-        """Programmatic dependent launch (PDL): "launch_dependents" lets the next kernel's programs start (and
-        prefetch their weights) while this one runs; "wait" holds a program until the kernel before it has
-        finished and its writes are visible (a no-op in a launch without PDL)."""
-        tl.inline_asm_elementwise("griddepcontrol." + op + "; mov.b32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-    @triton.jit
-    def _prefetch(words, mults, row0, second, HALVES: tl.constexpr, R: tl.constexpr, rows_total, g, STEPS: tl.constexpr,
-                  live, G: tl.constexpr, WORDS: tl.constexpr, CW: tl.constexpr):
-        """L2 prefetch of STEPS steps of G groups from group g, rows row0 .. row0 + R (and second + row0 ..
-        when HALVES is 2: the up half), where `live`."""
-        for half in tl.static_range(HALVES):
-            r0 = row0 + half * second
-            prefetch_l2(words, r0, R, rows_total, 4 * g, 4 * G * STEPS, WORDS, CW, 4, live)
-            prefetch_l2(mults, r0, R, rows_total, g, G * STEPS, WORDS // 4, CW // 4, 1, live)
-
     @triton.jit(do_not_specialize=["T"])  # one build for every decode batch (T = 1 would be a constant)
     def _gate_up_kernel(x, ids, wgu, mgu, h, T, K, F, beta1, beta2, L: tl.constexpr, BR: tl.constexpr,
                         G: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                        X_PARTS: tl.constexpr, HP: tl.constexpr, CW: tl.constexpr, PREFETCH: tl.constexpr,
-                        PDL: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr):
-        if PDL:
-            _grid_dependency("launch_dependents")
+                        X_PARTS: tl.constexpr, HP: tl.constexpr, CW: tl.constexpr, STAGES: tl.constexpr,
+                        USE_ASM: tl.constexpr):
         e, leader, first, _match, _index = _expert_tokens(ids, tl.program_id(0), T, K, TP, BK)
         if leader:
-            row0 = tl.program_id(1) * BR
-            rows = row0 + tl.arange(0, BR)
+            rows = tl.program_id(1) * BR + tl.arange(0, BR)
             ok = rows < F
             words, mults = wgu + e * (2 * F) * (L // 8), mgu + e * (2 * F) * (L // 32)
-            if USE_ASM and PREFETCH > 0:  # the first steps' weights asked for at once (see _prefetch)
-                FIRST: tl.constexpr = PREFETCH if PREFETCH < L // (32 * G) else L // (32 * G)
-                _prefetch(words, mults, row0, F, 2, BR, 2 * F, 0, FIRST, row0 >= 0, G, L // 8, CW)
             for n0 in range(0, tl.sum((first < (1 << 30)).to(tl.int32)), BT):
                 _hit, pair, used = _slots(first, n0, BT)
                 g = tl.zeros([BT, BR], dtype=tl.float32)
                 u = tl.zeros([BT, BR], dtype=tl.float32)
                 for g0 in tl.range(0, L // 32, G, num_stages=STAGES):
-                    if USE_ASM and PREFETCH > 0:  # ... and in the loop the step PREFETCH steps ahead
-                        ahead = g0 + PREFETCH * G
-                        _prefetch(words, mults, row0, F, 2, BR, 2 * F, ahead, 1, ahead < L // 32, G, L // 8, CW)
                     xt = _activations(x + (pair // K) * L, used, g0 * 32, BT, G)
                     gate = mxfp4_tile(words, mults, rows, ok, g0, L // 8, G, CW, USE_ASM)
                     g = _dot_parts(gate, xt, g, X_PARTS, USE_ASM)
@@ -137,33 +110,21 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])  # one build for every decode batch (T = 1 would be a constant)
     def _down_kernel(h, ids, weights, wd, md, partial, T, K, L, F: tl.constexpr, BR: tl.constexpr,
                      G: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, HP: tl.constexpr,
-                     SPLITS: tl.constexpr, CW: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                     STAGES: tl.constexpr, USE_ASM: tl.constexpr):
-        if PDL:
-            _grid_dependency("launch_dependents")
+                     SPLITS: tl.constexpr, CW: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr):
         e, leader, first, match, index = _expert_tokens(ids, tl.program_id(0), T, K, TP, BK)
         if leader:
-            row0 = tl.program_id(1) * BR
-            rows = row0 + tl.arange(0, BR)
+            rows = tl.program_id(1) * BR + tl.arange(0, BR)
             ok = rows < L
             split = tl.program_id(2)
             words, mults = wd + e * L * (F // 8), md + e * L * (F // 32)
-            start, end = split * (F // (32 * SPLITS)), (split + 1) * (F // (32 * SPLITS))
-            if USE_ASM and PREFETCH > 0:  # as in the gate/up kernel
-                FIRST: tl.constexpr = PREFETCH if PREFETCH < F // (32 * SPLITS * G) else F // (32 * SPLITS * G)
-                _prefetch(words, mults, row0, 0, 1, BR, L, start, FIRST, row0 >= 0, G, F // 8, CW)
             # A token that names the expert in several slots gets the sum of their router weights.
             p_tok = tl.sum(tl.load(weights + index, mask=match, other=0.0), 1)
-            if PDL:  # h is the gate/up kernel's output: everything above ran while that kernel did
-                _grid_dependency("wait")
             for n0 in range(0, tl.sum((first < (1 << 30)).to(tl.int32)), BT):
                 hit, pair, used = _slots(first, n0, BT)
                 acc = tl.zeros([BT, BR], dtype=tl.float32)
                 # This program's share of the reduction: groups split * F / (32 SPLITS) onwards.
-                for g0 in tl.range(start, end, G, num_stages=STAGES):
-                    if USE_ASM and PREFETCH > 0:
-                        ahead = g0 + PREFETCH * G
-                        _prefetch(words, mults, row0, 0, 1, BR, L, ahead, 1, ahead < end, G, F // 8, CW)
+                for g0 in tl.range(split * (F // (32 * SPLITS)), (split + 1) * (F // (32 * SPLITS)), G,
+                                   num_stages=STAGES):
                     w = mxfp4_tile(words, mults, rows, ok, g0, F // 8, G, CW, USE_ASM)
                     for p in tl.static_range(HP):
                         ht = _activations(h + (p * T * K + pair) * F, used, g0 * 32, BT, G)
@@ -174,9 +135,7 @@ if triton is not None:
 
     @triton.jit
     def _sum_pairs_kernel(partial, ids, out, TK, K, L, SPLITS: tl.constexpr, BK: tl.constexpr,
-                          BL: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            _grid_dependency("wait")
+                          BL: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BL + tl.arange(0, BL)
         slot = tl.arange(0, BK)
@@ -214,9 +173,6 @@ def prepare_experts(gate_up_packed: torch.Tensor, gate_up_scales: torch.Tensor, 
                            *prepare(down_packed, down_scales, blocked), blocked)
 
 
-PDL_DEFAULT = False  # measured: docs/kernels.md (MoE, session 6)
-
-
 def _parts(dtype: torch.dtype) -> int:
     """bf16 parts that hold an activation of `dtype` exactly (bf16 8 bits, fp16 11, float32 24)."""
     return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
@@ -251,15 +207,13 @@ def latent_moe_decode(
 def latent_moe_decode_prepared(
     x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, experts: PreparedExperts,
     beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None, down_tile: Tile | None = None,
-    token_block: int = 16, h_parts: int | None = None, pdl: bool | None = None,
+    token_block: int = 16, h_parts: int | None = None,
 ) -> torch.Tensor:
     """latent_moe_decode on `prepare_experts`' layout. Tuning: `gate_up_tile` and `down_tile`
     (kernels.moe.tiles.Tile; default: `default_tiles` by T k and the SM count), `token_block` tokens of one
     expert per product (>= 16; an expert chosen by more tokens takes several passes), `h_parts` bf16 parts
     of the SiTU-GLU output h in the down product (default: as many as x's dtype needs, so h keeps x's
-    precision: 1 for bf16, 2 for fp16, 3 for float32), `pdl`: launch the down and sum kernels as programmatic
-    dependents (CUDA only; default PDL_DEFAULT), so that their programs are resident, and the down weights
-    asked of the L2 (`Tile.prefetch`), before the kernel ahead ends.
+    precision: 1 for bf16, 2 for fp16, 3 for float32).
     """
     T, L = x.shape
     gu_words, gu_mults, d_words, d_mults, blocked = experts
@@ -282,29 +236,26 @@ def latent_moe_decode_prepared(
     gu_tile, d_tile = gate_up_tile or default_gu, down_tile or default_down
     require(gu_tile.splits == 1, f"gate/up tiles cannot split the reduction (SiTU-GLU needs whole sums), got "
             f"splits={gu_tile.splits}")
-    require(blocked or not (gu_tile.prefetch or d_tile.prefetch), "tile prefetch needs blocked experts")
     gu_groups, d_groups = gu_tile.groups(L), d_tile.groups(F)
     ids = expert_ids.contiguous()
     # Token tiles of at least 16 rows: one build serves every decode batch up to 16.
     common = {"TP": max(16, next_pow2(T)), "BK": next_pow2(K), "BT": token_block, "HP": hp,
               "USE_ASM": x.is_cuda}
-    dependent = (PDL_DEFAULT if pdl is None else pdl) and x.is_cuda
-    pdl_options = {"PDL": dependent, **({"launch_pdl": True} if dependent else {})}
     h = torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device)
     _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
         x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, T, K, F, beta1, beta2, L=L,
         X_PARTS=_parts(x.dtype), BR=gu_tile.rows, G=gu_groups, CW=block_words(L // 8) if blocked else L // 8,
-        PREFETCH=gu_tile.prefetch, PDL=dependent, STAGES=gu_tile.stages, **common,
+        STAGES=gu_tile.stages, **common,
         **gu_tile.launch_options(),
     )
     partial = torch.empty(d_tile.splits, T * K, L, dtype=torch.float32, device=x.device)
     _down_kernel[(T * K, triton.cdiv(L, d_tile.rows), d_tile.splits)](
         h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial, T, K, L, F=F,
         BR=d_tile.rows, G=d_groups, SPLITS=d_tile.splits, CW=block_words(F // 8) if blocked else F // 8,
-        PREFETCH=d_tile.prefetch, STAGES=d_tile.stages, **common, **pdl_options,
+        STAGES=d_tile.stages, **common,
         **d_tile.launch_options(),
     )
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     _sum_pairs_kernel[(T, triton.cdiv(L, 128))](partial, ids, out, T * K, K, L, SPLITS=d_tile.splits,
-                                                  BK=next_pow2(K), BL=128, **pdl_options)
+                                                  BK=next_pow2(K), BL=128)
     return out

@@ -31,8 +31,9 @@ BLOCK_ROWS = 32  # rows of a stored block (both MXFP4 matrices of an expert have
 
 def block_words(words: int) -> int:
     """Words per row of a stored block, for rows of `words` words: 16 (128 columns: a block is 2 KB of words
-    and 128 bytes of multipliers) where that divides the row, else the largest of 8 and 4 that does."""
-    return next(cw for cw in (16, 8, 4, 1) if words % cw == 0)
+    and 128 bytes of multipliers) where that divides the row, else 8 or 4 (rows of MXFP4 words: a multiple of
+    4)."""
+    return next(cw for cw in (16, 8, 4) if words % cw == 0)
 
 
 def _blocked(t: torch.Tensor, cols: int) -> torch.Tensor:
@@ -47,8 +48,8 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, blocked: bool = True) ->
     reads, once per weight load (the same bytes): int32 words [..., R, K // 8] in the device layout and uint8
     multiplier fields [..., R, K // 32]. `blocked`: both stored in blocks of BLOCK_ROWS rows x
     `block_words(K // 8)` words (and their multipliers), so that a tile step reads whole contiguous blocks
-    (2 KB) instead of 64-byte pieces of 32-128 rows 1 KB apart (DRAM pages opened once per block, and one
-    L2 prefetch per block: `prefetch_l2`); else row by row."""
+    (2 KB) instead of 64-byte pieces of 32-128 rows 1 KB apart; else row by row (measured: docs/kernels.md,
+    history 24)."""
     words, mults = device_words(packed), decode_multipliers(scales, SHIFT)
     if not blocked:
         return words, mults
@@ -147,25 +148,6 @@ if triton is not None:
         if CB >= cols.shape[0]:  # a step inside one block: its columns stay contiguous and aligned
             col_part = tl.max_contiguous(tl.multiple_of(col_part, cols.shape[0]), cols.shape[0])
         return row_part[:, None] + col_part[None, :]
-
-    @triton.jit
-    def prefetch_l2(base, row0, R: tl.constexpr, rows_total, col0, NCOLS: tl.constexpr, WIDTH: tl.constexpr,
-                    CB: tl.constexpr, BYTES: tl.constexpr, live):
-        """Ask the L2 for rows row0 .. row0 + R x columns col0 .. col0 + NCOLS of a `_blocked` [rows_total,
-        WIDTH] matrix of BYTES-wide elements at `base` (row0 and R multiples of BLOCK_ROWS, the columns whole
-        blocks or inside one; blocks past rows_total are not asked for), where `live` (bool) holds: one bulk
-        prefetch per 32-row block, issued by one thread, nothing waited for. More bytes in flight without
-        registers or shared memory."""
-        start = (col0 // CB) * (_BLOCK_ROWS * CB)
-        span: tl.constexpr = _BLOCK_ROWS * BYTES * (NCOLS if NCOLS > CB else CB)
-        for b in tl.static_range(R // _BLOCK_ROWS):
-            block = tl.minimum(row0 // _BLOCK_ROWS + b, rows_total // _BLOCK_ROWS - 1)
-            at = base + block.to(tl.int64) * (_BLOCK_ROWS * WIDTH) + start
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;\n"
-                "setp.ne.and.u32 p, $3, 0, p; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-                "=r,l,r,r", [at.to(tl.int64), tl.full([], span, tl.int32), live.to(tl.int32)], dtype=tl.int32,
-                is_pure=False, pack=1)
 
     @triton.jit
     def mxfp4_tile(words, mults, rows, row_ok, g0, WORDS: tl.constexpr, G: tl.constexpr, CW: tl.constexpr,

@@ -23,13 +23,11 @@ class Tile:
     stages: int = 3
     max_registers: int | None = None
     splits: int = 1  # programs per row block, each over 1 / splits of the reduction (down kernel only)
-    prefetch: int = 0  # steps of weights asked of the L2 ahead of the loads (0: none; blocked experts only)
 
     def label(self) -> str:
         cap = f",r{self.max_registers}" if self.max_registers else ""
         split = f",k{self.splits}" if self.splits > 1 else ""
-        ahead = f",p{self.prefetch}" if self.prefetch else ""
-        return f"{self.rows}x{self.cols},w{self.warps},s{self.stages}{cap}{split}{ahead}"
+        return f"{self.rows}x{self.cols},w{self.warps},s{self.stages}{cap}{split}"
 
     def groups(self, depth: int) -> int:
         """32-column groups per step over a reduction of `depth` columns (cols capped at the depth of one
@@ -43,7 +41,6 @@ class Tile:
                 f"tile cols={self.cols} must be 32 x a power of two dividing {depth}")
         require(self.warps in (1, 2, 4, 8, 16), f"tile warps must be a power of two <= 16, got {self.warps}")
         require(self.stages >= 1, f"tile stages must be >= 1, got {self.stages}")
-        require(self.prefetch >= 0, f"tile prefetch must be >= 0, got {self.prefetch}")
         return cols // 32
 
     def launch_options(self) -> dict:
@@ -55,9 +52,12 @@ class Tile:
 
 def default_tiles(pairs: int, width: int, sms: int) -> tuple[Tile, Tile]:
     """(gate/up, down) tiles for `pairs` (token, expert) pairs (T x k) of experts `width` (F) wide on `sms`
-    SMs. Measured on the H200 (history 21 of docs/kernels.md, two runs): 2-warp programs (64 x 128 gate/up,
-    128 x 128 down) fastest as a whole call at T = 4 and 16 (down 36.6 / 101 us against 53.5 / 137 with 4
-    warps); while 128-row gate/up tiles would give fewer programs than SMs (T = 1) the down reduction is
-    split in two (down 13.0 against 14.1 us; slower at T >= 4)."""
-    few_programs = pairs * -(-width // 128) <= sms
-    return Tile(64, 128, 2), Tile(128, 128, 2, splits=2 if few_programs else 1)
+    SMs. 2-warp programs, 64 x 128 gate/up and 128 x 128 down (history 23). Measured on the H200 as whole
+    calls in one run (history 24, blocked experts): with fewer pairs than SMs (T = 1, 4 at k = 16) two
+    stages (one step in flight) 40.5 / 106.2 us against 42.1 / 109.7 with three (and the session-5 down
+    split at T = 1); from as many pairs as SMs (T = 16) three stages and registers capped at 168 (6
+    programs per SM instead of 4) 263.3 us against 293.5 (T = 4: 125.0, slower)."""
+    del width  # the measured choice depends on how many programs there are per SM, not on F itself
+    if pairs < sms:
+        return Tile(64, 128, 2, 2), Tile(128, 128, 2, 2)
+    return Tile(64, 128, 2, 3, 168), Tile(128, 128, 2, 3, 168)

@@ -23,30 +23,28 @@ E, L, F, TOP_K = 256, 2048, 1024, 16
 
 
 class Variant(NamedTuple):
-    """One timed configuration: the two kernels' tiles, the experts' storage (32-row blocks or whole rows,
-    `prepare_experts`) and programmatic dependent launch of the down and sum kernels."""
+    """One timed configuration: the two kernels' tiles (None: the launcher's default_tiles for the batch) and
+    the experts' storage (32-row blocks or whole rows, `prepare_experts`)."""
 
-    gate_up: Tile
-    down: Tile
+    gate_up: Tile | None
+    down: Tile | None
     blocked: bool = True
-    pdl: bool = False
 
     def label(self) -> str:
-        mode = ("" if self.blocked else ",rows") + (",pdl" if self.pdl else "")
-        return f"ours(gu={self.gate_up.label()},down={self.down.label()}{mode})"
+        gate_up, down = (t.label() if t else "default" for t in (self.gate_up, self.down))
+        return f"ours(gu={gate_up},down={down}{'' if self.blocked else ',rows'})"
 
 
-# (gate/up tile, down tile) pairs on blocked experts. Each row of the sweep times both kernels, so every
-# gate/up tile and every down tile is measured on its own (kernels_ms). Register caps (3-4 programs per SM)
-# measured slower at every T (history 19); 1-warp tiles, 64x64 gate/up and 4 warps slower in session 5
-# (history 23): no longer swept.
-DEFAULT = (Tile(64, 128, 2), Tile(128, 128, 2))  # default_tiles at T >= 4; T = 1 splits the down tile
-SWEEP = (DEFAULT, (Tile(64, 128, 2, prefetch=4), Tile(128, 128, 2, prefetch=4)),
-         (Tile(64, 128, 2, prefetch=16), Tile(128, 128, 2, splits=2, prefetch=4)))
-VARIANTS = (Variant(*DEFAULT),)
-# The sweep's pairs, the session-5 storage (whole rows) with the default tiles, and dependent launches.
-SWEEP_VARIANTS = (*(Variant(*pair) for pair in SWEEP), Variant(*DEFAULT, blocked=False),
-                  Variant(*SWEEP[2], pdl=True))
+# (gate/up tile, down tile) pairs on blocked experts: default_tiles' two choices and the session-5 default
+# (three stages, the down reduction split in two at T = 1). Each row of the sweep times both kernels, so every
+# gate/up tile and every down tile is measured on its own (kernels_ms). Slower and no longer swept: register
+# caps with 4-warp tiles (history 19); 1-warp tiles, 64x64 gate/up, 4 and 8 warps (history 23); one stage,
+# L2 prefetch, dependent launches (history 24).
+SWEEP = ((Tile(64, 128, 2, 2), Tile(128, 128, 2, 2)), (Tile(64, 128, 2, 3, 168), Tile(128, 128, 2, 3, 168)),
+         (Tile(64, 128, 2), Tile(128, 128, 2, splits=2)))
+VARIANTS = (Variant(None, None),)
+# The launcher's defaults, the sweep's pairs and the session-5 storage (whole rows) with the same defaults.
+SWEEP_VARIANTS = (*VARIANTS, *(Variant(*pair) for pair in SWEEP), Variant(None, None, blocked=False))
 MAX_REL_ERR = 1e-2  # a variant further than this from the float32 oracle is wrong, whatever its time
 
 
@@ -97,8 +95,7 @@ def precompile(batches: tuple[int, ...], tiles: tuple[Variant, ...],
             ids = torch.zeros(T, TOP_K, device="cuda", dtype=torch.int32)
             for v in tiles:
                 latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, ids.float(), experts[v.blocked],
-                                                                    gate_up_tile=v.gate_up, down_tile=v.down,
-                                                                    pdl=v.pdl)
+                                                                    gate_up_tile=v.gate_up, down_tile=v.down)
     compile_specs(recorder.unique(), workers=max(1, (os.cpu_count() or 2) - 2))
 
 
@@ -125,7 +122,7 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
         shape = f"T={T},E={E},k={TOP_K},l={L},F={F},mxfp4"
         for v in tiles:
             call = partial(latent_moe_decode_triton.latent_moe_decode_prepared, x, ids, weights, experts[v.blocked],
-                           gate_up_tile=v.gate_up, down_tile=v.down, pdl=v.pdl)
+                           gate_up_tile=v.gate_up, down_tile=v.down)
             try:
                 err = rel_err(call(), ref)
                 ms, how = time_ms(call)
@@ -145,12 +142,12 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
 
 
 def parse_tiles(text: str) -> tuple[Variant, ...]:
-    """"rows,cols,warps,stages[,regs[,splits[,prefetch]]]/...[/rows][/pdl];..." -> Variants (regs 0: no cap;
-    "rows": experts stored row by row; "pdl": dependent launches)."""
+    """"rows,cols,warps,stages[,regs[,splits]]/...[/rows];..." -> Variants (regs 0: no cap; "rows": experts
+    stored row by row)."""
     def variant(spec: str) -> Variant:
         parts = spec.split("/")
         gate_up, down = (Tile(*(int(v) for v in t.split(","))) for t in parts[:2])
-        return Variant(gate_up, down, blocked="rows" not in parts[2:], pdl="pdl" in parts[2:])
+        return Variant(gate_up, down, blocked="rows" not in parts[2:])
     return tuple(variant(spec) for spec in text.split(";"))
 
 
