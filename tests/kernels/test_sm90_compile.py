@@ -131,10 +131,12 @@ def mla_step(batch: int, **tuning) -> None:
     gated_heads_triton.gated_heads(empty(MLA_HEADS, batch, MINI.v_head_dim), gate)
 
 
-def attnres(tokens: int, cached: dict | None = None, logits: dict | None = None, **tuning) -> None:
+def attnres(tokens: int, cached: dict | None = None, logits: dict | None = None, phase1: dict | None = None,
+            **tuning) -> None:
     """services/engine/fast_decoder: a block's sites and the final site, then the merges with and without a
     partial sum; phase 1 from cached logits (`cached`: its apply tuning) after a block's logits against the
-    sites after it (this block's and the final one; many, as early in a forward; `logits`: its tuning)."""
+    sites after it (this block's and the final one; many, as early in a forward; `logits`: its tuning); both in
+    one launch (`phase1_triton`, opt-in; `phase1`: its tuning)."""
     blocks = empty(3, tokens, HIDDEN)
     for sites in (SITES, 1):
         inter_triton.attnres_inter(empty(sites, HIDDEN), blocks, empty(sites, HIDDEN), 1e-6, **tuning)
@@ -143,10 +145,11 @@ def attnres(tokens: int, cached: dict | None = None, logits: dict | None = None,
     for later in (SITES + 1, 4 * SITES + 1):
         block_logits_triton.attnres_block_logits(empty(later, HIDDEN), blocks[0], empty(later, HIDDEN), 1e-6,
                                                  **{"parts": empty(2, later, HIDDEN), **(logits or {})})
-        # the serving form: the block's logits and the next phase 1 in one launch (the final site's too)
+        # the one-launch form (opt-in, measured slower at decode): the block's logits, then phase 1
         phase1_triton.attnres_inter_with_newest(empty(later, HIDDEN), blocks[0], blocks,
                                                 empty(later, 3, tokens, dtype=F32), empty(later, HIDDEN), 1e-6,
-                                                sites=min(SITES, later), parts=empty(2, later, HIDDEN), copy=True)
+                                                sites=min(SITES, later), parts=empty(2, later, HIDDEN), copy=True,
+                                                **(phase1 or {}))
     phase1_triton.attnres_inter_with_newest(empty(1, HIDDEN), blocks[0], blocks, empty(1, 3, tokens, dtype=F32),
                                             empty(1, HIDDEN), 1e-6, parts=empty(2, 1, HIDDEN), copy=True)
     stats = (empty(tokens, dtype=F32), empty(tokens, dtype=F32), empty(tokens, HIDDEN, dtype=F32))
@@ -227,6 +230,8 @@ def _bench_variants() -> dict:
             cases[f"attnres cached {kind} {v}"] = lambda v=v, ts=tokens: [attnres(m, cached=v) for m in ts]
         for v in attnres_cases.LOGITS_VARIANTS[kind]:
             cases[f"attnres logits {kind} {v}"] = lambda v=v, ts=tokens: [attnres(m, logits=v) for m in ts]
+        for v in attnres_cases.PHASE1_VARIANTS[kind]:
+            cases[f"attnres one launch {kind} {v}"] = lambda v=v, ts=tokens: [attnres(m, phase1=v) for m in ts]
     for gate_up, down in moe_cases.SWEEP:  # the tile sweep (VARIANTS is its first pair), at the bench's shape:
         # some tiles do not divide mini's widths
         cases[f"latent moe {gate_up.label()} | {down.label()}"] = lambda g=gate_up, d=down: [
