@@ -49,7 +49,7 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, blocked: bool = True) ->
     multiplier fields [..., R, K // 32]. `blocked`: both stored in blocks of BLOCK_ROWS rows x
     `block_words(K // 8)` words (and their multipliers), so that a tile step reads whole contiguous blocks
     (2 KB) instead of 64-byte pieces of 32-128 rows 1 KB apart; else row by row (measured: docs/kernels.md,
-    history 24)."""
+    history 25)."""
     words, mults = device_words(packed), decode_multipliers(scales, SHIFT)
     if not blocked:
         return words, mults

@@ -53,7 +53,7 @@ class Tile:
 def default_tiles(pairs: int, width: int, sms: int) -> tuple[Tile, Tile]:
     """(gate/up, down) tiles for `pairs` (token, expert) pairs (T x k) of experts `width` (F) wide on `sms`
     SMs. 2-warp programs, 64 x 128 gate/up and 128 x 128 down (history 23). Measured on the H200 as whole
-    calls in one run (history 24, blocked experts): with fewer pairs than SMs (T = 1, 4 at k = 16) two
+    calls in one run (history 25, blocked experts): with fewer pairs than SMs (T = 1, 4 at k = 16) two
     stages (one step in flight) 40.5 / 106.2 us against 42.1 / 109.7 with three (and the session-5 down
     split at T = 1); from as many pairs as SMs (T = 16) three stages and registers capped at 168 (6
     programs per SM instead of 4) 263.3 us against 293.5 (T = 4: 125.0, slower)."""
