@@ -16,6 +16,7 @@ by that program) adds the chunks' partials in a fixed order, so the result does 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -96,7 +97,10 @@ if triton is not None:
     def _block_logits_kernel(queries, norm_w, parts, block, out, part_dots, part_sq, counters, S, M, D, CHUNK,
                              stride_p, stride_os, eps, CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr,
                              PARTS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
-                             BD: tl.constexpr):
+                             BD: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # a kernel launched with programmatic dependent launch after this one may start now
+            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
         _block_logits_tile(queries, norm_w, parts, block, out, part_dots, part_sq, counters, tl.program_id(0),
                            tl.program_id(1), tl.program_id(2), tl.num_programs(1),
                            tl.num_programs(0) * tl.num_programs(1), S, M, D, CHUNK, stride_p, stride_os, eps, CHUNKS,
@@ -119,8 +123,9 @@ class LogitsLaunch:
     chunks: int
     consts: dict  # CHUNKS, HAS_NORM_W, PARTS, SPLIT, BM, BS, BD
 
-    def run(self, num_warps: int = 4) -> None:
-        _block_logits_kernel[(*self.tiles, self.chunks)](*self.args, **self.consts, num_warps=num_warps)
+    def run(self, num_warps: int = 4, pdl: bool = False) -> None:
+        _block_logits_kernel[(*self.tiles, self.chunks)](*self.args, **self.consts, num_warps=num_warps,
+                                                         PDL=pdl and os.environ.get("TRITON_INTERPRET") != "1")
 
 
 def plan_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weights: torch.Tensor | None = None,
@@ -173,14 +178,16 @@ def plan_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weights: 
 def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weights: torch.Tensor | None = None,
                          eps: float = 1e-6, out: torch.Tensor | None = None, rows: int | None = None,
                          sites: int | None = None, block_d: int = 64, chunks: int | None = None,
-                         num_warps: int = 4, parts: torch.Tensor | None = None) -> torch.Tensor:
+                         num_warps: int = 4, parts: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """queries [S, D] (and key-norm weights [S, D]) of later sites, one block [..., D] -> logits [S, ...]
     float32 = k3core.ops.attnres.attnres_logits(queries, block[None], norm_weights)[:, 0].
     `out`: where to write them ([S, ...] float32 with dense rows, e.g. one block's column of a logit cache).
     `parts`: `query_parts.query_parts(queries, norm_weights)` (or its [:, first:] slice for queries[first:]),
     cut once ahead (used for bf16 blocks).
     Tuning: `rows` / `sites` per program (None: 64 / up to 64 at prefill-sized M, 16 rows at decode),
-    `block_d` the D step, `chunks` the D chunks (None: about two programs per SM)."""
+    `block_d` the D step, `chunks` the D chunks (None: about two programs per SM).
+    `pdl`: let a kernel launched after it with programmatic dependent launch (`attnres_inter(..., pdl=True)`)
+    start at once (off under the interpreter)."""
     plan, out = plan_block_logits(queries, block, norm_weights, eps, out, rows, sites, block_d, chunks, parts)
-    plan.run(num_warps)
+    plan.run(num_warps, pdl)
     return out

@@ -152,6 +152,11 @@ def attnres(tokens: int, cached: dict | None = None, logits: dict | None = None,
                                                 **(phase1 or {}))
     phase1_triton.attnres_inter_with_newest(empty(1, HIDDEN), blocks[0], blocks, empty(1, 3, tokens, dtype=F32),
                                             empty(1, HIDDEN), 1e-6, parts=empty(2, 1, HIDDEN), copy=True)
+    # the two launches with programmatic dependent launch (opt-in, not timed yet)
+    block_logits_triton.attnres_block_logits(empty(SITES + 1, HIDDEN), blocks[0], empty(SITES + 1, HIDDEN), 1e-6,
+                                             parts=empty(2, SITES + 1, HIDDEN), pdl=True)
+    inter_triton.attnres_inter(empty(SITES, HIDDEN), blocks, empty(SITES, HIDDEN), 1e-6,
+                               logits=empty(SITES, 3, tokens, dtype=F32), pdl=True)
     stats = (empty(tokens, dtype=F32), empty(tokens, dtype=F32), empty(tokens, HIDDEN, dtype=F32))
     for partial in (empty(tokens, HIDDEN), None):
         merge_norm_triton.attnres_merge_norm(*stats, empty(HIDDEN), partial, empty(HIDDEN), key_norm_weight=empty(HIDDEN),
@@ -201,8 +206,6 @@ CASES = {
     **{f"kda decode B={b}": lambda b=b: kda_decode(b) for b in DECODE_BATCHES},
     **{f"kda verify B={b}": lambda b=b: kda_verify(b) for b in DECODE_BATCHES},
     "kda prefill": kda_prefill,
-    **{f"kda prefill prep {p}": lambda p=p: kda_prefill(prep=p, k_block=16, tap_major=True)
-       for p in ("in_ut", "recompute")},
     **{f"mla decode B={b}": lambda b=b: mla_step(b) for b in DECODE_BATCHES},
     **{f"attnres M={m}": lambda m=m: attnres(m) for m in (*DECODE_BATCHES, PREFILL_TOKENS)},
     **{f"moe T={t}": lambda t=t: moe_step(t) for t in DECODE_BATCHES},
