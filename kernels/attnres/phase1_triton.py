@@ -100,8 +100,8 @@ def attnres_inter_with_newest(later_queries: torch.Tensor, block: torch.Tensor, 
                               logits_rows: int | None = None, logits_block_d: int = 64,
                               logits_chunks: int | None = None, apply_rows: int = 2, apply_block_d: int = 128,
                               apply_chunks: int | None = None, num_warps: int = 4) -> OnlineSoftmax:
-    """A block completes, then phase 1 of the first `sites` (None: all) of the sites after it, in one launch:
-    the same as (kernels.attnres.naive.attnres_inter_with_newest)
+    """A block completes, then phase 1 of the first `sites` (None: all) of the sites after it, in one launch,
+    with the same results as the launches
         blocks[N - 1].copy_(block)                     # only with copy=True
         attnres_block_logits(later_queries, block, later_norm_weights, eps, out=logits[:, N - 1], parts=parts)
         return attnres_inter(later_queries[:sites], blocks, later_norm_weights[:sites], eps, logits=logits[:sites])
