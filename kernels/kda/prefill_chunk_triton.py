@@ -19,7 +19,6 @@ them. The key dimension is walked in BK-column blocks so that only [C, BK] tiles
 from __future__ import annotations
 
 from kernels._triton import tl, triton
-from kernels.kda.prefill_prep_triton import _prologue_in_place
 
 CHUNK = 64
 SUB = 16  # sub-block of the decay split: |lower_bound| * SUB must stay below ~88 (float32 exp range)
@@ -76,7 +75,7 @@ if triton is not None:
 
     @triton.jit
     def _a_parts(k, g, G, kc, qc, rows, cols, last, n_valid, HD, blk: tl.constexpr, BC: tl.constexpr,
-                 dt: tl.constexpr, DOT: tl.constexpr, rk, NORM: tl.constexpr):
+                 dt: tl.constexpr, DOT: tl.constexpr):
         """Key sub-block blk's share of Akk and Aqk [C, BC] from the key columns `cols` (G, kc, qc: their
         [C, len(cols)] tiles, float32). The decay ratio is split at the end of the key sub-block: factors
         <= 1 off the diagonal block, <= 2^116 on it; rows before the block are causally masked (factor 0)."""
@@ -86,8 +85,6 @@ if triton is not None:
         key_rel = (blk * BC + sub)[:, None] * HD + cols[None, :]
         key_ok = (blk * BC + sub < n_valid)[:, None]
         k_key = tl.load(k + key_rel, mask=key_ok, other=0.0).to(tl.float32)
-        if NORM:  # k not normalised yet: its rows' L2Norm scales at rk
-            k_key = k_key * tl.load(rk + blk * BC + sub)[:, None]
         g_key = tl.load(g + key_rel, mask=key_ok, other=0.0)
         k_col = tl.trans((k_key * tl.math.exp2(ref[None, :] - g_key)).to(dt))
         return (tl.dot((kc * row_decay).to(dt), k_col, input_precision=DOT),
@@ -106,26 +103,18 @@ if triton is not None:
     def _kda_chunk_ut_kernel(
         q, k, v, g, beta, cu_seqlens, chunk_seq, chunk_start,
         w_out, u_out, qg_out, kg_out, aqk_out, gc_out, akk_ws, scale,
-        raw_q, raw_k, raw_v, raw_z, conv_w, A_log, dt_bias, init_conv, rk_ws, lower_bound, l2_eps,
         H, D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, F32_DOTS: tl.constexpr,
-        DOT: tl.constexpr, W: tl.constexpr, HAS_CONV: tl.constexpr, PREP: tl.constexpr, TAP_MAJOR: tl.constexpr,
+        DOT: tl.constexpr,
     ):
         """Grid (chunks, H). Token-major [T_total, H, *] in and out; g float32 in log2 units (G * log2(e): the
         decay factors are bare exp2, one MUFU op each, where exp costs a multiply and a range fix-up more),
         beta [T_total, H] float32 (already through the sigmoid); gc_out [chunks, H, D]; akk_ws [chunks, H, C, C] float32 scratch.
         F32_DOTS: float32 dot operands instead of the input dtype. DOT: the float32 dots' input_precision
-        ("tf32" or "ieee", see prefill_triton.dot_precision).
-        PREP: this program first does the prep pass's work for its (chunk, head) (`_prologue_in_place`):
-        from the raw projections raw_* (and beta before its sigmoid) it writes q, k (not normalised), v and
-        g, then reads them back (L2-warm, not from HBM) with the L2Norm scales applied as they are loaded;
-        rk_ws [chunks, H, C] float32 holds k's scales for the key sub-blocks. The prep's issue-bound work
-        then overlaps this pass's latency-bound dots across the programs of an SM. Without PREP raw_* ..
-        l2_eps are not read."""
+        ("tf32" or "ieee", see prefill_triton.dot_precision)."""
         ci = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         start = tl.load(chunk_start + ci).to(tl.int64)
-        n = tl.load(chunk_seq + ci).to(tl.int64)
-        n_valid = (tl.load(cu_seqlens + n + 1) - start).to(tl.int32)
+        n_valid = (tl.load(cu_seqlens + tl.load(chunk_seq + ci) + 1) - start).to(tl.int32)
         # Every pointer is moved to this chunk's first row once; tiles then use 32-bit offsets (64-bit ones
         # for each [C, BK] tile cost registers that the dots need).
         base = (start * H + h) * D
@@ -141,16 +130,7 @@ if triton is not None:
         last = tl.minimum(n_valid, C) - 1
         dt = tl.float32 if F32_DOTS else q.dtype.element_ty
         NB: tl.constexpr = C // BC
-        bt = tl.load(beta + rows * H, mask=valid, other=0.0).to(tl.float32)
-        if PREP:
-            lo = (tl.load(cu_seqlens + n) - start).to(tl.int32)
-            rk, rq = _prologue_in_place(raw_q + base, raw_k + base, raw_v + base, raw_z + base, conv_w, A_log,
-                                        dt_bias, init_conv, q, k, v, g, n, h, lo, rows, valid, lower_bound, l2_eps,
-                                        H, D, W, BK, HAS_CONV, TAP_MAJOR)
-            rk_ws += (ci * H + h) * C
-            tl.store(rk_ws + rows, rk)
-            bt = tl.sigmoid(bt)
-            tl.debug_barrier()
+        bt = tl.load(beta + rows * H, mask=valid, other=0.0)
         # Aqk goes out; Akk goes through this program's scratch tile to come back as one [C, C] tile.
         ws = akk_ws + (ci * H + h) * C * C
         aqk_st = aqk_out + rows[:, None] * (H * C)
@@ -165,11 +145,8 @@ if triton is not None:
             G, _ = _flat_gate(g, rel, io_mask, last, HD, cols)
             kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
             qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
-            if PREP:
-                kc, qc = kc * rk[:, None], qc * rq[:, None]
             for blk in tl.static_range(NB):
-                part_k, part_q = _a_parts(k, g, G, kc, qc, rows, cols, last, n_valid, HD, blk, BC, dt, DOT, rk_ws,
-                                          PREP)
+                part_k, part_q = _a_parts(k, g, G, kc, qc, rows, cols, last, n_valid, HD, blk, BC, dt, DOT)
                 if blk == 0:
                     ak0 += part_k
                     aq0 += part_q
@@ -193,8 +170,6 @@ if triton is not None:
             rel = rows[:, None] * HD + cols[None, :]
             G, g_end = _flat_gate(g, rel, io_mask, last, HD, cols)
             kc = tl.load(k + rel, mask=io_mask, other=0.0).to(tl.float32)
-            if PREP:
-                kc = kc * rk[:, None]
             decay = tl.math.exp2(G)
             w_blk = tl.dot(T, (kc * decay * -bt[:, None]).to(dt), input_precision=DOT)
             tl.store(w_out + rel, w_blk.to(w_out.dtype.element_ty), mask=io_mask)
@@ -202,8 +177,6 @@ if triton is not None:
             tl.store(kg_out + rel, kg_blk.to(kg_out.dtype.element_ty), mask=io_mask)
             tl.store(gc_out + cols, tl.math.exp2(g_end))
             qc = tl.load(q + rel, mask=io_mask, other=0.0).to(tl.float32)
-            if PREP:
-                qc = qc * rq[:, None]
             qg_blk = (qc * decay * scale).to(qg_out.dtype.element_ty)
             tl.store(qg_out + rel, qg_blk, mask=io_mask)
         for vb in range(0, D // BK):

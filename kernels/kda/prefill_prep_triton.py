@@ -63,36 +63,6 @@ if triton is not None:
         return tl.cumsum(tl.where(io_mask, g, 0.0), axis=0)
 
     @triton.jit
-    def _prologue_in_place(q, k, v, z, conv_w, A_log, dt_bias, init_conv, q_out, k_out, v_out, g_out, n, h, lo,
-                           rows, valid, lower_bound, l2_eps, H, D: tl.constexpr, W: tl.constexpr,
-                           BK: tl.constexpr, HAS_CONV: tl.constexpr, TAP_MAJOR: tl.constexpr):
-        """The prep pass's work for one (chunk, head) inside the UT pass, BK channels at a time (4 warps):
-        q, k, v, z and the *_out pointers at the chunk's first row of head h. q and k leave NOT normalised
-        (the norm needs whole rows): returns their rows' L2Norm scales (rk, rq) [C] for the reader."""
-        HD = H * D
-        io_mask = valid[:, None]
-        conv = init_conv + (n * 3 * H + h) * D * (W - 1)  # stream s: + s * H * D * (W - 1)
-        taps = conv_w + h * D * (1 if TAP_MAJOR else W)  # stream s: + s * H * D * W
-        a_exp = tl.exp(tl.load(A_log + h).to(tl.float32))
-        ssq = tl.zeros([rows.shape[0]], dtype=tl.float32)
-        ssk = tl.zeros([rows.shape[0]], dtype=tl.float32)
-        for kb in range(0, D // BK):
-            cols = kb * BK + tl.arange(0, BK)
-            rel = rows[:, None] * HD + cols[None, :]
-            tl.store(g_out + rel, _gate_cumsum(z, dt_bias + h * D, a_exp, lower_bound, rel, io_mask, cols),
-                     mask=io_mask)
-            x = _conv_swish(q, conv, taps, rows, lo, valid, cols, HD, HAS_CONV, W, TAP_MAJOR)
-            ssq += tl.sum(x * x, axis=1)
-            tl.store(q_out + rel, x.to(q_out.dtype.element_ty), mask=io_mask)
-            x = _conv_swish(k, conv + HD * (W - 1), taps + HD * W, rows, lo, valid, cols, HD, HAS_CONV, W, TAP_MAJOR)
-            ssk += tl.sum(x * x, axis=1)
-            tl.store(k_out + rel, x.to(k_out.dtype.element_ty), mask=io_mask)
-            x = _conv_swish(v, conv + 2 * HD * (W - 1), taps + 2 * HD * W, rows, lo, valid, cols, HD, HAS_CONV, W,
-                            TAP_MAJOR)
-            tl.store(v_out + rel, x.to(v_out.dtype.element_ty), mask=io_mask)
-        return tl.rsqrt(ssk + l2_eps), tl.rsqrt(ssq + l2_eps)
-
-    @triton.jit
     def _kda_prep_kernel(
         q, k, v, z, beta, conv_w, A_log, dt_bias, init_conv, cu_seqlens, chunk_seq, chunk_start,
         q_out, k_out, v_out, g_out, beta_out, lower_bound, l2_eps,

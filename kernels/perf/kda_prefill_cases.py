@@ -41,11 +41,7 @@ SHAPES = (
 # UT at 8 warps capped at 128 registers 1.19.
 VARIANTS = (
     ("default", {}, None),
-    # passes 1 + 2 as one kernel (None: it replaces two kernels); see kda_prefill_block's `prep`. sm_90a,
-    # 168-register cap: in_ut at k_block 16 no spills (32: 212 B), recompute 40 B (32: 556 B).
-    ("prep in ut", {"prep": "in_ut", "k_block": 16, "tap_major": True}, None),
-    ("prep recompute", {"prep": "recompute", "k_block": 16}, None),
-    ("taps", {"tap_major": True}, "_kda_prep_kernel"),
+    ("channel-major taps", {"tap_major": False}, "_kda_prep_kernel"),  # the default until session 6
     # None: its recurrence kernel time leaves out the output pass, which the fused one includes
     ("no fuse", {"fuse_output": False}, None),
     ("ut st2", {"ut_stages": 2}, "_kda_chunk_ut_kernel"),

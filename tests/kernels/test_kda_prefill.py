@@ -49,17 +49,13 @@ def test_reference_prefill_matches_float64_token_by_token():
     (None, 32, {"fuse_output": False}),
     (16, 32, {"ut_maxnreg": None, "stages": 2, "ut_stages": 2}),
     (None, 16, {"fuse_output": True}),
-    (16, 16, {"prep": "recompute"}),
-    (None, 32, {"prep": "recompute", "fuse_output": True}),
-    (16, 16, {"prep": "in_ut", "tap_major": True}),
-    (None, 32, {"prep": "in_ut", "fuse_output": True}),
-    (None, 32, {"tap_major": True}),
+    (16, 16, {"tap_major": False}),
 ])
 def test_triton_prefill_matches_reference(interpreted, block_v, k_block, tuning):
     """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states, D = 32: the
     UT transform in one or two key-column blocks; the prologue's conv taps before the chunk are negative
-    32-bit row offsets; the output pass on its own or inside the recurrence; the prologue in its own pass or
-    done by the UT pass's programs, or recomputed inside its loops (prep)."""
+    32-bit row offsets, its conv weights tap-major (the default) or channel-major; the output pass on its
+    own or inside the recurrence."""
     case = KdaCase(heads=2, dim=32)
     gen = torch.Generator().manual_seed(12)
     params = case.params(gen)
@@ -96,19 +92,17 @@ def test_output_fuses_only_for_many_balanced_sequences():
     assert not prefill_triton.fuses_output([], 8, cpu)
 
 
-@pytest.mark.parametrize(("fuse_output", "prep"), [(None, "pass"), (True, "pass"), (None, "in_ut"),
-                                                    (None, "recompute")])
-def test_triton_prefill_varlen_with_an_empty_sequence(interpreted, fuse_output, prep):
+@pytest.mark.parametrize("fuse_output", [None, True])
+def test_triton_prefill_varlen_with_an_empty_sequence(interpreted, fuse_output):
     """Packed sequences shorter than the conv window, spanning chunks, and empty (state passes through); the
-    output pass apart (the default for such uneven lengths) and fused; the prologue apart and fused."""
+    output pass apart (the default for such uneven lengths) and fused."""
     gen = torch.Generator().manual_seed(13)
     params = CASE.params(gen)
     states, convs = CASE.pools(gen)
     x = CASE.tokens(gen, 1, 135)
     y, state, conv = prefill_triton.kda_prefill_block(*x, *params, initial_state=states[:4], initial_conv=convs[:4],
                                                       cu_seqlens=torch.tensor([0, 2, 2, 70, 135]),
-                                                      fuse_output=fuse_output, prep=prep,
-                                                      tap_major=prep != "pass")
+                                                      fuse_output=fuse_output)
     keep = [0, 2, 3]  # the reference's conv cannot take an empty sequence: compare the others without it
     want = naive.kda_prefill_block(*x, *params, initial_state=states[keep], initial_conv=convs[keep],
                                    cu_seqlens=torch.tensor([0, 2, 70, 135]))
@@ -116,8 +110,7 @@ def test_triton_prefill_varlen_with_an_empty_sequence(interpreted, fuse_output, 
     assert torch.equal(state[1], states[1]) and torch.equal(conv[1], convs[1])
 
 
-@pytest.mark.parametrize("prep", ["pass", "in_ut", "recompute"])
-def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted, prep):
+def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted):
     """g = -5 on every channel: decay ratios span e^(+-80) inside a 16-token sub-block and must not
     overflow; no initial state or conv (zeros)."""
     gen = torch.Generator().manual_seed(14)
@@ -126,7 +119,7 @@ def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted, pre
     q, k, v, z, beta, gate = CASE.tokens(gen, 1, 64)
     z = z.abs() + 10.0  # sigmoid(e^3 * (z + b)) == 1 in float32
     got = prefill_triton.kda_prefill_block(q, k, v, z, beta, gate, conv_w, A_log, dt_bias.abs() + 1, norm_w,
-                                           k_block=16, prep=prep)
+                                           k_block=16)
     want = naive.kda_prefill_block(q, k, v, z, beta, gate, conv_w, A_log, dt_bias.abs() + 1, norm_w)
     assert torch.isfinite(got[0]).all()
     _close(got, want)
