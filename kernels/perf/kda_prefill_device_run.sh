@@ -11,6 +11,8 @@
 # T_WARM=70 and RESERVE=55: F0 was cut in fla's B=8 autotuning. Session 5 (history 21): BUDGET=163,
 # T_WARM=80 gave no row at all (warm-ups cut, F0's 71 s spent in fla's first autotuning): a same-run
 # comparison with fla needs BUDGET >= 240 with the default T_WARM=130, about 300 device-seconds in all.
+# Session 6 (history 26): BUDGET=272 T_WARM=115 F0_PEER=second, 5 of ours + fla at four shapes: warm-ups
+# 118 s (fla's compiles), F0 96 s; 244 device-seconds from a cold start.
 set -u
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
