@@ -8,10 +8,13 @@ the next replay. Capture
 warms up on a side stream first (Triton compiles there) with every row pointing at the scratch pages, so
 neither the warm-up nor the capture touches a request's state.
 
-The staging copy is captured as the graph's first node where torch can record an event inside a graph
-(`torch.cuda.Event(external=True)`: an event-record node right after the copy, so `staging` still waits
-for the copy alone, not for the forward): a launch is then one `cudaGraphLaunch`, the host's last call
-before the device starts the step. K3_GRAPH_INPUT_COPY=0 copies and records outside the graph instead.
+A small staging image is copied by the graph itself, as its first node, followed by an event-record node
+(`torch.cuda.Event(external=True)`), so `staging` still waits for the copy alone, not for the forward: a
+launch is then one `cudaGraphLaunch`, the host's last call before the device starts the step. On the H200
+(session 6, bench.serve variants in one process) that cut the launch's share of the device's idle path from
+~45 to ~12 us at 64 rows (a 22 KB image), but lengthened it by ~25 us at 256 rows (88 KB): the copy then
+runs after the launch instead of during it, and slower as a graph node. So only images up to
+`IN_GRAPH_COPY_BYTES` go inside; K3_GRAPH_INPUT_COPY=0 never, =1 always.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import torch
 from services.engine.decode_inputs import DecodeInputBuilder, DecodeInputs
 
 log = logging.getLogger(__name__)
-COPY_ENV = "K3_GRAPH_INPUT_COPY"  # "0": the staging copy and its event outside the graph
+COPY_ENV = "K3_GRAPH_INPUT_COPY"  # "0": the staging copy always outside the graph, "1": always inside
+IN_GRAPH_COPY_BYTES = 32 << 10  # unset: images up to this size are copied inside (measured gain at 22 KB, loss at 88)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -42,6 +46,13 @@ class _Captured:
     copy_in_graph: bool = False  # the graph's replay copies the staging image and records `copied` itself
 
 
+def copies_inside(image_bytes: int, setting: str) -> bool:
+    """Whether a bucket's graph copies its staging image itself (`setting`: K3_GRAPH_INPUT_COPY's value)."""
+    if setting in ("0", "1"):
+        return setting == "1"
+    return image_bytes <= IN_GRAPH_COPY_BYTES
+
+
 class DecodeGraphs:
     def __init__(self, forward: Callable[[DecodeInputs], torch.Tensor], builder: DecodeInputBuilder,
                  device: torch.device, max_batch: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
@@ -51,7 +62,8 @@ class DecodeGraphs:
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
         self.pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, _Captured] = {}
-        self.copy_in_graph = os.environ.get(COPY_ENV, "1") != "0"
+        self.copy_setting = os.environ.get(COPY_ENV, "")
+        self.copy_capturable = True  # False once a capture with the copy inside failed (then never again)
 
     def bucket(self, batch: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
@@ -87,12 +99,12 @@ class DecodeGraphs:
                 self.forward(inputs)
         torch.cuda.current_stream().wait_stream(side)
         captured = None
-        if self.copy_in_graph:
+        if self.copy_capturable and copies_inside(host.numel() * host.element_size(), self.copy_setting):
             try:
                 captured = self._capture(inputs, host, copy_in_graph=True)
             except (RuntimeError, TypeError) as exc:  # a torch without external events or pinned copies in graphs
                 log.warning("decode graphs: the staging copy stays outside the graph (%s)", exc)
-                self.copy_in_graph = False
+                self.copy_capturable = False
         captured = captured or self._capture(inputs, host, copy_in_graph=False)
         captured.copied.record()
         self._graphs[size] = captured
