@@ -194,6 +194,8 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
     engine = build_engine(rank, len(rids))
     admit(engine, rank, rids, prompts, streams)
     fed = [0]
+    # every step's feed made ahead: on the device this runs between the tokens' arrival and the launch
+    feeds = {(len(rids), k): rank.next_token_array(len(rids), k) for k in range(1, steps + 16)}
     result, launch = sampler.SampledTokens.array, rank.fast.launch if rank.fast is not None else None
     draw = decode_overlap.sample_rows_async
 
@@ -208,7 +210,8 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
         clock.waited(time.perf_counter() - waiting)
         clock.tokens_ready()
         fed[0] += 1
-        return rank.next_token_array(len(drawn), fed[0])
+        feed = feeds.get((len(drawn), fed[0]))
+        return rank.next_token_array(len(drawn), fed[0]) if feed is None else feed
 
     def timed_launch(*args) -> torch.Tensor:
         clock.launching()
