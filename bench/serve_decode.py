@@ -139,8 +139,8 @@ def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps
     """One row of the sweep (printed as it is measured): step and forward time against the roofline."""
     wall, forward, replay, path = decode_row(rank, batch, context, steps, "d")
     roof = step_bytes(model, batch, context) / bandwidth
-    print(f"{variant:>8} {batch:>6} {context:>8} {1e3 * wall:>9.2f} {1e3 * forward:>8.2f} {batch / wall:>9.1f} "
-          f"{1e3 * roof:>12.3f} {roof / wall:>8.1%} {1e3 * replay:>10.2f} {roof / replay:>10.1%}", flush=True)
+    print(f"{batch:>6} {context:>8} {1e3 * wall:>9.2f} {1e3 * forward:>8.2f} {batch / wall:>9.1f} "
+          f"{1e3 * roof:>12.3f} {roof / wall:>8.1%} {1e3 * replay:>10.2f} {roof / replay:>10.1%} {variant}", flush=True)
     return {"batch": batch, "context": context, "step_s": wall, "forward_s": forward, "tokens_per_s": batch / wall,
             "roofline_step_s": roof, "fraction_of_roofline": roof / wall, "forward_fraction_of_roofline": roof / forward,
             "replay_s": replay, "replay_fraction_of_roofline": roof / replay,
@@ -148,8 +148,8 @@ def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps
             "loop": f"rank ({engine_loop_missing()})" if engine_loop_missing() else "engine"}
 
 
-SWEEP_HEADER = (f"{'variant':>8} {'batch':>6} {'context':>8} {'step ms':>9} {'fwd ms':>8} {'tok/s':>9} {'roofline ms':>12} "
-                f"{'of roof':>8} {'replay ms':>10} {'replay/roof':>10}")
+SWEEP_HEADER = (f"{'batch':>6} {'context':>8} {'step ms':>9} {'fwd ms':>8} {'tok/s':>9} {'roofline ms':>12} "
+                f"{'of roof':>8} {'replay ms':>10} {'replay/roof':>10} variant")
 
 
 def profile_forward(rank: Rank, batch: int, context: int) -> dict:
