@@ -37,6 +37,7 @@ from bench.serve_rank import Rank, random_model, sync
 from k3core.layers import mla
 from k3core.model import K3Model
 from k3core.presets import preset
+from services.engine.fast_prefill import WARMUP_ROWS
 
 T = TypeVar("T")
 WARMUP_TAIL = 7  # warm-up prompts: one full-budget chunk and this unaligned tail, as a worker's warm-up runs
@@ -113,17 +114,26 @@ def _split(rank: Rank, rid: str, tokens: list[int]) -> dict[str, float]:
     return phases
 
 
+def warm_up(rank: Rank, row: int) -> list[float]:
+    """Seconds of two warm-up prompts of a full-budget chunk and an unaligned tail, and the prefill fast path's
+    row-count classes after them, as a worker's warm-up runs them: every kernel variant the rows need, so no
+    JIT compile falls in the timed prefills (a 2048-token warm-up chunk once left the 8192-token chunks'
+    router kernel uncompiled)."""
+    vocab, length = rank.vocab, rank.budget + WARMUP_TAIL
+    warm = [_prefill(rank, f"warm{row}.{k}", [(t * (5 + k) + 31 * row) % vocab + 1 for t in range(length)])[0]
+            for k in range(2)]
+    for rows in WARMUP_ROWS:
+        _prefill(rank, f"warm{row}r{rows}", [(t * 3 + row) % vocab + 1 for t in range(rows)])
+    return warm
+
+
 def ttft(rank: Rank, prefix: list[int], increment: int, row: int = 0, peak: float | None = None) -> dict:
     """Time to first token of `prefix` + `increment` new tokens, uncached and with the prefix cached (MLA
     blocks + the KDA checkpoint at the prefix end). `row` keeps the request ids and warm-up prompts of
     several calls on one rank apart. `work_ratio` is the uncached over the hit matmul FLOPs: the speedup if
     both ran equally efficiently; with `peak` (FLOP/s), each one's time at that roofline too."""
-    vocab, tag = rank.vocab, str(row)
-    # both chunk shapes' kernel variants (a full-budget chunk, an unaligned tail), so no JIT compile falls in the
-    # timed prefills (a 2048-token warm-up chunk once left the 8192-token chunks' router kernel uncompiled)
-    length = rank.budget + WARMUP_TAIL
-    warm = [_prefill(rank, f"warm{tag}{k}", [(t * (5 + k) + 31 * row) % vocab + 1 for t in range(length)])[0]
-            for k in range(2)]
+    tag = str(row)
+    warm = warm_up(rank, row)
     budget = rank.budget
     rank.budget = math.gcd(budget, len(prefix))  # a forward ends at the prefix: its checkpoint is kept
     try:

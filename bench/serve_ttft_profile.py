@@ -30,7 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.serve_rank import Rank, random_model, sync
-from bench.serve_ttft import WARMUP_TAIL, _prefill, prefix_tokens
+from bench.serve_ttft import _prefill, prefix_tokens, warm_up
 from k3core.presets import preset
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -164,10 +164,8 @@ def main() -> None:
     sizing = argparse.Namespace(**{**vars(args), "increment": 0, "batches": [1], "contexts": [0], "steps": 0,
                                    "prefix": args.prefix + args.increment})
     rank = Rank(model, args.model, sizing, dtype)
-    vocab, length = rank.vocab, rank.budget + WARMUP_TAIL
-    for k in range(2):
-        _prefill(rank, f"warm{k}", [(t * (5 + k)) % vocab + 1 for t in range(length)])
-    prefix = prefix_tokens(args.prefix, 0, vocab)
+    warm_up(rank, 0)
+    prefix = prefix_tokens(args.prefix, 0, rank.vocab)
     rank.budget = math.gcd(rank.budget, len(prefix))
     uncached, _ = _prefill(rank, "miss", prefix + [5] * args.increment, keep_turn=True)
     hits = [_prefill(rank, f"hit{k}", prefix + [9 + k] * args.increment)[0] for k in range(2)]

@@ -49,6 +49,11 @@ class FastDecoder:
                                       op(x, inp.page_table[g], inp.lengths, inp.row_base[g] + s, residual))
             self.ffn.append(MoeDecode(layer.block_sparse_moe, config, grouped, derived) if layer.is_moe
                             else MlpDecode(layer.mlp, config))
+        # Extra launch arguments of the AttnRes phase-1 kernels. None here: each launcher plans for the batch
+        # size (the decode buckets' warm-up compiles those); the prefill fast path pins them, since a plan per
+        # chunk length made new prompt lengths compile new variants (services/engine/fast_prefill.py).
+        self.logits_launch: dict = {}
+        self.inter_launch: dict = {}
         if config.uses_attn_res:
             layers = model.model.layers
             # Every site in forward order (layer i's attention and MLP sites are 2i and 2i + 1), the final last:
@@ -96,7 +101,8 @@ class FastDecoder:
             first = min(2 * done * size, n_sites - 1)
             stacked[done].copy_(block)
             dispatch.attnres_block_logits(self.site_queries[first:], block, self.site_key_norms[first:], eps,
-                                          out=logits[first:, done], parts=self.site_query_parts[:, first:])
+                                          out=logits[first:, done], parts=self.site_query_parts[:, first:],
+                                          **self.logits_launch)
             done += 1
 
         complete(h)
@@ -104,7 +110,7 @@ class FastDecoder:
             if i % size == 0:
                 here = slice(2 * i, 2 * min(i + size, len(layers)))
                 inter = dispatch.attnres_inter(self.site_queries[here], stacked[:done], self.site_key_norms[here],
-                                               eps, logits=logits[here, :done])
+                                               eps, logits=logits[here, :done], **self.inter_launch)
                 inter.acc = inter.acc.contiguous()  # the merge kernel reads each site's rows densely
             sublayers = ((layer.attn_res["attn"], layer.input_layernorm, (inp,)),
                          (layer.attn_res["mlp"], layer.post_attention_layernorm, ()))
@@ -122,7 +128,7 @@ class FastDecoder:
         # The final site: the same two kernels with no partial sum, its merge fused with the final norm.
         final, norm = self.model.model.attn_res_final, self.model.model.norm
         stats = dispatch.attnres_inter(self.site_queries[-1:], stacked[:done], self.site_key_norms[-1:], eps,
-                                       logits=logits[-1:, :done]).row(0)
+                                       logits=logits[-1:, :done], **self.inter_launch).row(0)
         _, normed = dispatch.attnres_merge_norm(stats.max, stats.denom, stats.acc, final.query, None, norm.weight,
                                                 key_norm_weight=final.norm.weight, key_eps=eps, out_eps=norm.eps,
                                                 out_dtype=h.dtype)

@@ -29,6 +29,13 @@ from services.engine.fast_decoder import FastDecoder
 from services.engine.fast_ffn import MoeDecode
 
 ENV = "K3_PREFILL_FASTPATH"  # "0": prefill forwards run the reference layers (with the grouped MoE forms)
+LOGITS_LAUNCH = {"rows": 64, "chunks": 1}  # attnres_block_logits: one program per 64 rows and sites tile
+INTER_LAUNCH = {"chunks": (1, 1)}  # attnres_inter: all of D per program
+# Row counts a worker's warm-up prefills besides its full-budget chunk and odd tail (services/engine/warmup.py),
+# so that no later chunk length compiles a variant: 12 for the counts that are multiples of 4 but not of 16
+# (float32 row offsets 16-byte aligned, the count itself not divisible by 16), 2 for a variant of its own that
+# Triton's binder shows at two rows (test_fast_prefill_specializations: each is needed, together they suffice).
+WARMUP_ROWS = (2, 12)
 
 
 class PrefillInputs(NamedTuple):
@@ -57,6 +64,11 @@ class FastPrefill:
     def __init__(self, decoder: FastDecoder) -> None:
         self.decoder = copy.copy(decoder)  # shares the forms and derived weights; only `attention` differs
         self.decoder.attention = [attention_form(layer.self_attn) for layer in decoder.model.model.layers]
+        # One AttnRes phase-1 variant per row-count class instead of a plan per chunk length: each launcher's
+        # own plan (rows per program, D chunks to fill the SMs) made new prompt lengths compile new variants
+        # inside the request (~3.5 s on the H200 for a 512- or 4096-token chunk after the warm-up's 8192 + 7).
+        self.decoder.logits_launch = dict(LOGITS_LAUNCH)
+        self.decoder.inter_launch = dict(INTER_LAUNCH)
 
     @staticmethod
     def applies(decoder: FastDecoder) -> bool:

@@ -28,6 +28,7 @@ from services.engine.config import WARMUP_MODES, WorkerConfig
 from services.engine.cuda_graphs import DEFAULT_BUCKETS
 from services.engine.decode_fastpath import DecodeFastPath
 from services.engine.executor import Executor
+from services.engine.fast_prefill import WARMUP_ROWS
 from services.engine.metrics import EngineMetrics
 from services.engine.params import GenerationOptions
 from services.engine.plan import ForwardItem, StepPlan
@@ -83,6 +84,8 @@ def plan_warmup(config: WorkerConfig, role: str, fastpath: DecodeFastPath | None
     room = config.max_model_len - tail - len(decode_step)
     aligned = min(config.step_token_budget, room) // hb * hb
     prefill = ((tail,), (aligned, tail, *decode_step)) if aligned > 0 else ((tail, *decode_step),)
+    if fastpath is not None:  # with it the prefill fast path, whose kernels also specialise on these row counts
+        prefill += tuple((rows,) for rows in WARMUP_ROWS if rows <= config.max_model_len)
     return WarmupPlan(prefill, decode_buckets(fastpath, config.max_running) if role == "decode" else ())
 
 

@@ -69,14 +69,15 @@ def test_warmup_leaves_the_pool_and_the_prefix_cache_as_found(fast_executor):
     report = warm_up(fast_executor, config(), "decode", export=False)
     assert report is not None and not report.skipped
     # the shapes the scheduler runs: a short first chunk, the full-budget aligned chunk, its unaligned tail
-    # over the cached prefix and a decode step; the fast path's batch buckets up to max_running
-    assert report.plan.prefill == ((9,), (64, 9, 1))
+    # over the cached prefix and a decode step; the fast path's batch buckets up to max_running; the prefill
+    # fast path's row-count classes (services/engine/fast_prefill.WARMUP_ROWS)
+    assert report.plan.prefill == ((9,), (64, 9, 1), (2,), (12,))
     assert report.plan.decode_batches == (1, 2, 4)
     assert pool_state(manager) == before
     manager.pool.check_invariants()
     vocab = config().model_config().vocab_size
     prompts = [warmup_tokens(sum(chunks), vocab) for chunks in report.plan.prefill]
-    assert [cached(manager, prompt) for prompt in prompts] == [(0, 0), (0, 0)]
+    assert [cached(manager, prompt) for prompt in prompts] == [(0, 0)] * 4
     # control: the same tokens prefilled as a request are found, so the lookup above could have failed
     prefill_for_real(fast_executor, "real", prompts[1], 64)
     assert cached(manager, prompts[1]) == (64, 64)

@@ -98,7 +98,8 @@ async def test_warm_worker_serves_only_after_its_warmup_and_leaves_no_trace(tmp_
             assert health(health_pb2_grpc.HealthStub(channel)) == "SERVING"
         done = next(e for e in log_entries(warm) if e["msg"] == "warm-up finished")
         assert done["warmup_s"] > 0 and done["skipped"] == []
-        assert done["prefill_chunks"] == [[9], [128, 9, 1]] and done["decode_batches"] == [1, 2, 4, 8]
+        assert done["prefill_chunks"] == [[9], [128, 9, 1], [2], [12]]  # + fast_prefill.WARMUP_ROWS
+        assert done["decode_batches"] == [1, 2, 4, 8]
         assert logged(cold, "warm-up skipped") and not logged(cold, "warm-up started")
         assert scrape(warm.info["metrics_address"]).value("k3_decode_warmup_seconds", {"stage": "total"}) > 0
         assert scrape(cold.info["metrics_address"]).value("k3_decode_warmup_seconds", {"stage": "total"}) == 0
