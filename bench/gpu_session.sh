@@ -23,7 +23,7 @@ PY=${PYTHON:-python3}
 SITE=${GPU_SESSION_SITE:-/tmp/site}
 BUDGET_S=${GPU_SESSION_BUDGET_S:-540}  # the whole script; run's timeout_s (600) leaves the rest for the copy back
 RESERVE_S=20                           # kept for the summary at the end (and timeout's kill grace)
-KERNEL_GROUPS=${GPU_SESSION_KERNELS:-kda_decode:110 mla:60 moe:60 kda_verify:60 attnres:50 kda_prefill:240}  # kda_prefill: fla autotunes ~50 s a shape
+KERNEL_GROUPS=${GPU_SESSION_KERNELS:-kda_decode:110 mla:60 moe:60 kda_verify:60 attnres:50 attnres_phase1:60 kda_prefill:240}  # kda_prefill: fla autotunes ~50 s a shape
 
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
