@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import time
 
 import torch
@@ -110,19 +109,10 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, settings
 
 
-SWITCH_INTERVAL = "PY_SWITCH_INTERVAL"  # a variant's setting for `sys.setswitchinterval` (seconds), not an env var
-_DEFAULT_SWITCH_INTERVAL = sys.getswitchinterval()
-
-
 def apply_variant(rank: Rank, settings: dict[str, str], base: dict[str, str | None]) -> None:
     """The process environment as it started (`base`: the values of every variant's names) plus `settings`,
-    and the rank's CUDA graphs rebuilt (captured again on first use) since their form is read at build.
-    PY_SWITCH_INTERVAL sets the interpreter's GIL switch interval instead (how long the engine thread may
-    wait for the GIL while the streams' event-loop thread holds it)."""
-    sys.setswitchinterval(float(settings.get(SWITCH_INTERVAL, _DEFAULT_SWITCH_INTERVAL)))
+    and the rank's CUDA graphs rebuilt (captured again on first use) since their form is read at build."""
     for key, value in base.items():
-        if key == SWITCH_INTERVAL:
-            continue
         if key in settings:
             os.environ[key] = settings[key]
         elif value is None:

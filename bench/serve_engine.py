@@ -13,7 +13,6 @@ for every row, which would route the whole batch to four experts).
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -34,8 +33,6 @@ from services.engine.model_runner import ModelRunner
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager
 from services.engine.scheduler import Scheduler
-
-POLL_ENV = "K3_BENCH_TOKEN_POLL"  # "1": the bench spins on the tokens' event before the engine waits (an experiment)
 
 
 class GcPauses:
@@ -199,13 +196,8 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
     result, launch = sampler.SampledTokens.array, rank.fast.launch if rank.fast is not None else None
     draw = decode_overlap.sample_rows_async
 
-    poll = os.environ.get(POLL_ENV) == "1"
-
     def fed_tokens(handle: sampler.SampledTokens) -> np.ndarray:
         waiting = time.perf_counter()
-        if poll and handle._copy is not None and handle._copy._event is not None:
-            while not handle._copy._event.query():  # spin holding the GIL: no wake-up through the CUDA wait
-                pass
         drawn = result(handle)
         clock.waited(time.perf_counter() - waiting)
         clock.tokens_ready()
