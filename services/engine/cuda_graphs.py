@@ -20,7 +20,6 @@ runs after the launch instead of during it, and slower as a graph node. So only 
 from __future__ import annotations
 
 import bisect
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ import torch
 
 from services.engine.decode_inputs import DecodeInputBuilder, DecodeInputs
 
-log = logging.getLogger(__name__)
 COPY_ENV = "K3_GRAPH_INPUT_COPY"  # "0": the staging copy always outside the graph, "1": always inside
 IN_GRAPH_COPY_BYTES = 32 << 10  # unset: images up to this size are copied inside (measured gain at 22 KB, loss at 88)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -63,7 +61,6 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, _Captured] = {}
         self.copy_setting = os.environ.get(COPY_ENV, "")
-        self.copy_capturable = True  # False once a capture with the copy inside failed (then never again)
 
     def bucket(self, batch: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
@@ -98,14 +95,7 @@ class DecodeGraphs:
             for _ in range(2):
                 self.forward(inputs)
         torch.cuda.current_stream().wait_stream(side)
-        captured = None
-        if self.copy_capturable and copies_inside(host.numel() * host.element_size(), self.copy_setting):
-            try:
-                captured = self._capture(inputs, host, copy_in_graph=True)
-            except (RuntimeError, TypeError) as exc:  # a torch without external events or pinned copies in graphs
-                log.warning("decode graphs: the staging copy stays outside the graph (%s)", exc)
-                self.copy_capturable = False
-        captured = captured or self._capture(inputs, host, copy_in_graph=False)
+        captured = self._capture(inputs, host, copies_inside(host.nbytes, self.copy_setting))
         captured.copied.record()
         self._graphs[size] = captured
         return captured
