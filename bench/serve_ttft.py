@@ -3,7 +3,8 @@ section, or alone over several sizes):
 
     python -m bench.serve_ttft [--model mini] --prefix 32768 131072 --increment 512 4096 [--num-pages 3000]
 
-Each row: the first prefill of the row (`warmup_s`: an unrelated 2048-token prompt; in a fresh process it
+Each row: the first prefill of the row (`warmup_s`: an unrelated prompt of a full-budget chunk and a short
+tail, `warm_up`; in a fresh process it
 includes the one-time JIT of the prefill kernels, which a worker pays once at start, not per request, so
 it is reported and kept out of the rows below), a second such prompt (`warmup_again_s`), the prompt uncached,
 its first prefix hit (`hit_cold_s`: the first restore of that entry) and the median of two more hits with
@@ -12,10 +13,10 @@ restore copies), forward, and step commit (snapshot of the new prompt end). Each
 tokens, so no row hits another's. With two or more prefix sizes at one increment, the uncached time is fit
 as a*P + b*P^2 (the MLA attention is quadratic) and the hit as c + d*P, and both are extrapolated to
 `--extrapolate` tokens (the K3 report's 400K-token prefix).
-`--compare` measures every row twice in one process, first as before session 6 (`before`: the reference
-layers for the whole prefill forward, MLA values unpadded, so SDPA's memory-efficient kernel), then as now
-(`after`: services/engine/fast_prefill.py, flash attention); `--check` compares the two forms' logits of
-one uncached prompt.
+`--compare` measures every row twice in one process: `reference` (K3_PREFILL_FASTPATH=0: the reference
+layers for the whole prefill forward, and MLA values unpadded, so SDPA's memory-efficient kernel), then
+`fast` (the default: services/engine/fast_prefill.py, values padded for flash attention); `--check`
+compares the two forms' logits of one uncached prompt.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from bench.serve_rank import Rank, random_model, sync
 from k3core.layers import mla
 from k3core.model import K3Model
 from k3core.presets import preset
-from services.engine.fast_prefill import WARMUP_ROWS
+from services.engine import fast_prefill
 
 T = TypeVar("T")
 WARMUP_TAIL = 7  # warm-up prompts: one full-budget chunk and this unaligned tail, as a worker's warm-up runs
@@ -122,7 +123,7 @@ def warm_up(rank: Rank, row: int) -> list[float]:
     vocab, length = rank.vocab, rank.budget + WARMUP_TAIL
     warm = [_prefill(rank, f"warm{row}.{k}", [(t * (5 + k) + 31 * row) % vocab + 1 for t in range(length)])[0]
             for k in range(2)]
-    for rows in WARMUP_ROWS:
+    for rows in fast_prefill.WARMUP_ROWS:
         _prefill(rank, f"warm{row}r{rows}", [(t * 3 + row) % vocab + 1 for t in range(rows)])
     return warm
 
@@ -172,27 +173,31 @@ def extrapolate(rows: list[dict], target: int) -> dict | None:
             "hit_s": hit, "speedup": uncached / hit}
 
 
+FORMS = ("reference", "fast")  # --compare's prefill forms, in the order measured
+
+
 @contextmanager
-def prefill_form(before: bool) -> Iterator[None]:
-    """The prefill as before session 6 (`before`) or as now; see the module docstring."""
-    env, padded = os.environ.get("K3_PREFILL_FASTPATH"), mla.PAD_VALUES_FOR_FLASH
-    os.environ["K3_PREFILL_FASTPATH"], mla.PAD_VALUES_FOR_FLASH = ("0", False) if before else ("1", True)
+def prefill_form(form: str) -> Iterator[None]:
+    """The prefill as `form` (one of FORMS; see the module docstring), the previous settings restored after."""
+    env, padded = os.environ.get(fast_prefill.ENV), mla.PAD_VALUES_FOR_FLASH
+    fast = form == "fast"
+    os.environ[fast_prefill.ENV], mla.PAD_VALUES_FOR_FLASH = ("1" if fast else "0"), fast
     try:
         yield
     finally:
         mla.PAD_VALUES_FOR_FLASH = padded
         if env is None:
-            del os.environ["K3_PREFILL_FASTPATH"]
+            del os.environ[fast_prefill.ENV]
         else:
-            os.environ["K3_PREFILL_FASTPATH"] = env
+            os.environ[fast_prefill.ENV] = env
 
 
 def form_check(rank: Rank, length: int) -> dict[str, float | bool]:
-    """Last-token logits of one prompt shorter than a hash block (never cached), before and after."""
+    """Last-token logits of one prompt shorter than a hash block (never cached), in both FORMS."""
     prompt = [(37 * j) % rank.vocab + 1 for j in range(length)]
     logits = []
-    for k, before in enumerate((True, False)):
-        with prefill_form(before):
+    for k, form in enumerate(FORMS):
+        with prefill_form(form):
             _prefill(rank, f"check{k}", prompt)
         logits.append(rank.last_logits.float())
     diff = (logits[0] - logits[1]).abs().max().item()
@@ -216,7 +221,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=8192, help="prefill tokens per forward")
     parser.add_argument("--extrapolate", type=int, default=400_000)
     parser.add_argument("--time-limit", type=float, default=300.0, help="skip rows that would start after this")
-    parser.add_argument("--compare", action="store_true", help="each row before and after session 6's prefill")
+    parser.add_argument("--compare", action="store_true", help="each row with the reference prefill, then the fast one")
     parser.add_argument("--check", action="store_true", help="the two prefill forms' logits of one prompt")
     parser.add_argument("--out", default="bench/results/serve_ttft.json")
     args = parser.parse_args()
@@ -238,8 +243,8 @@ def main() -> None:
     print(f"{args.model} on {device} ({dtype}); dense matmul {peak / 1e12:.0f} TFLOP/s measured (the roofline)")
     if args.check:
         result["check"] = form_check(rank, args.hash_block - 3)
-        print("before / after logits of one uncached prompt:", result["check"])
-    forms = ("before", "after") if args.compare else (None,)
+        print("reference / fast logits of one uncached prompt:", result["check"])
+    forms = FORMS if args.compare else (None,)
     print(f"{'form':>6} {'prefix':>8} {'incr':>6} {'1st prefill':>11} {'again':>7} {'uncached':>9} {'roof':>7} {'hit cold':>9} "
           f"{'hit warm':>9} {'roof':>7} {'ratio':>6} {'work':>6}  hit split (admission / forward / commit ms)")
     cases = [(length, increment, form) for length, increment in zip(args.prefix, increments, strict=True)
@@ -248,7 +253,7 @@ def main() -> None:
         if time.perf_counter() - began > args.time_limit:
             result["skipped"].append(f"prefix {length} increment {increment} {form or ''}")
             continue
-        with prefill_form(form == "before") if form else nullcontext():
+        with prefill_form(form) if form else nullcontext():
             r = ttft(rank, prefix_tokens(length, row, rank.vocab), increment, row, peak)
         r["form"] = form
         split = " / ".join(f"{1e3 * v:.1f}" for v in r["hit_split"].values())
@@ -258,7 +263,7 @@ def main() -> None:
               f"{split}", flush=True)
         result["rows"].append(r)
         save(args.out, result)
-    rows = [r for r in result["rows"] if r["form"] in (None, "after")]
+    rows = [r for r in result["rows"] if r["form"] in (None, "fast")]
     e = result["extrapolated"] = extrapolate(rows, args.extrapolate) if rows else None
     if e:
         end = e["prefix"] + e["increment"]

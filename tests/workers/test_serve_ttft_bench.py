@@ -25,20 +25,39 @@ def test_ttft_bench_runs_and_the_hit_serves_the_whole_prefix(tmp_path, monkeypat
 
 
 def test_compare_measures_each_row_in_both_forms_and_checks_their_logits(tmp_path, monkeypatch):
-    """--compare: a row per form, each with its own prefix (the `after` row's prompt is uncached too: no
-    hit on the `before` row's entries); --check: the two forms' logits agree; the forms' switches are
-    restored after each row."""
+    """--compare: a row per form, each with its own prefix (the `fast` row's prompt is uncached too: no
+    hit on the `reference` row's entries) measured under its form's switches (the fast prefill runs only
+    in the `fast` form); --check: the two forms' logits agree; the switches are restored after the run."""
     from k3core.layers import mla
+    from services.engine import fast_prefill
 
     monkeypatch.setenv("K3_DECODE_FASTPATH", "1")  # the fast path, and with it the fast prefill, on the CPU
     monkeypatch.delenv("K3_PREFILL_FASTPATH", raising=False)
     out = tmp_path / "ttft.json"
+    row_switches, fast_runs = [], []
+    ttft, fast_forward = serve_ttft.ttft, fast_prefill.FastPrefill.forward
+
+    def switches() -> tuple[str | None, bool]:
+        return os.environ.get("K3_PREFILL_FASTPATH"), mla.PAD_VALUES_FOR_FLASH
+
+    def spied_ttft(*args, **kwargs):
+        row_switches.append(switches())
+        return ttft(*args, **kwargs)
+
+    def spied_forward(self, *args, **kwargs):
+        fast_runs.append(switches())
+        return fast_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(serve_ttft, "ttft", spied_ttft)
+    monkeypatch.setattr(fast_prefill.FastPrefill, "forward", spied_forward)
     monkeypatch.setattr(sys, "argv", ["serve_ttft", "--model", "nano", "--device", "cpu", "--prefix", "64",
                                       "--increment", "16", "--hash-block", "32", "--num-pages", "100",
                                       "--budget", "64", "--compare", "--check", "--out", str(out)])
     serve_ttft.main()
     result = json.loads(out.read_text())
-    assert [r["form"] for r in result["rows"]] == ["before", "after"]
+    assert [r["form"] for r in result["rows"]] == ["reference", "fast"]
+    assert row_switches == [("0", False), ("1", True)]
+    assert fast_runs and set(fast_runs) == {("1", True)}
     assert all(r["hit_tokens"] == 64 for r in result["rows"])
     check = result["check"]
     assert check["same_argmax"] and check["max_abs_diff"] < 1e-3 * max(1.0, check["scale"])
