@@ -10,6 +10,7 @@ import torch
 
 from bench.serve_rank import Rank, sync
 from k3core.model import K3Model
+from kernels.perf import harness
 from services.engine import fast_ffn
 from services.engine.cuda_graphs import DecodeGraphs
 
@@ -93,13 +94,8 @@ def replay_seconds(rank: Rank, batch: int, reps: int) -> float:
     if graphs is None:
         return float("nan")
     graph = graphs._get(graphs.bucket(batch)).graph
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
+    ms, _ = harness.time_ms(graph.replay, inner=reps, reps=1, warmup=0, graph=False)  # events around `reps` replays
+    return ms / 1e3
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:

@@ -45,6 +45,7 @@ from kernels.fused import (
     skinny_gemm_triton,
 )
 from kernels.moe import situ_glu_triton
+from kernels.perf import harness
 from services.engine.fast_ffn import MoeDecode, grouped_mm_available
 
 ROUTER_CONFIGS = [  # (block_t, block_h, num_warps, num_stages, H splits; None: the launcher's rule)
@@ -56,24 +57,17 @@ Case = tuple[Callable[[], object], Callable[[], object] | None, int]  # fused, p
 
 
 def device_us(fn: Callable[[], object], reps: int = 20) -> float:
-    """Device microseconds of one call: `reps` calls captured in one CUDA graph, replayed."""
-    fn()
+    """Device microseconds of one call: `reps` calls captured in one CUDA graph, replayed (the kernel
+    benchmark's `harness.time_ms`; a case that cannot be captured is an error here, not timed eagerly)."""
     if not torch.cuda.is_available():  # CPU dry run (TRITON_INTERPRET=1): wall time
+        fn()
         began = time.perf_counter()
         fn()
         return (time.perf_counter() - began) * 1e6
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+    ms, method = harness.time_ms(fn, inner=reps)
+    if method != "graph":
+        raise RuntimeError("a serve_glue case could not be captured in a CUDA graph")
+    return ms * 1e3
 
 
 def weight_copies(shape: tuple[int, ...], gen: torch.Generator, count: int = WEIGHT_COPIES) -> list[torch.Tensor]:

@@ -38,17 +38,20 @@ from bench.serve_rank import Rank, random_model, sync
 from k3core.layers import mla
 from k3core.model import K3Model
 from k3core.presets import preset
+from kernels.perf import harness
 from services.engine import fast_prefill
 
 T = TypeVar("T")
 WARMUP_TAIL = 7  # warm-up prompts: one full-budget chunk and this unaligned tail, as a worker's warm-up runs
 
 
-def gemm_flops_per_s(device: str, n: int = 8192) -> float:
-    """Dense bf16 (float32 on the CPU) matmul throughput measured here: the compute roofline of the rows."""
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    n = n if device.startswith("cuda") else 1024
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+def gemm_flops_per_s(device: str) -> float:
+    """Dense bf16 matmul throughput measured here (the kernel benchmark's `harness.matmul_flops`; float32 on
+    the CPU, wall time): the compute roofline of the rows."""
+    if device.startswith("cuda"):
+        return harness.matmul_flops()
+    n = 1024
+    a, b = (torch.randn(n, n, device=device) for _ in range(2))
     a @ b
     reps = 10
     return 2 * n**3 * reps / _timed(lambda: [a @ b for _ in range(reps)])[0]
