@@ -94,7 +94,13 @@ class ModelRunner:
         flat = [t for tokens in token_ids for t in tokens]
         tokens = torch.tensor(flat, dtype=torch.long, device=self.device)
         prefill = len(flat) > len(token_ids)
-        if prefill and self.fast_prefill is not None and prefill_fastpath_enabled():
-            return self.fast_prefill.forward(tokens, cache).float()
+        fast = self.prefill_fastpath() if prefill else None
+        if fast is not None:
+            return fast.forward(tokens, cache).float()
         with installed(self.prefill_moe if prefill else []):
             return self.model(tokens, cache, logits_for="last").float()
+
+    def prefill_fastpath(self) -> FastPrefill | None:
+        """The prefill fast path where it applies and K3_PREFILL_FASTPATH leaves it on (read per call:
+        bench.serve_ttft switches it between forms in one process)."""
+        return self.fast_prefill if prefill_fastpath_enabled() else None

@@ -76,7 +76,8 @@ def warmup_tokens(count: int, vocab_size: int) -> list[int]:
     return [(7919 * i + 17) % vocab_size for i in range(count)]
 
 
-def plan_warmup(config: WorkerConfig, role: str, fastpath: DecodeFastPath | None) -> WarmupPlan:
+def plan_warmup(config: WorkerConfig, role: str, fastpath: DecodeFastPath | None,
+                prefill_fastpath: bool = False) -> WarmupPlan:
     hb = config.hash_block_tokens
     decode_step = (1,) if role == "decode" else ()
     # not a hash-block multiple (nor of 16, for hb >= 32)
@@ -84,7 +85,7 @@ def plan_warmup(config: WorkerConfig, role: str, fastpath: DecodeFastPath | None
     room = config.max_model_len - tail - len(decode_step)
     aligned = min(config.step_token_budget, room) // hb * hb
     prefill = ((tail,), (aligned, tail, *decode_step)) if aligned > 0 else ((tail, *decode_step),)
-    if fastpath is not None:  # with it the prefill fast path, whose kernels also specialise on these row counts
+    if prefill_fastpath:  # its AttnRes kernels also specialise on these row counts
         prefill += tuple((rows,) for rows in WARMUP_ROWS if rows <= config.max_model_len)
     return WarmupPlan(prefill, decode_buckets(fastpath, config.max_running) if role == "decode" else ())
 
@@ -169,7 +170,7 @@ def warm_up(executor: Executor, config: WorkerConfig, role: str, *, export: bool
             for stage in ("prefill", "decode", "total"):
                 gauge.labels(stage).set(0)
         return None
-    plan = plan_warmup(config, role, executor.fastpath)
+    plan = plan_warmup(config, role, executor.fastpath, executor.runner.prefill_fastpath() is not None)
     log.info("warm-up started", extra={"prefill_chunks": plan.prefill, "decode_batches": plan.decode_batches})
     report = run_warmup(executor, plan, config.model_config().vocab_size)
     log.info("warm-up finished", extra={

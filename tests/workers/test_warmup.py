@@ -98,6 +98,14 @@ def test_a_pool_too_small_skips_the_request_and_keeps_the_pool(monkeypatch):
         executor.close()
 
 
+def test_the_row_count_chunks_only_with_the_prefill_fast_path(fast_executor, monkeypatch):
+    # K3_PREFILL_FASTPATH=0: the decode fast path runs, the prefill one does not, nor do its warm-up chunks
+    monkeypatch.setenv("K3_PREFILL_FASTPATH", "0")
+    report = warm_up(fast_executor, config(), "decode", export=False)
+    assert report is not None and report.plan.prefill == ((9,), (64, 9, 1))
+    assert plan_warmup(config(max_model_len=5), "decode", None, prefill_fastpath=True).prefill == ((4, 1), (2,))
+
+
 def test_plan_follows_the_scheduler_and_the_limits():
     # prefill worker: no decode step, no buckets
     assert plan_warmup(config(), "prefill", None).prefill == ((9,), (64, 9))
