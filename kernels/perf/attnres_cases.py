@@ -10,7 +10,7 @@ import torch
 from k3core.ops.attnres import attnres_inter, attnres_logits
 from k3core.presets import preset
 from kernels._triton import tl, triton
-from kernels.attnres import block_logits_triton, inter_triton, merge_norm_triton, phase1_triton
+from kernels.attnres import block_logits_triton, inter_triton, merge_norm_triton
 from kernels.attnres import naive as attnres_naive
 from kernels.attnres.query_parts import query_parts
 from kernels.moe import naive as moe_naive
@@ -32,8 +32,6 @@ INTER_VARIANTS = {"decode": ({},), "prefill": ({},)}
 # slower (docs/kernels.md, AttnRes history 22): the defaults alone now.
 CACHED_VARIANTS = {"decode": ({},), "prefill": ({},)}
 LOGITS_VARIANTS = {"decode": ({},), "prefill": ({},)}
-# The one-launch phase 1 (phase1_triton): its logits items' D chunks (None: about two programs per SM).
-PHASE1_VARIANTS = {"decode": ({}, {"logits_chunks": 14}, {"logits_chunks": 56}), "prefill": ({},)}
 MID_FORWARD_SITES = 163  # K3: the sites after its first layer block (93 layers x 2 + 1 - 24)
 
 
@@ -108,8 +106,8 @@ def _inter_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple) ->
 def _cached_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple, logits_variants: tuple) -> list[Row]:
     """Phase 1 the cached way, per block of the forward: the newest block's logits against the sites after
     it (this block's SITES and the final site), written once into the logit cache, then the apply kernel
-    over the cached logits of all N blocks: two launches, the same with programmatic dependent launch, and
-    one launch (`phase1_triton`). Bytes: `phase1_bytes`."""
+    over the cached logits of all N blocks: two launches, and the same with programmatic dependent launch.
+    Bytes: `phase1_bytes`."""
     rows: list[Row] = []
     N, M, _ = blocks.shape
     later = SITES + 1
@@ -142,17 +140,6 @@ def _cached_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple, l
                                   parts=query_parts(many_q, many_w)))
         rows.append(Row("attnres_block_logits", f"M={M},D={D},S={MID_FORWARD_SITES}", "ours(default)", ms,
                         M * D * 2 + MID_FORWARD_SITES * (M + D) * 4, note=how))
-    for kwargs in PHASE1_VARIANTS["decode" if M <= 64 else "prefill"]:
-        one = partial(phase1_triton.attnres_inter_with_newest, later_q, blocks[-1], blocks, cache, later_w,
-                      sites=SITES, parts=later_parts, **kwargs)
-        ours = one()
-        err = {"acc_rel": rel_err(ours.acc, ref.acc), "max_abs": max_err(ours.max, ref.max),
-               "denom_rel": rel_err(ours.denom, ref.denom)}
-        del ours
-        ms, how = time_ms(one)
-        label = ",".join(f"{k}={v}" for k, v in kwargs.items()) or "default"
-        rows.append(Row("attnres_inter", shape, f"one launch: newest block's logits, then apply({label})", ms,
-                        phase1_bytes(M, D, N, SITES, later), note=how, extra=err))
     for kwargs in variants:
         label = ",".join(f"{k}={v}" for k, v in kwargs.items()) or "default"
         apply = partial(inter_triton.attnres_inter, queries, blocks, norm_w, logits=cache[:SITES], **kwargs)
@@ -207,10 +194,10 @@ def forward_phases(name: str) -> list[tuple[int, int, int]]:
 
 def phase1_rows(tokens: tuple[int, ...] = (64, 8192), forwards: tuple[str, ...] = ("k3", "mini"),
                 batch: int = 64) -> list[Row]:
-    """Phase 1 from cached logits as served (two launches: the newest block's logits, then the apply), with
-    the apply launched early (PDL), and in one launch (`phase1_triton`), at the fixed shape of `attnres_rows`
-    (then, at decode, as served: the block also copied into the block buffer), and every phase 1 of a
-    decode forward of each preset in `forwards` at `batch` rows, as served."""
+    """Phase 1 from cached logits as served (two launches: the newest block's logits, then the apply), and
+    with the apply launched early (PDL), at the fixed shape of `attnres_rows` (then, at decode, as served:
+    the block also copied into the block buffer), and every phase 1 of a decode forward of each preset in
+    `forwards` at `batch` rows, as served."""
     rows: list[Row] = launch_floor_rows()
     for M in tokens:
         blocks = torch.randn(BLOCKS, M, D, device="cuda", dtype=BF16)
@@ -229,8 +216,8 @@ def phase1_rows(tokens: tuple[int, ...] = (64, 8192), forwards: tuple[str, ...] 
 
 def _served_rows(shape: str, dim: int, M: int, phases: list[tuple[int, int, int]]) -> list[Row]:
     """`phases` ((N, Q, S) each, in forward order: the blocks' and sites' layout of fast_decoder) as served
-    (per phase: the newest block copied into the buffer, its logits, the apply), the same with the apply
-    launched early (PDL), and one launch per phase (`phase1_triton`, the block copy fused)."""
+    (per phase: the newest block copied into the buffer, its logits, the apply), and the same with the
+    apply launched early (PDL)."""
     n_blocks, n_sites = phases[-1][0], phases[0][2]
     gen = torch.Generator(device="cuda").manual_seed(M + dim)
     sources = torch.randn(n_blocks, M, dim, device="cuda", dtype=BF16, generator=gen)
@@ -242,7 +229,7 @@ def _served_rows(shape: str, dim: int, M: int, phases: list[tuple[int, int, int]
     for n in range(phases[0][0] - 1):  # blocks completed before the first phase timed: their logits cached
         block_logits_triton.attnres_block_logits(site_q, sources[n], site_w, out=cache[:, n], parts=parts)
 
-    def old(pdl: bool = False) -> list:
+    def served(pdl: bool = False) -> list:
         out = []
         for N, Q, S in phases:
             first = n_sites - S
@@ -253,26 +240,20 @@ def _served_rows(shape: str, dim: int, M: int, phases: list[tuple[int, int, int]
                                                   logits=cache[first:first + Q, :N], pdl=pdl))
         return out
 
-    def new() -> list:
-        return [phase1_triton.attnres_inter_with_newest(site_q[n_sites - S:], sources[N - 1], stacked[:N],
-                                                        cache[n_sites - S:, :N], site_w[n_sites - S:], sites=Q,
-                                                        parts=parts[:, n_sites - S:], copy=True)
-                for N, Q, S in phases]
-
-    want = old()
+    want = served()
     N, Q, S = phases[-1]
     ref = attnres_inter(site_q[n_sites - S:][:Q], sources[:N], site_w[n_sites - S:][:Q])  # torch float32
 
     def check(got: list) -> dict:
         same = all(torch.equal(a, b) for w, g in zip(want, got, strict=True)
                    for a, b in ((w.max, g.max), (w.denom, g.denom), (w.acc, g.acc)))
-        return {"bitwise_equal_to_old": same, "last_acc_rel_vs_torch": rel_err(got[-1].acc, ref.acc),
+        return {"bitwise_equal_to_served": same, "last_acc_rel_vs_torch": rel_err(got[-1].acc, ref.acc),
                 "phases": len(phases)}
 
     moved = sum(phase1_bytes(M, dim, N, Q, S, copy=True) for N, Q, S in phases)
     rows = [_guarded_row("attnres_phase1_served", shape, label, run, moved, check) for label, run in (
-        ("as served: copy + logits + apply per phase", old), ("one launch per phase", new),
-        ("copy + logits + apply, the apply with PDL", partial(old, pdl=True)))]
+        ("as served: copy + logits + apply per phase", served),
+        ("copy + logits + apply, the apply with PDL", partial(served, pdl=True)))]
     return rows
 
 

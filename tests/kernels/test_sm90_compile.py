@@ -31,7 +31,7 @@ from k3core.cache.layout import plan_layout, shape_from_config
 from k3core.cache.pool_views import PoolViews
 from k3core.presets import preset
 from kernels import compile_check
-from kernels.attnres import block_logits_triton, inter_triton, merge_norm_triton, phase1_triton
+from kernels.attnres import block_logits_triton, inter_triton, merge_norm_triton
 from kernels.fused import (
     expert_gemm_triton,
     gated_heads_triton,
@@ -131,12 +131,10 @@ def mla_step(batch: int, **tuning) -> None:
     gated_heads_triton.gated_heads(empty(MLA_HEADS, batch, MINI.v_head_dim), gate)
 
 
-def attnres(tokens: int, cached: dict | None = None, logits: dict | None = None, phase1: dict | None = None,
-            **tuning) -> None:
+def attnres(tokens: int, cached: dict | None = None, logits: dict | None = None, **tuning) -> None:
     """services/engine/fast_decoder: a block's sites and the final site, then the merges with and without a
     partial sum; phase 1 from cached logits (`cached`: its apply tuning) after a block's logits against the
-    sites after it (this block's and the final one; many, as early in a forward; `logits`: its tuning); both in
-    one launch (`phase1_triton`, opt-in; `phase1`: its tuning)."""
+    sites after it (this block's and the final one; many, as early in a forward; `logits`: its tuning)."""
     blocks = empty(3, tokens, HIDDEN)
     for sites in (SITES, 1):
         inter_triton.attnres_inter(empty(sites, HIDDEN), blocks, empty(sites, HIDDEN), 1e-6, **tuning)
@@ -145,13 +143,6 @@ def attnres(tokens: int, cached: dict | None = None, logits: dict | None = None,
     for later in (SITES + 1, 4 * SITES + 1):
         block_logits_triton.attnres_block_logits(empty(later, HIDDEN), blocks[0], empty(later, HIDDEN), 1e-6,
                                                  **{"parts": empty(2, later, HIDDEN), **(logits or {})})
-        # the one-launch form (opt-in, measured slower at decode): the block's logits, then phase 1
-        phase1_triton.attnres_inter_with_newest(empty(later, HIDDEN), blocks[0], blocks,
-                                                empty(later, 3, tokens, dtype=F32), empty(later, HIDDEN), 1e-6,
-                                                sites=min(SITES, later), parts=empty(2, later, HIDDEN), copy=True,
-                                                **(phase1 or {}))
-    phase1_triton.attnres_inter_with_newest(empty(1, HIDDEN), blocks[0], blocks, empty(1, 3, tokens, dtype=F32),
-                                            empty(1, HIDDEN), 1e-6, parts=empty(2, 1, HIDDEN), copy=True)
     # the two launches with programmatic dependent launch (opt-in, not timed yet)
     block_logits_triton.attnres_block_logits(empty(SITES + 1, HIDDEN), blocks[0], empty(SITES + 1, HIDDEN), 1e-6,
                                              parts=empty(2, SITES + 1, HIDDEN), pdl=True)
@@ -210,6 +201,9 @@ CASES = {
     **{f"attnres M={m}": lambda m=m: attnres(m) for m in (*DECODE_BATCHES, PREFILL_TOKENS)},
     **{f"moe T={t}": lambda t=t: moe_step(t) for t in DECODE_BATCHES},
     **{f"latent moe T={t}": lambda t=t: latent_moe(t) for t in DECODE_BATCHES},
+    # the CUDA-core path (opt-in, measured slower: docs/kernels.md history 26), its 1- and 4-slot builds
+    **{f"latent moe gemv T={t}": lambda t=t: latent_moe(t, gate_up_tile=moe_cases.GEMV_TILES[0],
+                                                        down_tile=moe_cases.GEMV_TILES[1]) for t in DECODE_BATCHES},
     **{f"skinny gemm T={t}": lambda t=t: skinny_gemm(t) for t in DECODE_BATCHES},
     "launch floor": launch_floor,
 }
@@ -233,8 +227,6 @@ def _bench_variants() -> dict:
             cases[f"attnres cached {kind} {v}"] = lambda v=v, ts=tokens: [attnres(m, cached=v) for m in ts]
         for v in attnres_cases.LOGITS_VARIANTS[kind]:
             cases[f"attnres logits {kind} {v}"] = lambda v=v, ts=tokens: [attnres(m, logits=v) for m in ts]
-        for v in attnres_cases.PHASE1_VARIANTS[kind]:
-            cases[f"attnres one launch {kind} {v}"] = lambda v=v, ts=tokens: [attnres(m, phase1=v) for m in ts]
     for gate_up, down in moe_cases.SWEEP:  # the tile sweep (VARIANTS is its first pair), at the bench's shape:
         # some tiles do not divide mini's widths
         cases[f"latent moe {gate_up.label()} | {down.label()}"] = lambda g=gate_up, d=down: [
