@@ -17,7 +17,6 @@ by that program) adds the chunks' partials in a fixed order, so the result does 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -39,7 +38,7 @@ if triton is not None:
         sq = tl.zeros([BM], dtype=tl.float32)
         for d0 in range(d_lo, d_hi, BD):
             d = d0 + tl.arange(0, BD)
-            blk = _block_tile(block, m0, d, 1, M, D, BM, 1, False, block, False)
+            blk = _block_tile(block, m0, d, 1, M, D, BM, 1, False)
             sq += tl.sum(blk.to(tl.float32) * blk.to(tl.float32), 1)
             q_ok = (qs < S_left)[:, None] & (d < D)[None, :]
             tile = tl.zeros([BS, BM], dtype=tl.float32)
@@ -54,15 +53,16 @@ if triton is not None:
         return dots, sq
 
     @triton.jit
-    def _block_logits_tile(queries, norm_w, parts, block, out, part_dots, part_sq, counters, tile_m, tile_s, c,
-                           tiles_s, tiles, S, M, D, CHUNK, stride_p, stride_os, eps, CHUNKS: tl.constexpr,
-                           HAS_NORM_W: tl.constexpr, PARTS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
-                           BS: tl.constexpr, BD: tl.constexpr):
-        """Tile (rows tile_m, sites tile_s) over D chunk c of `tiles` (tiles_s site tiles per rows tile); the
-        last chunk of a tile to finish writes its logits. One program of `_block_logits_kernel`, or one work
-        item of the one-launch phase 1 (`phase1_triton`)."""
-        m0 = tile_m.to(tl.int64) * BM
-        s0 = tile_s.to(tl.int64) * BS
+    def _block_logits_kernel(queries, norm_w, parts, block, out, part_dots, part_sq, counters, S, M, D, CHUNK,
+                             stride_p, stride_os, eps, CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr,
+                             PARTS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
+                             BD: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # a kernel launched with programmatic dependent launch after this one may start now
+            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        m0 = tl.program_id(0).to(tl.int64) * BM
+        s0 = tl.program_id(1).to(tl.int64) * BS
+        c = tl.program_id(2)
         d_lo, d_hi = c * CHUNK, tl.minimum(c * CHUNK + CHUNK, D)
         if PARTS > 0:  # q_eff's bf16 parts cut once, ahead
             dots, sq = _parts_scores(parts + s0 * D, block, m0, d_lo, d_hi, S - s0, stride_p, M, D, PARTS, SPLIT, BM,
@@ -73,7 +73,8 @@ if triton is not None:
         sites, rows = s0 + tl.arange(0, BS), m0 + tl.arange(0, BM)
         last = True
         if CHUNKS > 1:
-            tile = tile_m * tiles_s + tile_s
+            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            tiles = tl.num_programs(0) * tl.num_programs(1)
             dot_offs = (tile * BS + tl.arange(0, BS)[:, None]) * BM + tl.arange(0, BM)[None, :]
             tl.store(part_dots + c * tiles * BS * BM + dot_offs, dots)
             tl.store(part_sq + (c * tiles + tile) * BM + tl.arange(0, BM), sq)
@@ -93,19 +94,6 @@ if triton is not None:
             ok = (sites < S)[:, None] & (rows < M)[None, :]
             tl.store(out + sites[:, None] * stride_os + rows[None, :], logits, mask=ok)
 
-    @triton.jit
-    def _block_logits_kernel(queries, norm_w, parts, block, out, part_dots, part_sq, counters, S, M, D, CHUNK,
-                             stride_p, stride_os, eps, CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr,
-                             PARTS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
-                             BD: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # a kernel launched with programmatic dependent launch after this one may start now
-            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        _block_logits_tile(queries, norm_w, parts, block, out, part_dots, part_sq, counters, tl.program_id(0),
-                           tl.program_id(1), tl.program_id(2), tl.num_programs(1),
-                           tl.num_programs(0) * tl.num_programs(1), S, M, D, CHUNK, stride_p, stride_os, eps, CHUNKS,
-                           HAS_NORM_W, PARTS, SPLIT, BM, BS, BD)
-
 
 def _counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed tile counters that the kernel leaves zeroed: the split kernels' shared ones (`split_scratch`:
@@ -113,27 +101,19 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
     return split_scratch(0, tiles, device)[1]
 
 
-@dataclass
-class LogitsLaunch:
-    """One block's logits pass, planned: the kernel arguments from `queries` to `eps` (as
-    `_block_logits_tile` takes them, the tile indices left out) and the launch shape."""
-
-    args: tuple
-    tiles: tuple[int, int]  # (rows tiles, sites tiles)
-    chunks: int
-    consts: dict  # CHUNKS, HAS_NORM_W, PARTS, SPLIT, BM, BS, BD
-
-    def run(self, num_warps: int = 4, pdl: bool = False) -> None:
-        _block_logits_kernel[(*self.tiles, self.chunks)](*self.args, **self.consts, num_warps=num_warps,
-                                                         PDL=pdl and os.environ.get("TRITON_INTERPRET") != "1")
-
-
-def plan_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weights: torch.Tensor | None = None,
-                      eps: float = 1e-6, out: torch.Tensor | None = None, rows: int | None = None,
-                      sites: int | None = None, block_d: int = 64, chunks: int | None = None,
-                      parts: torch.Tensor | None = None, extra_counters: int = 0) -> tuple[LogitsLaunch, torch.Tensor]:
-    """Checks the arguments of `attnres_block_logits` and plans its launch -> (plan, out). The tile counters
-    start `extra_counters` into the shared scratch (the one-launch phase 1 keeps its own there)."""
+def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weights: torch.Tensor | None = None,
+                         eps: float = 1e-6, out: torch.Tensor | None = None, rows: int | None = None,
+                         sites: int | None = None, block_d: int = 64, chunks: int | None = None,
+                         num_warps: int = 4, parts: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """queries [S, D] (and key-norm weights [S, D]) of later sites, one block [..., D] -> logits [S, ...]
+    float32 = k3core.ops.attnres.attnres_logits(queries, block[None], norm_weights)[:, 0].
+    `out`: where to write them ([S, ...] float32 with dense rows, e.g. one block's column of a logit cache).
+    `parts`: `query_parts.query_parts(queries, norm_weights)` (or its [:, first:] slice for queries[first:]),
+    cut once ahead (used for bf16 blocks).
+    Tuning: `rows` / `sites` per program (None: 64 / up to 64 at prefill-sized M, 16 rows at decode),
+    `block_d` the D step, `chunks` the D chunks (None: about two programs per SM).
+    `pdl`: let a kernel launched after it with programmatic dependent launch (`attnres_inter(..., pdl=True)`)
+    start at once (off under the interpreter)."""
     S, D = queries.shape[0], block.shape[-1]
     require(queries.dim() == 2 and queries.shape[1] == D, f"queries must be [S, {D}], got {tuple(queries.shape)}")
     require(norm_weights is None or norm_weights.shape == queries.shape, f"norm_weights must be [{S}, {D}]")
@@ -166,28 +146,12 @@ def plan_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weights: 
         require(parts.dtype == torch.bfloat16 and parts.shape == (P, S, D) and parts[0].is_contiguous(),
                 f"parts must be bf16 [{P}, {S}, {D}], each part dense (query_parts.query_parts, or a slice of it)")
     use_parts = parts is not None and split != 0  # other blocks take 3xTF32 on q_eff
-    # unchunked, the kernel counts nothing: no counter per tile (it would grow the scratch with M)
-    counters = _counters(block.device, extra_counters + (tiles if n_chunks > 1 else 1))[extra_counters:]
-    args = (q, norm_weights.contiguous() if norm_weights is not None else q, parts if use_parts else q, flat, flat_out,
-            part_dots, part_sq, counters, S, M, D, chunk, parts.stride(0) if use_parts else 0, flat_out.stride(0), eps)
-    consts = {"CHUNKS": n_chunks, "HAS_NORM_W": norm_weights is not None,
-              "PARTS": parts.shape[0] if use_parts else 0, "SPLIT": split, "BM": BM, "BS": BS, "BD": BD}
-    return LogitsLaunch(args, grid_tiles, n_chunks, consts), out
-
-
-def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weights: torch.Tensor | None = None,
-                         eps: float = 1e-6, out: torch.Tensor | None = None, rows: int | None = None,
-                         sites: int | None = None, block_d: int = 64, chunks: int | None = None,
-                         num_warps: int = 4, parts: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """queries [S, D] (and key-norm weights [S, D]) of later sites, one block [..., D] -> logits [S, ...]
-    float32 = k3core.ops.attnres.attnres_logits(queries, block[None], norm_weights)[:, 0].
-    `out`: where to write them ([S, ...] float32 with dense rows, e.g. one block's column of a logit cache).
-    `parts`: `query_parts.query_parts(queries, norm_weights)` (or its [:, first:] slice for queries[first:]),
-    cut once ahead (used for bf16 blocks).
-    Tuning: `rows` / `sites` per program (None: 64 / up to 64 at prefill-sized M, 16 rows at decode),
-    `block_d` the D step, `chunks` the D chunks (None: about two programs per SM).
-    `pdl`: let a kernel launched after it with programmatic dependent launch (`attnres_inter(..., pdl=True)`)
-    start at once (off under the interpreter)."""
-    plan, out = plan_block_logits(queries, block, norm_weights, eps, out, rows, sites, block_d, chunks, parts)
-    plan.run(num_warps, pdl)
+    counters = _counters(block.device, tiles if n_chunks > 1 else 1)  # unchunked, the kernel counts nothing
+    _block_logits_kernel[(*grid_tiles, n_chunks)](
+        q, norm_weights.contiguous() if norm_weights is not None else q, parts if use_parts else q, flat, flat_out,
+        part_dots, part_sq, counters, S, M, D, chunk, parts.stride(0) if use_parts else 0, flat_out.stride(0), eps,
+        CHUNKS=n_chunks, HAS_NORM_W=norm_weights is not None, PARTS=parts.shape[0] if use_parts else 0,
+        SPLIT=split, BM=BM, BS=BS, BD=BD, PDL=pdl and os.environ.get("TRITON_INTERPRET") != "1",
+        num_warps=num_warps,
+    )
     return out

@@ -34,16 +34,12 @@ from kernels._triton import next_pow2, require, sm_count, tl, triton
 if triton is not None:
 
     @triton.jit
-    def _block_tile(blocks, m0, d, N, M, D, BM: tl.constexpr, BN: tl.constexpr, REREAD: tl.constexpr,
-                    newest, NEWEST: tl.constexpr):
-        """blocks[n, m0 + r, d] as a [BM * BN, BD] tile, tile row j = r * BN + n (zeros outside). NEWEST: block
-        N - 1 is read from `newest` [M, D] instead (the block a one-launch phase 1 also copies into blocks)."""
+    def _block_tile(blocks, m0, d, N, M, D, BM: tl.constexpr, BN: tl.constexpr, REREAD: tl.constexpr):
+        """blocks[n, m0 + r, d] as a [BM * BN, BD] tile, tile row j = r * BN + n (zeros outside)."""
         j = tl.arange(0, BM * BN)
         r, n = j // BN, j % BN
         ok = ((n < N) & (m0 + r < M))[:, None] & (d < D)[None, :]
         ptrs = blocks + (n[:, None] * M + m0 + r[:, None]) * D + d[None, :]
-        if NEWEST:
-            ptrs = tl.where((n == N - 1)[:, None], newest + (m0 + r[:, None]) * D + d[None, :], ptrs)
         if REREAD:  # the second (apply) pass: its last use
             return tl.load(ptrs, mask=ok, other=0.0, eviction_policy="evict_first")
         return tl.load(ptrs, mask=ok, other=0.0, eviction_policy="evict_last")
@@ -59,7 +55,7 @@ if triton is not None:
         for d0 in range(d_lo, d_hi, BD):
             d = d0 + tl.arange(0, BD)
             q_ok = (qs < Q)[:, None] & (d < D)[None, :]
-            blk = _block_tile(blocks, m0, d, N, M, D, BM, BN, False, blocks, False)
+            blk = _block_tile(blocks, m0, d, N, M, D, BM, BN, False)
             q = tl.load(queries + qs[:, None] * D + d[None, :], mask=q_ok, other=0.0).to(tl.float32)
             if HAS_NORM_W:
                 q = q * tl.load(norm_w + qs[:, None] * D + d[None, :], mask=q_ok, other=0.0).to(tl.float32)
@@ -114,23 +110,22 @@ if triton is not None:
         tl.store(squares + square_offs, sq, mask=ok)
 
     @triton.jit
-    def _apply_tile(queries, norm_w, blocks, newest, scores, squares, given, acc_out, max_out, denom_out, tile_m, c,
-                    N, Q, M, D, CHUNK, stride_gq, stride_gn, eps, FUSED: tl.constexpr, GIVEN: tl.constexpr,
-                    CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, BQ: tl.constexpr, BD_SCORES: tl.constexpr, BD: tl.constexpr,
-                    STREAM_STORES: tl.constexpr, NEWEST: tl.constexpr):
-        """Rows tile tile_m over D chunk c: softmax of the logits, then the accumulators. One program of
-        `_apply_kernel`, or one work item of the one-launch phase 1 (`phase1_triton`, NEWEST: block N - 1
-        read from `newest`)."""
-        m0 = tile_m.to(tl.int64) * BM
+    def _apply_kernel(queries, norm_w, blocks, scores, squares, given, acc_out, max_out, denom_out, N, Q, M, D,
+                      CHUNK, stride_gq, stride_gn, eps, FUSED: tl.constexpr, GIVEN: tl.constexpr,
+                      CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, BQ: tl.constexpr, BD_SCORES: tl.constexpr, BD: tl.constexpr,
+                      STREAM_STORES: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # launched early (programmatic dependent launch): the previous kernel's writes are visible after
+            tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        m0 = tl.program_id(0).to(tl.int64) * BM
+        c = tl.program_id(1)
         j = tl.arange(0, BM * BN)
         r, n = j // BN, j % BN
         if GIVEN:  # logits [Q, N, M] (row stride 1) computed earlier, e.g. once per block by block_logits
             qs = tl.arange(0, BQ)
             in_range = (qs < Q)[:, None] & ((n < N) & (m0 + r < M))[None, :]
-            # .cg: in the one-launch phase 1 another program wrote block N - 1's column during this launch
             logits = tl.load(given + qs[:, None] * stride_gq + n[None, :] * stride_gn + (m0 + r)[None, :],
-                             mask=in_range, other=0.0, cache_modifier=".cg")
+                             mask=in_range, other=0.0)
         else:
             if FUSED:
                 dots, sq = _partial_scores(queries, norm_w, blocks, m0, 0, D, N, Q, M, D, HAS_NORM_W, SPLIT, BM,
@@ -157,25 +152,13 @@ if triton is not None:
             tl.store(denom_out + out_row, tl.sum(weights, 1), mask=row_ok)
         for d0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, D), BD):
             d = d0 + tl.arange(0, BD)
-            blk = _block_tile(blocks, m0, d, N, M, D, BM, BN, True, newest, NEWEST)
+            blk = _block_tile(blocks, m0, d, N, M, D, BM, BN, True)
             acc = _dot_exact(weights, blk, tl.zeros([BQ * BM, BD], dtype=tl.float32), SPLIT)
             ptrs, in_bounds = acc_out + out_row[:, None] * D + d[None, :], row_ok[:, None] & (d < D)[None, :]
             if STREAM_STORES:  # written once, read by the next kernel: keep them from evicting the blocks
                 tl.store(ptrs, acc, mask=in_bounds, cache_modifier=".cs")
             else:
                 tl.store(ptrs, acc, mask=in_bounds)
-
-    @triton.jit
-    def _apply_kernel(queries, norm_w, blocks, scores, squares, given, acc_out, max_out, denom_out, N, Q, M, D,
-                      CHUNK, stride_gq, stride_gn, eps, FUSED: tl.constexpr, GIVEN: tl.constexpr,
-                      CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, BQ: tl.constexpr, BD_SCORES: tl.constexpr, BD: tl.constexpr,
-                      STREAM_STORES: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # launched early (programmatic dependent launch): the previous kernel's writes are visible after
-            tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        _apply_tile(queries, norm_w, blocks, blocks, scores, squares, given, acc_out, max_out, denom_out,
-                    tl.program_id(0), tl.program_id(1), N, Q, M, D, CHUNK, stride_gq, stride_gn, eps, FUSED, GIVEN,
-                    CHUNKS, HAS_NORM_W, SPLIT, BM, BN, BQ, BD_SCORES, BD, STREAM_STORES, False)
 
 
 def split_mode(dtype: torch.dtype) -> int:

@@ -45,4 +45,3 @@ def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weight
     del rows, sites, block_d, chunks, num_warps, parts, pdl
     logits = attnres_logits(queries, block.unsqueeze(0), norm_weights, eps)[:, 0]
     return logits if out is None else out.copy_(logits)
-
