@@ -49,7 +49,7 @@ class FastDecoder:
                                       op(x, inp.page_table[g], inp.lengths, inp.row_base[g] + s, residual))
             self.ffn.append(MoeDecode(layer.block_sparse_moe, config, grouped, derived) if layer.is_moe
                             else MlpDecode(layer.mlp, config))
-        # Extra launch arguments of the AttnRes phase-1 kernels. None here: each launcher plans for the batch
+        # Extra launch arguments of the AttnRes phase-1 kernels. Empty here: each launcher plans for the batch
         # size (the decode buckets' warm-up compiles those); the prefill fast path pins them, since a plan per
         # chunk length made new prompt lengths compile new variants (services/engine/fast_prefill.py).
         self.logits_launch: dict = {}
@@ -68,10 +68,14 @@ class FastDecoder:
     @torch.no_grad()
     def forward(self, inp: DecodeInputs) -> torch.Tensor:
         """Logits [B, V] (model dtype) of the one new token of every row."""
+        return self.model.lm_head(self.hidden(inp.tokens, inp))
+
+    def hidden(self, tokens: torch.Tensor, inp: DecodeInputs) -> torch.Tensor:
+        """The final RMSNorm's output [N, D] of the rows `tokens`; `inp` is what the attention forms read (a
+        `fast_prefill.PrefillInputs` for the prefill fast path's forms)."""
         backbone = self.model.model
-        h = backbone.embed_tokens(inp.tokens)
-        normed = self._attn_res(h, inp) if self.config.uses_attn_res else rms(backbone.norm, self._residual(h, inp))
-        return self.model.lm_head(normed)
+        h = backbone.embed_tokens(tokens)
+        return self._attn_res(h, inp) if self.config.uses_attn_res else rms(backbone.norm, self._residual(h, inp))
 
     def _sublayer(self, kind: int, i: int, x: torch.Tensor, residual: torch.Tensor | None,
                   *args: DecodeInputs) -> torch.Tensor:

@@ -24,7 +24,6 @@ from torch import nn
 
 from k3core.cache.interface import BatchCache
 from k3core.layers.batch import BatchLayout
-from services.engine.fast_attention import rms
 from services.engine.fast_decoder import FastDecoder
 from services.engine.fast_ffn import MoeDecode
 
@@ -79,14 +78,8 @@ class FastPrefill:
     def forward(self, tokens: torch.Tensor, cache: BatchCache) -> torch.Tensor:
         """tokens [sum(new_token_counts)] packed in batch order -> logits [B, V] (model dtype) at the last new
         token of each sequence; the cache is written as the reference forward writes it."""
-        decoder = self.decoder
-        model, backbone = decoder.model, decoder.model.model
+        model = self.decoder.model
         layout = BatchLayout.of(cache.context_lens, cache.new_token_counts)
         model._check_tokens(tokens, layout.num_tokens)
-        inp = PrefillInputs(layout, cache)
-        h = backbone.embed_tokens(tokens)
-        if decoder.config.uses_attn_res:
-            normed = decoder._attn_res(h, inp)
-        else:
-            normed = rms(backbone.norm, decoder._residual(h, inp))
+        normed = self.decoder.hidden(tokens, PrefillInputs(layout, cache))
         return model.lm_head(normed[layout.last_token_indices()])
