@@ -208,6 +208,16 @@ def form_check(rank: Rank, length: int) -> dict[str, float | bool]:
             "same_argmax": bool(logits[0].argmax() == logits[1].argmax())}
 
 
+def prefill_rank(args: argparse.Namespace, longest: int) -> tuple[Rank, torch.dtype]:
+    """A rank on seeded random weights (bf16 on CUDA, float32 on the CPU) whose runner is sized for one
+    sequence of `longest` prompt tokens and no decode steps."""
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = random_model(preset(args.model), args.device, dtype)
+    sizing = argparse.Namespace(**{**vars(args), "prefix": longest, "increment": 0, "batches": [1],
+                                   "contexts": [0], "steps": 0})
+    return Rank(model, args.model, sizing, dtype), dtype
+
+
 def prefix_tokens(length: int, row: int, vocab: int) -> list[int]:
     """A prefix of its own per row (the first token already differs, so no row hits another's cache)."""
     return [(11 * j + 17 * row) % vocab + 1 for j in range(length)]
@@ -232,13 +242,8 @@ def main() -> None:
     if len(increments) != len(args.prefix):
         parser.error(f"--increment takes one value or one per prefix ({len(args.prefix)}), got {len(increments)}")
     began = time.perf_counter()
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model = random_model(preset(args.model), args.device, dtype)
-    # Rank sizes its runner for args.prefix + args.increment; the batch is one sequence, no decode steps.
-    longest = max(p + i for p, i in zip(args.prefix, increments, strict=True))
-    sizing = argparse.Namespace(**{**vars(args), "prefix": longest, "increment": 0, "batches": [1],
-                                   "contexts": [0], "steps": 0})
-    rank = Rank(model, args.model, sizing, dtype)
+    rank, dtype = prefill_rank(args, max(p + i for p, i in zip(args.prefix, increments, strict=True)))
+    model = rank.runner.model
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     peak = gemm_flops_per_s(args.device)
     result: dict = {"model": args.model, "device": f"{device}, torch {torch.__version__}", "dtype": str(dtype),

@@ -6,7 +6,8 @@ After the warm-ups bench.serve_ttft runs (JIT), the prefix uncached (it fills th
 more hit is measured four ways: (1) the forward's host time (until `forward` returns, no sync) against its
 synced time: equal means the host, not the device, sets the pace; (2) torch.profiler: kernels by device
 time, host ops by self time, the device's busy share of the forward, launches and synchronising calls, and
-host time per sublayer kind (`prefill.kda`, `.mla`, `.moe`, `.mlp`, `.attnres`: record_function ranges);
+host time per sublayer kind (`prefill.kda`, `.mla`, and with K3_PREFILL_FASTPATH=0 `.moe`, `.mlp`: ranges
+around the model's modules, which the fast prefill calls for attention only);
 (3) cProfile of the host side by function; (4) the synchronising CUDA calls with the line that made each
 (torch.cuda.set_sync_debug_mode). Writes DIR/ttft_profile.json, the tables and the chrome trace (gzipped).
 """
@@ -29,9 +30,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.serve_rank import Rank, random_model, sync
-from bench.serve_ttft import _prefill, prefix_tokens, warm_up
-from k3core.presets import preset
+from bench.serve_rank import Rank, sync
+from bench.serve_trace_gaps import union_length
+from bench.serve_ttft import _prefill, prefill_rank, prefix_tokens, warm_up
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
@@ -78,16 +79,6 @@ def host_and_synced(rank: Rank, rid: str, tokens: list[int]) -> dict[str, float]
     return times
 
 
-def busy_seconds(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals (us in, seconds out)."""
-    total, reach = 0.0, -math.inf
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total / 1e6
-
-
 def profiled(rank: Rank, rid: str, tokens: list[int], out: Path) -> dict:
     cuda = torch.cuda.is_available()
     with ExitStack() as stack:
@@ -114,7 +105,7 @@ def profiled(rank: Rank, rid: str, tokens: list[int], out: Path) -> dict:
         f.write(path.read_text())
         path.unlink()
     return {"hit_wall_s": hit.cpu_time_total / 1e6, "kernel_s": sum(k.time_range.elapsed_us() for k in kernels) / 1e6,
-            "device_busy_s": busy_seconds([(k.time_range.start, k.time_range.end) for k in kernels]),
+            "device_busy_s": union_length([(k.time_range.start, k.time_range.end) for k in kernels]) / 1e6,
             "kernels": len(kernels), "sublayer_host_s": dict(labels),
             "launches": {n: c for n, c in calls.items() if "aunch" in n},
             "sync_calls": {n: c for n, c in calls.items() if n.startswith(SYNC_CALLS)}, "tables": tables}
@@ -159,11 +150,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model = random_model(preset(args.model), args.device, dtype)
-    sizing = argparse.Namespace(**{**vars(args), "increment": 0, "batches": [1], "contexts": [0], "steps": 0,
-                                   "prefix": args.prefix + args.increment})
-    rank = Rank(model, args.model, sizing, dtype)
+    rank, _ = prefill_rank(args, args.prefix + args.increment)
     warm_up(rank, 0)
     prefix = prefix_tokens(args.prefix, 0, rank.vocab)
     rank.budget = math.gcd(rank.budget, len(prefix))

@@ -62,3 +62,25 @@ def test_compare_measures_each_row_in_both_forms_and_checks_their_logits(tmp_pat
     check = result["check"]
     assert check["same_argmax"] and check["max_abs_diff"] < 1e-3 * max(1.0, check["scale"])
     assert mla.PAD_VALUES_FOR_FLASH and "K3_PREFILL_FASTPATH" not in os.environ
+
+
+def test_ttft_profile_runs_and_its_sublayer_ranges_lie_inside_the_hit(tmp_path, monkeypatch):
+    """bench.serve_ttft_profile on the CPU (nano, fast prefill): the host time of the forward is within its
+    synced time, every attention layer kind has its labelled range and they sum to less than the profiled
+    hit's wall time (nested, not double counted), and the tables and the trace are written."""
+    from bench import serve_ttft_profile
+
+    monkeypatch.setenv("K3_DECODE_FASTPATH", "1")
+    monkeypatch.delenv("K3_PREFILL_FASTPATH", raising=False)
+    monkeypatch.setattr(sys, "argv", ["serve_ttft_profile", "--model", "nano", "--device", "cpu", "--prefix", "64",
+                                      "--increment", "16", "--hash-block", "32", "--num-pages", "100",
+                                      "--budget", "64", "--out", str(tmp_path)])
+    serve_ttft_profile.main()
+    result = json.loads((tmp_path / "ttft_profile.json").read_text())
+    assert 0 < result["host_s"] <= result["synced_s"]
+    labels = result["profile"]["sublayer_host_s"]
+    assert set(labels) == {"prefill.kda", "prefill.mla"} and all(v > 0 for v in labels.values())
+    assert sum(labels.values()) < result["profile"]["hit_wall_s"]
+    written = {"ttft_profile_kernels.txt", "ttft_profile_host.txt", "ttft_profile_cprofile.txt",
+               "ttft_profile_trace.json.gz"}
+    assert written <= {p.name for p in tmp_path.iterdir()}
