@@ -17,8 +17,7 @@ from kernels._triton import tl, triton
 if triton is not None:
 
     @triton.jit
-    def _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV: tl.constexpr, W: tl.constexpr,
-                  TAP_MAJOR: tl.constexpr):
+    def _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV: tl.constexpr, W: tl.constexpr):
         """Tap s of the ShortConv: x[row - s] * w[W-1-s], [C, len(offs)] float32 (see _conv_swish)."""
         p = rows - s
         inside = valid & (p >= lo)
@@ -27,46 +26,33 @@ if triton is not None:
             carried = valid & (p < lo)
             xs += tl.load(conv + offs[None, :] * (W - 1) + (p - lo + W - 1)[:, None], mask=carried[:, None],
                           other=0.0).to(tl.float32)
-        if TAP_MAJOR:  # one vector load of the tap's channels (channel-major: one 16-bit load per channel)
-            weight = tl.load(conv_w + (W - 1 - s) * HD + offs)
-        else:
-            weight = tl.load(conv_w + offs * W + (W - 1 - s))
-        return xs * weight.to(tl.float32)[None, :]
+        # tap-major weights: one vector load of the tap's channels (channel-major took one 16-bit load each)
+        return xs * tl.load(conv_w + (W - 1 - s) * HD + offs).to(tl.float32)[None, :]
 
     @triton.jit
-    def _conv_swish(x, conv, conv_w, rows, lo, valid, offs, HD, HAS_CONV: tl.constexpr, W: tl.constexpr,
-                    TAP_MAJOR: tl.constexpr):
+    def _conv_swish(x, conv, conv_w, rows, lo, valid, offs, HD, HAS_CONV: tl.constexpr, W: tl.constexpr):
         """Swish(ShortConv) of one stream at the chunk's rows [C], channels offs (of D), as [C, len(offs)]
         float32. x points at the chunk's first row of this head (rows are HD elements apart); rows before
         `lo` (the sequence start, relative) come from the carried conv window `conv` [D, W-1] (zeros without
         one); rows that are not `valid` come out zero. Without a carried window the taps are unrolled, so that
         their loads overlap (in a loop each waited for the previous one: 0.66 vs 0.51 ms at B=1, T=32K, H=16
         on the H200); with one, unrolled taps need 255 registers and spill (sm_90a, 8 warps), the loop 200.
-        conv_w: this stream's and head's taps, [D, W] (channel-major) or, TAP_MAJOR, [W, D] with rows HD apart
-        (the launcher's `tap_major_weights`)."""
+        conv_w: this stream's and head's taps, tap-major: [W, D] with rows HD apart (the launcher transposes
+        the [3, H*D, W] weights to [3, W, H*D])."""
         acc = tl.zeros([rows.shape[0], offs.shape[0]], dtype=tl.float32)
         if HAS_CONV:
             for s in range(W):
-                acc += _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV, W, TAP_MAJOR)
+                acc += _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV, W)
         else:
             for s in tl.static_range(W):
-                acc += _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV, W, TAP_MAJOR)
+                acc += _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV, W)
         return acc * tl.sigmoid(acc)
-
-    @triton.jit
-    def _gate_cumsum(z, dt_bias, a_exp, lower_bound, rel, io_mask, cols):
-        """G [C, len(cols)] of the channels `cols`: the in-chunk cumsum of the bounded gate
-        lower_bound * sigmoid(e^A_log (z + b)), in log2 units (G * log2(e): the UT pass then forms its decay
-        factors with bare exp2). Rows past the sequence end add 0: G stays flat there and never rises."""
-        zt = tl.load(z + rel, mask=io_mask, other=0.0).to(tl.float32) + tl.load(dt_bias + cols).to(tl.float32)[None, :]
-        g = (lower_bound * 1.4426950408889634) * tl.sigmoid(a_exp * zt)
-        return tl.cumsum(tl.where(io_mask, g, 0.0), axis=0)
 
     @triton.jit
     def _kda_prep_kernel(
         q, k, v, z, beta, conv_w, A_log, dt_bias, init_conv, cu_seqlens, chunk_seq, chunk_start,
         q_out, k_out, v_out, g_out, beta_out, lower_bound, l2_eps,
-        H, D: tl.constexpr, W: tl.constexpr, C: tl.constexpr, HAS_CONV: tl.constexpr, TAP_MAJOR: tl.constexpr,
+        H, D: tl.constexpr, W: tl.constexpr, C: tl.constexpr, HAS_CONV: tl.constexpr,
     ):
         """Grid (chunks, H, 3): program (., ., 0) does q, 1 k, 2 v and the gate and beta (a fourth program
         for the gate and beta measured slower: 0.505 vs 0.490 ms at B=1, T=32K, H=16). Token-major
@@ -94,14 +80,16 @@ if triton is not None:
         else:
             x, out = v, v_out
         conv = init_conv + ((n * 3 + stream) * H + h) * D * (W - 1)
-        taps = conv_w + stream * H * D * W + h * D * (1 if TAP_MAJOR else W)
-        xt = _conv_swish(x + base, conv, taps, rows, lo, valid, offs, HD, HAS_CONV, W, TAP_MAJOR)
+        taps = conv_w + stream * H * D * W + h * D
+        xt = _conv_swish(x + base, conv, taps, rows, lo, valid, offs, HD, HAS_CONV, W)
         if stream < 2:
             xt = xt * tl.rsqrt(tl.sum(xt * xt, axis=1) + l2_eps)[:, None]
         tl.store(out + base + rel, xt.to(out.dtype.element_ty), mask=io_mask)
         if stream == 2:
-            a_exp = tl.exp(tl.load(A_log + h).to(tl.float32))
-            G = _gate_cumsum(z + base, dt_bias + h * D, a_exp, lower_bound, rel, io_mask, offs)
-            tl.store(g_out + base + rel, G, mask=io_mask)
+            zt = tl.load(z + base + rel, mask=io_mask, other=0.0).to(tl.float32)
+            zt += tl.load(dt_bias + h * D + offs).to(tl.float32)[None, :]
+            # In log2 units (G * log2(e)): the UT pass then forms its decay factors with bare exp2.
+            g = (lower_bound * 1.4426950408889634) * tl.sigmoid(tl.exp(tl.load(A_log + h).to(tl.float32)) * zt)
+            tl.store(g_out + base + rel, tl.cumsum(tl.where(io_mask, g, 0.0), axis=0), mask=io_mask)
             bt = tl.sigmoid(tl.load(beta + (start + rows) * H + h, mask=valid, other=0.0).to(tl.float32))
             tl.store(beta_out + (start + rows) * H + h, bt, mask=valid)

@@ -201,7 +201,7 @@ def kda_prefill_block(
     norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
     prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 3, f32_dots: bool = False,
     ut_maxnreg: int | None = 168, few_block_v: int = 16, ut_stages: int = 3, fuse_output: bool | None = None,
-    fused_warps: int = 8, fused_stages: int = 2, tap_major: bool = True,
+    fused_warps: int = 8, fused_stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
@@ -230,10 +230,6 @@ def kda_prefill_block(
       the SMs (B=8, H=32: 256 programs) and no sequence holds over 1.25x the mean chunk count; with few of
       them (B=1, H=16) the recurrence needs its value-column split to have enough programs. fused_stages:
       its chunk loop's pipelining depth (3 needs 288 KB of shared memory on sm_90a: 2, 197 KB, fits).
-    - tap_major: the prep pass reads the conv weights transposed (once per call) to [3, W, H*D]: each tap's
-      weights for a thread's channels are one vector load, where channel-major [3, H*D, W] takes one 16-bit
-      load per channel (sm_90a: 31 vs 59 global loads per program). H200, same run: prep 1.02 -> 0.88 ms
-      at B=8, T=4K, H=32, 0.51 -> 0.44 at B=1, T=32K; the block 3.77 -> 3.64 and 2.19 -> 2.12 ms.
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
@@ -268,11 +264,13 @@ def kda_prefill_block(
         qn, kn, vc = (torch.empty_like(q) for _ in range(3))
         g = torch.empty(q.shape, device=dev, dtype=torch.float32)
         beta_f = torch.empty(beta.shape, device=dev, dtype=torch.float32)
-        taps = conv_weight.transpose(1, 2) if tap_major else conv_weight  # [3, W, H*D] / [3, H*D, W]
+        # The conv weights tap-major, [3, W, H*D]: a tap's weights for a thread's channels are one vector load,
+        # where [3, H*D, W] took one 16-bit load per channel (sm_90a: 31 vs 59 global loads per prep program;
+        # H200, same run: prep 1.02 -> 0.88 ms at B=8, T=4K, H=32, 0.51 -> 0.44 at B=1, T=32K).
         _kda_prep_kernel[(n_chunks, H, 3)](
-            q, k, v, z, beta, taps.contiguous(), A_log, dt_bias.contiguous(), conv, cu, chunk_seq, chunk_start,
-            qn, kn, vc, g, beta_f, lower_bound, l2_eps, **shape, W=W, HAS_CONV=initial_conv is not None,
-            TAP_MAJOR=tap_major, num_warps=prep_warps)
+            q, k, v, z, beta, conv_weight.transpose(1, 2).contiguous(), A_log, dt_bias.contiguous(), conv, cu,
+            chunk_seq, chunk_start, qn, kn, vc, g, beta_f, lower_bound, l2_eps, **shape, W=W,
+            HAS_CONV=initial_conv is not None, num_warps=prep_warps)
         _kda_chunk_ut_kernel[(n_chunks, H)](
             qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
             torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,

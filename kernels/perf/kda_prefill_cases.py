@@ -38,10 +38,11 @@ SHAPES = (
 # pass's row-by-row substitution (1.10 vs 0.98 ms), its key-block-outer loop order at 128 registers (1.08),
 # .cs stores (UT 0.967 vs 0.976, recurrence 0.866 vs 0.869: noise), a fourth prep program for the gate
 # (0.505 vs 0.490); and as tuning: prep at 16 warps 0.78, UT k_block 16 1.13 (1.15 capped at 128 registers),
-# UT at 8 warps capped at 128 registers 1.19.
+# UT at 8 warps capped at 128 registers 1.19. Session 6 (history 26): channel-major conv weights in the prep
+# (2.19 vs 2.12 ms for the block, tap-major now the only form), the prologue inside the UT pass (UT 1.91 vs
+# prep + UT 1.40 ms) or recomputed in its loops (slowest, and wrong on the device).
 VARIANTS = (
     ("default", {}, None),
-    ("channel-major taps", {"tap_major": False}, "_kda_prep_kernel"),  # the default until session 6
     # None: its recurrence kernel time leaves out the output pass, which the fused one includes
     ("no fuse", {"fuse_output": False}, None),
     ("ut st2", {"ut_stages": 2}, "_kda_chunk_ut_kernel"),
