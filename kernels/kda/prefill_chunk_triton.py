@@ -6,7 +6,7 @@ k3core/ops/kda_chunk.py):
     Akk[r, i] = sum_c k_r k_i exp(G_r - G_i)  (i < r),   T = (I + diag(beta) Akk)^-1
     w = -T diag(beta) (K * exp(G)),  u = T diag(beta) V,  Aqk = scale * sum_c q_r k_i exp(G_r - G_i) (i <= r)
     qg = scale * Q * exp(G),  kg = K * exp(G_C - G),  gC = exp(G_C)
-which is all the recurrence and the output pass (prefill_triton.py) need. w leaves negated (the sign rides
+which is all the recurrence and the output pass (prefill_recurrence_triton.py) need. w leaves negated (the sign rides
 on beta) so that the recurrence forms v_new = u - (T beta K e^G) S as one dot accumulating onto u: no
 separate float32 tile of w S (sm_90a: the fused recurrence's spills 248 -> 80 B, none left at 64 columns).
 The gate is bounded (g >= lower_bound = -5), so within a sub-block of 16 tokens G moves by at most 80 and
