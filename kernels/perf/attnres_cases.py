@@ -7,7 +7,7 @@ from functools import partial
 
 import torch
 
-from k3core.ops.attnres import attnres_inter, attnres_logits
+from k3core.ops.attnres import OnlineSoftmax, attnres_inter, attnres_logits
 from k3core.presets import preset
 from kernels._triton import tl, triton
 from kernels.attnres import block_logits_triton, inter_triton, merge_norm_triton
@@ -75,6 +75,12 @@ def attnres_rows(tokens: tuple[int, ...] = (64, 8192), variants: tuple = MERGE_V
     return rows
 
 
+def _stats_errors(ours: OnlineSoftmax, ref: OnlineSoftmax) -> dict:
+    """A phase 1's statistics (`OnlineSoftmax`) against the torch reference's, as a row's error entries."""
+    return {"acc_rel": rel_err(ours.acc, ref.acc), "max_abs": max_err(ours.max, ref.max),
+            "denom_rel": rel_err(ours.denom, ref.denom)}
+
+
 def _inter_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple) -> list[Row]:
     """Phase 1 for all SITES sites of a block against BLOCKS completed blocks (bf16 in, float32 stats out)."""
     rows: list[Row] = []
@@ -86,8 +92,7 @@ def _inter_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple) ->
     for kwargs in variants:
         run = partial(inter_triton.attnres_inter, queries, blocks, norm_w, **kwargs)
         ours = run()
-        err = {"acc_rel": rel_err(ours.acc, ref.acc), "max_abs": max_err(ours.max, ref.max),
-               "denom_rel": rel_err(ours.denom, ref.denom)}
+        err = _stats_errors(ours, ref)
         ms, how = time_ms(run)
         label = ",".join(f"{k}={v}" for k, v in kwargs.items()) or "default"
         rows.append(Row("attnres_inter", shape, f"ours({label})", ms, moved, note=how, extra=err))
@@ -144,8 +149,7 @@ def _cached_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple, l
         label = ",".join(f"{k}={v}" for k, v in kwargs.items()) or "default"
         apply = partial(inter_triton.attnres_inter, queries, blocks, norm_w, logits=cache[:SITES], **kwargs)
         ours = apply()
-        err = {"acc_rel": rel_err(ours.acc, ref.acc), "max_abs": max_err(ours.max, ref.max),
-               "denom_rel": rel_err(ours.denom, ref.denom)}
+        err = _stats_errors(ours, ref)
         del ours
         ms, how = time_ms(lambda a=apply: (newest(), a()))
         rows.append(Row("attnres_inter", shape, f"cached: newest block's logits + apply({label})", ms,
@@ -156,7 +160,7 @@ def _cached_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple, l
     apply = partial(inter_triton.attnres_inter, queries, blocks, norm_w, logits=cache[:SITES], pdl=True)
     rows.append(_guarded_row("attnres_inter", shape, "cached, PDL: newest block's logits + apply launched early",
                              lambda: (newest(pdl=True), apply())[1], phase1_bytes(M, D, N, SITES, later),
-                             lambda ours: {"acc_rel": rel_err(ours.acc, ref.acc), "max_abs": max_err(ours.max, ref.max)}))
+                             partial(_stats_errors, ref=ref)))
     return rows
 
 
