@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 import torch
 
-from bench.serve_rank import Rank, sync
+from bench.serve_rank import Rank, set_environ, sync
 from k3core.model import K3Model
 from kernels.perf import harness
 from services.engine import fast_ffn
@@ -108,13 +107,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 def apply_variant(rank: Rank, settings: dict[str, str], base: dict[str, str | None]) -> None:
     """The process environment as it started (`base`: the values of every variant's names) plus `settings`,
     and the rank's CUDA graphs rebuilt (captured again on first use) since their form is read at build."""
-    for key, value in base.items():
-        if key in settings:
-            os.environ[key] = settings[key]
-        elif value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    set_environ({key: settings.get(key, value) for key, value in base.items()})
     fast = rank.fast
     if fast is not None and fast.graphs is not None:
         fast.graphs = DecodeGraphs(fast.decoder.forward, fast.builder, fast.device, fast.max_batch)

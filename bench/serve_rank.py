@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import numpy as np
@@ -24,6 +25,15 @@ from services.engine.model_runner import ModelRunner
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def set_environ(values: dict[str, str | None]) -> None:
+    """Each name set to its value, or unset where the value is None (an A/B switch and its restore)."""
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def copy_bandwidth(device: str, nbytes: int) -> float:

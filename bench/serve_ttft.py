@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import torch
 
-from bench.serve_rank import Rank, random_model, sync
+from bench.serve_rank import Rank, random_model, set_environ, sync
 from k3core.layers import mla
 from k3core.model import K3Model
 from k3core.presets import preset
@@ -184,15 +184,13 @@ def prefill_form(form: str) -> Iterator[None]:
     """The prefill as `form` (one of FORMS; see the module docstring), the previous settings restored after."""
     env, padded = os.environ.get(fast_prefill.ENV), mla.PAD_VALUES_FOR_FLASH
     fast = form == "fast"
-    os.environ[fast_prefill.ENV], mla.PAD_VALUES_FOR_FLASH = ("1" if fast else "0"), fast
+    set_environ({fast_prefill.ENV: "1" if fast else "0"})
+    mla.PAD_VALUES_FOR_FLASH = fast
     try:
         yield
     finally:
         mla.PAD_VALUES_FOR_FLASH = padded
-        if env is None:
-            del os.environ[fast_prefill.ENV]
-        else:
-            os.environ[fast_prefill.ENV] = env
+        set_environ({fast_prefill.ENV: env})
 
 
 def form_check(rank: Rank, length: int) -> dict[str, float | bool]:

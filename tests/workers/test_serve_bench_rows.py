@@ -5,6 +5,7 @@ reports a step time and its roofline."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from bench import serve, serve_engine
@@ -26,3 +27,28 @@ def test_decode_rows_release_the_heap_freeze(tmp_path, monkeypatch):
     assert [(r["batch"], r["context"]) for r in rows] == [(2, 64), (3, 64)]
     assert all(r["loop"] == "engine" for r in rows)  # the engine's loop ran (not the rank's fallback)
     assert all(r["step_s"] > 0 and r["roofline_step_s"] > 0 for r in rows)
+
+
+def test_variants_measure_each_row_under_their_settings_then_restore_the_environment(tmp_path, monkeypatch):
+    """--variant: every decode row once per variant in turn, each under its settings over the starting
+    environment (a name the variant does not set keeps its starting value, or stays unset), and the
+    starting environment back after the sweep."""
+    out = tmp_path / "serve.json"
+    monkeypatch.setenv("K3_BENCH_T_KEPT", "start")
+    monkeypatch.delenv("K3_BENCH_T_SET", raising=False)
+    monkeypatch.setattr(sys, "argv", ["serve", "--model", "nano", "--device", "cpu", "--batches", "2",
+                                      "--contexts", "64", "--steps", "2", "--prefix", "0", "--peer-batches",
+                                      "--num-pages", "200", "--out", str(out),
+                                      "--variant", "b=", "--variant", "a=K3_BENCH_T_SET=1,K3_BENCH_T_KEPT=a"])
+    seen = []
+    row = serve.decode_sweep_row
+
+    def spied_row(*args, **kwargs):
+        seen.append((args[-1], os.environ.get("K3_BENCH_T_SET"), os.environ.get("K3_BENCH_T_KEPT")))
+        return row(*args, **kwargs)
+
+    monkeypatch.setattr(serve, "decode_sweep_row", spied_row)
+    serve.main()
+    assert seen == [("b", None, "start"), ("a", "1", "a")]
+    assert [r["variant"] for r in json.loads(out.read_text())["decode"]] == ["b", "a"]
+    assert os.environ["K3_BENCH_T_KEPT"] == "start" and "K3_BENCH_T_SET" not in os.environ
