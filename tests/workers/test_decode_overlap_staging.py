@@ -66,7 +66,7 @@ class StagedGraphs(DecodeGraphs):
             inputs = self.builder.view(device_inputs, size)
             logits = self.forward(inputs).clone()
             copied = _CopyLanded(host, self.hazards)
-            inside = copies_inside(host.numel() * host.element_size(), self.copy_setting)  # as `_get` decides
+            inside = copies_inside(host.nbytes, self.copy_setting)  # as `_get` decides
 
             def run() -> None:
                 if inside:  # the graph's first nodes: the staging copy, then its event
