@@ -18,11 +18,9 @@ fast path and the host/device overlap on there, as on a GPU.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import statistics
-import tempfile
 from pathlib import Path
 
 import torch
@@ -31,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from bench.serve_decode import decode_row
 from bench.serve_engine import engine_decode
 from bench.serve_rank import Rank, random_model
-from bench.serve_trace_gaps import breakdown, report
+from bench.serve_trace_gaps import breakdown, export_trace, report
 from k3core.presets import preset
 from services.engine import trace_labels
 from services.engine.engine import Engine
@@ -47,11 +45,7 @@ def traced_row(rank: Rank, batch: int, context: int, args: argparse.Namespace, t
     trace: dict = {}
 
     def save(prof: profile) -> None:
-        with tempfile.TemporaryDirectory() as tmp:
-            prof.export_chrome_trace(f"{tmp}/trace.json")
-            trace.update(json.loads(Path(f"{tmp}/trace.json").read_text()))
-        with gzip.open(trace_path, "wt") as f:
-            json.dump(trace, f)
+        trace.update(export_trace(prof, trace_path))
 
     # The profiler's step counter is the engine step's: steps 1..ENGINE_WARMUP + skip stay unprofiled.
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),

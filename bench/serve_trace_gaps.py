@@ -4,9 +4,17 @@ overlap each, and how much of each step's wall time the labels cover."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import statistics
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
 
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 HOST_CATS = {"user_annotation", "cpu_op", "cuda_runtime", "cuda_driver", "python_function"}
@@ -21,6 +29,16 @@ class Span:
     start: float  # us
     end: float
     tid: object = None
+
+
+def export_trace(prof: profile, path: Path) -> dict:
+    """The profiler's chrome trace, written gzipped to `path` and returned as a dict."""
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        trace = json.loads(Path(f"{tmp}/trace.json").read_text())
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    return trace
 
 
 def spans(trace: dict) -> tuple[list[Span], list[Span], list[Span]]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gzip
 import io
 import json
 import math
@@ -31,7 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.serve_rank import Rank, sync
-from bench.serve_trace_gaps import union_length
+from bench.serve_trace_gaps import export_trace, union_length
 from bench.serve_ttft import _prefill, prefill_rank, prefix_tokens, warm_up
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -99,11 +98,7 @@ def profiled(rank: Rank, rid: str, tokens: list[int], out: Path) -> dict:
               "host": averages.table(sort_by="self_cpu_time_total", row_limit=35, max_name_column_width=70)}
     for name, text in tables.items():
         (out / f"ttft_profile_{name}.txt").write_text(text)
-    with gzip.open(out / "ttft_profile_trace.json.gz", "wt") as f:
-        path = out / "trace.tmp.json"
-        prof.export_chrome_trace(str(path))
-        f.write(path.read_text())
-        path.unlink()
+    export_trace(prof, out / "ttft_profile_trace.json.gz")
     return {"hit_wall_s": hit.cpu_time_total / 1e6, "kernel_s": sum(k.time_range.elapsed_us() for k in kernels) / 1e6,
             "device_busy_s": union_length([(k.time_range.start, k.time_range.end) for k in kernels]) / 1e6,
             "kernels": len(kernels), "sublayer_host_s": dict(labels),
