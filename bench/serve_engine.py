@@ -13,6 +13,7 @@ for every row, which would route the whole batch to four experts).
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -138,7 +139,7 @@ class StepClock:
             parts["draw"].append(self._elapsed(before[2], before[3]))
             parts["wake"].append(self._elapsed(before[3], ready))
             parts["to_launch"].append(self._elapsed(ready, prelaunch))
-            parts["launch"].append(self._elapsed(prelaunch, end) - (replay_s if replay_s == replay_s else 0.0))
+            parts["launch"].append(self._elapsed(prelaunch, end) - (0.0 if math.isnan(replay_s) else replay_s))
             parts["cycle"].append(self._elapsed(before[2], end))
         out = {f"{name}_us": 1e6 * statistics.median(v) for name, v in parts.items() if v}
         if parts["cycle"]:
