@@ -16,23 +16,28 @@ import torch
 
 from k3core.quant.mxfp4 import BLOCK, dequantize, quantize
 from kernels.moe import latent_moe_decode_triton, naive
-from kernels.moe.tiles import Tile
+from kernels.moe.tiles import GemvTile, Tile
 from kernels.perf.harness import Row, copy_bandwidth, kernel_ms, rel_err, time_ms
 
 E, L, F, TOP_K = 256, 2048, 1024, 16
 
 
 class Variant(NamedTuple):
-    """One timed configuration: the two kernels' tiles (None: the launcher's default_tiles for the batch) and
-    the experts' storage (32-row blocks or whole rows, `prepare_experts`)."""
+    """One timed configuration: the two kernels' tiles (None: the launcher's default_tiles for the batch; Tile:
+    tensor cores, GemvTile: CUDA cores), the experts' storage (32-row blocks or whole rows,
+    `prepare_experts`) and the batches it is timed at (empty: all)."""
 
-    gate_up: Tile | None
-    down: Tile | None
+    gate_up: Tile | GemvTile | None
+    down: Tile | GemvTile | None
     blocked: bool = True
+    batches: tuple[int, ...] = ()
 
     def label(self) -> str:
         gate_up, down = (t.label() if t else "default" for t in (self.gate_up, self.down))
         return f"ours(gu={gate_up},down={down}{'' if self.blocked else ',rows'})"
+
+    def runs_at(self, T: int) -> bool:
+        return not self.batches or T in self.batches
 
 
 # (gate/up tile, down tile) pairs on blocked experts: default_tiles' two choices and the session-5 default
@@ -42,6 +47,8 @@ class Variant(NamedTuple):
 # L2 prefetch, dependent launches (history 25).
 SWEEP = ((Tile(64, 128, 2, 2), Tile(128, 128, 2, 2)), (Tile(64, 128, 2, 3, 168), Tile(128, 128, 2, 3, 168)),
          (Tile(64, 128, 2), Tile(128, 128, 2, splits=2)))
+# The CUDA-core path's best pair of history 26 (GemvTile; opt-in: slower than the tensor cores at T = 1 / 2 / 4).
+GEMV_TILES = (GemvTile(16, 128, 4, 4, 2), GemvTile(32, 128, 2, 4, 2))
 VARIANTS = (Variant(None, None),)
 # The launcher's defaults, the sweep's pairs and the session-5 storage (whole rows) with the same defaults.
 SWEEP_VARIANTS = (*VARIANTS, *(Variant(*pair) for pair in SWEEP), Variant(None, None, blocked=False))
@@ -66,6 +73,30 @@ def expert_bytes(ids: torch.Tensor) -> float:
     """Packed weights + scales of every distinct expert, each read once per step."""
     per_expert = 2 * F * L // 2 + 2 * F * L // BLOCK + L * F // 2 + L * F // BLOCK
     return float(ids.unique().numel() * per_expert)
+
+
+def routings(T: int, gen: torch.Generator | None = None) -> list[torch.Tensor]:
+    """L2-fair routings for batch T: E // (T k) sets (at most 16, at least 1) that timed calls cycle through,
+    each sharing no expert with the set before it (nor the last with the first), so no call finds its
+    experts' bytes in the L2 from the call before (real decode reads every other layer in between). T = 1:
+    the sets split one permutation of the experts (16 x 16 = all 256; 53.5 MB a call, more than the H200's
+    50 MB L2). T > 1: each token chooses k experts at random among those the neighbouring sets do not use
+    (~57 distinct a call at T = 4, as uniform routing over all 256 gives; >= 80 MB a call); tokens 0 and 1
+    always share one. One set at T = 16 (~165 experts, 0.5 GB a call). [T, k] int32 ids per set (CPU)."""
+    sets = max(1, min(16, E // (T * TOP_K)))
+    if T == 1:
+        return [part.reshape(1, TOP_K).int() for part in torch.randperm(E, generator=gen)[:sets * TOP_K].chunk(sets)]
+    out: list[torch.Tensor] = []
+    for s in range(sets):
+        banned = torch.zeros(E, dtype=torch.bool)
+        for neighbour in ([out[-1]] if out else []) + ([out[0]] if s == sets - 1 and s > 1 else []):
+            banned[neighbour.flatten().long()] = True
+        pool = (~banned).nonzero().flatten()
+        ids = torch.stack([pool[torch.randperm(pool.numel(), generator=gen)[:TOP_K]] for _ in range(T)]).int()
+        if not (ids[1] == ids[0, 0]).any():
+            ids[1, 0] = ids[0, 0]
+        out.append(ids)
+    return out
 
 
 def _torch_peer(x, ids, weights, packs):
@@ -94,13 +125,23 @@ def precompile(batches: tuple[int, ...], tiles: tuple[Variant, ...],
             x = torch.empty(T, L, device="cuda", dtype=torch.bfloat16)
             ids = torch.zeros(T, TOP_K, device="cuda", dtype=torch.int32)
             for v in tiles:
-                latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, ids.float(), experts[v.blocked],
-                                                                    gate_up_tile=v.gate_up, down_tile=v.down)
+                if v.runs_at(T):
+                    latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, ids.float(), experts[v.blocked],
+                                                                        gate_up_tile=v.gate_up, down_tile=v.down)
     compile_specs(recorder.unique(), workers=max(1, (os.cpu_count() or 2) - 2))
+
+
+def _cycling(calls: list):
+    """One call that runs `calls` in turn, a different one each time (graph capture records them in turn)."""
+    turn = iter(range(1 << 62))
+    return lambda: calls[next(turn) % len(calls)]()
 
 
 def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] | None = None, peer: bool = True,
              on_row=lambda row: None) -> list[Row]:
+    """Rows per batch and variant, timed L2-fair (`routings`: every timed call reads experts that are not in
+    the L2; the bytes are each call's distinct experts, averaged over the sets); the error is the first
+    set's against the float32 oracle."""
     rows: list[Row] = []
     tiles = tiles or variants()
     packs = _experts()
@@ -112,42 +153,46 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
         except Exception as e:  # noqa: BLE001 - only a head start: the timed launches compile what is missing
             print(f"precompile failed, compiling at first launch: {e!r}"[:500], flush=True)
     for T in batches:
-        x = torch.randn(T, L, device="cuda", dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(E, device="cuda")[:TOP_K] for _ in range(T)]).int()
-        weights = torch.rand(T, TOP_K, device="cuda")
-        # Two tokens share an expert in every batch > 1, so the expert-centric sharing is always checked.
-        if T > 1:
-            ids[1, 0] = ids[0, 0]
-        ref = naive.latent_moe_decode(x.float(), ids, weights, *packs)  # float32 h and output: the oracle
-        shape = f"T={T},E={E},k={TOP_K},l={L},F={F},mxfp4"
-        for v in tiles:
-            call = partial(latent_moe_decode_triton.latent_moe_decode_prepared, x, ids, weights, experts[v.blocked],
-                           gate_up_tile=v.gate_up, down_tile=v.down)
+        sets = [ids.cuda() for ids in routings(T)]
+        xs = [torch.randn(T, L, device="cuda", dtype=torch.bfloat16) for _ in sets]
+        ws = [torch.rand(T, TOP_K, device="cuda") for _ in sets]
+        nbytes = sum(expert_bytes(ids) for ids in sets) / len(sets)
+        inner = len(sets) * max(1, 16 // len(sets))  # whole turns through the sets per replay
+        ref = naive.latent_moe_decode(xs[0].float(), sets[0], ws[0], *packs)  # float32 h and output: the oracle
+        shape = f"T={T},E={E},k={TOP_K},l={L},F={F},mxfp4,sets={len(sets)}"
+        for v in (v for v in tiles if v.runs_at(T)):
+            calls = [partial(latent_moe_decode_triton.latent_moe_decode_prepared, x, ids, w, experts[v.blocked],
+                             gate_up_tile=v.gate_up, down_tile=v.down) for x, ids, w in zip(xs, sets, ws, strict=True)]
             try:
-                err = rel_err(call(), ref)
-                ms, how = time_ms(call)
-                extra = {"rel_err_vs_reference": err, "kernels_ms": kernel_ms(call, calls=20)}
+                err = rel_err(calls[0](), ref)
+                ms, how = time_ms(_cycling(calls), inner=inner)
+                extra = {"rel_err_vs_reference": err, "kernels_ms": kernel_ms(_cycling(calls), calls=inner),
+                         "l2_fair_sets": len(sets)}
                 if not err <= MAX_REL_ERR:  # wrong results never count as the fastest variant
                     ms, how = float("nan"), f"WRONG: rel err {err:.1e}"
             except Exception as e:  # noqa: BLE001 - a variant that does not build must not hide the others
                 ms, how, extra = float("nan"), f"failed: {e!r}"[-300:], {}
-            rows.append(Row("latent_moe_decode", shape, v.label(), ms,
-                            expert_bytes(ids), note=how, extra=extra))
+            rows.append(Row("latent_moe_decode", shape, v.label(), ms, nbytes, note=how, extra=extra))
             on_row(rows[-1])
         if peer:
-            ms, how = time_ms(partial(_torch_peer, x, ids, weights, packs), inner=5, reps=10)
-            rows.append(Row("latent_moe_decode", shape, "torch dequantize+bmm", ms, expert_bytes(ids),
-                            note=how))
+            peers = [partial(_torch_peer, x, ids, w, packs) for x, ids, w in zip(xs, sets, ws, strict=True)]
+            ms, how = time_ms(_cycling(peers), inner=len(sets), reps=10)
+            rows.append(Row("latent_moe_decode", shape, "torch dequantize+bmm", ms, nbytes, note=how))
     return rows
 
 
 def parse_tiles(text: str) -> tuple[Variant, ...]:
-    """"rows,cols,warps,stages[,regs[,splits]]/...[/rows];..." -> Variants (regs 0: no cap; "rows": experts
-    stored row by row)."""
+    """"rows,cols,warps,stages[,regs[,splits]]/...[/rows][/T...];..." -> Variants (regs 0: no cap; "rows":
+    experts stored row by row; a "g" before a tile: a GemvTile "grows,cols,splits,warps,stages[,regs[,tokens]]";
+    "T1,4": timed at those batches only)."""
+    def tile(spec: str) -> Tile | GemvTile:
+        kind, spec = (GemvTile, spec[1:]) if spec.startswith("g") else (Tile, spec)
+        return kind(*(int(v) for v in spec.split(",")))
+
     def variant(spec: str) -> Variant:
         parts = spec.split("/")
-        gate_up, down = (Tile(*(int(v) for v in t.split(","))) for t in parts[:2])
-        return Variant(gate_up, down, blocked="rows" not in parts[2:])
+        batches = next((tuple(int(t) for t in p[1:].split(",")) for p in parts[2:] if p.startswith("T")), ())
+        return Variant(tile(parts[0]), tile(parts[1]), blocked="rows" not in parts[2:], batches=batches)
     return tuple(variant(spec) for spec in text.split(";"))
 
 
