@@ -52,3 +52,28 @@ def test_variants_measure_each_row_under_their_settings_then_restore_the_environ
     assert seen == [("b", None, "start"), ("a", "1", "a")]
     assert [r["variant"] for r in json.loads(out.read_text())["decode"]] == ["b", "a"]
     assert os.environ["K3_BENCH_T_KEPT"] == "start" and "K3_BENCH_T_SET" not in os.environ
+
+
+def test_step_clock_parts_add_up_to_the_cycle():
+    """StepClock (CPU: one wall clock): between two launched steps, draw + wake + to_launch + launch is the
+    forward-end-to-forward-end cycle, each part is the interval it names (hand-timed sleeps), and a graph
+    replay's time comes off `launch` alone."""
+    import time
+
+    clock = serve_engine.StepClock()
+    pause = {"draw": 0.004, "wake": 0.002, "to_launch": 0.003, "launch": 0.005}
+    for _ in range(2):
+        clock.tokens_ready()
+        time.sleep(pause["to_launch"])
+        clock.launching()
+        time.sleep(pause["launch"])
+        clock.launched()
+        time.sleep(pause["draw"])
+        clock.sampled()
+        time.sleep(pause["wake"])
+    path = clock.critical_path(float("nan"))
+    parts = sum(path[f"{name}_us"] for name in pause)
+    assert abs(parts - path["cycle_us"]) < 1e-6 * path["cycle_us"]
+    assert all(path[f"{name}_us"] >= 1e6 * seconds for name, seconds in pause.items())
+    assert path["cycle_us"] < 1e6 * (sum(pause.values()) + 0.05)
+    assert abs(clock.critical_path(0.001)["launch_us"] - (path["launch_us"] - 1e3)) < 1e-6
