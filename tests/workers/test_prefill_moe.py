@@ -12,6 +12,7 @@ from k3core.cache.layout import plan_layout, shape_from_config
 from k3core.cache.manager import PrefixCacheManager
 from services.engine.model_runner import ModelRunner
 from tests.workers.oracle import build_reference
+from tests.workers.test_fast_prefill import _step
 
 PROMPT = [(13 * j) % 250 + 1 for j in range(40)]
 
@@ -40,15 +41,6 @@ def setup(monkeypatch):
     return model, manager, runner, counters
 
 
-def _step(manager, runner, rid: str, tokens: list[int]) -> torch.Tensor:
-    manager.reserve(rid, len(tokens))
-    manager.pre_forward()
-    logits = runner.forward([tokens], manager.batch_view([rid]))
-    manager.forward_done(rid)
-    manager.commit_step()
-    return logits
-
-
 def test_prefill_uses_the_fast_forms_and_matches_the_reference(setup):
     model, manager, runner, counters = setup
     moe_layers = sum(layer.is_moe for layer in model.model.layers)
@@ -56,10 +48,10 @@ def test_prefill_uses_the_fast_forms_and_matches_the_reference(setup):
     with torch.no_grad():
         want = model.prefill(torch.tensor(PROMPT + [9]), model.new_sequence_cache(), 0)
     manager.add_request("a", PROMPT + [9])
-    got = _step(manager, runner, "a", PROMPT)
+    got = _step(manager, runner, {"a": PROMPT})
     torch.testing.assert_close(got[0], want[len(PROMPT) - 1], rtol=1e-4, atol=1e-4)
     assert all(c.calls == 1 for c in counters)
-    step = _step(manager, runner, "a", [9])  # decode-only: the reference layers
+    step = _step(manager, runner, {"a": [9]})  # decode-only: the reference layers
     torch.testing.assert_close(step[0], want[-1], rtol=1e-4, atol=1e-4)
     assert all(c.calls == 1 for c in counters)
     assert all(layer.block_sparse_moe.fast_form is None for layer in model.model.layers if layer.is_moe)
