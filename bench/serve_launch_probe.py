@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.perf import harness
+
 
 def probe(nodes: int, reps: int) -> dict:
     x = torch.zeros(1024, device="cuda")
@@ -49,15 +51,11 @@ def probe(nodes: int, reps: int) -> dict:
         t0 = time.perf_counter()
         graph.replay()
         busy_host.append(time.perf_counter() - t0)
-    before.record()
-    for _ in range(reps):  # back to back: the graph's device time alone
-        graph.replay()
-    end.record()
-    end.synchronize()
-    device = before.elapsed_time(end) / 1e3 / reps
+    # back to back: the graph's device time alone
+    device_ms, _ = harness.time_ms(graph.replay, inner=reps, reps=1, warmup=0, graph=False)
     med = [1e6 * statistics.median(v[3:]) for v in (idle_host, start, busy_host)]
     return {"nodes": nodes, "idle_call_us": med[0], "start_latency_us": med[1], "busy_call_us": med[2],
-            "device_us": 1e6 * device}
+            "device_us": 1e3 * device_ms}
 
 
 def main() -> None:
