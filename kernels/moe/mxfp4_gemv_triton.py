@@ -3,7 +3,7 @@
 The tensor-core path (kernels.moe.latent_moe_decode_triton) pads an expert's tokens to 16 MMA rows; with
 1-4 tokens that padding is most of the product, and its 16-row activation fragments and wide decoded tiles
 hold enough registers that few programs fit an SM, so at T = 1 a program's loop latency, not the memory,
-sets the time (docs/kernels.md, history 25-26). Here each thread decodes whole 32-column scale groups of
+sets the time (docs/kernels.md, history 25, 27). Here each thread decodes whole 32-column scale groups of
 a few rows (`prepare`'s words: 4 per group, one multiplier) into float32 and multiplies them with the
 tokens' activations by FMA; the weights are read once per step for every token of the expert. A program
 owns `rows` weight rows of one expert; its reduction is cut into `splits` contiguous ranges walked side by
@@ -16,7 +16,7 @@ Kernel 1: gate and up rows -> SiTU-GLU -> h [T*k, F] float32. Kernel 2: down row
 path's third kernel.
 
 Opt-in (both tiles GemvTile): measured slower than the tensor cores on the H200 at T = 1 / 2 / 4 (history
-26: 53.1 / 96.9 / 437 us against 41.0 / 56.6 / 98.7). Offline (Triton 3.6, ptxas) the loop costs ~40 SASS
+27: 53.1 / 96.9 / 437 us against 41.0 / 56.6 / 98.7). Offline (Triton 3.6, ptxas) the loop costs ~40 SASS
 instructions per weight word at one token (decode 12, float32 widening 8, FMAs 8 per token, activation
 widening and shared-memory traffic the rest) against ~19 on the tensor cores, and ~90 at four tokens.
 """

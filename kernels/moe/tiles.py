@@ -98,7 +98,7 @@ def default_tiles(pairs: int, width: int, sms: int) -> tuple[Tile, Tile]:
     stages (one step in flight) 40.5 / 106.2 us against 42.1 / 109.7 with three (and the session-5 down
     split at T = 1); from as many pairs as SMs (T = 16) three stages and registers capped at 168 (6
     programs per SM instead of 4) 263.3 us against 293.5 (T = 4: 125.0, slower). The CUDA-core path
-    (GemvTile) is never chosen: slower at T = 1 / 2 / 4 (history 26), as are 16-row tensor-core tiles."""
+    (GemvTile) is never chosen: slower at T = 1 / 2 / 4 (history 27), as are 16-row tensor-core tiles."""
     del width  # the measured choice depends on how many programs there are per SM, not on F itself
     if pairs < sms:
         return Tile(64, 128, 2, 2), Tile(128, 128, 2, 2)

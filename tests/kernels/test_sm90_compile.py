@@ -201,7 +201,7 @@ CASES = {
     **{f"attnres M={m}": lambda m=m: attnres(m) for m in (*DECODE_BATCHES, PREFILL_TOKENS)},
     **{f"moe T={t}": lambda t=t: moe_step(t) for t in DECODE_BATCHES},
     **{f"latent moe T={t}": lambda t=t: latent_moe(t) for t in DECODE_BATCHES},
-    # the CUDA-core path (opt-in, measured slower: docs/kernels.md history 26), its 1- and 4-slot builds
+    # the CUDA-core path (opt-in, measured slower: docs/kernels.md history 27), its 1- and 4-slot builds
     **{f"latent moe gemv T={t}": lambda t=t: latent_moe(t, gate_up_tile=moe_cases.GEMV_TILES[0],
                                                         down_tile=moe_cases.GEMV_TILES[1]) for t in DECODE_BATCHES},
     **{f"skinny gemm T={t}": lambda t=t: skinny_gemm(t) for t in DECODE_BATCHES},
