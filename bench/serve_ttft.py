@@ -119,14 +119,14 @@ def _split(rank: Rank, rid: str, tokens: list[int]) -> dict[str, float]:
 
 
 def warm_up(rank: Rank, row: int) -> list[float]:
-    """Seconds of two warm-up prompts of a full-budget chunk and an unaligned tail, and the prefill fast path's
-    row-count classes after them, as a worker's warm-up runs them: every kernel variant the rows need, so no
-    JIT compile falls in the timed prefills (a 2048-token warm-up chunk once left the 8192-token chunks'
-    router kernel uncompiled)."""
+    """Seconds of two warm-up prompts of a full-budget chunk and an unaligned tail, then (where the prefill
+    fast path runs) its row-count classes, as a worker's warm-up runs them: every kernel variant the rows
+    need, so no JIT compile falls in the timed prefills (a 2048-token warm-up chunk once left the
+    8192-token chunks' router kernel uncompiled)."""
     vocab, length = rank.vocab, rank.budget + WARMUP_TAIL
     warm = [_prefill(rank, f"warm{row}.{k}", [(t * (5 + k) + 31 * row) % vocab + 1 for t in range(length)])[0]
             for k in range(2)]
-    for rows in fast_prefill.WARMUP_ROWS:
+    for rows in fast_prefill.WARMUP_ROWS if rank.runner.prefill_fastpath() is not None else ():
         _prefill(rank, f"warm{row}r{rows}", [(t * 3 + row) % vocab + 1 for t in range(rows)])
     return warm
 

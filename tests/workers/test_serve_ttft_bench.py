@@ -50,6 +50,13 @@ def test_compare_measures_each_row_in_both_forms_and_checks_their_logits(tmp_pat
 
     monkeypatch.setattr(serve_ttft, "ttft", spied_ttft)
     monkeypatch.setattr(fast_prefill.FastPrefill, "forward", spied_forward)
+    prompts, prefill = [], serve_ttft._prefill
+
+    def spied_prefill(rank, rid, *args, **kwargs):
+        prompts.append(rid)
+        return prefill(rank, rid, *args, **kwargs)
+
+    monkeypatch.setattr(serve_ttft, "_prefill", spied_prefill)
     monkeypatch.setattr(sys, "argv", ["serve_ttft", "--model", "nano", "--device", "cpu", "--prefix", "64",
                                       "--increment", "16", "--hash-block", "32", "--num-pages", "100",
                                       "--budget", "64", "--compare", "--check", "--out", str(out)])
@@ -58,6 +65,9 @@ def test_compare_measures_each_row_in_both_forms_and_checks_their_logits(tmp_pat
     assert [r["form"] for r in result["rows"]] == ["reference", "fast"]
     assert row_switches == [("0", False), ("1", True)]
     assert fast_runs and set(fast_runs) == {("1", True)}
+    # the fast prefill's row-count warm-ups only in its own form's row (row 1), as a worker's warm-up
+    row_count_warmups = [p for p in prompts if p.startswith("warm") and "r" in p[4:]]
+    assert row_count_warmups == [f"warm1r{n}" for n in fast_prefill.WARMUP_ROWS]
     assert all(r["hit_tokens"] == 64 for r in result["rows"])
     check = result["check"]
     assert check["same_argmax"] and check["max_abs_diff"] < 1e-3 * max(1.0, check["scale"])
@@ -72,8 +82,8 @@ def test_ttft_profile_runs_and_its_sublayer_ranges_lie_inside_the_hit(tmp_path, 
 
     monkeypatch.setenv("K3_DECODE_FASTPATH", "1")
     monkeypatch.delenv("K3_PREFILL_FASTPATH", raising=False)
-    monkeypatch.setattr(sys, "argv", ["serve_ttft_profile", "--model", "nano", "--device", "cpu", "--prefix", "64",
-                                      "--increment", "16", "--hash-block", "32", "--num-pages", "100",
+    monkeypatch.setattr(sys, "argv", ["serve_ttft_profile", "--model", "nano", "--device", "cpu",
+                                      "--prefix", "64", "--increment", "16", "--hash-block", "32", "--num-pages", "100",
                                       "--budget", "64", "--out", str(tmp_path)])
     serve_ttft_profile.main()
     result = json.loads((tmp_path / "ttft_profile.json").read_text())
