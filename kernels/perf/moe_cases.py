@@ -45,8 +45,12 @@ class Variant(NamedTuple):
 # gate/up tile and every down tile is measured on its own (kernels_ms). Slower and no longer swept: register
 # caps with 4-warp tiles (history 19); 1-warp tiles, 64x64 gate/up, 4 and 8 warps (history 23); one stage,
 # L2 prefetch, dependent launches (history 25).
+# Last two pairs: history 27's candidates for T = 1 / 4, not timed yet (twice the warps per SM of the default
+# at ~22 SASS instructions per weight word instead of 19, each weight decoded once: 4 warps on the default's
+# rows, or 2 warps on half the rows and twice the programs).
 SWEEP = ((Tile(64, 128, 2, 2), Tile(128, 128, 2, 2)), (Tile(64, 128, 2, 3, 168), Tile(128, 128, 2, 3, 168)),
-         (Tile(64, 128, 2), Tile(128, 128, 2, splits=2)))
+         (Tile(64, 128, 2), Tile(128, 128, 2, splits=2)), (Tile(64, 128, 4, 2), Tile(128, 128, 4, 2)),
+         (Tile(32, 128, 2, 2), Tile(64, 128, 2, 2)))
 # The CUDA-core path's best pair of history 27 (GemvTile; opt-in: slower than the tensor cores at T = 1 / 2 / 4).
 GEMV_TILES = (GemvTile(16, 128, 4, 4, 2), GemvTile(32, 128, 2, 4, 2))
 VARIANTS = (Variant(None, None),)
