@@ -23,9 +23,8 @@ from typing import NamedTuple
 import torch
 
 from kernels._triton import next_pow2, require, sm_count, tl, triton
-from kernels.moe.mxfp4_gemv_triton import gemv_partial
 from kernels.moe.mxfp4_tile_triton import block_words, prepare
-from kernels.moe.tiles import GemvTile, Tile, default_tiles
+from kernels.moe.tiles import Tile, default_tiles
 
 if triton is not None:
     from kernels.moe.expert_slots_triton import expert_tokens, slots
@@ -187,12 +186,11 @@ def latent_moe_decode(
 
 def latent_moe_decode_prepared(
     x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, experts: PreparedExperts,
-    beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | GemvTile | None = None,
-    down_tile: Tile | GemvTile | None = None, token_block: int = 16, h_parts: int | None = None,
+    beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None, down_tile: Tile | None = None,
+    token_block: int = 16, h_parts: int | None = None,
 ) -> torch.Tensor:
     """latent_moe_decode on `prepare_experts`' layout. Tuning: `gate_up_tile` and `down_tile`
-    (kernels.moe.tiles.Tile; default: `default_tiles` by T k and the SM count; both GemvTile instead: the
-    CUDA-core path of kernels.moe.mxfp4_gemv_triton, opt-in, measured slower), `token_block` tokens of one
+    (kernels.moe.tiles.Tile; default: `default_tiles` by T k and the SM count), `token_block` tokens of one
     expert per product (>= 16; an expert chosen by more tokens takes several passes), `h_parts` bf16 parts
     of the SiTU-GLU output h in the down product (default: as many as x's dtype needs, so h keeps x's
     precision: 1 for bf16, 2 for fp16, 3 for float32).
@@ -216,46 +214,26 @@ def latent_moe_decode_prepared(
     require(1 <= hp <= 3, f"h_parts must be 1, 2 or 3, got {h_parts}")
     default_gu, default_down = default_tiles(T * K, F, sm_count(x.device, cpu=132))
     gu_tile, d_tile = gate_up_tile or default_gu, down_tile or default_down
-    ids = expert_ids.contiguous()
-    experts = PreparedExperts(gu_words.contiguous(), gu_mults.contiguous(), d_words.contiguous(),
-                              d_mults.contiguous(), blocked)
-    if isinstance(gu_tile, GemvTile) or isinstance(d_tile, GemvTile):
-        require(isinstance(gu_tile, GemvTile) and isinstance(d_tile, GemvTile),
-                "gate/up and down tiles must both be GemvTile (h is float32 on the CUDA-core path) or both Tile")
-        partial = gemv_partial(x, ids, expert_weights.contiguous(), experts, beta1, beta2, gu_tile, d_tile)
-    else:
-        partial = _tensor_core_partial(x, ids, expert_weights.contiguous(), experts, beta1, beta2, gu_tile, d_tile,
-                                       token_block, hp)
-    out = torch.empty(T, L, dtype=x.dtype, device=x.device)
-    _sum_pairs_kernel[(T, triton.cdiv(L, 128))](partial, ids, out, T * K, K, L, SPLITS=partial.shape[0],
-                                                  BK=next_pow2(K), BL=128)
-    return out
-
-
-def _tensor_core_partial(x: torch.Tensor, ids: torch.Tensor, expert_weights: torch.Tensor,
-                         experts: PreparedExperts, beta1: float, beta2: float, gu_tile: Tile, d_tile: Tile,
-                         token_block: int, hp: int) -> torch.Tensor:
-    """[splits, T*k, l] float32 router-weighted down rows from the tensor-core kernels (1 and 2)."""
-    T, L = x.shape
-    K = ids.shape[1]
-    gu_words, gu_mults, d_words, d_mults, blocked = experts
-    F = gu_words.shape[1] // 2
     require(gu_tile.splits == 1, f"gate/up tiles cannot split the reduction (SiTU-GLU needs whole sums), got "
             f"splits={gu_tile.splits}")
     gu_groups, d_groups = gu_tile.groups(L), d_tile.groups(F)
+    ids = expert_ids.contiguous()
     # Token tiles of at least 16 rows: one build serves every decode batch up to 16.
     common = {"TP": max(16, next_pow2(T)), "BK": next_pow2(K), "BT": token_block, "HP": hp,
               "USE_ASM": x.is_cuda}
     h = torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device)
     _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
-        x, ids, gu_words, gu_mults, h, T, K, F, beta1, beta2, L=L, X_PARTS=_parts(x.dtype), BR=gu_tile.rows,
-        G=gu_groups, CW=block_words(L // 8) if blocked else L // 8, STAGES=gu_tile.stages, **common,
-        **gu_tile.launch_options(),
+        x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, T, K, F, beta1, beta2, L=L,
+        X_PARTS=_parts(x.dtype), BR=gu_tile.rows, G=gu_groups, CW=block_words(L // 8) if blocked else L // 8,
+        STAGES=gu_tile.stages, **common, **gu_tile.launch_options(),
     )
     partial = torch.empty(d_tile.splits, T * K, L, dtype=torch.float32, device=x.device)
     _down_kernel[(T * K, triton.cdiv(L, d_tile.rows), d_tile.splits)](
-        h, ids, expert_weights, d_words, d_mults, partial, T, K, L, F=F, BR=d_tile.rows, G=d_groups,
-        SPLITS=d_tile.splits, CW=block_words(F // 8) if blocked else F // 8, STAGES=d_tile.stages, **common,
-        **d_tile.launch_options(),
+        h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial, T, K, L, F=F,
+        BR=d_tile.rows, G=d_groups, SPLITS=d_tile.splits, CW=block_words(F // 8) if blocked else F // 8,
+        STAGES=d_tile.stages, **common, **d_tile.launch_options(),
     )
-    return partial
+    out = torch.empty(T, L, dtype=x.dtype, device=x.device)
+    _sum_pairs_kernel[(T, triton.cdiv(L, 128))](partial, ids, out, T * K, K, L, SPLITS=d_tile.splits,
+                                                  BK=next_pow2(K), BL=128)
+    return out

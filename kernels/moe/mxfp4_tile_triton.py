@@ -59,11 +59,9 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, blocked: bool = True) ->
     return _blocked(words, cw), _blocked(mults, cw // 4)
 
 
-def _decode_asm(f32: bool = False) -> str:
+def _decode_asm() -> str:
     """PTX of one word ($8) and its bf16x2 multiplier ($9) -> 8 bf16 ($j: code j, $j+4: code j + 4, the low and
-    high halves of register j), from the layout's rotations and mask (nothing here is a hand-copied constant).
-    `f32`: the 8 outputs are float32 instead (each half moved to the top of its own register: one shift or
-    one and, the cheapest widening; the CUDA-core path multiplies in float32)."""
+    high halves of register j), from the layout's rotations and mask (nothing here is a hand-copied constant)."""
     rotations = sorted({r for rots in ROTATIONS for r in rots if r})
     lines = [".reg .b32 p" + "".join(f", r{r}" for r in rotations) + ";"]
     lines += [f"shf.r.wrap.b32 r{r}, $8, $8, {r};" for r in rotations]
@@ -71,8 +69,8 @@ def _decode_asm(f32: bool = False) -> str:
         a, b = (f"r{r}" if r else "$8" for r in (rots + rots)[:2])
         # lop3 truth tables over (a=0xF0, b=0xCC, c=0xAA): a & c, or (a ^ b) & c.
         lut = 0xA0 if len(rots) == 1 else 0x28
-        lines += [f"lop3.b32 p, {a}, {b}, {PAIR_MASK:#x}, {lut:#x};", "mul.rn.bf16x2 p, p, $9;"]
-        lines += [f"shl.b32 ${j}, p, 16; and.b32 ${j + 4}, p, 0xffff0000;" if f32 else f"mov.b32 {{${j}, ${j + 4}}}, p;"]
+        lines += [f"lop3.b32 p, {a}, {b}, {PAIR_MASK:#x}, {lut:#x};",
+                  f"mul.rn.bf16x2 p, p, $9; mov.b32 {{${j}, ${j + 4}}}, p;"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
@@ -81,7 +79,6 @@ if triton is not None:
     _MASK = tl.constexpr(PAIR_MASK)
     _ROTATIONS = tl.constexpr(ROTATIONS)
     _DECODE_ASM = tl.constexpr(_decode_asm())
-    _DECODE_F32_ASM = tl.constexpr(_decode_asm(f32=True))
     _FIELDS_TO_BF16X2 = tl.constexpr(_FIELD_TO_BF16X2)
     _BLOCK_ROWS = tl.constexpr(BLOCK_ROWS)
 
@@ -97,9 +94,9 @@ if triton is not None:
         return (w >> r) | (w << (32 - r))
 
     @triton.jit
-    def _decode_portable(w, m, F32: tl.constexpr = False):
+    def _decode_portable(w, m):
         """Interpreter path: the PTX's registers, each half widened to float32 bits (the interpreter flushes
-        bf16 subnormals), scaled in float32 (exact: a power of two); rounded to bf16 unless F32."""
+        bf16 subnormals), scaled in float32 (exact: a power of two)."""
         scale = ((m & 0xFFFF) << 16).to(tl.float32, bitcast=True)
         low = []
         high = []
@@ -111,12 +108,10 @@ if triton is not None:
             bits = bits & _MASK
             for half in tl.static_range(2):
                 value = ((((bits >> (16 * half)) & 0xFFFF) << 16).to(tl.float32, bitcast=True) * scale)
-                if not F32:
-                    value = value.to(tl.bfloat16)
                 if half == 0:
-                    low.append(value)
+                    low.append(value.to(tl.bfloat16))
                 else:
-                    high.append(value)
+                    high.append(value.to(tl.bfloat16))
         return low[0], low[1], low[2], low[3], high[0], high[1], high[2], high[3]
 
     @triton.jit
@@ -124,25 +119,6 @@ if triton is not None:
         """GPU path: 4 rotations, and per register one lop3 and one bf16x2 multiply."""
         return tl.inline_asm_elementwise(_DECODE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, m],
                                          dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-
-    @triton.jit
-    def decode_word_f32(w, m, USE_ASM: tl.constexpr):
-        """`decode_word` with float32 outputs (the same values)."""
-        if USE_ASM:
-            e = tl.inline_asm_elementwise(_DECODE_F32_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w, m],
-                                          dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-        else:
-            e = _decode_portable(w, m, True)
-        return e
-
-    @triton.jit
-    def decode_word(w, m, USE_ASM: tl.constexpr):
-        """uint32 words and their bf16x2 multipliers -> 8 bf16 tensors (code j of each word, x 2^-SHIFT)."""
-        if USE_ASM:
-            e = _decode_ptx(w, m)
-        else:
-            e = _decode_portable(w, m)
-        return e
 
     @triton.jit
     def _lane_groups(t, G: tl.constexpr):
@@ -164,29 +140,14 @@ if triton is not None:
         return tl.reshape(tl.permute(tl.reshape(a, (BT, 4 * G, 2, 4)), (0, 1, 3, 2)), (BT, 32 * G))
 
     @triton.jit
-    def block_row_part(rows, WIDTH: tl.constexpr, CB: tl.constexpr):
-        """Offsets of the first element of `rows` of a [R, WIDTH] matrix stored as `_blocked` [BLOCK_ROWS, CB]
-        blocks (CB = WIDTH: row by row)."""
-        return (rows // _BLOCK_ROWS) * (_BLOCK_ROWS * WIDTH) + (rows % _BLOCK_ROWS) * CB
-
-    @triton.jit
-    def block_col_part(cols, CB: tl.constexpr):
-        """Offsets of columns `cols` (any shape) inside a row of `_blocked` storage with CB-wide blocks."""
-        return (cols // CB) * (_BLOCK_ROWS * CB) + cols % CB
-
-    @triton.jit
     def block_offsets(rows, cols, WIDTH: tl.constexpr, CB: tl.constexpr):
         """[len(rows), len(cols)] element offsets of a [R, WIDTH] matrix stored as `_blocked` [BLOCK_ROWS, CB]
         blocks (CB = WIDTH: row by row); a row part and a column part, so the row part leaves the loop."""
-        col_part = block_col_part(cols, CB)
+        col_part = (cols // CB) * (_BLOCK_ROWS * CB) + cols % CB
         if CB >= cols.shape[0]:  # a step inside one block: its columns stay contiguous and aligned
             col_part = tl.max_contiguous(tl.multiple_of(col_part, cols.shape[0]), cols.shape[0])
-        return block_row_part(rows, WIDTH, CB)[:, None] + col_part[None, :]
-
-    @triton.jit
-    def bf16x2_multipliers(fields):
-        """uint8 multiplier fields (`prepare`) -> the bf16x2 multiplier registers the decode takes."""
-        return fields.to(tl.uint32) * _FIELDS_TO_BF16X2
+        row_part = (rows // _BLOCK_ROWS) * (_BLOCK_ROWS * WIDTH) + (rows % _BLOCK_ROWS) * CB
+        return row_part[:, None] + col_part[None, :]
 
     @triton.jit
     def mxfp4_tile(words, mults, rows, row_ok, g0, WORDS: tl.constexpr, G: tl.constexpr, CW: tl.constexpr,
@@ -200,8 +161,11 @@ if triton is not None:
         w = _lane_groups(tl.reshape(w, (R, G, 4)).to(tl.uint32, bitcast=True), G)
         f = tl.load(mults + block_offsets(rows, g0 + tl.arange(0, G), WORDS // 4, CW // 4),
                     mask=row_ok[:, None], other=0)
-        m = _lane_groups(tl.broadcast_to(bf16x2_multipliers(f)[:, :, None], (R, G, 4)), G)
-        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(w, m, USE_ASM)
+        m = _lane_groups(tl.broadcast_to((f.to(tl.uint32) * _FIELDS_TO_BF16X2)[:, :, None], (R, G, 4)), G)
+        if USE_ASM:
+            e0, e1, e2, e3, e4, e5, e6, e7 = _decode_ptx(w, m)
+        else:
+            e0, e1, e2, e3, e4, e5, e6, e7 = _decode_portable(w, m)
         # join appends the new axis last: the pairs (j, j + 4) that share a register stay adjacent (no 16-bit
         # shuffles), which gives the order within each word above.
         low = tl.join(tl.join(e0, e2), tl.join(e1, e3))

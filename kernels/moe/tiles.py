@@ -15,13 +15,6 @@ from dataclasses import dataclass
 from kernels._triton import next_pow2, require
 
 
-def _launch_options(warps: int, max_registers: int | None) -> dict:
-    opts: dict = {"num_warps": warps}
-    if max_registers:
-        opts["maxnreg"] = max_registers
-    return opts
-
-
 @dataclass(frozen=True)
 class Tile:
     rows: int = 128
@@ -51,44 +44,10 @@ class Tile:
         return cols // 32
 
     def launch_options(self) -> dict:
-        return _launch_options(self.warps, self.max_registers)
-
-
-@dataclass(frozen=True)
-class GemvTile:
-    """Tile of the CUDA-core path (kernels.moe.mxfp4_gemv_triton): a program owns `rows` rows of one expert
-    and walks `splits` contiguous ranges of the reduction side by side, `cols` columns of each per step;
-    `tokens` slots per pass over the weights (an expert with more tokens takes several)."""
-
-    rows: int = 16
-    cols: int = 128
-    splits: int = 4
-    warps: int = 4
-    stages: int = 2
-    max_registers: int | None = None
-    tokens: int = 4
-
-    def label(self) -> str:
-        cap = f",r{self.max_registers}" if self.max_registers else ""
-        return f"gemv{self.rows}x{self.cols}x{self.splits},w{self.warps},s{self.stages},t{self.tokens}{cap}"
-
-    def groups(self, depth: int) -> int:
-        """32-column groups per step of each range, over a reduction of `depth` columns."""
-        require(self.splits >= 1 and self.splits == next_pow2(self.splits) and depth % (32 * self.splits) == 0,
-                f"gemv tile splits={self.splits} must be a power of two cutting {depth} columns into 32-column groups")
-        depth //= self.splits
-        cols = min(self.cols, depth)
-        require(self.rows >= 1 and self.rows == next_pow2(self.rows),
-                f"gemv tile rows must be a power of two, got {self.rows}")
-        require(cols % 32 == 0 and cols == 32 * next_pow2(cols // 32) and depth % cols == 0,
-                f"gemv tile cols={self.cols} must be 32 x a power of two dividing {depth}")
-        require(self.warps in (1, 2, 4, 8, 16), f"gemv tile warps must be a power of two <= 16, got {self.warps}")
-        require(self.stages >= 1, f"gemv tile stages must be >= 1, got {self.stages}")
-        require(self.tokens in (1, 2, 4), f"gemv tile tokens must be 1, 2 or 4, got {self.tokens}")
-        return cols // 32
-
-    def launch_options(self) -> dict:
-        return _launch_options(self.warps, self.max_registers)
+        opts: dict = {"num_warps": self.warps}
+        if self.max_registers:
+            opts["maxnreg"] = self.max_registers
+        return opts
 
 
 def default_tiles(pairs: int, width: int, sms: int) -> tuple[Tile, Tile]:
@@ -97,8 +56,8 @@ def default_tiles(pairs: int, width: int, sms: int) -> tuple[Tile, Tile]:
     calls in one run (history 25, blocked experts): with fewer pairs than SMs (T = 1, 4 at k = 16) two
     stages (one step in flight) 40.5 / 106.2 us against 42.1 / 109.7 with three (and the session-5 down
     split at T = 1); from as many pairs as SMs (T = 16) three stages and registers capped at 168 (6
-    programs per SM instead of 4) 263.3 us against 293.5 (T = 4: 125.0, slower). The CUDA-core path
-    (GemvTile) is never chosen: slower at T = 1 / 2 / 4 (history 27), as are 16-row tensor-core tiles."""
+    programs per SM instead of 4) 263.3 us against 293.5 (T = 4: 125.0, slower). 16-row tiles and a
+    CUDA-core path (since removed) were slower at T = 1 / 2 / 4 (history 27)."""
     del width  # the measured choice depends on how many programs there are per SM, not on F itself
     if pairs < sms:
         return Tile(64, 128, 2, 2), Tile(128, 128, 2, 2)

@@ -16,19 +16,19 @@ import torch
 
 from k3core.quant.mxfp4 import BLOCK, dequantize, quantize
 from kernels.moe import latent_moe_decode_triton, naive
-from kernels.moe.tiles import GemvTile, Tile
+from kernels.moe.tiles import Tile
 from kernels.perf.harness import Row, copy_bandwidth, kernel_ms, rel_err, time_ms
 
 E, L, F, TOP_K = 256, 2048, 1024, 16
 
 
 class Variant(NamedTuple):
-    """One timed configuration: the two kernels' tiles (None: the launcher's default_tiles for the batch; Tile:
-    tensor cores, GemvTile: CUDA cores), the experts' storage (32-row blocks or whole rows,
+    """One timed configuration: the two kernels' tiles (None: the launcher's default_tiles for the batch), the
+    experts' storage (32-row blocks or whole rows,
     `prepare_experts`) and the batches it is timed at (empty: all)."""
 
-    gate_up: Tile | GemvTile | None
-    down: Tile | GemvTile | None
+    gate_up: Tile | None
+    down: Tile | None
     blocked: bool = True
     batches: tuple[int, ...] = ()
 
@@ -51,8 +51,6 @@ class Variant(NamedTuple):
 SWEEP = ((Tile(64, 128, 2, 2), Tile(128, 128, 2, 2)), (Tile(64, 128, 2, 3, 168), Tile(128, 128, 2, 3, 168)),
          (Tile(64, 128, 2), Tile(128, 128, 2, splits=2)), (Tile(64, 128, 4, 2), Tile(128, 128, 4, 2)),
          (Tile(32, 128, 2, 2), Tile(64, 128, 2, 2)))
-# The CUDA-core path's best pair of history 27 (GemvTile; opt-in: slower than the tensor cores at T = 1 / 2 / 4).
-GEMV_TILES = (GemvTile(16, 128, 4, 4, 2), GemvTile(32, 128, 2, 4, 2))
 VARIANTS = (Variant(None, None),)
 # The launcher's defaults, the sweep's pairs and the session-5 storage (whole rows) with the same defaults.
 SWEEP_VARIANTS = (*VARIANTS, *(Variant(*pair) for pair in SWEEP), Variant(None, None, blocked=False))
@@ -187,11 +185,9 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
 
 def parse_tiles(text: str) -> tuple[Variant, ...]:
     """"rows,cols,warps,stages[,regs[,splits]]/...[/rows][/T...];..." -> Variants (regs 0: no cap; "rows":
-    experts stored row by row; a "g" before a tile: a GemvTile "grows,cols,splits,warps,stages[,regs[,tokens]]";
-    "T1,4": timed at those batches only)."""
-    def tile(spec: str) -> Tile | GemvTile:
-        kind, spec = (GemvTile, spec[1:]) if spec.startswith("g") else (Tile, spec)
-        return kind(*(int(v) for v in spec.split(",")))
+    experts stored row by row; "T1,4": timed at those batches only)."""
+    def tile(spec: str) -> Tile:
+        return Tile(*(int(v) for v in spec.split(",")))
 
     def variant(spec: str) -> Variant:
         parts = spec.split("/")

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from k3core.quant.mxfp4 import quantize
 from kernels.moe import latent_moe_decode_triton, naive
 from kernels.moe.tiles import Tile, default_tiles
-from kernels.perf.moe_cases import Variant, parse_tiles
 
 
 def _experts(gen: torch.Generator, experts: int, latent: int, width: int) -> tuple[torch.Tensor, ...]:
@@ -119,8 +118,3 @@ def test_default_tiles_follow_the_measured_choice(pairs, stages, cap):
     assert gate_up == Tile(64, 128, 2, stages, cap) and down == Tile(128, 128, 2, stages, cap)
     assert gate_up.groups(2048) >= 1 and down.groups(1024) >= 1
 
-
-def test_tile_pairs_parse_from_the_command_line():
-    assert parse_tiles("128,64,4,4,168/64,128,4,3;32,32,2,1/16,32,1,2,0,2/rows") == (
-        Variant(Tile(128, 64, 4, 4, 168), Tile(64, 128, 4, 3)),
-        Variant(Tile(32, 32, 2, 1), Tile(16, 32, 1, 2, 0, 2), blocked=False))

@@ -201,9 +201,6 @@ CASES = {
     **{f"attnres M={m}": lambda m=m: attnres(m) for m in (*DECODE_BATCHES, PREFILL_TOKENS)},
     **{f"moe T={t}": lambda t=t: moe_step(t) for t in DECODE_BATCHES},
     **{f"latent moe T={t}": lambda t=t: latent_moe(t) for t in DECODE_BATCHES},
-    # the CUDA-core path (opt-in, measured slower: docs/kernels.md history 27), its 1- and 4-slot builds
-    **{f"latent moe gemv T={t}": lambda t=t: latent_moe(t, gate_up_tile=moe_cases.GEMV_TILES[0],
-                                                        down_tile=moe_cases.GEMV_TILES[1]) for t in DECODE_BATCHES},
     **{f"skinny gemm T={t}": lambda t=t: skinny_gemm(t) for t in DECODE_BATCHES},
     "launch floor": launch_floor,
 }
@@ -227,7 +224,7 @@ def _bench_variants() -> dict:
             cases[f"attnres cached {kind} {v}"] = lambda v=v, ts=tokens: [attnres(m, cached=v) for m in ts]
         for v in attnres_cases.LOGITS_VARIANTS[kind]:
             cases[f"attnres logits {kind} {v}"] = lambda v=v, ts=tokens: [attnres(m, logits=v) for m in ts]
-    for gate_up, down in moe_cases.SWEEP:  # the tile sweep (VARIANTS is its first pair), at the bench's shape:
+    for gate_up, down in moe_cases.SWEEP:  # the tile sweep (default_tiles' two choices first), at the bench's shape:
         # some tiles do not divide mini's widths
         cases[f"latent moe {gate_up.label()} | {down.label()}"] = lambda g=gate_up, d=down: [
             latent_moe(n, moe_cases.E, moe_cases.L, moe_cases.F, moe_cases.TOP_K, gate_up_tile=g, down_tile=d)

@@ -1,0 +1,39 @@
+"""The latent-MoE benchmark's own logic (kernels/perf/moe_cases.py, no GPU): its L2-fair routings and its
+command-line tile variants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.moe.tiles import Tile
+from kernels.perf import moe_cases
+from kernels.perf.moe_cases import Variant, parse_tiles
+
+
+@pytest.mark.parametrize("T", [1, 2, 4, 8, 16])
+def test_l2_fair_routings_share_no_expert_with_the_call_before(T):
+    """Consecutive sets (cyclically: the last before the first) name disjoint experts, so a timed call never
+    finds the previous call's experts in the L2: 16 sets at T=1 (all 256 experts once), one at T=16; every
+    token names k distinct experts; T > 1: tokens 0 and 1 share one."""
+    sets = moe_cases.routings(T, torch.Generator().manual_seed(T))
+    assert len(sets) == max(1, min(16, moe_cases.E // (T * moe_cases.TOP_K)))
+    for s, ids in enumerate(sets):
+        assert ids.shape == (T, moe_cases.TOP_K) and ids.dtype == torch.int32 and int(ids.max()) < moe_cases.E
+        assert all(row.unique().numel() == moe_cases.TOP_K for row in ids)
+        if T > 1:
+            assert (ids[1] == ids[0, 0]).any()
+        if len(sets) > 1:
+            before = sets[s - 1]
+            assert not torch.isin(ids, before).any()
+    if T == 1:
+        assert torch.cat(sets).unique().numel() == moe_cases.E
+
+
+def test_tile_pairs_parse_from_the_command_line():
+    assert parse_tiles("128,64,4,4,168/64,128,4,3;32,32,2,1/16,32,1,2,0,2/rows;16,128,2,2/32,128,2,2/T1,2") == (
+        Variant(Tile(128, 64, 4, 4, 168), Tile(64, 128, 4, 3)),
+        Variant(Tile(32, 32, 2, 1), Tile(16, 32, 1, 2, 0, 2), blocked=False),
+        Variant(Tile(16, 128, 2, 2), Tile(32, 128, 2, 2), batches=(1, 2)))
+    assert Variant(None, None, batches=(1,)).runs_at(1) and not Variant(None, None, batches=(1,)).runs_at(4)
+    assert Variant(None, None).runs_at(4)
