@@ -54,6 +54,21 @@ def test_variants_measure_each_row_under_their_settings_then_restore_the_environ
     assert os.environ["K3_BENCH_T_KEPT"] == "start" and "K3_BENCH_T_SET" not in os.environ
 
 
+def test_the_profile_runs_after_every_timed_row(tmp_path, monkeypatch):
+    """--profile runs torch.profiler, which leaves CUPTI attached to the process (later graph launches cost the
+    host more): it must come after the timed decode rows, never before them."""
+    monkeypatch.setenv("K3_DECODE_FASTPATH", "1")  # the profile needs the fast path (on the CPU: eager)
+    monkeypatch.setattr(sys, "argv", ["serve", "--model", "nano", "--device", "cpu", "--batches", "2", "3",
+                                      "--contexts", "64", "--steps", "2", "--prefix", "0", "--peer-batches",
+                                      "--num-pages", "200", "--profile", "2", "--out", str(tmp_path / "s.json")])
+    order = []
+    row = serve.decode_sweep_row
+    monkeypatch.setattr(serve, "decode_sweep_row", lambda *a, **k: order.append("row") or row(*a, **k))
+    monkeypatch.setattr(serve, "profile_forward", lambda *a, **k: order.append("profile") or {"batch": a[1]})
+    serve.main()
+    assert order == ["row", "row", "profile"]
+
+
 def test_step_clock_parts_add_up_to_the_cycle():
     """StepClock (CPU: one wall clock): between two launched steps, draw + wake + to_launch + launch is the
     forward-end-to-forward-end cycle, each part is the interval it names (hand-timed sleeps), and a graph
