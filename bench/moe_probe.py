@@ -3,12 +3,13 @@
     python -m bench.moe_probe [--out bench/results/moe_probe.json]
 
 Streams exactly the bytes the gate/up kernel (kernels.moe.latent_moe_decode_triton) reads for the routed
-experts: the same grid (distinct expert x row block), the same addresses (`block_offsets` of blocked or
-whole-row storage), words and multipliers of the gate and up rows a 128-column step at a time through
-`tl.range` stages, XOR-folded into one value per program; and the same words read as flat ranges with
-plain loads. Against the same run's copy bandwidth: what the memory path can give this kernel's loads, so
-the decode kernel's own time separates into memory and compute (docs/kernels.md, history 25). Note: the
-same experts are re-read by every graph replay, so at T=1 their bytes can come from the L2.
+experts: the same grid (distinct expert x row block), the same addresses (`block_offsets` of the blocked
+storage; and of whole rows, history 25's control, which only the probe builds), words and multipliers of
+the gate and up rows a 128-column step at a time through `tl.range` stages, XOR-folded into one value per
+program; and the same words read as flat ranges with plain loads. Against the same run's copy bandwidth:
+what the memory path can give this kernel's loads, so the decode kernel's own time separates into memory
+and compute (docs/kernels.md, history 25). Note: the same experts are re-read by every graph replay, so at
+T=1 their bytes can come from the L2.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
+from k3core.quant.mxfp4_device import decode_multipliers, device_words
 from kernels._triton import tl, triton
-from kernels.moe import latent_moe_decode_triton
-from kernels.moe.mxfp4_tile_triton import block_offsets, block_words
+from kernels.moe.mxfp4_tile_triton import SHIFT, block_offsets, block_words, prepare
 from kernels.perf import harness, moe_cases
 
 
@@ -55,15 +57,29 @@ def flat_stream_kernel(ids, words, out, EXPERT_WORDS: tl.constexpr, BLOCK: tl.co
     tl.store(out + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(acc))
 
 
-def tile_stream(ids: torch.Tensor, experts: latent_moe_decode_triton.PreparedExperts, rows: int, warps: int,
-                stages: int) -> torch.Tensor:
+class GateUp(NamedTuple):
+    """Gate/up words [E, 2F, l / 8] and multiplier fields [E, 2F, l / 32] stored in blocks of `block_words`
+    words a row (`prepare`'s layout) or row by row (block_words = l / 8)."""
+
+    words: torch.Tensor
+    mults: torch.Tensor
+    block_words: int
+
+
+def storages(packed: torch.Tensor, scales: torch.Tensor) -> dict[str, GateUp]:
+    """The decoder's blocked storage (`prepare`) and the whole-row control of the same gate/up pack."""
+    words = packed.shape[-1] // 4
+    return {"blocked": GateUp(*prepare(packed, scales), block_words(words)),
+            "rows": GateUp(device_words(packed), decode_multipliers(scales, SHIFT), words)}
+
+
+def tile_stream(ids: torch.Tensor, gate_up: GateUp, rows: int, warps: int, stages: int) -> torch.Tensor:
     """[len(ids), F / rows] int32 folds of tile_stream_kernel over the gate/up words of experts `ids`."""
-    E, two_f, words = experts.gate_up_words.shape
+    E, two_f, words = gate_up.words.shape
     F, L = two_f // 2, words * 8
     out = torch.empty(ids.numel(), F // rows, dtype=torch.int32, device=ids.device)
-    tile_stream_kernel[(ids.numel(), F // rows)](
-        ids, experts.gate_up_words, experts.gate_up_mults, out, F, L=L, BR=rows, G=4,
-        CW=block_words(words) if experts.blocked else words, STAGES=stages, num_warps=warps)
+    tile_stream_kernel[(ids.numel(), F // rows)](ids, gate_up.words, gate_up.mults, out, F, L=L, BR=rows, G=4,
+                                                 CW=gate_up.block_words, STAGES=stages, num_warps=warps)
     return out
 
 
@@ -75,21 +91,20 @@ def flat_stream(ids: torch.Tensor, words: torch.Tensor, block: int, steps: int, 
     return out
 
 
-def probes(ids: torch.Tensor, experts: dict) -> dict[str, tuple[Callable[[], object], float]]:
-    """label -> (call, bytes it reads) for the distinct experts `ids`."""
-    E, two_f, words = experts[True].gate_up_words.shape
+def probes(ids: torch.Tensor, gate_ups: dict[str, GateUp]) -> dict[str, tuple[Callable[[], object], float]]:
+    """label -> (call, bytes it reads) for the distinct experts `ids` (`gate_ups`: `storages`)."""
+    E, two_f, words = gate_ups["blocked"].words.shape
     n = ids.numel()
     tile_bytes = n * two_f * words * 17 // 4  # 4-byte words and their multipliers (one byte per 4 words)
     calls: dict[str, tuple[Callable[[], object], float]] = {}
-    for blocked in (True, False):
+    for storage, gate_up in gate_ups.items():
         for rows, warps in ((64, 2), (128, 4)):
-            for stages in (1, 2, 3, 5) if blocked and rows == 64 else (3,):
-                label = f"tile_stream {'blocked' if blocked else 'rows'} {rows}x128 w{warps} s{stages}"
-                calls[label] = (lambda b=blocked, r=rows, w=warps, s=stages: tile_stream(ids, experts[b], r, w, s),
-                                tile_bytes)
+            for stages in (1, 2, 3, 5) if storage == "blocked" and rows == 64 else (3,):
+                calls[f"tile_stream {storage} {rows}x128 w{warps} s{stages}"] = (
+                    lambda g=gate_up, r=rows, w=warps, s=stages: tile_stream(ids, g, r, w, s), tile_bytes)
     for block, steps, warps in ((1024, 8, 4), (2048, 8, 8), (4096, 4, 8)):
         calls[f"flat_stream words {block}x{steps} w{warps}"] = (
-            lambda b=block, s=steps, w=warps: flat_stream(ids, experts[True].gate_up_words, b, s, w),
+            lambda b=block, s=steps, w=warps: flat_stream(ids, gate_ups["blocked"].words, b, s, w),
             n * two_f * words * 4)
     return calls
 
@@ -100,14 +115,13 @@ def main() -> None:
     args = parser.parse_args()
     E, K = moe_cases.E, moe_cases.TOP_K
     copy_bps = harness.copy_bandwidth()
-    packs = moe_cases._experts()
-    experts = {b: latent_moe_decode_triton.prepare_experts(*packs, blocked=b) for b in (True, False)}
+    gate_ups = storages(*moe_cases._experts()[:2])
     rows = []
     print(f"copy {copy_bps / 1e12:.3f} TB/s; {torch.cuda.get_device_name()}")
     for T in (1, 16):
         routed = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
         ids = routed.unique().int().contiguous()
-        for label, (call, nbytes) in probes(ids, experts).items():
+        for label, (call, nbytes) in probes(ids, gate_ups).items():
             ms, how = harness.time_ms(call)
             frac = nbytes / (ms * 1e-3) / copy_bps
             print(f"T={T:<3} experts={ids.numel():<4} {label:<40} {ms * 1e3:7.1f} us {100 * frac:6.1f} % of copy")

@@ -135,22 +135,19 @@ if triton is not None:
 class PreparedExperts(NamedTuple):
     """MXFP4 experts in the decoder's layout (kernels.moe.mxfp4_tile_triton.prepare): int32 words and uint8
     multiplier fields of W_gate;W_up [E, 2F, l / 8], [E, 2F, l / 32] and of W_down [E, l, F / 8], [E, l, F / 32]
-    (logical shapes), stored in 32-row blocks where `blocked`, else row by row."""
+    (logical shapes), stored in 32-row blocks."""
 
     gate_up_words: torch.Tensor
     gate_up_mults: torch.Tensor
     down_words: torch.Tensor
     down_mults: torch.Tensor
-    blocked: bool = True
 
 
 def prepare_experts(gate_up_packed: torch.Tensor, gate_up_scales: torch.Tensor, down_packed: torch.Tensor,
-                    down_scales: torch.Tensor, blocked: bool = True) -> PreparedExperts:
-    """Canonical packs -> PreparedExperts, once per weight load (the same number of bytes). `blocked=False`
-    keeps rows whole (the layout before blocks; kept to measure against)."""
+                    down_scales: torch.Tensor) -> PreparedExperts:
+    """Canonical packs -> PreparedExperts, once per weight load (the same number of bytes)."""
     require(gate_up_packed.dtype == torch.uint8 and down_packed.dtype == torch.uint8, "packed weights are uint8")
-    return PreparedExperts(*prepare(gate_up_packed, gate_up_scales, blocked),
-                           *prepare(down_packed, down_scales, blocked), blocked)
+    return PreparedExperts(*prepare(gate_up_packed, gate_up_scales), *prepare(down_packed, down_scales))
 
 
 def _parts(dtype: torch.dtype) -> int:
@@ -196,7 +193,7 @@ def latent_moe_decode_prepared(
     precision: 1 for bf16, 2 for fp16, 3 for float32).
     """
     T, L = x.shape
-    gu_words, gu_mults, d_words, d_mults, blocked = experts
+    gu_words, gu_mults, d_words, d_mults = experts
     E, two_f, l_words = gu_words.shape
     F = two_f // 2
     K = expert_ids.shape[1]
@@ -224,13 +221,13 @@ def latent_moe_decode_prepared(
     h = torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device)
     _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
         x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, T, K, F, beta1, beta2, L=L,
-        X_PARTS=_parts(x.dtype), BR=gu_tile.rows, G=gu_groups, CW=block_words(L // 8) if blocked else L // 8,
+        X_PARTS=_parts(x.dtype), BR=gu_tile.rows, G=gu_groups, CW=block_words(L // 8),
         STAGES=gu_tile.stages, **common, **gu_tile.launch_options(),
     )
     partial = torch.empty(d_tile.splits, T * K, L, dtype=torch.float32, device=x.device)
     _down_kernel[(T * K, triton.cdiv(L, d_tile.rows), d_tile.splits)](
         h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial, T, K, L, F=F,
-        BR=d_tile.rows, G=d_groups, SPLITS=d_tile.splits, CW=block_words(F // 8) if blocked else F // 8,
+        BR=d_tile.rows, G=d_groups, SPLITS=d_tile.splits, CW=block_words(F // 8),
         STAGES=d_tile.stages, **common, **d_tile.launch_options(),
     )
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)

@@ -43,18 +43,15 @@ def _blocked(t: torch.Tensor, cols: int) -> torch.Tensor:
     return b.contiguous().reshape(t.shape)
 
 
-def prepare(packed: torch.Tensor, scales: torch.Tensor, blocked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Canonical MXFP4 (packed uint8 [..., R, K // 2], e8m0 scales [..., R, K // 32]) -> what `mxfp4_tile`
     reads, once per weight load (the same bytes): int32 words [..., R, K // 8] in the device layout and uint8
-    multiplier fields [..., R, K // 32]. `blocked`: both stored in blocks of BLOCK_ROWS rows x
-    `block_words(K // 8)` words (and their multipliers), so that a tile step reads whole contiguous blocks
-    (2 KB) instead of 64-byte pieces of 32-128 rows 1 KB apart; else row by row (measured: docs/kernels.md,
-    history 25)."""
-    words, mults = device_words(packed), decode_multipliers(scales, SHIFT)
-    if not blocked:
-        return words, mults
+    multiplier fields [..., R, K // 32], both stored in blocks of BLOCK_ROWS rows x `block_words(K // 8)`
+    words (and their multipliers), so that a tile step reads whole contiguous blocks (2 KB) instead of
+    64-byte pieces of 32-128 rows 1 KB apart (measured against whole rows: docs/kernels.md, history 25)."""
     if packed.shape[-2] % BLOCK_ROWS:
         raise ValueError(f"blocked MXFP4 needs a multiple of {BLOCK_ROWS} rows, got {packed.shape[-2]}")
+    words, mults = device_words(packed), decode_multipliers(scales, SHIFT)
     cw = block_words(words.shape[-1])
     return _blocked(words, cw), _blocked(mults, cw // 4)
 
@@ -153,7 +150,7 @@ if triton is not None:
     def mxfp4_tile(words, mults, rows, row_ok, g0, WORDS: tl.constexpr, G: tl.constexpr, CW: tl.constexpr,
                    USE_ASM: tl.constexpr):
         """bf16 [len(rows), 32 G] tile of weights x 2^-SHIFT, columns 32 g0 .. 32 (g0 + G), from `prepare`'s
-        words (rows of WORDS in blocks of CW words, CW = WORDS: row by row) and multiplier fields (one byte
+        words (rows of WORDS in blocks of CW = `block_words(WORDS)` words) and multiplier fields (one byte
         per 4 words), in the column order of `lane_group_columns` (activations go through it)."""
         R: tl.constexpr = rows.shape[0]
         w = tl.load(words + block_offsets(rows, g0 * 4 + tl.arange(0, 4 * G), WORDS, CW), mask=row_ok[:, None],

@@ -23,24 +23,22 @@ E, L, F, TOP_K = 256, 2048, 1024, 16
 
 
 class Variant(NamedTuple):
-    """One timed configuration: the two kernels' tiles (None: the launcher's default_tiles for the batch), the
-    experts' storage (32-row blocks or whole rows,
-    `prepare_experts`) and the batches it is timed at (empty: all)."""
+    """One timed configuration: the two kernels' tiles (None: the launcher's default_tiles for the batch) and
+    the batches it is timed at (empty: all)."""
 
     gate_up: Tile | None
     down: Tile | None
-    blocked: bool = True
     batches: tuple[int, ...] = ()
 
     def label(self) -> str:
         gate_up, down = (t.label() if t else "default" for t in (self.gate_up, self.down))
-        return f"ours(gu={gate_up},down={down}{'' if self.blocked else ',rows'})"
+        return f"ours(gu={gate_up},down={down})"
 
     def runs_at(self, T: int) -> bool:
         return not self.batches or T in self.batches
 
 
-# (gate/up tile, down tile) pairs on blocked experts: default_tiles' two choices and the session-5 default
+# (gate/up tile, down tile) pairs: default_tiles' two choices and the session-5 default
 # (three stages, the down reduction split in two at T = 1). Each row of the sweep times both kernels, so every
 # gate/up tile and every down tile is measured on its own (kernels_ms). Slower and no longer swept: register
 # caps with 4-warp tiles (history 19); 1-warp tiles, 64x64 gate/up, 4 and 8 warps (history 23); one stage,
@@ -52,8 +50,8 @@ SWEEP = ((Tile(64, 128, 2, 2), Tile(128, 128, 2, 2)), (Tile(64, 128, 2, 3, 168),
          (Tile(64, 128, 2), Tile(128, 128, 2, splits=2)), (Tile(64, 128, 4, 2), Tile(128, 128, 4, 2)),
          (Tile(32, 128, 2, 2), Tile(64, 128, 2, 2)))
 VARIANTS = (Variant(None, None),)
-# The launcher's defaults, the sweep's pairs and the session-5 storage (whole rows) with the same defaults.
-SWEEP_VARIANTS = (*VARIANTS, *(Variant(*pair) for pair in SWEEP), Variant(None, None, blocked=False))
+# The launcher's defaults and the sweep's pairs (whole-row storage, history 25's control, left the product).
+SWEEP_VARIANTS = (*VARIANTS, *(Variant(*pair) for pair in SWEEP))
 MAX_REL_ERR = 1e-2  # a variant further than this from the float32 oracle is wrong, whatever its time
 
 
@@ -114,7 +112,7 @@ def _torch_peer(x, ids, weights, packs):
 
 
 def precompile(batches: tuple[int, ...], tiles: tuple[Variant, ...],
-               experts: dict[bool, latent_moe_decode_triton.PreparedExperts]) -> None:
+               experts: latent_moe_decode_triton.PreparedExperts) -> None:
     """Build every (batch, tile pair) specialization in parallel processes before timing: one process
     compiling them one by one would spend most of a short device session in ptxas. The kernels land in
     Triton's on-disk cache, where the timed launches find them."""
@@ -128,7 +126,7 @@ def precompile(batches: tuple[int, ...], tiles: tuple[Variant, ...],
             ids = torch.zeros(T, TOP_K, device="cuda", dtype=torch.int32)
             for v in tiles:
                 if v.runs_at(T):
-                    latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, ids.float(), experts[v.blocked],
+                    latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, ids.float(), experts,
                                                                         gate_up_tile=v.gate_up, down_tile=v.down)
     compile_specs(recorder.unique(), workers=max(1, (os.cpu_count() or 2) - 2))
 
@@ -147,8 +145,7 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
     rows: list[Row] = []
     tiles = tiles or variants()
     packs = _experts()
-    # once, as at weight load (each storage a variant asks for)
-    experts = {b: latent_moe_decode_triton.prepare_experts(*packs, blocked=b) for b in {v.blocked for v in tiles}}
+    experts = latent_moe_decode_triton.prepare_experts(*packs)  # once, as at weight load
     if len(tiles) > 1:
         try:
             precompile(batches, tiles, experts)
@@ -163,7 +160,7 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
         ref = naive.latent_moe_decode(xs[0].float(), sets[0], ws[0], *packs)  # float32 h and output: the oracle
         shape = f"T={T},E={E},k={TOP_K},l={L},F={F},mxfp4,sets={len(sets)}"
         for v in (v for v in tiles if v.runs_at(T)):
-            calls = [partial(latent_moe_decode_triton.latent_moe_decode_prepared, x, ids, w, experts[v.blocked],
+            calls = [partial(latent_moe_decode_triton.latent_moe_decode_prepared, x, ids, w, experts,
                              gate_up_tile=v.gate_up, down_tile=v.down) for x, ids, w in zip(xs, sets, ws, strict=True)]
             try:
                 err = rel_err(calls[0](), ref)
@@ -184,15 +181,15 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
 
 
 def parse_tiles(text: str) -> tuple[Variant, ...]:
-    """"rows,cols,warps,stages[,regs[,splits]]/...[/rows][/T...];..." -> Variants (regs 0: no cap; "rows":
-    experts stored row by row; "T1,4": timed at those batches only)."""
+    """"rows,cols,warps,stages[,regs[,splits]]/...[/T...];..." -> Variants (regs 0: no cap; "T1,4": timed at
+    those batches only)."""
     def tile(spec: str) -> Tile:
         return Tile(*(int(v) for v in spec.split(",")))
 
     def variant(spec: str) -> Variant:
         parts = spec.split("/")
         batches = next((tuple(int(t) for t in p[1:].split(",")) for p in parts[2:] if p.startswith("T")), ())
-        return Variant(tile(parts[0]), tile(parts[1]), blocked="rows" not in parts[2:], batches=batches)
+        return Variant(tile(parts[0]), tile(parts[1]), batches=batches)
     return tuple(variant(spec) for spec in text.split(";"))
 
 

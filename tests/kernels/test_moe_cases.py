@@ -31,9 +31,9 @@ def test_l2_fair_routings_share_no_expert_with_the_call_before(T):
 
 
 def test_tile_pairs_parse_from_the_command_line():
-    assert parse_tiles("128,64,4,4,168/64,128,4,3;32,32,2,1/16,32,1,2,0,2/rows;16,128,2,2/32,128,2,2/T1,2") == (
+    assert parse_tiles("128,64,4,4,168/64,128,4,3;32,32,2,1/16,32,1,2,0,2;16,128,2,2/32,128,2,2/T1,2") == (
         Variant(Tile(128, 64, 4, 4, 168), Tile(64, 128, 4, 3)),
-        Variant(Tile(32, 32, 2, 1), Tile(16, 32, 1, 2, 0, 2), blocked=False),
+        Variant(Tile(32, 32, 2, 1), Tile(16, 32, 1, 2, 0, 2)),
         Variant(Tile(16, 128, 2, 2), Tile(32, 128, 2, 2), batches=(1, 2)))
     assert Variant(None, None, batches=(1,)).runs_at(1) and not Variant(None, None, batches=(1,)).runs_at(4)
     assert Variant(None, None).runs_at(4)

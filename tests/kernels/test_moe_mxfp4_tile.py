@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from k3core.quant.mxfp4 import dequantize
+from k3core.quant.mxfp4_device import decode_multipliers, device_words
 from kernels._triton import tl, triton
 from kernels.moe.mxfp4_tile_triton import SHIFT, block_words, mxfp4_tile, prepare
 
@@ -20,13 +21,12 @@ def tile_kernel(words, mults, out, R: tl.constexpr, WORDS: tl.constexpr, CW: tl.
     tl.store(out + rows[:, None] * (8 * WORDS) + tl.arange(0, 8 * WORDS)[None, :], t.to(tl.float32))
 
 
-def _decode(packed: torch.Tensor, scales: torch.Tensor, blocked: bool = True) -> torch.Tensor:
-    """Whole matrix through `prepare` (32-row blocks or whole rows) and `mxfp4_tile`, positions in the tile's
-    order, times 2^SHIFT, as float64."""
+def _decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Whole matrix through `prepare` (32-row blocks) and `mxfp4_tile`, positions in the tile's order, times
+    2^SHIFT, as float64."""
     out = torch.empty(packed.shape[0], packed.shape[1] * 2)
     words = packed.shape[1] // 4
-    tile_kernel[(1,)](*prepare(packed, scales, blocked), out, R=packed.shape[0], WORDS=words,
-                      CW=block_words(words) if blocked else words)
+    tile_kernel[(1,)](*prepare(packed, scales), out, R=packed.shape[0], WORDS=words, CW=block_words(words))
     return out.double() * 2.0**SHIFT
 
 
@@ -46,16 +46,15 @@ def _all_codes(gen: torch.Generator) -> torch.Tensor:
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
 
 
-@pytest.mark.parametrize("blocked", [True, False])
-def test_tile_equals_dequantize_for_every_code_across_the_exact_scale_range(interpreted, blocked):
+def test_tile_equals_dequantize_for_every_code_across_the_exact_scale_range(interpreted):
     """Bit-exact for all 16 codes (the e2m1 subnormal 0.5 and -0 included) at scales 2^-93 .. 2^33, from
-    blocked storage (2 x 2 blocks) and from whole rows."""
+    blocked storage (2 x 2 blocks)."""
     gen = torch.Generator().manual_seed(0)
     packed = _all_codes(gen)
     scales = torch.randint(34, 161, (ROWS, GROUPS), generator=gen, dtype=torch.uint8)
     scales[0] = torch.tensor([34, 127, 160, 100, 34, 160, 127, 99], dtype=torch.uint8)  # the exact range's ends
     expected = dequantize(packed, scales, torch.float64)[:, _tile_order(32 * GROUPS)]
-    got = _decode(packed, scales, blocked)
+    got = _decode(packed, scales)
     assert torch.equal(got, expected)
     assert torch.equal(torch.signbit(got), torch.signbit(expected))  # -0 stays -0
 
@@ -88,13 +87,16 @@ def test_a_lane_holds_one_group_per_four_words():
 
 
 def test_blocked_storage_is_a_permutation_of_the_row_layout():
-    """Same bytes: each 32-row x 16-word block (2 KB) is contiguous, blocks of a row band in column order."""
+    """Same bytes as the row-by-row device layout: each 32-row x 16-word block (2 KB) and its 32 x 4
+    multipliers are contiguous, the blocks of a 32-row band in column order, the bands in row order."""
     packed = torch.randint(0, 256, (64, 128), dtype=torch.uint8)  # 64 rows x 32 words
     scales = torch.randint(100, 140, (64, 8), dtype=torch.uint8)
-    rows_w, rows_m = prepare(packed, scales, blocked=False)
+    rows_w, rows_m = device_words(packed), decode_multipliers(scales, SHIFT)
     words, mults = prepare(packed, scales)
-    assert torch.equal(words.flatten()[:512].view(32, 16), rows_w[:32, :16])  # block (0, 0)
-    assert torch.equal(words.flatten()[512:1024].view(32, 16), rows_w[:32, 16:])  # block (0, 1)
-    assert torch.equal(words.flatten()[1024:1536].view(32, 16), rows_w[32:, :16])  # block (1, 0)
-    assert torch.equal(mults.flatten()[128:256].view(32, 4), rows_m[:32, 4:])  # multipliers alike
-    assert sorted(words.flatten().tolist()) == sorted(rows_w.flatten().tolist())
+    assert words.shape == rows_w.shape and mults.shape == rows_m.shape
+    for block in range(4):
+        band, col = divmod(block, 2)
+        assert torch.equal(words.flatten()[512 * block:512 * (block + 1)].view(32, 16),
+                           rows_w[32 * band:32 * (band + 1), 16 * col:16 * (col + 1)])
+        assert torch.equal(mults.flatten()[128 * block:128 * (block + 1)].view(32, 4),
+                           rows_m[32 * band:32 * (band + 1), 4 * col:4 * (col + 1)])

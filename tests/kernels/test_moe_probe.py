@@ -5,17 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from bench.moe_probe import flat_stream, probes, tile_stream
+from bench.moe_probe import flat_stream, probes, storages, tile_stream
 from k3core.quant.mxfp4 import quantize
-from kernels.moe.latent_moe_decode_triton import prepare_experts
 
 E, L, F, ROWS = 4, 256, 64, 32
-
-
-def _experts(blocked: bool):
-    gen = torch.Generator().manual_seed(3)
-    return prepare_experts(*quantize(torch.randn(E, 2 * F, L, generator=gen)),
-                           *quantize(torch.randn(E, L, F, generator=gen)), blocked=blocked)
+GATE_UPS = storages(*quantize(torch.randn(E, 2 * F, L, generator=torch.Generator().manual_seed(3))))
 
 
 def _xor(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -28,8 +22,7 @@ def _xor(t: torch.Tensor, dim: int) -> torch.Tensor:
 def _expected_tile_folds(ids: torch.Tensor) -> torch.Tensor:
     """The kernel's fold from the whole-row tensors: per (expert, row block) the XOR over 128-column steps
     of gate ^ up words ([ROWS, 16] per step), summed, plus the same for the multipliers ([ROWS, 4])."""
-    rows = _experts(False)
-    words, mults = rows.gate_up_words.long(), rows.gate_up_mults.long()
+    words, mults = GATE_UPS["rows"].words.long(), GATE_UPS["rows"].mults.long()
     out = torch.empty(ids.numel(), F // ROWS, dtype=torch.int64)
     for i, e in enumerate(ids.tolist()):
         for j in range(F // ROWS):
@@ -44,22 +37,21 @@ def _expected_tile_folds(ids: torch.Tensor) -> torch.Tensor:
 def test_tile_stream_reads_the_gate_up_bytes_of_the_asked_experts(interpreted):
     ids = torch.tensor([3, 1], dtype=torch.int32)
     expected = _expected_tile_folds(ids)
-    for blocked in (True, False):
-        got = tile_stream(ids, _experts(blocked), ROWS, 1, 2)
-        assert torch.equal(got.long(), expected), blocked
+    for storage, gate_up in GATE_UPS.items():
+        got = tile_stream(ids, gate_up, ROWS, 1, 2)
+        assert torch.equal(got.long(), expected), storage
 
 
 def test_flat_stream_folds_each_range_of_the_asked_experts(interpreted):
     ids = torch.tensor([2, 0], dtype=torch.int32)
-    words = _experts(True).gate_up_words
+    words = GATE_UPS["blocked"].words
     got = flat_stream(ids, words, 64, 4, 1)  # [2, 2F L / 8 / 256]
     flat = words.reshape(E, -1, 4, 64)[ids.long()]  # [2, ranges, steps, block]
     assert torch.equal(got, _xor(flat, 2).sum(-1, dtype=torch.int64).add(2**31).remainder(2**32).sub(2**31).int())
 
 
 def test_probe_bytes_are_the_gate_up_words_and_multipliers():
-    experts = {b: _experts(b) for b in (True, False)}
-    calls = probes(torch.tensor([0, 1, 2], dtype=torch.int32), experts)
+    calls = probes(torch.tensor([0, 1, 2], dtype=torch.int32), GATE_UPS)
     per_expert = 2 * F * L // 2 + 2 * F * L // 32
     assert calls["tile_stream blocked 64x128 w2 s3"][1] == 3 * per_expert
     assert calls["flat_stream words 1024x8 w4"][1] == 3 * 2 * F * L // 2
