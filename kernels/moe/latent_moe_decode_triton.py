@@ -209,7 +209,7 @@ def latent_moe_decode_prepared(
             f"token_block must be a power of two >= 16, got {token_block}")
     hp = h_parts or _parts(x.dtype)
     require(1 <= hp <= 3, f"h_parts must be 1, 2 or 3, got {h_parts}")
-    default_gu, default_down = default_tiles(T * K, F, sm_count(x.device, cpu=132))
+    default_gu, default_down = default_tiles(T * K, sm_count(x.device, cpu=132))
     gu_tile, d_tile = gate_up_tile or default_gu, down_tile or default_down
     require(gu_tile.splits == 1, f"gate/up tiles cannot split the reduction (SiTU-GLU needs whole sums), got "
             f"splits={gu_tile.splits}")

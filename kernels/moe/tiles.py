@@ -50,15 +50,15 @@ class Tile:
         return opts
 
 
-def default_tiles(pairs: int, width: int, sms: int) -> tuple[Tile, Tile]:
-    """(gate/up, down) tiles for `pairs` (token, expert) pairs (T x k) of experts `width` (F) wide on `sms`
-    SMs. 2-warp programs, 64 x 128 gate/up and 128 x 128 down (history 23). Measured on the H200 as whole
-    calls in one run (history 25, blocked experts): with fewer pairs than SMs (T = 1, 4 at k = 16) two
-    stages (one step in flight) 40.5 / 106.2 us against 42.1 / 109.7 with three (and the session-5 down
-    split at T = 1); from as many pairs as SMs (T = 16) three stages and registers capped at 168 (6
-    programs per SM instead of 4) 263.3 us against 293.5 (T = 4: 125.0, slower). 16-row tiles and a
-    CUDA-core path (since removed) were slower at T = 1 / 2 / 4 (history 27)."""
-    del width  # the measured choice depends on how many programs there are per SM, not on F itself
+def default_tiles(pairs: int, sms: int) -> tuple[Tile, Tile]:
+    """(gate/up, down) tiles for `pairs` (token, expert) pairs (T x k) on `sms` SMs (the choice depends on
+    how many programs there are per SM, not on the experts' width). 2-warp programs, 64 x 128 gate/up and
+    128 x 128 down (history 23). Measured on the H200 as whole calls in one run (history 25, blocked
+    experts): with fewer pairs than SMs (T = 1, 4 at k = 16) two stages (one step in flight) 40.5 / 106.2 us
+    against 42.1 / 109.7 with three (and the session-5 down split at T = 1); from as many pairs as SMs
+    (T = 16) three stages and registers capped at 168 (6 programs per SM instead of 4) 263.3 us against
+    293.5 (T = 4: 125.0, slower). 16-row tiles and a CUDA-core path (since removed) were slower at
+    T = 1 / 2 / 4 (history 27)."""
     if pairs < sms:
         return Tile(64, 128, 2, 2), Tile(128, 128, 2, 2)
     return Tile(64, 128, 2, 3, 168), Tile(128, 128, 2, 3, 168)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 from functools import partial
@@ -133,8 +134,8 @@ def precompile(batches: tuple[int, ...], tiles: tuple[Variant, ...],
 
 def _cycling(calls: list):
     """One call that runs `calls` in turn, a different one each time (graph capture records them in turn)."""
-    turn = iter(range(1 << 62))
-    return lambda: calls[next(turn) % len(calls)]()
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
 
 
 def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] | None = None, peer: bool = True,

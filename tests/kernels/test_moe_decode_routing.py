@@ -98,7 +98,7 @@ def test_tile_columns_are_capped_at_the_reduction_width():
 def test_default_tiles_follow_the_measured_choice(pairs, stages, cap):
     """2-warp tiles; two stages while there are fewer (token, expert) pairs than SMs, else three stages and
     168 registers (history 25 of docs/kernels.md)."""
-    gate_up, down = default_tiles(pairs, 1024, 132)
+    gate_up, down = default_tiles(pairs, 132)
     assert gate_up == Tile(64, 128, 2, stages, cap) and down == Tile(128, 128, 2, stages, cap)
     assert gate_up.groups(2048) >= 1 and down.groups(1024) >= 1
 
