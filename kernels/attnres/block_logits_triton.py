@@ -16,8 +16,6 @@ by that program) adds the chunks' partials in a fixed order, so the result does 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kernels._triton import next_pow2, require, sm_count, tl, triton
@@ -56,10 +54,7 @@ if triton is not None:
     def _block_logits_kernel(queries, norm_w, parts, block, out, part_dots, part_sq, counters, S, M, D, CHUNK,
                              stride_p, stride_os, eps, CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr,
                              PARTS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
-                             BD: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # a kernel launched with programmatic dependent launch after this one may start now
-            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+                             BD: tl.constexpr):
         m0 = tl.program_id(0).to(tl.int64) * BM
         s0 = tl.program_id(1).to(tl.int64) * BS
         c = tl.program_id(2)
@@ -104,16 +99,14 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
 def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weights: torch.Tensor | None = None,
                          eps: float = 1e-6, out: torch.Tensor | None = None, rows: int | None = None,
                          sites: int | None = None, block_d: int = 64, chunks: int | None = None,
-                         num_warps: int = 4, parts: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                         num_warps: int = 4, parts: torch.Tensor | None = None) -> torch.Tensor:
     """queries [S, D] (and key-norm weights [S, D]) of later sites, one block [..., D] -> logits [S, ...]
     float32 = k3core.ops.attnres.attnres_logits(queries, block[None], norm_weights)[:, 0].
     `out`: where to write them ([S, ...] float32 with dense rows, e.g. one block's column of a logit cache).
     `parts`: `query_parts.query_parts(queries, norm_weights)` (or its [:, first:] slice for queries[first:]),
     cut once ahead (used for bf16 blocks).
     Tuning: `rows` / `sites` per program (None: 64 / up to 64 at prefill-sized M, 16 rows at decode),
-    `block_d` the D step, `chunks` the D chunks (None: about two programs per SM).
-    `pdl`: let a kernel launched after it with programmatic dependent launch (`attnres_inter(..., pdl=True)`)
-    start at once (off under the interpreter)."""
+    `block_d` the D step, `chunks` the D chunks (None: about two programs per SM)."""
     S, D = queries.shape[0], block.shape[-1]
     require(queries.dim() == 2 and queries.shape[1] == D, f"queries must be [S, {D}], got {tuple(queries.shape)}")
     require(norm_weights is None or norm_weights.shape == queries.shape, f"norm_weights must be [{S}, {D}]")
@@ -151,7 +144,6 @@ def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weight
         q, norm_weights.contiguous() if norm_weights is not None else q, parts if use_parts else q, flat, flat_out,
         part_dots, part_sq, counters, S, M, D, chunk, parts.stride(0) if use_parts else 0, flat_out.stride(0), eps,
         CHUNKS=n_chunks, HAS_NORM_W=norm_weights is not None, PARTS=parts.shape[0] if use_parts else 0,
-        SPLIT=split, BM=BM, BS=BS, BD=BD, PDL=pdl and os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=num_warps,
+        SPLIT=split, BM=BM, BS=BS, BD=BD, num_warps=num_warps,
     )
     return out

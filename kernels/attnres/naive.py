@@ -27,10 +27,9 @@ def attnres_merge_norm(
 def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None,
                   eps: float = 1e-6, block_d: int = 64, score_rows: int | None = None, num_warps: int = 4,
                   chunks: tuple[int, int] | None = None, apply_rows: int = 2, apply_block_d: int = 128,
-                  fused: bool = False, stream_stores: bool = True, logits: torch.Tensor | None = None,
-                  pdl: bool = False) -> OnlineSoftmax:
-    """Reference of kernels.attnres.inter_triton.attnres_inter (tuning and launch arguments ignored)."""
-    del block_d, score_rows, num_warps, chunks, apply_rows, apply_block_d, fused, stream_stores, pdl
+                  fused: bool = False, stream_stores: bool = True, logits: torch.Tensor | None = None) -> OnlineSoftmax:
+    """Reference of kernels.attnres.inter_triton.attnres_inter (tuning arguments ignored)."""
+    del block_d, score_rows, num_warps, chunks, apply_rows, apply_block_d, fused, stream_stores
     if logits is not None:
         return attnres_inter_from_logits(logits, blocks)
     return _inter(queries, blocks, norm_weights, eps)
@@ -39,9 +38,9 @@ def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: tor
 def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weights: torch.Tensor | None = None,
                          eps: float = 1e-6, out: torch.Tensor | None = None, rows: int | None = None,
                          sites: int | None = None, block_d: int = 64, chunks: int | None = None,
-                         num_warps: int = 4, parts: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """Reference of kernels.attnres.block_logits_triton.attnres_block_logits (tuning and launch arguments and
-    the precomputed query parts ignored)."""
-    del rows, sites, block_d, chunks, num_warps, parts, pdl
+                         num_warps: int = 4, parts: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of kernels.attnres.block_logits_triton.attnres_block_logits (tuning arguments and the
+    precomputed query parts ignored)."""
+    del rows, sites, block_d, chunks, num_warps, parts
     logits = attnres_logits(queries, block.unsqueeze(0), norm_weights, eps)[:, 0]
     return logits if out is None else out.copy_(logits)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # AttnRes phase 1 on the lent H200 in one device run (`run` with carry [".device"]; writes under $OUT):
-#  W  in parallel: the GPU tests of the AttnRes phase-1 kernels (block logits, apply; both with and without
-#     programmatic dependent launch), and the bench's sections run once untimed (each compiles its Triton
-#     kernels into the shared on-disk cache: compiles, not timing, are most of a cold run);
-#  B  `bench.kernels --only attnres_phase1` alone on the GPU: copy bandwidth, the served form and PDL.
+#  W  in parallel: the GPU tests of the AttnRes phase-1 kernels (block logits, apply), and the bench's
+#     sections run once untimed (each compiles its Triton kernels into the shared on-disk cache: compiles,
+#     not timing, are most of a cold run);
+#  B  `bench.kernels --only attnres_phase1` alone on the GPU: copy bandwidth and the served form.
 # B runs only if every GPU test passed (no timing of wrong numbers).
 set -u
 mkdir -p "$OUT"

@@ -158,26 +158,6 @@ def test_unchunked_launch_asks_for_no_counters(monkeypatch, launch_grids):
     assert grids[1] == (2048, 2, 1) and asked[1] <= 1
 
 
-def test_pdl_launches_ask_for_it_on_the_device(interpreted):
-    """`pdl=True`: as launched on the device (recorded, not run), the logits kernel lets its dependents start
-    and the apply kernel is launched with programmatic dependent launch and waits inside; under the
-    interpreter, which has no grid dependencies, the launches are plain and the numbers those of float64."""
-    from kernels import compile_check
-
-    block, queries = torch.randn(5, 32).bfloat16(), torch.randn(4, 32)
-    cache = torch.empty(4, 2, 5)
-    with compile_check.record_launches() as recorder:
-        block_logits_triton.attnres_block_logits(queries, block, out=cache[:, 1], block_d=16, pdl=True)
-        inter_triton.attnres_inter(queries, torch.stack([block, block]), logits=cache, apply_block_d=16, pdl=True)
-    specs = {s.kernel.split(":")[1]: s for s in recorder.unique()}
-    assert specs["_apply_kernel"].options["launch_pdl"] and not specs["_block_logits_kernel"].options["launch_pdl"]
-    for name in ("_apply_kernel", "_block_logits_kernel"):
-        names = list(getattr(inter_triton if name == "_apply_kernel" else block_logits_triton, name).arg_names)
-        assert specs[name].constexprs[(names.index("PDL"),)] is True
-    got = block_logits_triton.attnres_block_logits(queries, block, out=cache[:, 1], block_d=16, pdl=True)
-    torch.testing.assert_close(got.double(), _float64_logits(queries, block, None), rtol=2e-6, atol=2e-5)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize(("rows", "dim"), [(64, 7168), (37, 200), (4100, 512)])
 def test_compiled_cached_phase_one_matches_float64_on_gpu(rows, dim):
@@ -194,17 +174,10 @@ def test_compiled_cached_phase_one_matches_float64_on_gpu(rows, dim):
     parts = query_parts(queries, norm_w)
     for n in range(n_blocks):
         block_logits_triton.attnres_block_logits(queries, blocks[n], norm_w, out=cache[:, n],
-                                                 parts=parts if n % 2 else None, pdl=n % 2 == 1)  # both forms
+                                                 parts=parts if n % 2 else None)  # both forms
         torch.testing.assert_close(cache[:, n].double(), _float64_logits(queries, blocks[n], norm_w),
                                    rtol=1e-5, atol=1e-5)
     got = inter_triton.attnres_inter(queries[:sites], blocks, norm_w[:sites], logits=cache[:sites])
     want = _float64_stats(queries[:sites], blocks, norm_w[:sites])
     for g, w64 in zip((got.max, got.denom, got.acc), want, strict=True):
         torch.testing.assert_close(g.double(), w64, rtol=1e-5, atol=5e-5 * w64.abs().max().item())
-    # programmatic dependent launch: the apply starts while the newest block's logits are written, and must
-    # wait for them (poisoned before: an apply that read early would see NaN)
-    cache[:, -1] = float("nan")
-    block_logits_triton.attnres_block_logits(queries, blocks[-1], norm_w, out=cache[:, -1], parts=parts, pdl=True)
-    early = inter_triton.attnres_inter(queries[:sites], blocks, norm_w[:sites], logits=cache[:sites], pdl=True)
-    for g, e in zip((got.max, got.denom, got.acc), (early.max, early.denom, early.acc), strict=True):
-        assert torch.equal(g, e)

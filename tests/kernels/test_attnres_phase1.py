@@ -1,7 +1,7 @@
 """The AttnRes phase-1 bench (`bench.kernels --only attnres_phase1`, kernels/perf/attnres_cases.py): the
 phase 1s it times as served and the bytes its bandwidth figures divide by, held to hand-derived values.
-The kernels themselves are tested in test_attnres_block_logits.py and test_attnres_inter.py (both forms,
-with and without programmatic dependent launch, on the GPU too).
+The kernels themselves are tested in test_attnres_block_logits.py and test_attnres_inter.py (on the GPU
+too).
 """
 
 from __future__ import annotations

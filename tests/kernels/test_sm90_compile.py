@@ -143,11 +143,6 @@ def attnres(tokens: int, cached: dict | None = None, logits: dict | None = None,
     for later in (SITES + 1, 4 * SITES + 1):
         block_logits_triton.attnres_block_logits(empty(later, HIDDEN), blocks[0], empty(later, HIDDEN), 1e-6,
                                                  **{"parts": empty(2, later, HIDDEN), **(logits or {})})
-    # the two launches with programmatic dependent launch (opt-in, not timed yet)
-    block_logits_triton.attnres_block_logits(empty(SITES + 1, HIDDEN), blocks[0], empty(SITES + 1, HIDDEN), 1e-6,
-                                             parts=empty(2, SITES + 1, HIDDEN), pdl=True)
-    inter_triton.attnres_inter(empty(SITES, HIDDEN), blocks, empty(SITES, HIDDEN), 1e-6,
-                               logits=empty(SITES, 3, tokens, dtype=F32), pdl=True)
     stats = (empty(tokens, dtype=F32), empty(tokens, dtype=F32), empty(tokens, HIDDEN, dtype=F32))
     for partial in (empty(tokens, HIDDEN), None):
         merge_norm_triton.attnres_merge_norm(*stats, empty(HIDDEN), partial, empty(HIDDEN), key_norm_weight=empty(HIDDEN),
