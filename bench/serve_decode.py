@@ -11,7 +11,6 @@ from bench.serve_rank import Rank, set_environ, sync
 from k3core.model import K3Model
 from kernels.perf import harness
 from services.engine import fast_ffn
-from services.engine.cuda_graphs import DecodeGraphs
 
 
 def step_bytes(model: K3Model, batch: int, context: int) -> int:
@@ -108,9 +107,8 @@ def apply_variant(rank: Rank, settings: dict[str, str], base: dict[str, str | No
     """The process environment as it started (`base`: the values of every variant's names) plus `settings`,
     and the rank's CUDA graphs rebuilt (captured again on first use) since their form is read at build."""
     set_environ({key: settings.get(key, value) for key, value in base.items()})
-    fast = rank.fast
-    if fast is not None and fast.graphs is not None:
-        fast.graphs = DecodeGraphs(fast.decoder.forward, fast.builder, fast.device, fast.max_batch)
+    if rank.fast is not None:
+        rank.fast.rebuild()
 
 
 def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps: int, bandwidth: float,

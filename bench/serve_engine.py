@@ -7,7 +7,9 @@ The engine needs the service runtime's packages (grpcio, protobuf, prometheus-cl
 loop and says so). The one departure from a served
 request: each row is fed a pseudo-random next token (`Rank.next_tokens`): the engine's draw runs on the
 device and is waited for as always, then its values are replaced (the argmax of random weights is one token
-for every row, which would route the whole batch to four experts).
+for every row, which would route the whole batch to four experts). With the decode look-ahead
+(K3_DECODE_LOOKAHEAD=1) a step reads its tokens on the device: there the draw's device rows are the same
+feed, uploaded before the run (`SampledTokens.device_rows`), so the device and the host see one token.
 """
 
 from __future__ import annotations
@@ -194,17 +196,33 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
     fed = [0]
     # every step's feed made ahead: on the device this runs between the tokens' arrival and the launch
     feeds = {(len(rids), k): rank.next_token_array(len(rids), k) for k in range(1, steps + 16)}
-    result, launch = sampler.SampledTokens.array, rank.fast.launch if rank.fast is not None else None
+    on_device = {key: torch.from_numpy(feed).to(rank.fast.device) for key, feed in feeds.items()} \
+        if rank.fast is not None and rank.fast.lookahead else {}
+    result, rows, launch = sampler.SampledTokens.array, sampler.SampledTokens.device_rows, \
+        rank.fast.launch if rank.fast is not None else None
     draw = decode_overlap.sample_rows_async
+
+    def feed_number(handle: sampler.SampledTokens) -> int:
+        """The feed of a draw: numbered in the order of the draws' first use (host or device)."""
+        if not hasattr(handle, "feed_number"):
+            fed[0] += 1
+            handle.feed_number = fed[0]  # type: ignore[attr-defined]
+        return handle.feed_number  # type: ignore[attr-defined]
 
     def fed_tokens(handle: sampler.SampledTokens) -> np.ndarray:
         waiting = time.perf_counter()
         drawn = result(handle)
         clock.waited(time.perf_counter() - waiting)
         clock.tokens_ready()
-        fed[0] += 1
-        feed = feeds.get((len(drawn), fed[0]))
-        return rank.next_token_array(len(drawn), fed[0]) if feed is None else feed
+        number = feed_number(handle)
+        feed = feeds.get((len(drawn), number))
+        return rank.next_token_array(len(drawn), number) if feed is None else feed
+
+    def fed_rows(handle: sampler.SampledTokens) -> torch.Tensor:
+        drawn = rows(handle)
+        number = feed_number(handle)
+        feed = on_device.get((len(drawn), number))
+        return torch.from_numpy(rank.next_token_array(len(drawn), number)).to(drawn.device) if feed is None else feed
 
     def timed_launch(*args) -> torch.Tensor:
         clock.launching()
@@ -218,6 +236,7 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
         return tokens
 
     sampler.SampledTokens.array = fed_tokens  # type: ignore[method-assign]
+    sampler.SampledTokens.device_rows = fed_rows  # type: ignore[method-assign]
     decode_overlap.sample_rows_async = timed_draw
     if rank.fast is not None:  # else the reference layers run (fwd stays NaN)
         rank.fast.launch = timed_launch  # type: ignore[method-assign]
@@ -237,6 +256,7 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
         print(f"  batch {len(rids)}: {pauses}", flush=True)
     finally:
         sampler.SampledTokens.array = result  # type: ignore[method-assign]
+        sampler.SampledTokens.device_rows = rows  # type: ignore[method-assign]
         decode_overlap.sample_rows_async = draw
         if rank.fast is not None:
             del rank.fast.launch

@@ -2,13 +2,16 @@
 batch-size bucket on CUDA, eagerly elsewhere (the CPU form runs the kernels' references through
 `kernels.dispatch`: the CI oracle that the fast path computes what the reference layers compute).
 
-It owns two scratch pages of the pool (taken once, never released) for the padding rows of a bucket.
+It owns two scratch pages of the pool (taken once, never released) for the padding rows of a bucket. With
+the decode look-ahead on (decode_lookahead.py) it also owns `drawn`, the last draw's tokens on the device,
+which a look-ahead step's forward reads its tokens from (`DecodeInputs.resolve_on_device`, in the graph).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -19,11 +22,16 @@ from k3core.cache.pool_views import PoolViews
 from k3core.cache.request import CachedRequest
 from k3core.model import K3Model
 from services.engine.cuda_graphs import DecodeGraphs
-from services.engine.decode_inputs import DecodeInputBuilder
+from services.engine.decode_inputs import DecodeInputBuilder, DecodeInputs
 from services.engine.fast_tensor_parallel import graph_capturable, rank_decoder
 
 ENV = "K3_DECODE_FASTPATH"  # "0": never; "1": also on CPU (eager); unset: on CUDA
+LOOKAHEAD_ENV = "K3_DECODE_LOOKAHEAD"  # "1": decode steps launched before the previous one's tokens are in
 GRAPHS_ENV = "K3_DECODE_CUDA_GRAPHS"  # "0": eager fast path on CUDA too; "1": graphs at TP > 1 (NCCL) too
+
+
+def lookahead_wanted() -> bool:
+    return os.environ.get(LOOKAHEAD_ENV, "0") == "1"
 
 
 def fastpath_wanted(device: torch.device, tp_size: int) -> bool:
@@ -37,7 +45,7 @@ def fastpath_wanted(device: torch.device, tp_size: int) -> bool:
 
 class DecodeFastPath:
     def __init__(self, model: K3Model, manager: PrefixCacheManager, *, max_model_len: int = 32768,
-                 max_batch: int = 256, graphs: bool | None = None) -> None:
+                 max_batch: int = 256, graphs: bool | None = None, lookahead: bool | None = None) -> None:
         if manager.store is None:
             raise ValueError("the decode fast path needs a manager with a page store")
         layout = manager.layout
@@ -47,12 +55,30 @@ class DecodeFastPath:
         scratch_mla = manager.pool.allocate(PageKind.MLA, 0)[0]
         self.builder = DecodeInputBuilder(layout, math.ceil(max_model_len / layout.tokens_per_block),
                                           scratch_kda, scratch_mla)
+        self.lookahead = lookahead_wanted() if lookahead is None else lookahead
+        self.drawn = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # the last draw, row order
+        self._forward = self._step_forward()
         setting = os.environ.get(GRAPHS_ENV, "")
         use_graphs = self.device.type == "cuda" and setting != "0" \
             and graph_capturable(model, opted_in=setting == "1") if graphs is None else graphs
-        self.graphs = DecodeGraphs(self.decoder.forward, self.builder, self.device, max_batch) if use_graphs \
+        self.graphs = DecodeGraphs(self._forward, self.builder, self.device, max_batch) if use_graphs \
             else None
         self.max_batch = max_batch
+
+    def _step_forward(self) -> Callable[[DecodeInputs], torch.Tensor]:
+        """The forward a step runs (and a graph captures): with the look-ahead, its tokens resolved first."""
+        if not self.lookahead:
+            return self.decoder.forward
+        kda, base = self.builder.scratch_kda, self.builder.scratch_base
+        return lambda inp: self.decoder.forward(inp.resolve_on_device(self.drawn, kda, base))
+
+    def rebuild(self) -> None:
+        """Read K3_DECODE_LOOKAHEAD again and drop the captured graphs (captured again on first use): the
+        benches' variants change the setting within one process."""
+        self.lookahead = lookahead_wanted()
+        self._forward = self._step_forward()
+        if self.graphs is not None:
+            self.graphs = DecodeGraphs(self._forward, self.builder, self.device, self.max_batch)
 
     def reload_weights(self) -> None:
         """After the model's weights were loaded in place: recompute every tensor derived from them, into the
@@ -87,4 +113,9 @@ class DecodeFastPath:
         """Run the prepared (and completed) image of `batch` rows: logits [batch, V] as `forward` returns."""
         if self.graphs is not None:
             return self.graphs.launch(batch)  # `image` is the bucket's staging buffer
-        return self.decoder.forward(self.builder.view(torch.from_numpy(image).to(self.device), batch))
+        return self._forward(self.builder.view(torch.from_numpy(image).to(self.device), batch))
+
+    def publish(self, tokens: torch.Tensor) -> None:
+        """A draw's per-row tokens (device) into `drawn`, queued behind it: the next launch may read them."""
+        if self.lookahead and len(tokens):
+            self.drawn[: len(tokens)].copy_(tokens, non_blocking=True)

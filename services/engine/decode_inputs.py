@@ -3,18 +3,26 @@
 Rows past the real batch (padding up to the CUDA-graph bucket) point at two scratch pages the fast path
 owns (a KDA page for the states, an MLA page for the latent row and its one-row attention), so the padded
 rows compute harmless garbage and never touch a request's pages.
+
+Two parts serve the decode look-ahead (decode_lookahead.py), where a step is launched before the previous
+step's tokens reach the host: `source` (a row's token is the previous draw's row `source`, -1: the image's
+token) and `stops` (a row's stop token ids and EOS, -1 padded): a row whose drawn token is one of them
+(its request stopped) runs as a padding row (`resolve_on_device`), so its state stays the one its last
+token left.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from k3core.cache.layout import PoolLayout
 from k3core.cache.request import CachedRequest
+
+STOP_WIDTH = 4  # stop ids (EOS included) a row may have in a look-ahead step
 
 
 @dataclass
@@ -27,11 +35,15 @@ class DecodeInputs:
     page_table: torch.Tensor  # [mla groups, B, max_pages]
     lengths: torch.Tensor  # [B]: tokens after this step (context + 1)
     row_base: torch.Tensor  # [mla groups, B]: row of layer slot 0 of the new token in PoolViews.mla_rows()
+    source: torch.Tensor  # [B]: the previous draw's row holding this row's token, -1: `tokens` holds it
+    stops: torch.Tensor  # [STOP_WIDTH, B]: token ids that end the row's request (-1: none)
 
     @staticmethod
     def shapes(size: int, kda_groups: int, mla_groups: int, max_pages: int) -> list[tuple[int, ...]]:
-        """The parts' shapes, in their order in the flat buffer (tokens, kda_slots, page_table, lengths, row_base)."""
-        return [(size,), (kda_groups, size), (mla_groups, size, max_pages), (size,), (mla_groups, size)]
+        """The parts' shapes, in their order in the flat buffer (tokens, kda_slots, page_table, lengths,
+        row_base, source, stops)."""
+        return [(size,), (kda_groups, size), (mla_groups, size, max_pages), (size,), (mla_groups, size), (size,),
+                (STOP_WIDTH, size)]
 
     @classmethod
     def view(cls, flat: torch.Tensor, size: int, kda_groups: int, mla_groups: int, max_pages: int) -> DecodeInputs:
@@ -42,7 +54,18 @@ class DecodeInputs:
 
     @staticmethod
     def numel(size: int, kda_groups: int, mla_groups: int, max_pages: int) -> int:
-        return size * (2 + kda_groups + mla_groups * (max_pages + 1))
+        return size * (3 + STOP_WIDTH + kda_groups + mla_groups * (max_pages + 1))
+
+    def resolve_on_device(self, drawn: torch.Tensor, scratch_kda: int, scratch_base: int) -> DecodeInputs:
+        """The inputs with each `source` row's token read from `drawn` (the previous step's draw, on the
+        device) and the rows whose token is one of their `stops` pointed at the scratch pages, as padding
+        rows are: their request stopped on that token, so this step must leave its state alone. New tensors
+        (the image is not written: on the CPU it may share the host buffer)."""
+        ahead = self.source >= 0
+        tokens = torch.where(ahead, drawn[self.source.clamp(min=0)], self.tokens)
+        stopped = ((self.stops == tokens[None]).any(0) & ahead)[None]
+        return replace(self, tokens=tokens, kda_slots=self.kda_slots.masked_fill(stopped, scratch_kda),
+                       row_base=self.row_base.masked_fill(stopped, scratch_base))
 
 
 class DecodeInputBuilder:
@@ -139,8 +162,10 @@ class DecodeInputBuilder:
         through `refresh` once it is reserved."""
         n, per_block = len(requests), self.layout.tokens_per_block
         out = np.empty(self.numel(size), dtype=np.int64) if out is None else out[: self.numel(size)]
-        tok, slots, table, lengths, base = self._host_parts(out, size)
+        tok, slots, table, lengths, base, source, stops = self._host_parts(out, size)
         tok[:] = 0
+        source[:] = -1
+        stops[:] = -1
         self._pad(slots, table, lengths, base, slice(n, None))
         if not n:
             return out
@@ -174,19 +199,21 @@ class DecodeInputBuilder:
         (which may be `src` itself), the rest padding: the batch a fresh `prepare` of those requests gives."""
         out = out[: self.numel(size)]
         picked = [part[..., rows] if part.ndim == 1 else part[:, rows] for part in self._host_parts(src, src_size)]
-        tok, slots, table, lengths, base = parts = self._host_parts(out, size)
+        tok, slots, table, lengths, base, source, stops = parts = self._host_parts(out, size)
         for part, values in zip(parts, picked, strict=True):
             if part.ndim == 1:
                 part[: len(rows)] = values
             else:
                 part[:, : len(rows)] = values
         tok[len(rows):] = 0
+        source[len(rows):] = -1
+        stops[:, len(rows):] = -1
         self._pad(slots, table, lengths, base, slice(len(rows), None))
         return out
 
     def refresh(self, out: np.ndarray, size: int, requests: list[CachedRequest], rows: list[int]) -> None:
         """Rewrite rows of a prepared image from their requests (a block reserved since `prepare`)."""
-        _, _, table, _, base = self._host_parts(out, size)
+        _, _, table, _, base, _, _ = self._host_parts(out, size)
         per_block = self.layout.tokens_per_block
         replaced: list[int] = []
         for req, i in zip(requests, rows, strict=True):
@@ -197,6 +224,15 @@ class DecodeInputBuilder:
             base[:, i] = (table[:, i, position // per_block] * per_block + position % per_block) \
                 * self.layout.layers_per_group
         self._free.extend(replaced)
+
+    def ahead_parts(self, out: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """An image's `source` [size] and `stops` [STOP_WIDTH, size] parts, as views."""
+        return self._host_parts(out, size)[5:]
+
+    @property
+    def scratch_base(self) -> int:
+        """`row_base` of a padding row."""
+        return self._scratch_base
 
     @staticmethod
     def token_slots(out: np.ndarray, rows: int) -> np.ndarray:

@@ -32,6 +32,9 @@ steps, a request is cancelled (its in-flight token may end it, as it would have 
 pool cannot give the new blocks without preempting, logprobs or forced tokens are asked for, the budget is
 smaller than the batch. Only at TP 1 (ranks > 0 would need the plan before the tokens) without a
 draft model, and only on the decode fast path. K3_DECODE_OVERLAP=0 turns it off.
+
+With the look-ahead on (K3_DECODE_LOOKAHEAD=1, decode_lookahead.py), an eligible step is launched before
+the in-flight step's tokens are in, its tokens and stop check on the device.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from services.engine.decode_lookahead import DecodeLookahead
 from services.engine.executor import StepResult
 from services.engine.plan import StepPlan
 from services.engine.request import EngineRequest, Phase
@@ -66,6 +70,12 @@ class InFlight:
     crossing: list[int]  # image rows whose next position starts a block not reserved yet
     always_check: np.ndarray  # [rows] bool: stop strings, or the token reaches max_tokens
     stop_ids: np.ndarray  # every row's stop token ids and the EOS: a row holding one is checked
+    rows: np.ndarray | None = None  # the row of `tokens` of each request (a look-ahead step's), None: in order
+
+    def token_array(self) -> np.ndarray:
+        """The requests' tokens, in order (waits for the device's draw)."""
+        tokens = self.tokens.array()
+        return tokens if self.rows is None else tokens[self.rows]
 
 
 def _plain(req: EngineRequest) -> bool:
@@ -102,6 +112,8 @@ class DecodeOverlap:
         self.enabled = (os.environ.get(ENV, "1") != "0" and engine.broadcast is None and engine.speculator is None
                         and engine.executor.fastpath is not None)
         self.inflight: InFlight | None = None
+        fast = engine.executor.fastpath
+        self.lookahead = DecodeLookahead(self) if self.enabled and fast.lookahead else None
 
     # ---- entering from a plain step ---------------------------------------------------------------------
     def eligible(self, plan: StepPlan) -> bool:
@@ -122,9 +134,17 @@ class DecodeOverlap:
     def begin(self, plan: StepPlan, result: StepResult) -> None:
         requests = [self.engine.requests[f.rid] for f in plan.forward]
         drawn = [(row, req.options, len(req.output)) for row, req in enumerate(requests)]
-        self.inflight = self._prepare(requests, sample_rows_async(result.logits, drawn))
+        self.inflight = self._prepare(requests, self.draw(result.logits, drawn))
 
-    def _prepare(self, requests: list[EngineRequest], tokens: SampledTokens) -> InFlight:
+    def draw(self, logits, drawn: list) -> SampledTokens:
+        """The draw of a decode step's rows (`sample_rows_async`), published on the device for a look-ahead."""
+        tokens = sample_rows_async(logits, drawn)
+        if self.lookahead is not None:
+            self.engine.executor.fastpath.publish(tokens.device_rows())
+        return tokens
+
+    def _prepare(self, requests: list[EngineRequest], tokens: SampledTokens,
+                 rows: np.ndarray | None = None) -> InFlight:
         """Step N+1's image for N's rows, all but the tokens, and the tables of the stop check."""
         engine = self.engine
         manager = engine.executor.manager
@@ -138,14 +158,14 @@ class DecodeOverlap:
         eos = engine.output.eos_token_id
         if eos is not None and not all(r.options.ignore_eos for r in requests):
             stop_ids.add(eos)
-        return InFlight(requests, tokens, image, size, crossing, always, np.fromiter(stop_ids, dtype=np.int64))
+        return InFlight(requests, tokens, image, size, crossing, always, np.fromiter(stop_ids, dtype=np.int64), rows)
 
     # ---- leaving to a plain step ------------------------------------------------------------------------
     def settle(self) -> None:
         """Accept the in-flight step's tokens in full (waiting for them) and drop the prepared step."""
         inflight, self.inflight = self.inflight, None
         if inflight is not None:
-            self._accept_rows(inflight, inflight.tokens.array(), range(len(inflight.requests)))
+            self._accept_rows(inflight, inflight.token_array(), range(len(inflight.requests)))
 
     def _accept_rows(self, inflight: InFlight, tokens: np.ndarray, rows) -> None:
         for i in rows:
@@ -159,10 +179,14 @@ class DecodeOverlap:
         next step must be a plain one."""
         engine, inflight = self.engine, self.inflight
         assert inflight is not None
+        ahead = self.lookahead.plan(inflight) if self.lookahead is not None else None
+        if ahead is not None:
+            self.lookahead.advance(inflight, *ahead)
+            return True
         started = time.perf_counter()
         self.inflight = None
         with label("k3.tokens_ready"):
-            tokens = inflight.tokens.array()  # the device finished step N
+            tokens = inflight.token_array()  # the device finished step N
         with label("k3.to_launch"):  # the stop check, rows leaving or crossing a block, the tokens' write
             # From here to the launch the device idles: the common step (no candidate, no row leaving or crossing a
             # block) does a few array ops and the launch; the other cases pay for themselves only.
@@ -210,7 +234,7 @@ class DecodeOverlap:
         taken = accepted.tolist()
         drawn = [(k, requests[i].options, len(requests[i].output) + (not taken[i])) for k, i in enumerate(live)]
         with label("k3.sample"):
-            next_tokens = sample_rows_async(logits, drawn)
+            next_tokens = self.draw(logits, drawn)
         with label("k3.accept"):
             token_list = tokens.tolist()
             rest = [i for i in live if not taken[i]]

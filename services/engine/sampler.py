@@ -76,7 +76,22 @@ class SampledTokens:
         self._rows, self._sampled = rows, sampled
         # every row greedy, row i at logit row i (a decode batch): the host copy is the answer as it is
         self._in_order = not sampled and all(row == i for i, (row, _, _) in enumerate(rows))
+        self._device = device_tokens
         self._copy = None if device_tokens is None else HostCopy(device_tokens)
+
+    def device_rows(self) -> torch.Tensor:
+        """The tokens in row order, on the device (queued, no wait), for a draw whose rows are the logits'
+        rows 0..n-1 in order (a decode step's)."""
+        n = len(self._rows)
+        if self._device is None:
+            return torch.empty(0, dtype=torch.int64)
+        if any(row != i for i, (row, _, _) in enumerate(self._rows)):
+            raise ValueError("device_rows needs the draw's rows in logits order")
+        if not self._sampled or len(self._sampled) == n:
+            return self._device[:n]
+        rows = self._device[:n].clone()
+        rows[_to_device(self._sampled, rows.device)] = self._device[n:]
+        return rows
 
     def result(self) -> list[int]:
         """The token of each row (waits for the device's draw and copy)."""

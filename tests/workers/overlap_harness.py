@@ -53,14 +53,16 @@ def options(vocab: int, **params) -> GenerationOptions:
 class ScriptedEngine:
     """`Engine` without its thread: `run(script)` submits and cancels at the given step numbers."""
 
-    def __init__(self, model, overlap: bool, *, num_pages: int = 160, max_running: int = 8, budget: int = 64):
+    def __init__(self, model, overlap: bool, *, num_pages: int = 160, max_running: int = 8, budget: int = 64,
+                 lookahead: bool = False):
         model = copy.deepcopy(model)  # the fast path fuses weights in place: one model per engine
         config = WorkerConfig.load("decode", ["--model-overrides", json.dumps(OVERRIDES), "--hash-block-tokens",
                                               str(HASH_BLOCK), "--num-pages", str(num_pages)], env={})
         self.manager = PrefixCacheManager(config.pool_layout(), num_pages, device="cpu")
         executor = Executor(self.manager, ModelRunner(model, "cpu", max_model_len=MAX_LEN), rank=0, tp_size=1,
                             total_heads=model.config.kda_num_heads, instance=common_pb2.InstanceId())
-        executor.fastpath = DecodeFastPath(model, self.manager, max_model_len=MAX_LEN, max_batch=max_running)
+        executor.fastpath = DecodeFastPath(model, self.manager, max_model_len=MAX_LEN, max_batch=max_running,
+                                           lookahead=lookahead)
         recording = RecordingManager(self.manager)
         scheduler = Scheduler(recording, hash_block_tokens=HASH_BLOCK, max_running=max_running,
                               step_token_budget=budget, model_name="nano")
@@ -71,6 +73,11 @@ class ScriptedEngine:
         self.overlapped = 0  # steps launched by the overlap
         advance = self.engine.overlap.advance
         self.engine.overlap.advance = lambda: self._count(advance())
+        self.ahead = 0  # of which launched before the previous step's tokens were in (the look-ahead)
+        lookahead = self.engine.overlap.lookahead
+        if lookahead is not None:
+            ahead = lookahead.advance
+            lookahead.advance = lambda *args: (setattr(self, "ahead", self.ahead + 1), ahead(*args))[1]
         self.streams: dict[str, Stream] = {}
         self.requests: dict[str, EngineRequest] = {}
         self.finished_state: dict[str, torch.Tensor] = {}  # rid -> its KDA state pages' bytes when it left
@@ -120,3 +127,39 @@ def cache_state(manager: PrefixCacheManager) -> tuple:
     index = sorted((h, tuple(e.block.pages), e.hash_blocks, e.ready) for h, e in manager.index.items())
     checkpoints = sorted((k, c.num_tokens, tuple(c.pages), c.keep) for k, c in manager.checkpoints.by_key.items())
     return tuple(pool.refcount), tuple(pool.kind), pool.num_cached, index, checkpoints
+
+
+# The look-ahead's batches hold the rows of requests that just stopped (run on scratch): other rows' GEMMs see
+# another batch size, which moves their float32 values by ulps on the CPU (not batch-invariant below ~4
+# rows); one extra step of a request moves its state by far more (test_decode_lookahead checks it does).
+LOOKAHEAD_STATE_ATOL = 1e-4
+
+
+def _same_state(a: torch.Tensor, b: torch.Tensor, atol: float) -> bool:
+    if not atol:
+        return torch.equal(a, b)
+    return torch.allclose(a.contiguous().view(torch.float32), b.contiguous().view(torch.float32), rtol=0, atol=atol)
+
+
+def compare_with_plain(model, script: dict, watch=None, *, lookahead: bool = False,
+                       **engine_args) -> tuple[ScriptedEngine, ScriptedEngine]:
+    """Run `script` on the plain engine and on the overlapped one (with the look-ahead if asked): the streams,
+    the states (bit for bit, within LOOKAHEAD_STATE_ATOL with the look-ahead) and page ids of the requests
+    when they leave, and the cache's end state must be the same."""
+    plain = ScriptedEngine(model, False, **engine_args)
+    overlap = ScriptedEngine(model, True, lookahead=lookahead, **engine_args)
+    if watch is not None:
+        watch(plain), watch(overlap)
+    want, got = plain.run(script), overlap.run(script)
+    assert want.keys() == got.keys()
+    for rid in want:
+        a, b = want[rid], got[rid]
+        assert (b.tokens, b.text, b.reason, b.error) == (a.tokens, a.text, a.reason, a.error), rid
+    assert overlap.computed.keys() == plain.computed.keys()
+    for rid, state in plain.finished_state.items():
+        assert (overlap.computed[rid], overlap.pages[rid]) == (plain.computed[rid], plain.pages[rid]), rid
+        assert _same_state(overlap.finished_state[rid], state, LOOKAHEAD_STATE_ATOL if lookahead else 0), \
+            f"{rid}: KDA state differs when it left"
+    assert cache_state(overlap.manager) == cache_state(plain.manager)
+    assert plain.overlapped == 0
+    return plain, overlap

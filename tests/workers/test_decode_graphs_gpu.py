@@ -43,3 +43,30 @@ def test_a_launch_replays_its_image_and_its_copy_event_waits_for_it(setting, mon
         torch.cuda.synchronize()
         assert captured.copied.query()
         assert logits.cpu().flatten().tolist() == [2.0 * (10 * step + k) for k in (1, 2, 3)]
+
+
+def test_a_look_ahead_replay_reads_the_draw_buffer_as_it_is_at_replay():
+    # The graph captures `resolve_on_device` over a persistent draw buffer: each replay must read the buffer's
+    # values when it runs (written by a copy queued before it), and park a row whose token is a stop id.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    layout = plan_layout(shape_from_config(preset("nano"), "nano"))
+    builder = DecodeInputBuilder(layout, max_pages=4, scratch_kda=0, scratch_mla=0)
+    drawn = torch.zeros(4, dtype=torch.int64, device="cuda")
+
+    def resolved(inputs: DecodeInputs) -> torch.Tensor:
+        got = inputs.resolve_on_device(drawn, 77, 88)
+        return torch.stack([got.tokens, got.kda_slots[0], got.row_base[0]], 1).float()
+    graphs = DecodeGraphs(resolved, builder, torch.device("cuda"), max_batch=4)
+    for step in range(3):
+        image, _ = graphs.staging(3)
+        builder.prepare([], 4, out=image)
+        source, stops = builder.ahead_parts(image, 4)
+        source[:3] = [2, 1, 0]
+        stops[0, :3] = 100 + step  # drawn row 1 below holds it: image row 1 stops
+        torch.cuda._sleep(50_000_000)  # the draw's copy and the replay queue behind a busy kernel
+        drawn.copy_(torch.tensor([10 * step, 100 + step, 10 * step + 2, 0]), non_blocking=True)
+        out = graphs.launch(3).cpu().tolist()
+        assert [row[0] for row in out] == [10 * step + 2, 100 + step, 10 * step]
+        assert [row[1] for row in out] == [0, 77, 0]  # padding rows of prepare([]) sit on scratch_kda 0
+        assert out[1][2] == 88

@@ -16,7 +16,7 @@ from k3core.cache.layout import plan_layout, shape_from_config
 from k3core.cache.prefix_index import Block
 from k3core.cache.request import CachedRequest
 from k3core.presets import preset
-from services.engine.decode_inputs import DecodeInputBuilder
+from services.engine.decode_inputs import STOP_WIDTH, DecodeInputBuilder
 
 MAX_PAGES = 6
 SCRATCH_KDA, SCRATCH_MLA = 0, 1
@@ -48,7 +48,8 @@ def oracle(layout, rows, tokens: list[int], size: int) -> np.ndarray:
             page = row.blocks[row.num_computed // per_block].pages[g]
             base[g][i] = (page * per_block + row.num_computed % per_block) * per_group
     flat = tok + [s for g in slots for s in g] + [p for g in table for r in g for p in r] + lengths
-    return np.array(flat + [b for g in base for b in g], dtype=np.int64)
+    ahead = [-1] * (size * (1 + STOP_WIDTH))  # source and stops: no look-ahead rows
+    return np.array(flat + [b for g in base for b in g] + ahead, dtype=np.int64)
 
 
 class Pages:

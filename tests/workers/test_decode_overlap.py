@@ -12,7 +12,6 @@ as the plain loop leaves them.
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +19,7 @@ from k3.v1 import common_pb2
 from services.engine.streams import token_chunk
 from tests.workers.cluster import OVERRIDES
 from tests.workers.oracle import build_reference
-from tests.workers.overlap_harness import ScriptedEngine, cache_state, options
+from tests.workers.overlap_harness import ScriptedEngine, compare_with_plain, options
 
 STOP = common_pb2.FINISH_REASON_STOP
 
@@ -34,22 +33,7 @@ def _prompt(i: int, n: int) -> list[int]:
     return [(7 * i + 13 * j) % 250 + 1 for j in range(n)]
 
 
-def _compare(model, script: dict, watch=None, **engine_args) -> tuple[ScriptedEngine, ScriptedEngine]:
-    plain, overlap = ScriptedEngine(model, False, **engine_args), ScriptedEngine(model, True, **engine_args)
-    if watch is not None:
-        watch(plain), watch(overlap)
-    want, got = plain.run(script), overlap.run(script)
-    assert want.keys() == got.keys()
-    for rid in want:
-        a, b = want[rid], got[rid]
-        assert (b.tokens, b.text, b.reason, b.error) == (a.tokens, a.text, a.reason, a.error), rid
-    assert overlap.computed.keys() == plain.computed.keys()
-    for rid, state in plain.finished_state.items():
-        assert (overlap.computed[rid], overlap.pages[rid]) == (plain.computed[rid], plain.pages[rid]), rid
-        assert torch.equal(overlap.finished_state[rid], state), f"{rid}: KDA state differs when it left"
-    assert cache_state(overlap.manager) == cache_state(plain.manager)
-    assert plain.overlapped == 0
-    return plain, overlap
+_compare = compare_with_plain
 
 
 def test_stops_mid_batch_leave_the_streams_and_states_of_the_plain_loop(nano):

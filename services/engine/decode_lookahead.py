@@ -1,0 +1,121 @@
+"""Decode look-ahead: step N+1 is launched before step N's tokens reach the host (K3_DECODE_LOOKAHEAD=1).
+
+The overlap (decode_overlap.py) prepares N+1's image while N computes, but launches it only once N's
+tokens are on the host and checked, so the device idles for the copy, the host's wake-up and the stop
+check between the two forwards. Here N+1 is launched at once, its tokens read on the device:
+
+- every draw's tokens are copied, on the device, into the fast path's `drawn` buffer (`DecodeFastPath.publish`);
+  N+1's image says which row of N each of its rows continues (`source`), and its graph reads the token
+  there (`DecodeInputs.resolve_on_device`);
+- a row whose token is one of its stop ids or the EOS (a fixed-width table in the image, `stops`) runs as
+  a padding row, on the scratch pages: its request stopped at N, and its KDA state, updated in place, must
+  stay the one its last token left (the plain loop never runs it again); its N+1 output is dropped;
+- a row whose N token reaches its max_tokens is left out of N+1 ahead (the host knows it).
+
+Then N's tokens are accepted (the plain loop's acceptance, in row order); the host's stops must be the
+device's (else: an error, never a silent divergence); N+1's surviving rows reserve their token (a
+reserve that allocates nothing: a step whose rows cross a block is not run ahead) and are marked done in
+the manager, N+2 is prepared for them and N+1's step is committed, before N+2's launch: a checkpoint
+taken at a hash boundary is queued behind N+1's forward, the state it must hold. The manager sees a plain
+step's calls, in a plain step's order; only the forwards of rows that stopped run once more, on scratch.
+
+Not run ahead (the overlap's step runs instead, waiting for N's tokens): a row crosses a block, a request
+waits to be admitted, a row has stop strings, logprobs, forced tokens, or more stop ids than the table
+holds, the batch is over the budget. Token i of a request is drawn with the same (seed, i) from the logits
+of the same context as in a plain step, so the streams are the plain engine's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from services.engine.decode_inputs import STOP_WIDTH
+from services.engine.request import EngineRequest, Phase
+from services.engine.trace_labels import label
+
+if TYPE_CHECKING:
+    from services.engine.decode_overlap import DecodeOverlap, InFlight
+
+
+def stop_table(requests: list[EngineRequest], eos: int | None) -> np.ndarray | None:
+    """[STOP_WIDTH, rows] int64: each row's stop token ids and the EOS (unless ignored), -1 padded; None
+    when a row has more than fit."""
+    table = np.full((STOP_WIDTH, len(requests)), -1, dtype=np.int64)
+    for k, req in enumerate(requests):
+        ids = list(req.options.stop_token_ids)
+        if eos is not None and not req.options.ignore_eos:
+            ids.append(eos)
+        if len(ids) > STOP_WIDTH:
+            return None
+        table[: len(ids), k] = ids
+    return table
+
+
+class DecodeLookahead:
+    def __init__(self, overlap: DecodeOverlap) -> None:
+        self.overlap = overlap
+        self.engine = overlap.engine
+
+    def plan(self, inflight: InFlight) -> tuple[list[int], np.ndarray] | None:
+        """The rows of the in-flight step that the next step runs ahead of their tokens and their stop
+        table, or None: not eligible."""
+        scheduler = self.engine.scheduler
+        requests = inflight.requests
+        if inflight.crossing or scheduler.waiting or len(scheduler.running) != len(requests) \
+                or len(requests) > scheduler.budget:
+            return None
+        if not all(req.phase is Phase.RUNNING and not req.options.stop for req in requests):
+            return None  # a cancellation (settled), or stop strings: only the host can check those
+        rows = np.flatnonzero(~inflight.always_check).tolist()  # the others' N token is their max_tokens-th
+        stops = stop_table([requests[i] for i in rows], self.engine.output.eos_token_id) if rows else None
+        return None if stops is None else (rows, stops)
+
+    def advance(self, inflight: InFlight, rows: list[int], stops: np.ndarray) -> None:
+        """Launch the prepared step for `rows` (`plan`) with its tokens on the device, then accept the
+        in-flight step's."""
+        engine, overlap = self.engine, self.overlap
+        requests = inflight.requests
+        ahead = [requests[i] for i in rows]
+        started = time.perf_counter()
+        overlap.inflight = None
+        fast, manager, scheduler = engine.executor.fastpath, engine.executor.manager, engine.scheduler
+        with label("k3.to_launch"):
+            image, size = inflight.image, inflight.size
+            if len(rows) < len(requests):
+                buffer, compacted = fast.staging(len(rows))
+                image, size = fast.builder.compact(image, size, rows, buffer, compacted), compacted
+            source, stop_part = fast.builder.ahead_parts(image, size)
+            source[: len(rows)] = rows if inflight.rows is None else inflight.rows[rows]
+            stop_part[:, : len(rows)] = stops
+            manager.pre_forward()
+        with label("k3.launch"):
+            logits = fast.launch(image, len(rows))
+        engine.metrics.overlapped_steps.inc()
+        # N's token is not appended yet: N+1 draws each request's output position len(output) + 1
+        next_tokens = overlap.draw(logits, [(k, req.options, len(req.output) + 1) for k, req in enumerate(ahead)])
+        with label("k3.tokens_ready"):
+            tokens = inflight.token_array()
+        with label("k3.accept"):
+            engine._take_rows(zip(requests, tokens.tolist(), strict=True))
+            scheduler.finish_leaving()
+            stopped = (stops == tokens[rows][None]).any(0).tolist()
+            live = [k for k, req in enumerate(ahead) if req.phase is Phase.RUNNING]
+            for k, req in enumerate(ahead):
+                if (req.phase is not Phase.RUNNING) != stopped[k]:
+                    raise RuntimeError(f"request {req.rid!r}: the device's stop check disagrees with the host's")
+            for k in live:
+                manager.reserve(ahead[k].rid, 1)  # allocates nothing: no row crosses a block
+            for k in live:
+                manager.forward_done(ahead[k].rid)
+            engine.manager.take_calls()  # at TP 1 nobody replays the recorded calls
+        engine._flush()
+        with label("k3.prepare_inputs"):
+            if live:
+                overlap.inflight = overlap._prepare([ahead[k] for k in live], next_tokens, np.array(live))
+        with label("k3.commit"):  # behind N+1's forward, before N+2's launch: checkpoints hold N+1's state
+            manager.commit_step()
+        with label("k3.end_step"):
+            engine._end_step(started)

@@ -1,0 +1,165 @@
+"""The decode look-ahead (services/engine/decode_lookahead.py) against the plain engine loop.
+
+Oracle: the same engine with the overlap off, on the same script (`compare_with_plain`: streams, the KDA
+state bytes, forwards and page ids of each request when it leaves, the pool / prefix index / checkpoints at
+the end). The look-ahead launches a step before the previous step's tokens are on the host, its tokens
+read on the device; a row whose token stops its request runs on the scratch pages: the state test fails if
+that row's forward touched its own state (the request would have been advanced by an extra step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from k3.v1 import common_pb2
+from services.engine.decode_inputs import STOP_WIDTH, DecodeInputBuilder, DecodeInputs
+from services.engine.decode_lookahead import stop_table
+from tests.workers.cluster import OVERRIDES
+from tests.workers.oracle import build_reference
+from tests.workers.overlap_harness import ScriptedEngine, compare_with_plain, options
+
+STOP = common_pb2.FINISH_REASON_STOP
+
+
+@pytest.fixture(scope="module")
+def nano():
+    return build_reference("nano", OVERRIDES)
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    return [(7 * i + 13 * j) % 250 + 1 for j in range(n)]
+
+
+def test_resolve_on_device_reads_the_draw_and_parks_stopped_rows_on_scratch():
+    # hand-computed: 3 rows of 4; row 0 from draw row 2, row 1 from draw row 0 (hits its stop id 7), row 2 the
+    # image's own token; the padding row keeps its token.
+    layout = type("Layout", (), dict(num_kda_groups=2, num_mla_groups=1, tokens_per_block=4, layers_per_group=2))()
+    builder = DecodeInputBuilder(layout, 3, scratch_kda=90, scratch_mla=91)
+    image = builder.prepare([], 4)
+    builder.token_slots(image, 4)[:] = [0, 0, 33, 0]
+    parts = builder._host_parts(image, 4)
+    parts[1][:] = [[1, 2, 3, 90], [4, 5, 6, 90]]
+    parts[4][:] = [[10, 11, 12, builder.scratch_base]]
+    source, stops = builder.ahead_parts(image, 4)
+    source[:3] = [2, 0, -1]
+    stops[:, :3] = np.array([[5, 7, 33]] + [[-1] * 3] * (STOP_WIDTH - 1))
+    inp = builder.view(torch.from_numpy(image.copy()), 4)
+    got = inp.resolve_on_device(torch.tensor([7, 8, 9, 10]), 90, builder.scratch_base)
+    assert got.tokens.tolist() == [9, 7, 33, 0]  # row 2's 33 is its stop id, but not a drawn token: it runs
+    assert got.kda_slots.tolist() == [[1, 90, 3, 90], [4, 90, 6, 90]]
+    assert got.row_base.tolist() == [[10, builder.scratch_base, 12, builder.scratch_base]]
+    assert inp.tokens.tolist() == [0, 0, 33, 0]  # the image itself is not written
+
+
+def test_stop_table_holds_each_rows_ids_and_eos_or_refuses():
+    class Req:
+        def __init__(self, ids, ignore_eos=False):
+            self.options = type("Options", (), dict(stop_token_ids=frozenset(ids), ignore_eos=ignore_eos))()
+    table = stop_table([Req([5]), Req([], ignore_eos=True), Req([1, 2, 3])], eos=9)
+    assert table.T.tolist() == [[5, 9, -1, -1], [-1] * 4, [1, 2, 3, 9]]
+    assert stop_table([Req([1, 2, 3, 4])], eos=9) is None  # five ids: the step is not run ahead
+    assert stop_table([Req([1, 2, 3, 4])], eos=None).shape == (STOP_WIDTH, 1)
+
+
+def test_stops_by_id_eos_and_max_tokens_mid_batch(nano):
+    vocab, eos = nano.config.vocab_size, nano.config.eos_token_id
+    probe = ScriptedEngine(nano, False).run({0: [("add", f"r{i}", _prompt(i, n), options(vocab, max_tokens=12,
+                                                                                        ignore_eos=True))
+                                                 for i, n in enumerate((5, 44, 17, 30))]})
+    r0, r1 = probe["r0"].tokens, probe["r1"].tokens
+    requests = [
+        ("r0", 5, options(vocab, max_tokens=12, stop_token_ids=[r0[3]], ignore_eos=True)),
+        ("r1", 44, options(vocab, max_tokens=12, stop_token_ids=[r1[6], 1, 2], ignore_eos=True)),  # 48: a checkpoint
+        ("r2", 17, options(vocab, max_tokens=12)),  # the model's EOS stops it where it comes
+        ("r3", 30, options(vocab, max_tokens=9, ignore_eos=True)),
+        ("r4", 9, options(vocab, temperature=0.9, seed=4, max_tokens=11, ignore_eos=True)),
+    ]
+    script = {0: [("add", rid, _prompt(i, n), o) for i, (rid, n, o) in enumerate(requests)]}
+    _, ahead = compare_with_plain(nano, script, lookahead=True)
+    assert ahead.ahead >= 5  # the look-ahead did run the decode steps
+    got = ahead.streams
+    assert got["r0"].reason == got["r1"].reason == STOP and got["r0"].tokens[-1] == r0[3]
+    assert eos is not None and len({len(s.tokens) for s in got.values()}) >= 3
+
+
+@pytest.mark.parametrize("by", ["eos", "stop id"])
+def test_a_follow_up_turn_after_a_stop_reuses_the_same_state(nano, by):
+    # The first turn ends on its EOS (a token the probe shows it draws, made the engines' EOS) or a stop id in
+    # a look-ahead step (its next forward ran on scratch); the second turn (prompt + reply + more) hits the
+    # prefix cache's turn checkpoint and must give the plain tokens.
+    vocab = nano.config.vocab_size
+    first = _prompt(3, 29)
+    probe = ScriptedEngine(nano, False).run({0: [("add", "t", first, options(vocab, max_tokens=10,
+                                                                            ignore_eos=True))]})
+    stop = probe["t"].tokens[5]
+    turn = options(vocab, max_tokens=10, stop_token_ids=[stop] if by == "stop id" else [])
+    other = options(vocab, max_tokens=14, ignore_eos=True)
+    reply = probe["t"].tokens[: probe["t"].tokens.index(stop) + 1]
+    script = {0: [("add", "t", first, turn), ("add", "o", _prompt(4, 12), other)],
+              12: [("add", "t2", first + reply + [9, 8, 7], options(vocab, max_tokens=8, ignore_eos=True)),
+                   ("add", "o2", _prompt(5, 6), other)]}
+
+    def eos(scripted: ScriptedEngine) -> None:
+        if by == "eos":
+            scripted.engine.output.eos_token_id = stop
+    plain, ahead = compare_with_plain(nano, script, watch=eos, lookahead=True)
+    assert ahead.ahead > 0 and ahead.streams["t"].tokens == reply and ahead.streams["t"].reason == STOP
+    assert ahead.requests["t2"].cached_tokens == plain.requests["t2"].cached_tokens > 0
+
+
+def test_cancellation_arrivals_and_block_crossings(nano):
+    vocab = nano.config.vocab_size
+    greedy = options(vocab, max_tokens=12, ignore_eos=True)
+    script = {0: [("add", "a", _prompt(0, 76), greedy), ("add", "b", _prompt(1, 20), greedy),
+                  ("add", "x", _prompt(6, 78), options(vocab, max_tokens=4, ignore_eos=True))],
+              2: [("add", "c", _prompt(2, 3), options(vocab, temperature=0.7, seed=9, max_tokens=8))],
+              5: [("cancel", "b")], 7: [("add", "d", _prompt(3, 12), greedy)]}
+    _, ahead = compare_with_plain(nano, script, lookahead=True, budget=512)
+    assert ahead.ahead > 0
+
+
+_request = st.tuples(st.integers(1, 90), st.sampled_from([0.0, 0.9]), st.integers(0, 9), st.integers(1, 14),
+                     st.lists(st.integers(1, 262), max_size=5), st.integers(0, 5), st.one_of(st.none(), st.integers(1, 8)))
+
+
+# derandomized: the look-ahead's batches differ from the plain ones (rows that stopped), so values may differ
+# by ulps (overlap_harness.LOOKAHEAD_STATE_ATOL); fixed examples keep a near-tie from making the test flaky
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(requests=st.lists(_request, min_size=2, max_size=4), pages=st.sampled_from([16, 160]))
+def test_interleavings_give_the_plain_streams(nano, requests, pages):
+    vocab = nano.config.vocab_size
+    script: dict[int, list[tuple]] = {}
+    for i, (n, temperature, seed, max_tokens, stop_ids, arrive, cancel) in enumerate(requests):
+        o = options(vocab, temperature=temperature, seed=seed, max_tokens=max_tokens, stop_token_ids=stop_ids,
+                    ignore_eos=bool(i % 2))
+        script.setdefault(arrive, []).append(("add", f"h{i}", _prompt(i, n), o))
+        if cancel is not None:
+            script.setdefault(arrive + cancel, []).append(("cancel", f"h{i}"))
+    compare_with_plain(nano, script, lookahead=True, num_pages=pages)
+
+
+def test_the_state_check_fails_when_a_stopped_row_runs_on_its_own_state(nano, monkeypatch):
+    # The oracle can fail: with the stopped rows not parked on scratch, the look-ahead's extra forward of a
+    # request that stopped moves its KDA state far past the harness's tolerance.
+    resolve = DecodeInputs.resolve_on_device
+
+    def unmasked(self: DecodeInputs, drawn: torch.Tensor, kda: int, base: int) -> DecodeInputs:
+        return replace(resolve(self, drawn, kda, base), kda_slots=self.kda_slots, row_base=self.row_base)
+    monkeypatch.setattr(DecodeInputs, "resolve_on_device", unmasked)
+    vocab = nano.config.vocab_size
+    probe = ScriptedEngine(nano, False).run({0: [("add", "s", _prompt(0, 9), options(vocab, max_tokens=8,
+                                                                                    ignore_eos=True))]})
+    stop = probe["s"].tokens[4]
+    script = {0: [("add", "s", _prompt(0, 9), options(vocab, max_tokens=8, stop_token_ids=[stop], ignore_eos=True)),
+                  ("add", "o", _prompt(1, 7), options(vocab, max_tokens=12, ignore_eos=True))]}
+    with pytest.raises(AssertionError, match="s: KDA state differs"):
+        compare_with_plain(nano, script, lookahead=True)
+    monkeypatch.undo()
+    _, ahead = compare_with_plain(nano, script, lookahead=True)
+    assert ahead.ahead > 0
