@@ -54,12 +54,12 @@ class ScriptedEngine:
     """`Engine` without its thread: `run(script)` submits and cancels at the given step numbers."""
 
     def __init__(self, model, overlap: bool, *, num_pages: int = 160, max_running: int = 8, budget: int = 64,
-                 lookahead: bool = False):
-        model = copy.deepcopy(model)  # the fast path fuses weights in place: one model per engine
+                 lookahead: bool = False, device: str = "cpu"):
+        model = copy.deepcopy(model).to(device)  # the fast path fuses weights in place: one model per engine
         config = WorkerConfig.load("decode", ["--model-overrides", json.dumps(OVERRIDES), "--hash-block-tokens",
                                               str(HASH_BLOCK), "--num-pages", str(num_pages)], env={})
-        self.manager = PrefixCacheManager(config.pool_layout(), num_pages, device="cpu")
-        executor = Executor(self.manager, ModelRunner(model, "cpu", max_model_len=MAX_LEN), rank=0, tp_size=1,
+        self.manager = PrefixCacheManager(config.pool_layout(), num_pages, device=device)
+        executor = Executor(self.manager, ModelRunner(model, device, max_model_len=MAX_LEN), rank=0, tp_size=1,
                             total_heads=model.config.kda_num_heads, instance=common_pb2.InstanceId())
         executor.fastpath = DecodeFastPath(model, self.manager, max_model_len=MAX_LEN, max_batch=max_running,
                                            lookahead=lookahead)

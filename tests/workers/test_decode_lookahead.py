@@ -67,11 +67,11 @@ def test_stop_table_holds_each_rows_ids_and_eos_or_refuses():
     assert stop_table([Req([1, 2, 3, 4])], eos=None).shape == (STOP_WIDTH, 1)
 
 
-def test_stops_by_id_eos_and_max_tokens_mid_batch(nano):
-    vocab, eos = nano.config.vocab_size, nano.config.eos_token_id
-    probe = ScriptedEngine(nano, False).run({0: [("add", f"r{i}", _prompt(i, n), options(vocab, max_tokens=12,
-                                                                                        ignore_eos=True))
-                                                 for i, n in enumerate((5, 44, 17, 30))]})
+def _stops_mid_batch(nano, **engine_args) -> None:
+    vocab = nano.config.vocab_size
+    probe = ScriptedEngine(nano, False, **engine_args).run({0: [
+        ("add", f"r{i}", _prompt(i, n), options(vocab, max_tokens=12, ignore_eos=True))
+        for i, n in enumerate((5, 44, 17, 30))]})
     r0, r1 = probe["r0"].tokens, probe["r1"].tokens
     requests = [
         ("r0", 5, options(vocab, max_tokens=12, stop_token_ids=[r0[3]], ignore_eos=True)),
@@ -81,11 +81,23 @@ def test_stops_by_id_eos_and_max_tokens_mid_batch(nano):
         ("r4", 9, options(vocab, temperature=0.9, seed=4, max_tokens=11, ignore_eos=True)),
     ]
     script = {0: [("add", rid, _prompt(i, n), o) for i, (rid, n, o) in enumerate(requests)]}
-    _, ahead = compare_with_plain(nano, script, lookahead=True)
+    _, ahead = compare_with_plain(nano, script, lookahead=True, **engine_args)
     assert ahead.ahead >= 5  # the look-ahead did run the decode steps
     got = ahead.streams
     assert got["r0"].reason == got["r1"].reason == STOP and got["r0"].tokens[-1] == r0[3]
-    assert eos is not None and len({len(s.tokens) for s in got.values()}) >= 3
+    assert len({len(s.tokens) for s in got.values()}) >= 3
+
+
+def test_stops_by_id_eos_and_max_tokens_mid_batch(nano):
+    _stops_mid_batch(nano)
+
+
+@pytest.mark.gpu
+def test_stops_mid_batch_on_the_gpu_in_cuda_graphs(nano):
+    """The same on CUDA: the fast path in its graphs, the prologue captured, the draw published on the device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _stops_mid_batch(nano, device="cuda")
 
 
 @pytest.mark.parametrize("by", ["eos", "stop id"])
