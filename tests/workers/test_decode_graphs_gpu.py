@@ -12,7 +12,7 @@ import torch
 
 from k3core.cache.layout import plan_layout, shape_from_config
 from k3core.presets import preset
-from services.engine import cuda_graphs
+from services.engine import cuda_graphs, lookahead_prologue
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.decode_inputs import DecodeInputBuilder, DecodeInputs
 
@@ -45,7 +45,8 @@ def test_a_launch_replays_its_image_and_its_copy_event_waits_for_it(setting, mon
         assert logits.cpu().flatten().tolist() == [2.0 * (10 * step + k) for k in (1, 2, 3)]
 
 
-def test_a_look_ahead_replay_reads_the_draw_buffer_as_it_is_at_replay():
+@pytest.mark.parametrize("form", ["torch", "triton"])
+def test_a_look_ahead_replay_reads_the_draw_buffer_as_it_is_at_replay(form):
     # The graph captures `resolve_on_device` over a persistent draw buffer: each replay must read the buffer's
     # values when it runs (written by a copy queued before it), and park a row whose token is a stop id.
     if not torch.cuda.is_available():
@@ -55,7 +56,8 @@ def test_a_look_ahead_replay_reads_the_draw_buffer_as_it_is_at_replay():
     drawn = torch.zeros(4, dtype=torch.int64, device="cuda")
 
     def resolved(inputs: DecodeInputs) -> torch.Tensor:
-        got = inputs.resolve_on_device(drawn, 77, 88)
+        resolve = DecodeInputs.resolve_on_device if form == "torch" else lookahead_prologue.resolve
+        got = resolve(inputs, drawn, 77, 88)
         return torch.stack([got.tokens, got.kda_slots[0], got.row_base[0]], 1).float()
     graphs = DecodeGraphs(resolved, builder, torch.device("cuda"), max_batch=4)
     for step in range(3):
