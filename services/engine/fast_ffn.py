@@ -53,8 +53,10 @@ class MlpDecode:
 
 
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs here (CUDA: Hopper+ in recent torch; CPU: a reference fallback)."""
-    if not hasattr(torch, "_grouped_mm"):
+    """Whether torch._grouped_mm runs here (CUDA: Hopper+ in recent torch, bf16; CPU: a reference fallback).
+    On CUDA only bf16 has the grouped kernel: other dtypes run a fallback that copies to the host, which a
+    CUDA-graph capture refuses (found on the H200 with fp32 nano in the decode graphs)."""
+    if not hasattr(torch, "_grouped_mm") or (device.type == "cuda" and dtype != torch.bfloat16):
         return False
     try:
         a = torch.zeros(2, 16, dtype=dtype, device=device)

@@ -23,6 +23,14 @@ def _moe(overrides: dict | None = None):
     return model, next(layer.block_sparse_moe for layer in model.model.layers if layer.is_moe)
 
 
+def test_grouped_form_only_where_a_cuda_graph_can_capture_it():
+    """On CUDA only bf16 has torch's grouped GEMM kernel; fp32 there runs a fallback that copies to the host, which
+    a decode-graph capture refuses (seen on the H200): the fast path must take the dense form instead. Decided
+    before touching the device, so it holds on a machine without CUDA too."""
+    assert not grouped_mm_available(torch.device("cuda"), torch.float32)
+    assert not grouped_mm_available(torch.device("cuda"), torch.float16)
+
+
 @pytest.mark.parametrize(("overrides", "tokens", "with_residual"), [
     (None, 9, True), (None, 3, True), ({"routed_expert_hidden_size": None}, 9, True),
     ({"routed_expert_hidden_size": None, "hidden_act": "silu"}, 3, False),
