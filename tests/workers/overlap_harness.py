@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, field
 
 import torch
+from hypothesis import strategies as st
 
 from k3.v1 import common_pb2
 from k3core.cache.manager import PrefixCacheManager
@@ -48,6 +49,31 @@ class Stream:
 
 def options(vocab: int, **params) -> GenerationOptions:
     return GenerationOptions.from_proto(common_pb2.SamplingParams(**params), vocab_size=vocab, max_tokens_limit=999)
+
+
+def prompt(i: int, n: int) -> list[int]:
+    return [(7 * i + 13 * j) % 250 + 1 for j in range(n)]
+
+
+def scripted_requests(max_stop_ids: int) -> st.SearchStrategy:
+    """A request of `interleaving`: (prompt length, temperature, seed, max_tokens, stop ids, arrival step,
+    cancelled so many steps after it or None). Prompts up to 90 tokens and 14 new ones: rows reach the end of
+    an 80-token block."""
+    return st.tuples(st.integers(1, 90), st.sampled_from([0.0, 0.9]), st.integers(0, 9), st.integers(1, 14),
+                     st.lists(st.integers(1, 262), max_size=max_stop_ids), st.integers(0, 5),
+                     st.one_of(st.none(), st.integers(1, 8)))
+
+
+def interleaving(vocab: int, requests: list[tuple]) -> dict[int, list[tuple]]:
+    """The script of `scripted_requests` draws: request i is h<i>, every other one ignores the EOS."""
+    script: dict[int, list[tuple]] = {}
+    for i, (n, temperature, seed, max_tokens, stop_ids, arrive, cancel) in enumerate(requests):
+        o = options(vocab, temperature=temperature, seed=seed, max_tokens=max_tokens, stop_token_ids=stop_ids,
+                    ignore_eos=bool(i % 2))
+        script.setdefault(arrive, []).append(("add", f"h{i}", prompt(i, n), o))
+        if cancel is not None:
+            script.setdefault(arrive + cancel, []).append(("cancel", f"h{i}"))
+    return script
 
 
 class ScriptedEngine:

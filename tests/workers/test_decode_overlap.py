@@ -19,7 +19,14 @@ from k3.v1 import common_pb2
 from services.engine.streams import token_chunk
 from tests.workers.cluster import OVERRIDES
 from tests.workers.oracle import build_reference
-from tests.workers.overlap_harness import ScriptedEngine, compare_with_plain, options
+from tests.workers.overlap_harness import (
+    ScriptedEngine,
+    compare_with_plain,
+    interleaving,
+    options,
+    prompt,
+    scripted_requests,
+)
 
 STOP = common_pb2.FINISH_REASON_STOP
 
@@ -29,20 +36,13 @@ def nano():
     return build_reference("nano", OVERRIDES)
 
 
-def _prompt(i: int, n: int) -> list[int]:
-    return [(7 * i + 13 * j) % 250 + 1 for j in range(n)]
-
-
-_compare = compare_with_plain
-
-
 def test_stops_mid_batch_leave_the_streams_and_states_of_the_plain_loop(nano):
     vocab = nano.config.vocab_size
     # A plain greedy run tells which tokens come when; then stop ids, a stop string and max_tokens are set to
     # end the requests at different steps of one batch, one of them past a hash boundary (44 + 4 = 48: a KDA
     # checkpoint taken in an overlapped step).
-    probe = ScriptedEngine(nano, False).run({0: [("add", f"r{i}", _prompt(i, n), options(vocab, max_tokens=12,
-                                                                                        ignore_eos=True))
+    probe = ScriptedEngine(nano, False).run({0: [("add", f"r{i}", prompt(i, n), options(vocab, max_tokens=12,
+                                                                                       ignore_eos=True))
                                                  for i, n in enumerate((5, 44, 17, 30))]})
     stream = {rid: s for rid, s in probe.items()}
     r0, r1 = stream["r0"].tokens, stream["r1"].tokens
@@ -54,8 +54,8 @@ def test_stops_mid_batch_leave_the_streams_and_states_of_the_plain_loop(nano):
         ("r3", 30, options(vocab, max_tokens=9, ignore_eos=True)),
         ("r4", 9, options(vocab, temperature=0.9, seed=4, max_tokens=11, ignore_eos=True)),
     ]
-    script = {0: [("add", rid, _prompt(i, n), o) for i, (rid, n, o) in enumerate(requests)]}
-    plain, overlap = _compare(nano, script)
+    script = {0: [("add", rid, prompt(i, n), o) for i, (rid, n, o) in enumerate(requests)]}
+    plain, overlap = compare_with_plain(nano, script)
     assert overlap.overlapped >= 5  # the overlap did run the decode steps
     got = overlap.streams
     assert got["r0"].reason == got["r1"].reason == STOP
@@ -68,10 +68,10 @@ def test_stops_mid_batch_leave_the_streams_and_states_of_the_plain_loop(nano):
 def test_cancellation_and_arrivals_mid_stream(nano):
     vocab = nano.config.vocab_size
     greedy = options(vocab, max_tokens=10, ignore_eos=True)
-    script = {0: [("add", "a", _prompt(0, 6), greedy), ("add", "b", _prompt(1, 20), greedy)],
-              2: [("add", "c", _prompt(2, 3), options(vocab, temperature=0.7, seed=9, max_tokens=8))],
-              4: [("cancel", "b")], 5: [("add", "d", _prompt(3, 12), greedy)], 6: [("add", "e", [3], greedy)]}
-    _, overlap = _compare(nano, script)
+    script = {0: [("add", "a", prompt(0, 6), greedy), ("add", "b", prompt(1, 20), greedy)],
+              2: [("add", "c", prompt(2, 3), options(vocab, temperature=0.7, seed=9, max_tokens=8))],
+              4: [("cancel", "b")], 5: [("add", "d", prompt(3, 12), greedy)], 6: [("add", "e", [3], greedy)]}
+    _, overlap = compare_with_plain(nano, script)
     assert overlap.overlapped > 0
 
 
@@ -82,9 +82,9 @@ def test_calls_between_steps_settle_the_step_in_flight_unless_told_not_to(nano):
     def probe(settle: bool):
         return ("call", lambda engine: seen.append((engine.overlap.enabled, settle,
                                                     engine.overlap.inflight is not None)), settle)
-    script = {0: [("add", f"c{i}", _prompt(i, 8 + i), options(vocab, max_tokens=12, ignore_eos=True))
+    script = {0: [("add", f"c{i}", prompt(i, 8 + i), options(vocab, max_tokens=12, ignore_eos=True))
                   for i in range(3)], 4: [probe(False)], 6: [probe(True)], 8: [probe(False)]}
-    _compare(nano, script)
+    compare_with_plain(nano, script)
     assert sorted(seen) == [(False, False, False), (False, False, False), (False, True, False),
                             (True, False, True), (True, False, True), (True, True, False)]
 
@@ -92,31 +92,18 @@ def test_calls_between_steps_settle_the_step_in_flight_unless_told_not_to(nano):
 def test_preemption_under_a_full_pool(nano):
     vocab = nano.config.vocab_size
     # 12 usable pages: four requests of 2 KDA pages + 1 MLA page (80 tokens) each; crossing 80 tokens needs one more.
-    script = {0: [("add", f"p{i}", _prompt(i, 70 + 2 * i), options(vocab, temperature=0.5 * (i % 2), seed=i,
+    script = {0: [("add", f"p{i}", prompt(i, 70 + 2 * i), options(vocab, temperature=0.5 * (i % 2), seed=i,
                                                                        max_tokens=14, ignore_eos=True))
                   for i in range(4)]}
-    _, overlap = _compare(nano, script, num_pages=14)
+    _, overlap = compare_with_plain(nano, script, num_pages=14)
     assert overlap.engine.scheduler.preemptions > 0
     assert overlap.overlapped > 0
 
 
-# prompts up to 90 tokens and 14 new ones: rows reach the end of an 80-token block
-_request = st.tuples(st.integers(1, 90), st.sampled_from([0.0, 0.9]), st.integers(0, 9), st.integers(1, 14),
-                     st.lists(st.integers(1, 262), max_size=3), st.integers(0, 5), st.one_of(st.none(), st.integers(1, 8)))
-
-
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(requests=st.lists(_request, min_size=2, max_size=4), pages=st.sampled_from([16, 160]))
+@given(requests=st.lists(scripted_requests(max_stop_ids=3), min_size=2, max_size=4), pages=st.sampled_from([16, 160]))
 def test_interleavings_give_the_plain_streams(nano, requests, pages):
-    vocab = nano.config.vocab_size
-    script: dict[int, list[tuple]] = {}
-    for i, (n, temperature, seed, max_tokens, stop_ids, arrive, cancel) in enumerate(requests):
-        o = options(vocab, temperature=temperature, seed=seed, max_tokens=max_tokens, stop_token_ids=stop_ids,
-                    ignore_eos=bool(i % 2))
-        script.setdefault(arrive, []).append(("add", f"h{i}", _prompt(i, n), o))
-        if cancel is not None:
-            script.setdefault(arrive + cancel, []).append(("cancel", f"h{i}"))
-    _compare(nano, script, num_pages=pages)
+    compare_with_plain(nano, interleaving(nano.config.vocab_size, requests), num_pages=pages)
 
 
 def test_rows_crossing_a_block_while_an_earlier_row_stops(nano):
@@ -127,8 +114,8 @@ def test_rows_crossing_a_block_while_an_earlier_row_stops(nano):
     greedy = options(vocab, max_tokens=12, ignore_eos=True)
     requests = [("r0", 76, options(vocab, max_tokens=5, ignore_eos=True)), ("r2", 60, greedy), ("r1", 76, greedy),
                 ("r3", 76, options(vocab, temperature=0.8, seed=3, max_tokens=12, ignore_eos=True))]
-    script = {0: [("add", rid, _prompt(i, n), o) for i, (rid, n, o) in enumerate(requests)]}
-    _, overlap = _compare(nano, script, budget=512)
+    script = {0: [("add", rid, prompt(i, n), o) for i, (rid, n, o) in enumerate(requests)]}
+    _, overlap = compare_with_plain(nano, script, budget=512)
     assert overlap.overlapped >= 8
     assert [len(blocks) for blocks, _ in (overlap.pages[r] for r in ("r0", "r1", "r3"))] == [1, 2, 2]
 
@@ -137,9 +124,9 @@ def test_only_the_first_chunk_carries_the_ttft_however_late_it_is_converted(nano
     # The stream converts an output on its own thread, after the engine (one step ahead with the overlap)
     # may have accepted more tokens: here every chunk is converted once the requests are done.
     vocab = nano.config.vocab_size
-    script = {0: [("add", "t0", _prompt(0, 7), options(vocab, max_tokens=6, ignore_eos=True))],
-              2: [("add", "t1", _prompt(1, 20), options(vocab, max_tokens=5, ignore_eos=True))]}
-    _, overlap = _compare(nano, script)
+    script = {0: [("add", "t0", prompt(0, 7), options(vocab, max_tokens=6, ignore_eos=True))],
+              2: [("add", "t1", prompt(1, 20), options(vocab, max_tokens=5, ignore_eos=True))]}
+    _, overlap = compare_with_plain(nano, script)
     for rid, stream in overlap.streams.items():
         req = overlap.requests[rid]
         chunks = [token_chunk(req, out) for out in stream.outputs]
@@ -153,9 +140,9 @@ def test_a_cancel_while_the_last_token_is_in_flight_keeps_that_token_and_the_tur
     # still holds that token in flight: it is accepted first and ends the request as the plain loop does
     vocab = nano.config.vocab_size
     script = {0: [("add", "a", [5], options(vocab, max_tokens=1)),
-                  ("add", "b", _prompt(1, 26), options(vocab, max_tokens=7, ignore_eos=True))],
+                  ("add", "b", prompt(1, 26), options(vocab, max_tokens=7, ignore_eos=True))],
               8: [("cancel", "b")]}
-    _, overlap = _compare(nano, script, num_pages=16)
+    _, overlap = compare_with_plain(nano, script, num_pages=16)
     assert overlap.overlapped > 0
     assert len(overlap.streams["b"].tokens) == 7
     assert overlap.streams["b"].reason == common_pb2.FINISH_REASON_LENGTH
@@ -180,10 +167,10 @@ def test_a_request_the_pool_cannot_admit_yet_keeps_the_steps_overlapped(nano):
     # step 1 and must wait (the scheduler's "wait": no room for its state and first block) until r0 has ended
     # and its pages are cached. Meanwhile every decode step stays overlapped, and w joins at the plain step.
     vocab = nano.config.vocab_size
-    script = {0: [("add", f"r{i}", _prompt(i, 10 + i), options(vocab, max_tokens=6 + 3 * i, ignore_eos=True))
+    script = {0: [("add", f"r{i}", prompt(i, 10 + i), options(vocab, max_tokens=6 + 3 * i, ignore_eos=True))
                   for i in range(4)],
-              1: [("add", "w", _prompt(9, 5), options(vocab, max_tokens=4, ignore_eos=True))]}
-    plain, overlap = _compare(nano, script, watch=_log_steps, num_pages=14)
+              1: [("add", "w", prompt(9, 5), options(vocab, max_tokens=4, ignore_eos=True))]}
+    plain, overlap = compare_with_plain(nano, script, watch=_log_steps, num_pages=14)
 
     def admitted(scripted: ScriptedEngine) -> int:
         return next(n for n, (_, _, running, _) in enumerate(scripted.steps) if "w" in running)

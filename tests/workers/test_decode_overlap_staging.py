@@ -11,7 +11,7 @@ staging image it was launched with (a launch that skips the copy fails there, th
 same stand-in would share its garbage). The three forms of the copy (K3_GRAPH_INPUT_COPY): outside the
 graph (`launch` copies and records), inside it (the "replay" copies and records first, as the captured
 copy and event-record nodes do), and by image size (both forms in one run, compaction crossing them). Oracle: the plain loop's streams, pages and states
-(`_compare`), both engines on the stand-in so that the forwards' shapes are the same.
+(`compare_with_plain`), both engines on the stand-in so that the forwards' shapes are the same.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 
 from services.engine import cuda_graphs
 from services.engine.cuda_graphs import DecodeGraphs, _Captured, copies_inside
-from tests.workers.overlap_harness import ScriptedEngine, options
-from tests.workers.test_decode_overlap import _compare, _prompt, nano  # noqa: F401 - the module fixture
+from tests.workers.overlap_harness import ScriptedEngine, compare_with_plain, options, prompt
+from tests.workers.test_decode_overlap import nano  # noqa: F401 - the module fixture
 
 
 class _CopyLanded:
@@ -128,8 +128,8 @@ def test_stops_and_block_crossings_with_reused_staging_images_give_the_plain_str
                 ("r2", 60, options(vocab, max_tokens=3, ignore_eos=True)),
                 ("r3", 76, options(vocab, temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)),
                 ("r4", 9, options(vocab, max_tokens=8, ignore_eos=True))]
-    script = {0: [("add", rid, _prompt(i, n), o) for i, (rid, n, o) in enumerate(requests)]}
-    plain, overlap = _compare(nano, script, watch=_staged(copy_setting), budget=512)
+    script = {0: [("add", rid, prompt(i, n), o) for i, (rid, n, o) in enumerate(requests)]}
+    plain, overlap = compare_with_plain(nano, script, watch=_staged(copy_setting), budget=512)
     _check(plain, overlap, copy_setting)
     assert {4, 8} <= set(overlap.graphs.launches)
 
@@ -137,8 +137,8 @@ def test_stops_and_block_crossings_with_reused_staging_images_give_the_plain_str
 def test_cancellation_and_arrivals_with_reused_staging_images(nano, copy_setting):  # noqa: F811
     vocab = nano.config.vocab_size
     greedy = options(vocab, max_tokens=10, ignore_eos=True)
-    script = {0: [("add", "a", _prompt(0, 6), greedy), ("add", "b", _prompt(1, 20), greedy),
-                  ("add", "f", _prompt(4, 11), greedy)],
-              2: [("add", "c", _prompt(2, 3), options(vocab, temperature=0.7, seed=9, max_tokens=8))],
-              4: [("cancel", "b")], 5: [("add", "d", _prompt(3, 12), greedy)], 6: [("add", "e", [3], greedy)]}
-    _check(*_compare(nano, script, watch=_staged(copy_setting)), copy_setting)
+    script = {0: [("add", "a", prompt(0, 6), greedy), ("add", "b", prompt(1, 20), greedy),
+                  ("add", "f", prompt(4, 11), greedy)],
+              2: [("add", "c", prompt(2, 3), options(vocab, temperature=0.7, seed=9, max_tokens=8))],
+              4: [("cancel", "b")], 5: [("add", "d", prompt(3, 12), greedy)], 6: [("add", "e", [3], greedy)]}
+    _check(*compare_with_plain(nano, script, watch=_staged(copy_setting)), copy_setting)
