@@ -110,6 +110,12 @@ class DecodeFastPath:
             return self.graphs.staging(batch)
         return np.empty(self.builder.numel(batch), dtype=np.int64), batch
 
+    def compact(self, image: np.ndarray, size: int, rows: list[int]) -> tuple[np.ndarray, int]:
+        """A prepared image of `size` rows cut to `rows` (in order), in the staging buffer of their count, and
+        its row count (`DecodeInputBuilder.compact`)."""
+        buffer, compacted = self.staging(len(rows))
+        return self.builder.compact(image, size, rows, buffer, compacted), compacted
+
     def launch(self, image: np.ndarray, batch: int) -> torch.Tensor:
         """Run the prepared (and completed) image of `batch` rows: logits [batch, V] as `forward` returns."""
         if self.graphs is not None:

@@ -85,8 +85,7 @@ class DecodeLookahead:
         with label("k3.to_launch"):
             image, size = inflight.image, inflight.size
             if len(rows) < len(requests):
-                buffer, compacted = fast.staging(len(rows))
-                image, size = fast.builder.compact(image, size, rows, buffer, compacted), compacted
+                image, size = fast.compact(image, size, rows)
             source, stop_part = fast.builder.ahead_parts(image, size)
             source[: len(rows)] = rows if inflight.rows is None else inflight.rows[rows]
             stop_part[:, : len(rows)] = stops
@@ -111,11 +110,4 @@ class DecodeLookahead:
             for k in live:
                 manager.forward_done(ahead[k].rid)
             engine.manager.take_calls()  # at TP 1 nobody replays the recorded calls
-        engine._flush()
-        with label("k3.prepare_inputs"):
-            if live:
-                overlap.inflight = overlap._prepare([ahead[k] for k in live], next_tokens, np.array(live))
-        with label("k3.commit"):  # behind N+1's forward, before N+2's launch: checkpoints hold N+1's state
-            manager.commit_step()
-        with label("k3.end_step"):
-            engine._end_step(started)
+        overlap._hand_over([ahead[k] for k in live], next_tokens, np.array(live), started)

@@ -219,8 +219,7 @@ class DecodeOverlap:
                         accepted[i] = True
                     manager.reserve(requests[i].rid, 1)
             if len(live) < len(requests):  # the rows of requests that ended leave the batch, as in a plain step
-                buffer, compacted = fast.staging(len(live))
-                image, size = fast.builder.compact(image, size, live, buffer, compacted), compacted
+                image, size = fast.compact(image, size, live)
             if crossing:
                 at = {i: k for k, i in enumerate(live)}  # request row -> image row
                 fast.builder.refresh(image, size, [manager.requests[requests[i].rid] for i in crossing],
@@ -249,12 +248,22 @@ class DecodeOverlap:
             for i in live:
                 manager.forward_done(requests[i].rid)
             engine.manager.take_calls()  # those made through the recording manager (finishes, appends): dropped too
+        self._hand_over([requests[i] for i in live], next_tokens, None, started)
+        return True
+
+    def _hand_over(self, running: list[EngineRequest], next_tokens: SampledTokens, rows: np.ndarray | None,
+                   started: float) -> None:
+        """The end of an overlapped step (the overlap's or the look-ahead's), N+1 launched and N's tokens
+        accepted: the outputs handed over, N+2 prepared for the requests still `running` (their N+1 tokens:
+        `next_tokens`'s `rows`, None: in order), then N+1's step committed, the step's metrics."""
+        engine = self.engine
         engine._flush()
         with label("k3.prepare_inputs"):
-            self.inflight = self._prepare([requests[i] for i in live], next_tokens)
-        # Last: a checkpoint taken at a hash boundary has its snapshot copies and checksum queued behind this forward.
+            if running:
+                self.inflight = self._prepare(running, next_tokens, rows)
+        # Last: a checkpoint taken at a hash boundary has its snapshot copies and checksum queued behind N+1's
+        # forward, before N+2's launch.
         with label("k3.commit"):
-            manager.commit_step()
+            engine.executor.manager.commit_step()
         with label("k3.end_step"):
             engine._end_step(started)
-        return True
