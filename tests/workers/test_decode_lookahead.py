@@ -167,3 +167,18 @@ def test_the_state_check_fails_when_a_stopped_row_runs_on_its_own_state(nano, mo
     monkeypatch.undo()
     _, ahead = compare_with_plain(nano, script, lookahead=True)
     assert ahead.ahead > 0
+
+
+def test_a_stop_the_devices_table_misses_is_an_error_not_a_divergence(nano, monkeypatch):
+    # The host's finish must be the stop table's (the device's check): with the table emptied, the device runs
+    # the stopping row's next forward on the request's own state while the host ends it, and the step raises.
+    from services.engine import decode_lookahead
+    monkeypatch.setattr(decode_lookahead, "stop_table", lambda requests, eos: np.full((STOP_WIDTH, len(requests)), -1))
+    vocab = nano.config.vocab_size
+    probe = ScriptedEngine(nano, False).run({0: [("add", "s", prompt(0, 9), options(vocab, max_tokens=8,
+                                                                                   ignore_eos=True))]})
+    script = {0: [("add", "s", prompt(0, 9), options(vocab, max_tokens=8, stop_token_ids=[probe["s"].tokens[4]],
+                                                     ignore_eos=True)),
+                  ("add", "o", prompt(1, 7), options(vocab, max_tokens=12, ignore_eos=True))]}
+    with pytest.raises(RuntimeError, match="'s': the device's stop check disagrees"):
+        ScriptedEngine(nano, True, lookahead=True).run(script)
