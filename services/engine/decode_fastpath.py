@@ -54,9 +54,9 @@ class DecodeFastPath:
         self.decoder = rank_decoder(model, PoolViews(manager.store.data, layout))  # sharded at TP > 1
         scratch_kda = manager.pool.allocate(PageKind.KDA, 0)[0]
         scratch_mla = manager.pool.allocate(PageKind.MLA, 0)[0]
-        self.builder = DecodeInputBuilder(layout, math.ceil(max_model_len / layout.tokens_per_block),
-                                          scratch_kda, scratch_mla)
         self.lookahead = lookahead_wanted() if lookahead is None else lookahead
+        self.builder = DecodeInputBuilder(layout, math.ceil(max_model_len / layout.tokens_per_block),
+                                          scratch_kda, scratch_mla, lookahead=self.lookahead)
         self.drawn = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # the last draw, row order
         self._forward = self._step_forward()
         setting = os.environ.get(GRAPHS_ENV, "")
@@ -74,9 +74,9 @@ class DecodeFastPath:
         return lambda inp: self.decoder.forward(lookahead_prologue.resolve(inp, self.drawn, kda, base))
 
     def rebuild(self) -> None:
-        """Read K3_DECODE_LOOKAHEAD again and drop the captured graphs (captured again on first use): the
-        benches' variants change the setting within one process."""
-        self.lookahead = lookahead_wanted()
+        """Read K3_DECODE_LOOKAHEAD again and drop the captured graphs and their staging images (made again on
+        first use, in the setting's image layout): the benches' variants change the setting within one process."""
+        self.lookahead = self.builder.lookahead = lookahead_wanted()  # the image's look-ahead parts too
         self._forward = self._step_forward()
         if self.graphs is not None:
             self.graphs = DecodeGraphs(self._forward, self.builder, self.device, self.max_batch)

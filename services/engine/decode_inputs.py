@@ -8,7 +8,8 @@ Two parts serve the decode look-ahead (decode_lookahead.py), where a step is lau
 step's tokens reach the host: `source` (a row's token is the previous draw's row `source`, -1: the image's
 token) and `stops` (a row's stop token ids and EOS, -1 padded): a row whose drawn token is one of them
 (its request stopped) runs as a padding row (`resolve_on_device`), so its state stays the one its last
-token left.
+token left. A builder without the look-ahead leaves them empty: its images are the five parts alone (the
+look-ahead's add 1 + STOP_WIDTH int64 a row, 5 to K3's 12 at 32K tokens).
 """
 
 from __future__ import annotations
@@ -37,24 +38,26 @@ class DecodeInputs:
     row_base: torch.Tensor  # [mla groups, B]: row of layer slot 0 of the new token in PoolViews.mla_rows()
     source: torch.Tensor  # [B]: the previous draw's row holding this row's token, -1: `tokens` holds it
     stops: torch.Tensor  # [STOP_WIDTH, B]: token ids that end the row's request (-1: none)
+    # (`source` and `stops` are empty, [0] and [0, B], in an image without the look-ahead: `ahead` False)
 
     @staticmethod
-    def shapes(size: int, kda_groups: int, mla_groups: int, max_pages: int) -> list[tuple[int, ...]]:
+    def shapes(size: int, kda_groups: int, mla_groups: int, max_pages: int, ahead: bool) -> list[tuple[int, ...]]:
         """The parts' shapes, in their order in the flat buffer (tokens, kda_slots, page_table, lengths,
-        row_base, source, stops)."""
-        return [(size,), (kda_groups, size), (mla_groups, size, max_pages), (size,), (mla_groups, size), (size,),
-                (STOP_WIDTH, size)]
+        row_base, source, stops; the last two empty unless `ahead`)."""
+        return [(size,), (kda_groups, size), (mla_groups, size, max_pages), (size,), (mla_groups, size),
+                (size if ahead else 0,), (STOP_WIDTH if ahead else 0, size)]
 
     @classmethod
-    def view(cls, flat: torch.Tensor, size: int, kda_groups: int, mla_groups: int, max_pages: int) -> DecodeInputs:
-        shapes = cls.shapes(size, kda_groups, mla_groups, max_pages)
+    def view(cls, flat: torch.Tensor, size: int, kda_groups: int, mla_groups: int, max_pages: int,
+             ahead: bool) -> DecodeInputs:
+        shapes = cls.shapes(size, kda_groups, mla_groups, max_pages, ahead)
         sizes = [math.prod(shape) for shape in shapes]
         parts = flat[: sum(sizes)].split(sizes)
         return cls(flat, *(part.view(shape) for part, shape in zip(parts, shapes, strict=True)))
 
     @staticmethod
-    def numel(size: int, kda_groups: int, mla_groups: int, max_pages: int) -> int:
-        return size * (3 + STOP_WIDTH + kda_groups + mla_groups * (max_pages + 1))
+    def numel(size: int, kda_groups: int, mla_groups: int, max_pages: int, ahead: bool) -> int:
+        return size * (2 + (1 + STOP_WIDTH) * ahead + kda_groups + mla_groups * (max_pages + 1))
 
     def resolve_on_device(self, drawn: torch.Tensor, scratch_kda: int, scratch_base: int) -> DecodeInputs:
         """The inputs with each `source` row's token read from `drawn` (the previous step's draw, on the
@@ -78,8 +81,10 @@ class DecodeInputBuilder:
     and while it lives its block table only grows (admission fills it, `reserve` appends).
     """
 
-    def __init__(self, layout: PoolLayout, max_pages: int, scratch_kda: int, scratch_mla: int) -> None:
+    def __init__(self, layout: PoolLayout, max_pages: int, scratch_kda: int, scratch_mla: int,
+                 lookahead: bool = False) -> None:
         self.layout = layout
+        self.lookahead = lookahead  # images with the look-ahead's `source` and `stops` parts
         self.max_pages = max_pages
         self.scratch_kda, self.scratch_mla = scratch_kda, scratch_mla
         self.kda_groups, self.mla_groups = layout.num_kda_groups, layout.num_mla_groups
@@ -135,15 +140,15 @@ class DecodeInputBuilder:
                 self._free.append(self._rows.pop(rid)[2])
 
     def numel(self, size: int) -> int:
-        return DecodeInputs.numel(size, self.kda_groups, self.mla_groups, self.max_pages)
+        return DecodeInputs.numel(size, self.kda_groups, self.mla_groups, self.max_pages, self.lookahead)
 
     def view(self, flat: torch.Tensor, size: int) -> DecodeInputs:
-        return DecodeInputs.view(flat, size, self.kda_groups, self.mla_groups, self.max_pages)
+        return DecodeInputs.view(flat, size, self.kda_groups, self.mla_groups, self.max_pages, self.lookahead)
 
     def _host_parts(self, out: np.ndarray, size: int) -> tuple[np.ndarray, ...]:
         """The parts of `DecodeInputs.view` as numpy views (numpy slicing costs a tenth of torch's here)."""
         parts, start = [], 0
-        for shape in DecodeInputs.shapes(size, self.kda_groups, self.mla_groups, self.max_pages):
+        for shape in DecodeInputs.shapes(size, self.kda_groups, self.mla_groups, self.max_pages, self.lookahead):
             end = start + math.prod(shape)
             parts.append(out[start:end].reshape(shape))
             start = end
@@ -198,7 +203,9 @@ class DecodeInputBuilder:
         """Rows `rows` of a prepared image, in order, as the first rows of an image of `size` rows in `out`
         (which may be `src` itself), the rest padding: the batch a fresh `prepare` of those requests gives."""
         out = out[: self.numel(size)]
-        picked = [part[..., rows] if part.ndim == 1 else part[:, rows] for part in self._host_parts(src, src_size)]
+        # (an empty part, `source` without the look-ahead, picks nothing)
+        picked = [part[:, rows] if part.ndim > 1 else part[rows] if len(part) else part
+                  for part in self._host_parts(src, src_size)]
         tok, slots, table, lengths, base, source, stops = parts = self._host_parts(out, size)
         for part, values in zip(parts, picked, strict=True):
             if part.ndim == 1:

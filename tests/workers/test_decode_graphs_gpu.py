@@ -52,7 +52,7 @@ def test_a_look_ahead_replay_reads_the_draw_buffer_as_it_is_at_replay(form):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     layout = plan_layout(shape_from_config(preset("nano"), "nano"))
-    builder = DecodeInputBuilder(layout, max_pages=4, scratch_kda=0, scratch_mla=0)
+    builder = DecodeInputBuilder(layout, max_pages=4, scratch_kda=0, scratch_mla=0, lookahead=True)
     drawn = torch.zeros(4, dtype=torch.int64, device="cuda")
 
     def resolved(inputs: DecodeInputs) -> torch.Tensor:

@@ -30,8 +30,9 @@ def _layout(name: str, hash_block: int):
 LAYOUTS = {"nano": _layout("nano", 16), "mini": _layout("mini", 512)}  # 1 and 5 MLA groups
 
 
-def oracle(layout, rows, tokens: list[int], size: int) -> np.ndarray:
-    """The image by its definition (decode_inputs.DecodeInputs), one row at a time."""
+def oracle(layout, rows, tokens: list[int], size: int, lookahead: bool = False) -> np.ndarray:
+    """The image by its definition (decode_inputs.DecodeInputs), one row at a time; with the look-ahead's
+    parts (`source`, `stops`: -1, no look-ahead row) only for a look-ahead builder."""
     per_block, per_group = layout.tokens_per_block, layout.layers_per_group
     kda, mla = layout.num_kda_groups, layout.num_mla_groups
     tok, lengths = [0] * size, [1] * size
@@ -48,7 +49,7 @@ def oracle(layout, rows, tokens: list[int], size: int) -> np.ndarray:
             page = row.blocks[row.num_computed // per_block].pages[g]
             base[g][i] = (page * per_block + row.num_computed % per_block) * per_group
     flat = tok + [s for g in slots for s in g] + [p for g in table for r in g for p in r] + lengths
-    ahead = [-1] * (size * (1 + STOP_WIDTH))  # source and stops: no look-ahead rows
+    ahead = [-1] * (size * (1 + STOP_WIDTH)) if lookahead else []
     return np.array(flat + [b for g in base for b in g] + ahead, dtype=np.int64)
 
 
@@ -81,7 +82,8 @@ def grow(layout, pages: Pages, req: CachedRequest, extra_block: bool) -> None:
 def test_incremental_images_equal_the_definition_and_a_fresh_build(name, data):
     layout = LAYOUTS[name]
     limit = MAX_PAGES * layout.tokens_per_block - 4
-    builder, pages = DecodeInputBuilder(layout, MAX_PAGES, SCRATCH_KDA, SCRATCH_MLA), Pages()
+    lookahead = data.draw(st.booleans())
+    builder, pages = DecodeInputBuilder(layout, MAX_PAGES, SCRATCH_KDA, SCRATCH_MLA, lookahead), Pages()
     live: dict[str, CachedRequest] = {}
     buffers: dict[int, np.ndarray] = {}
     for step in range(data.draw(st.integers(1, 10))):
@@ -110,9 +112,9 @@ def test_incremental_images_equal_the_definition_and_a_fresh_build(name, data):
         size = len(rows) + data.draw(st.integers(0, 3))
         buffer = buffers.setdefault(size, np.full(builder.numel(size) + 5, -7, dtype=np.int64))
         got = builder.build(rows, tokens, size, out=buffer)
-        expected = oracle(layout, rows, tokens, size)
+        expected = oracle(layout, rows, tokens, size, lookahead)
         np.testing.assert_array_equal(got, expected)
-        np.testing.assert_array_equal(DecodeInputBuilder(layout, MAX_PAGES, SCRATCH_KDA, SCRATCH_MLA)
+        np.testing.assert_array_equal(DecodeInputBuilder(layout, MAX_PAGES, SCRATCH_KDA, SCRATCH_MLA, lookahead)
                                       .build(rows, tokens, size), expected)
 
 
@@ -135,7 +137,8 @@ def test_prepared_images_refreshed_and_compacted_equal_the_definition(data):
     same one), the new blocks written (`refresh`) and the tokens: the image of a fresh build of what is left."""
     layout = LAYOUTS[data.draw(st.sampled_from(sorted(LAYOUTS)))]
     per_block = layout.tokens_per_block
-    builder, pages = DecodeInputBuilder(layout, MAX_PAGES, SCRATCH_KDA, SCRATCH_MLA), Pages()
+    lookahead = data.draw(st.booleans())
+    builder, pages = DecodeInputBuilder(layout, MAX_PAGES, SCRATCH_KDA, SCRATCH_MLA, lookahead), Pages()
     reqs, crossing = [], []
     for i in range(data.draw(st.integers(1, 8))):
         if data.draw(st.booleans()):
@@ -159,4 +162,4 @@ def test_prepared_images_refreshed_and_compacted_equal_the_definition(data):
     builder.refresh(out, size2, [reqs[i] for i in crossing if i in at], [at[i] for i in crossing if i in at])
     tokens = [data.draw(st.integers(0, 1000)) for _ in keep]
     builder.token_slots(out, len(keep))[:] = tokens
-    np.testing.assert_array_equal(out, oracle(layout, [reqs[i] for i in keep], tokens, size2))
+    np.testing.assert_array_equal(out, oracle(layout, [reqs[i] for i in keep], tokens, size2, lookahead))

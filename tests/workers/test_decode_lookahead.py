@@ -43,7 +43,7 @@ def test_resolve_on_device_reads_the_draw_and_parks_stopped_rows_on_scratch():
     # hand-computed: 3 rows of 4; row 0 from draw row 2, row 1 from draw row 0 (hits its stop id 7), row 2 the
     # image's own token; the padding row keeps its token.
     layout = type("Layout", (), dict(num_kda_groups=2, num_mla_groups=1, tokens_per_block=4, layers_per_group=2))()
-    builder = DecodeInputBuilder(layout, 3, scratch_kda=90, scratch_mla=91)
+    builder = DecodeInputBuilder(layout, 3, scratch_kda=90, scratch_mla=91, lookahead=True)
     image = builder.prepare([], 4)
     builder.token_slots(image, 4)[:] = [0, 0, 33, 0]
     parts = builder._host_parts(image, 4)

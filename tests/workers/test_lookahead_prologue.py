@@ -21,8 +21,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def test_the_launch_writes_what_the_torch_form_computes(rows, groups):
     kda, mla = groups
     g = torch.Generator().manual_seed(rows * 10 + kda)
-    flat = torch.randint(0, 50, (DecodeInputs.numel(rows, kda, mla, 2),), generator=g)
-    inp = DecodeInputs.view(flat.to(DEVICE), rows, kda, mla, 2)
+    flat = torch.randint(0, 50, (DecodeInputs.numel(rows, kda, mla, 2, True),), generator=g)
+    inp = DecodeInputs.view(flat.to(DEVICE), rows, kda, mla, 2, True)
     drawn = torch.randint(0, 50, (rows + 4,), generator=g).to(DEVICE)
     inp.source.copy_(torch.randint(-1, rows + 4, (rows,), generator=g))
     stops = torch.full((STOP_WIDTH, rows), -1)
