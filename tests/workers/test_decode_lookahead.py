@@ -131,12 +131,17 @@ def test_a_follow_up_turn_after_a_stop_reuses_the_same_state(nano, by):
 def test_cancellation_arrivals_and_block_crossings(nano):
     vocab = nano.config.vocab_size
     greedy = options(vocab, max_tokens=12, ignore_eos=True)
+    in_flight: list[bool] = []  # at the cancel, per engine: is a look-ahead step in flight (its draw's rows)?
+
+    def look(engine) -> None:
+        in_flight.append(engine.overlap.inflight is not None and engine.overlap.inflight.rows is not None)
     script = {0: [("add", "a", prompt(0, 76), greedy), ("add", "b", prompt(1, 20), greedy),
                   ("add", "x", prompt(6, 78), options(vocab, max_tokens=4, ignore_eos=True))],
               2: [("add", "c", prompt(2, 3), options(vocab, temperature=0.7, seed=9, max_tokens=8))],
-              5: [("cancel", "b")], 7: [("add", "d", prompt(3, 12), greedy)]}
+              6: [("call", look, False), ("cancel", "b")], 7: [("add", "d", prompt(3, 12), greedy)]}
     _, ahead = compare_with_plain(nano, script, lookahead=True, budget=512)
     assert ahead.ahead > 0
+    assert in_flight == [False, True]  # the plain engine's, then the look-ahead's: b cancelled mid look-ahead
 
 
 # derandomized: the look-ahead's batches differ from the plain ones (rows that stopped), so values may differ
