@@ -91,8 +91,10 @@ def _stops_mid_batch(nano, **engine_args) -> None:
     assert len({len(s.tokens) for s in got.values()}) >= 3
 
 
-def test_stops_by_id_eos_and_max_tokens_mid_batch(nano):
+def test_stops_by_id_eos_and_max_tokens_mid_batch(nano, monkeypatch):
+    parked = _parked_rows(monkeypatch)
     _stops_mid_batch(nano)
+    assert sum(parked) == 2  # r0's and r1's stop ids came in look-ahead steps: their next forwards ran on scratch
 
 
 @pytest.mark.gpu
@@ -103,8 +105,22 @@ def test_stops_mid_batch_on_the_gpu_in_cuda_graphs(nano):
     _stops_mid_batch(nano, device="cuda")
 
 
+def _parked_rows(monkeypatch) -> list[int]:
+    """Per look-ahead forward on the CPU (the prologue's torch form): how many request rows it ran on the
+    scratch pages (their drawn token stopped them)."""
+    parked: list[int] = []
+    resolve = DecodeInputs.resolve_on_device
+
+    def counting(self: DecodeInputs, drawn: torch.Tensor, kda: int, base: int) -> DecodeInputs:
+        got = resolve(self, drawn, kda, base)
+        parked.append(int(((got.kda_slots[0] == kda) & (self.kda_slots[0] != kda)).sum()))
+        return got
+    monkeypatch.setattr(DecodeInputs, "resolve_on_device", counting)
+    return parked
+
+
 @pytest.mark.parametrize("by", ["eos", "stop id"])
-def test_a_follow_up_turn_after_a_stop_reuses_the_same_state(nano, by):
+def test_a_follow_up_turn_after_a_stop_reuses_the_same_state(nano, by, monkeypatch):
     # The first turn ends on its EOS (a token the probe shows it draws, made the engines' EOS) or a stop id in
     # a look-ahead step (its next forward ran on scratch); the second turn (prompt + reply + more) hits the
     # prefix cache's turn checkpoint and must give the plain tokens.
@@ -123,8 +139,10 @@ def test_a_follow_up_turn_after_a_stop_reuses_the_same_state(nano, by):
     def eos(scripted: ScriptedEngine) -> None:
         if by == "eos":
             scripted.engine.output.eos_token_id = stop
+    parked = _parked_rows(monkeypatch)
     plain, ahead = compare_with_plain(nano, script, watch=eos, lookahead=True)
     assert ahead.ahead > 0 and ahead.streams["t"].tokens == reply and ahead.streams["t"].reason == STOP
+    assert sum(parked) == 1  # t's stop came in a look-ahead step: its next forward ran on scratch
     assert ahead.requests["t2"].cached_tokens == plain.requests["t2"].cached_tokens > 0
 
 
