@@ -73,7 +73,7 @@ def pool(pages: int) -> PoolViews:
 
 def step_inputs(batch: int, max_pages: int = CONTEXT // LAYOUT.tokens_per_block) -> DecodeInputs:
     """The fast path's int64 step inputs (slots, page tables, lengths, rows): views of one flat buffer."""
-    sizes = (batch, LAYOUT.num_kda_groups, LAYOUT.num_mla_groups, max_pages)
+    sizes = (batch, LAYOUT.num_kda_groups, LAYOUT.num_mla_groups, max_pages, False)  # the image without look-ahead
     return DecodeInputs.view(torch.zeros(DecodeInputs.numel(*sizes), dtype=I64), *sizes)
 
 
