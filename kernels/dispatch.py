@@ -56,6 +56,9 @@ moe_align = _dispatcher("kernels.fused.naive", "kernels.fused.moe_align_triton",
 mla_latent_write = _dispatcher("kernels.fused.naive", "kernels.fused.mla_latent_write_triton", "mla_latent_write")
 gated_heads = _dispatcher("kernels.fused.naive", "kernels.fused.gated_heads_triton", "gated_heads")
 skinny_linear = _dispatcher("kernels.fused.naive", "kernels.fused.skinny_gemm_triton", "skinny_linear")
+greedy_argmax = _dispatcher("kernels.fused.naive", "kernels.fused.greedy_argmax_triton", "greedy_argmax")
+lookahead_prologue = _dispatcher("kernels.fused.naive", "kernels.fused.lookahead_prologue_triton",
+                                 "lookahead_prologue")
 
 
 def kda_verify_replay(*args: Any, **kwargs: Any) -> Any:

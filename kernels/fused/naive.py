@@ -106,3 +106,23 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     if residual is None:
         return F.linear(x, weight)
     return residual.addmm_(x, weight.t())
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy draw: logits [R, V] -> int64 [R], the lowest index of each row's maximum (NaN beats every
+    number: the first NaN), i.e. `torch.argmax`."""
+    return logits.argmax(-1)
+
+
+def lookahead_prologue(tokens: torch.Tensor, kda_slots: torch.Tensor, row_base: torch.Tensor, source: torch.Tensor,
+                       stops: torch.Tensor, drawn: torch.Tensor, scratch_kda: int,
+                       scratch_base: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode look-ahead step's inputs resolved on the device (services/engine/decode_inputs.py): tokens [B]
+    with each row whose source [B] is >= 0 reading drawn[source] (the previous step's draw), and the rows whose
+    token is one of their stops [W, B] (a request that stopped on it) pointed at the scratch pages in
+    kda_slots [G, B] / row_base [M, B], as padding rows are. New tensors: the inputs are not written (on the
+    CPU they may share the host image)."""
+    ahead = source >= 0
+    tokens = torch.where(ahead, drawn[source.clamp(min=0)], tokens)
+    stopped = ((stops == tokens[None]).any(0) & ahead)[None]
+    return tokens, kda_slots.masked_fill(stopped, scratch_kda), row_base.masked_fill(stopped, scratch_base)

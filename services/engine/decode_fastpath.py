@@ -4,7 +4,7 @@ batch-size bucket on CUDA, eagerly elsewhere (the CPU form runs the kernels' ref
 
 It owns two scratch pages of the pool (taken once, never released) for the padding rows of a bucket. With
 the decode look-ahead on (decode_lookahead.py) it also owns `drawn`, the last draw's tokens on the device,
-which a look-ahead step's forward reads its tokens from (`lookahead_prologue.resolve`, in the graph).
+which a look-ahead step's forward reads its tokens from (`DecodeInputs.resolve_on_device`, in the graph).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from k3core.cache.pool import PageKind
 from k3core.cache.pool_views import PoolViews
 from k3core.cache.request import CachedRequest
 from k3core.model import K3Model
-from services.engine import lookahead_prologue
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.decode_inputs import DecodeInputBuilder, DecodeInputs
 from services.engine.fast_tensor_parallel import graph_capturable, rank_decoder
@@ -71,7 +70,7 @@ class DecodeFastPath:
         if not self.lookahead:
             return self.decoder.forward
         kda, base = self.builder.scratch_kda, self.builder.scratch_base
-        return lambda inp: self.decoder.forward(lookahead_prologue.resolve(inp, self.drawn, kda, base))
+        return lambda inp: self.decoder.forward(inp.resolve_on_device(self.drawn, kda, base))
 
     def rebuild(self) -> None:
         """Read K3_DECODE_LOOKAHEAD again and drop the captured graphs and their staging images (made again on

@@ -22,6 +22,7 @@ import torch
 
 from k3core.cache.layout import PoolLayout
 from k3core.cache.request import CachedRequest
+from kernels import dispatch
 
 STOP_WIDTH = 4  # stop ids (EOS included) a row may have in a look-ahead step
 
@@ -62,13 +63,14 @@ class DecodeInputs:
     def resolve_on_device(self, drawn: torch.Tensor, scratch_kda: int, scratch_base: int) -> DecodeInputs:
         """The inputs with each `source` row's token read from `drawn` (the previous step's draw, on the
         device) and the rows whose token is one of their `stops` pointed at the scratch pages, as padding
-        rows are: their request stopped on that token, so this step must leave its state alone. New tensors
-        (the image is not written: on the CPU it may share the host buffer)."""
-        ahead = self.source >= 0
-        tokens = torch.where(ahead, drawn[self.source.clamp(min=0)], self.tokens)
-        stopped = ((self.stops == tokens[None]).any(0) & ahead)[None]
-        return replace(self, tokens=tokens, kda_slots=self.kda_slots.masked_fill(stopped, scratch_kda),
-                       row_base=self.row_base.masked_fill(stopped, scratch_base))
+        rows are: their request stopped on that token, so this step must leave its state alone
+        (`kernels.dispatch.lookahead_prologue`: on CUDA one Triton launch writing this image in place, as a
+        fresh copy fills it at every launch; elsewhere new tensors, since a CPU image may share the host
+        buffer)."""
+        tokens, kda_slots, row_base = dispatch.lookahead_prologue(self.tokens, self.kda_slots, self.row_base,
+                                                                  self.source, self.stops, drawn, scratch_kda,
+                                                                  scratch_base)
+        return replace(self, tokens=tokens, kda_slots=kda_slots, row_base=row_base)
 
 
 class DecodeInputBuilder:

@@ -18,7 +18,7 @@ import torch
 from k3.v1 import common_pb2
 from k3core.host_copy import HostCopy
 from k3core.mix import GOLDEN63, MASK63, mix63_, position_keys
-from services.engine.greedy_argmax import greedy_argmax
+from kernels import dispatch
 from services.engine.params import GenerationOptions
 
 _CPU_CHUNK, _DEVICE_CHUNK = 1 << 18, 1 << 24  # elements per row chunk of the noise
@@ -117,7 +117,7 @@ def sample_rows_async(logits: torch.Tensor, rows: Sequence[tuple[int, Generation
     if not rows:
         return SampledTokens(None, rows, [])
     sampled = [i for i, (_, options, _) in enumerate(rows) if options.temperature != 0]
-    parts = [greedy_argmax(logits)] if len(sampled) < len(rows) else []  # on the decode step's critical path
+    parts = [dispatch.greedy_argmax(logits)] if len(sampled) < len(rows) else []  # on the critical path
     if sampled:
         at = [rows[i][0] for i in sampled]
         chosen = logits if at == list(range(len(logits))) else logits[_to_device(at, logits.device)]

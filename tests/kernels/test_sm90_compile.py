@@ -35,6 +35,8 @@ from kernels.attnres import block_logits_triton, inter_triton, merge_norm_triton
 from kernels.fused import (
     expert_gemm_triton,
     gated_heads_triton,
+    greedy_argmax_triton,
+    lookahead_prologue_triton,
     mla_latent_write_triton,
     moe_align_triton,
     moe_combine_triton,
@@ -71,9 +73,10 @@ def pool(pages: int) -> PoolViews:
     return PoolViews(torch.empty(pages, LAYOUT.page_bytes, dtype=torch.uint8), LAYOUT)
 
 
-def step_inputs(batch: int, max_pages: int = CONTEXT // LAYOUT.tokens_per_block) -> DecodeInputs:
-    """The fast path's int64 step inputs (slots, page tables, lengths, rows): views of one flat buffer."""
-    sizes = (batch, LAYOUT.num_kda_groups, LAYOUT.num_mla_groups, max_pages, False)  # the image without look-ahead
+def step_inputs(batch: int, max_pages: int = CONTEXT // LAYOUT.tokens_per_block, ahead: bool = False) -> DecodeInputs:
+    """The fast path's int64 step inputs (slots, page tables, lengths, rows; with `ahead` the look-ahead's source
+    and stops): views of one flat buffer."""
+    sizes = (batch, LAYOUT.num_kda_groups, LAYOUT.num_mla_groups, max_pages, ahead)
     return DecodeInputs.view(torch.zeros(DecodeInputs.numel(*sizes), dtype=I64), *sizes)
 
 
@@ -184,6 +187,18 @@ def skinny_gemm(tokens: int, tilings=lambda n, k: [skinny_gemm_triton.default_ti
                                            tiling)
 
 
+def greedy_draw(batch: int) -> None:
+    """services/engine/sampler: the greedy draw's argmax over the step's logits rows (mini's vocabulary)."""
+    greedy_argmax_triton.greedy_argmax(empty(batch, MINI.vocab_size))
+
+
+def lookahead_prologue(batch: int) -> None:
+    """services/engine/decode_inputs.DecodeInputs.resolve_on_device: a look-ahead step's prologue in its graph."""
+    inp = step_inputs(batch, ahead=True)
+    lookahead_prologue_triton.lookahead_prologue(inp.tokens, inp.kda_slots, inp.row_base, inp.source, inp.stops,
+                                                 torch.zeros(batch, dtype=I64), 0, 0)
+
+
 def launch_floor() -> None:
     attnres_cases._empty_kernel[(132,)](empty(132, dtype=I32))
 
@@ -197,6 +212,8 @@ CASES = {
     **{f"moe T={t}": lambda t=t: moe_step(t) for t in DECODE_BATCHES},
     **{f"latent moe T={t}": lambda t=t: latent_moe(t) for t in DECODE_BATCHES},
     **{f"skinny gemm T={t}": lambda t=t: skinny_gemm(t) for t in DECODE_BATCHES},
+    **{f"greedy argmax B={b}": lambda b=b: greedy_draw(b) for b in DECODE_BATCHES},
+    **{f"lookahead prologue B={b}": lambda b=b: lookahead_prologue(b) for b in DECODE_BATCHES},
     "launch floor": launch_floor,
 }
 

@@ -12,7 +12,8 @@ import torch
 
 from k3core.cache.layout import plan_layout, shape_from_config
 from k3core.presets import preset
-from services.engine import cuda_graphs, lookahead_prologue
+from kernels import dispatch
+from services.engine import cuda_graphs
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.decode_inputs import DecodeInputBuilder, DecodeInputs
 
@@ -46,18 +47,19 @@ def test_a_launch_replays_its_image_and_its_copy_event_waits_for_it(setting, mon
 
 
 @pytest.mark.parametrize("form", ["torch", "triton"])
-def test_a_look_ahead_replay_reads_the_draw_buffer_as_it_is_at_replay(form):
-    # The graph captures `resolve_on_device` over a persistent draw buffer: each replay must read the buffer's
+def test_a_look_ahead_replay_reads_the_draw_buffer_as_it_is_at_replay(form, monkeypatch):
+    # The graph captures `resolve_on_device` (its Triton launch, or with the references forced its torch ops)
+    # over a persistent draw buffer: each replay must read the buffer's
     # values when it runs (written by a copy queued before it), and park a row whose token is a stop id.
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    monkeypatch.setenv(dispatch.FORCE_REFERENCE_ENV, "1" if form == "torch" else "0")
     layout = plan_layout(shape_from_config(preset("nano"), "nano"))
     builder = DecodeInputBuilder(layout, max_pages=4, scratch_kda=0, scratch_mla=0, lookahead=True)
     drawn = torch.zeros(4, dtype=torch.int64, device="cuda")
 
     def resolved(inputs: DecodeInputs) -> torch.Tensor:
-        resolve = DecodeInputs.resolve_on_device if form == "torch" else lookahead_prologue.resolve
-        got = resolve(inputs, drawn, 77, 88)
+        got = inputs.resolve_on_device(drawn, 77, 88)
         return torch.stack([got.tokens, got.kda_slots[0], got.row_base[0]], 1).float()
     graphs = DecodeGraphs(resolved, builder, torch.device("cuda"), max_batch=4)
     for step in range(3):

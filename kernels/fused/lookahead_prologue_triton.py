@@ -1,11 +1,12 @@
-"""A look-ahead step's prologue (`DecodeInputs.resolve_on_device`) as one Triton launch on CUDA.
+"""A decode look-ahead step's prologue (`naive.lookahead_prologue`, which `DecodeInputs.resolve_on_device`
+calls through `kernels.dispatch`) as one Triton launch.
 
 In torch it is ~9 elementwise kernels at the head of every look-ahead forward (gather, compare, mask: a few
 us each inside the graph, against the ~100 us of host path the look-ahead takes off the device's idle time);
 here one program per 128 rows reads each row's source and stop ids and writes its token and, for a row that
 stopped, the scratch KDA slot and MLA write row, in place: the device image is written by a fresh copy at
 every launch (`DecodeGraphs`), so the values a step leaves there are never read again. On the CPU (its
-image may share the host buffer) the torch form runs.
+image may share the host buffer) the reference runs, which writes nothing.
 """
 
 from __future__ import annotations
@@ -13,27 +14,20 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import tl, triton
-from services.engine.decode_inputs import DecodeInputs
 
 ROWS = 128  # rows per program
 
 
-def resolve(inp: DecodeInputs, drawn: torch.Tensor, scratch_kda: int, scratch_base: int) -> DecodeInputs:
-    """`inp.resolve_on_device(...)`: in place through one Triton launch on CUDA, the torch form elsewhere."""
-    if inp.tokens.device.type != "cuda" or triton is None:
-        return inp.resolve_on_device(drawn, scratch_kda, scratch_base)
-    resolve_triton(inp, drawn, scratch_kda, scratch_base)
-    return inp
-
-
-def resolve_triton(inp: DecodeInputs, drawn: torch.Tensor, scratch_kda: int, scratch_base: int) -> None:
-    """Write the resolved tokens, KDA slots and MLA write rows into `inp`'s own tensors (any device Triton
-    runs on)."""
-    rows = inp.tokens.shape[0]
-    _resolve[(triton.cdiv(rows, ROWS),)](inp.tokens, inp.kda_slots, inp.row_base, inp.source, inp.stops, drawn,
-                                         rows, scratch_kda, scratch_base, KDA=inp.kda_slots.shape[0],
-                                         MLA=inp.row_base.shape[0], WIDTH=inp.stops.shape[0], ROWS=ROWS,
-                                         num_warps=1)
+def lookahead_prologue(tokens: torch.Tensor, kda_slots: torch.Tensor, row_base: torch.Tensor, source: torch.Tensor,
+                       stops: torch.Tensor, drawn: torch.Tensor, scratch_kda: int,
+                       scratch_base: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference's (tokens, kda_slots, row_base), written into the given tensors (returned) in one launch
+    (any device Triton runs on); each part contiguous, as `DecodeInputs.view` cuts them."""
+    rows = tokens.shape[0]
+    _resolve[(triton.cdiv(rows, ROWS),)](tokens, kda_slots, row_base, source, stops, drawn, rows, scratch_kda,
+                                         scratch_base, KDA=kda_slots.shape[0], MLA=row_base.shape[0],
+                                         WIDTH=stops.shape[0], ROWS=ROWS, num_warps=1)
+    return tokens, kda_slots, row_base
 
 
 if triton is not None:

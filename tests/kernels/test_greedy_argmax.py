@@ -1,5 +1,6 @@
-"""The greedy draw's Triton argmax (services/engine/greedy_argmax.py) against `torch.argmax` as the oracle,
-run through Triton's interpreter on the CPU (compiled on a GPU, where the tensors live there): the lowest index among equal maxima (rows of a few distinct
+"""The greedy draw's Triton argmax (kernels/fused/greedy_argmax_triton.py) against `torch.argmax` as the
+oracle, run through Triton's interpreter on the CPU (compiled on a GPU, where the tensors live there): the
+lowest index among equal maxima (rows of a few distinct
 values, so ties cross chunk and lane boundaries), NaN beating every number (its first index), rows of -inf,
 +inf, and vocabularies that end inside a chunk and inside a load."""
 
@@ -8,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import greedy_argmax as ga
+from kernels import dispatch
+from kernels.fused import greedy_argmax_triton as ga
 
 pytestmark = pytest.mark.skipif(ga.triton is None, reason="no triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,6 +56,8 @@ def test_the_cpu_path_is_torch_argmax(monkeypatch):
     called = []
     monkeypatch.setattr(ga, "argmax_triton", lambda x: called.append(x) or x.argmax(-1))
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(ga.greedy_argmax(logits), logits.argmax(-1)) and not called
+    assert torch.equal(dispatch.greedy_argmax(logits), logits.argmax(-1)) and not called
+    assert torch.equal(ga.greedy_argmax(logits), logits.argmax(-1)) and len(called) == 1  # the launcher's own path
     monkeypatch.setenv(ga.ENV, "torch")  # and the switch that keeps torch's on CUDA
-    assert torch.equal(ga.greedy_argmax(logits.to(DEVICE)), logits.to(DEVICE).argmax(-1)) and not called
+    assert torch.equal(dispatch.greedy_argmax(logits.to(DEVICE)), logits.to(DEVICE).argmax(-1)) and len(called) == 1
+    assert torch.equal(ga.greedy_argmax(logits), logits.argmax(-1)) and len(called) == 1

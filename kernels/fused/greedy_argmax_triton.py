@@ -6,7 +6,8 @@ the H200, ~4x its bandwidth bound, since it reduces a row in few blocks. Here ea
 of `CHUNK` columns, one program per (row, chunk) finds the chunk's maximum and its first index, and one
 program per row combines its chunks. Same answer as `torch.argmax`: float32 comparisons of the (exactly
 widened) values, the lowest index among equal maxima, and a NaN beats every number (the first NaN wins).
-On the CPU, or with K3_GREEDY_ARGMAX=torch, it is `torch.argmax`.
+With K3_GREEDY_ARGMAX=torch it is `torch.argmax` (the reference, naive.py) on CUDA too; the CPU path is
+the reference (`kernels.dispatch.greedy_argmax`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import torch
 
 from kernels._triton import next_pow2, tl, triton
+from kernels.fused import naive
 
 ENV = "K3_GREEDY_ARGMAX"  # "torch": torch.argmax on CUDA too
 CHUNK = 8192  # columns per program: 16 KB of bf16 (a fixed size: one compiled kernel per vocabulary)
@@ -24,11 +26,12 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] -> int64 [R]: `logits.argmax(-1)`, through `argmax_triton` on CUDA."""
-    if (logits.device.type == "cuda" and triton is not None and os.environ.get(ENV, "") != "torch"
-            and logits.dim() == 2 and logits.dtype in _DTYPES and logits.stride(-1) == 1 and logits.shape[0] > 0):
+    """logits [R, V] -> int64 [R]: `logits.argmax(-1)`, through `argmax_triton` (the reference for a layout or
+    dtype it does not take, or under K3_GREEDY_ARGMAX=torch)."""
+    if (os.environ.get(ENV, "") != "torch" and logits.dim() == 2 and logits.dtype in _DTYPES
+            and logits.stride(-1) == 1 and logits.shape[0] > 0):
         return argmax_triton(logits)
-    return logits.argmax(-1)
+    return naive.greedy_argmax(logits)
 
 
 def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
