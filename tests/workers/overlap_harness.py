@@ -26,6 +26,15 @@ from services.engine.plan import RecordingManager
 from services.engine.request import EngineRequest, StepOutput
 from services.engine.scheduler import Scheduler
 from tests.workers.cluster import OVERRIDES
+from tests.workers.oracle import build_reference
+
+STOP = common_pb2.FINISH_REASON_STOP
+
+
+def harness_model():
+    """nano with the cluster's OVERRIDES: the model the scripted engines' WorkerConfig describes."""
+    return build_reference("nano", OVERRIDES)
+
 
 HASH_BLOCK = 16
 MAX_LEN = 256

@@ -17,26 +17,23 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from k3.v1 import common_pb2
 from services.engine.decode_inputs import STOP_WIDTH, DecodeInputBuilder, DecodeInputs
 from services.engine.decode_lookahead import stop_table
-from tests.workers.cluster import OVERRIDES
-from tests.workers.oracle import build_reference
 from tests.workers.overlap_harness import (
+    STOP,
     ScriptedEngine,
     compare_with_plain,
+    harness_model,
     interleaving,
     options,
     prompt,
     scripted_requests,
 )
 
-STOP = common_pb2.FINISH_REASON_STOP
-
 
 @pytest.fixture(scope="module")
 def nano():
-    return build_reference("nano", OVERRIDES)
+    return harness_model()
 
 
 def test_resolve_on_device_reads_the_draw_and_parks_stopped_rows_on_scratch():

@@ -17,23 +17,21 @@ from hypothesis import strategies as st
 
 from k3.v1 import common_pb2
 from services.engine.streams import token_chunk
-from tests.workers.cluster import OVERRIDES
-from tests.workers.oracle import build_reference
 from tests.workers.overlap_harness import (
+    STOP,
     ScriptedEngine,
     compare_with_plain,
+    harness_model,
     interleaving,
     options,
     prompt,
     scripted_requests,
 )
 
-STOP = common_pb2.FINISH_REASON_STOP
-
 
 @pytest.fixture(scope="module")
 def nano():
-    return build_reference("nano", OVERRIDES)
+    return harness_model()
 
 
 def test_stops_mid_batch_leave_the_streams_and_states_of_the_plain_loop(nano):
