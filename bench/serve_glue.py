@@ -23,14 +23,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.serve_rank import copy_bandwidth
+from bench.serve_rank import copy_bandwidth, set_environ
 from k3core.config import K3Config
 from k3core.layers.moe import SparseMoE
 from k3core.presets import preset
@@ -46,12 +48,21 @@ from kernels.fused import (
 )
 from kernels.moe import situ_glu_triton
 from kernels.perf import harness
+from services.engine import fast_ffn
 from services.engine.fast_ffn import MoeDecode, grouped_mm_available
 
 ROUTER_CONFIGS = [  # (block_t, block_h, num_warps, num_stages, H splits; None: the launcher's rule)
     (16, 256, 4, 4, None), (16, 256, 4, 4, 1), (16, 128, 4, 3, None), (16, 256, 8, 4, None), (64, 256, 4, 3, None)]
-EXPERT_CONFIGS = [  # (block_n, block_k, num_warps, num_stages)
-    (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 4), (64, 128, 4, 3), (64, 64, 4, 4)]
+EXPERT_CONFIGS = [  # (block_n, block_k, num_warps, num_stages, TMA loads); the first is the launcher's default
+    (64, 64, 4, 3, False), (128, 64, 4, 2, False), (128, 64, 8, 2, False), (64, 64, 4, 3, True),
+    (64, 64, 4, 4, True), (64, 64, 8, 3, True), (128, 64, 8, 2, True), (128, 64, 8, 3, True), (64, 128, 4, 2, True)]
+DOWN_CONFIGS = [  # the experts' down projection in Triton, against cuBLAS's batched GEMM (what runs now)
+    (64, 64, 4, 3, False), (128, 64, 4, 3, False), (128, 64, 8, 3, False), (64, 64, 4, 3, True),
+    (128, 64, 4, 3, True), (128, 64, 8, 3, True), (128, 64, 8, 4, True), (256, 64, 8, 3, True)]
+MLA_VARIANTS = [  # mla_decode_paged tuning at the serve pool's 1024-token pages; {} = the launcher's rule
+    {}, {"num_splits": 2}, {"num_splits": 8}, {"num_splits": 16}, {"block_n": 32, "num_stages": 3},
+    {"block_n": 32, "num_stages": 3, "num_splits": 8}, {"num_warps": 8}, {"tokens_major": True}]
+MLA_CONTEXTS = (1024, 4096)
 WEIGHT_COPIES = 3  # distinct weight sets cycled through the timed calls: 300 MB, far past the 50 MB L2
 Case = tuple[Callable[[], object], Callable[[], object] | None, int]  # fused, peer, weight bytes read per call
 
@@ -68,6 +79,17 @@ def device_us(fn: Callable[[], object], reps: int = 20) -> float:
     if method != "graph":
         raise RuntimeError("a serve_glue case could not be captured in a CUDA graph")
     return ms * 1e3
+
+
+@contextmanager
+def harness_env(values: dict[str, str]) -> Iterator[None]:
+    """The environment with `values` set, restored after (a fast-path form chosen while a case runs)."""
+    before = {key: os.environ.get(key) for key in values}
+    set_environ(dict(values))
+    try:
+        yield
+    finally:
+        set_environ(before)
 
 
 def weight_copies(shape: tuple[int, ...], gen: torch.Generator, count: int = WEIGHT_COPIES) -> list[torch.Tensor]:
@@ -92,10 +114,49 @@ def expert_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[t
         gate_up = F.linear(z, w13.view(experts * 2 * ffn, latent)).view(tokens * experts, 2 * ffn)
         return situ_glu_triton.situ_glu_fused(gate_up, *beta).view(tokens, experts, ffn).transpose(0, 1)
 
-    return {f"expert_gate_up_glu n{n} k{k} w{warps} s{stages}": (
-        each_call(lambda w, t=(n, k, warps, stages): expert_gemm_triton.expert_gate_up_glu(
-            z, w, "situ", *beta, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3]), w13s),
-        each_call(cublas, w13s), experts * 2 * ffn * latent * 2) for n, k, warps, stages in configs}
+    return {f"expert_gate_up_glu n{n} k{k} w{warps} s{stages}{' tma' if tma else ''}": (
+        each_call(lambda w, t=(n, k, warps, stages, tma): expert_gemm_triton.expert_gate_up_glu(
+            z, w, "situ", *beta, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], tma=t[4]), w13s),
+        each_call(cublas, w13s), experts * 2 * ffn * latent * 2) for n, k, warps, stages, tma in configs}
+
+
+def down_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tuple]) -> dict[str, Case]:
+    """The dense experts' down projection act [E, T, F] @ w2 [E, l, F]^T in Triton, against cuBLAS's bmm."""
+    experts, ffn, latent = c.num_experts, c.moe_intermediate_size, c.routed_expert_hidden_size
+    act = torch.randn(experts, tokens, ffn, device=gen.device, generator=gen).to(torch.bfloat16)
+    w2s = weight_copies((experts, latent, ffn), gen, 2 * WEIGHT_COPIES)
+    return {f"expert_down n{n} k{k} w{warps} s{stages}{' tma' if tma else ''}": (
+        each_call(lambda w, t=(n, k, warps, stages, tma): expert_gemm_triton.expert_down(
+            act, w, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], tma=t[4]), w2s),
+        each_call(lambda w: torch.bmm(act, w.transpose(1, 2)), w2s), experts * latent * ffn * 2)
+        for n, k, warps, stages, tma in configs}
+
+
+def mla_cases(c: K3Config, batch: int, gen: torch.Generator, variants: list[dict]) -> dict[str, Case]:
+    """The paged MLA decode (split-KV) at the serve pool's page size, `batch` sequences at each of
+    MLA_CONTEXTS, per tuning, against the launcher's rule; latents cycled through enough copies of the
+    cache to come from HBM. "weight" bytes here: the latent rows read."""
+    from kernels.mla import decode_triton
+
+    rank, rope, heads, page = c.kv_lora_rank, c.qk_rope_head_dim, c.num_attention_heads, 1024
+    scale = (c.qk_nope_head_dim + rope) ** -0.5
+    found: dict[str, Case] = {}
+    for ctx in MLA_CONTEXTS:
+        pages = batch * ctx // page
+        copies = max(2, -(-200_000_000 // (pages * page * (rank + rope) * 2)))
+        caches = [torch.randn(pages, page, rank + rope, device=gen.device, generator=gen).to(torch.bfloat16)
+                  for _ in range(copies)]
+        table = torch.randperm(pages, device=gen.device, generator=gen).view(batch, -1).to(torch.int32)
+        q = torch.randn(batch, heads, rank + rope, device=gen.device, generator=gen).to(torch.bfloat16)
+        step = (q, table, torch.full((batch,), ctx, device=gen.device, dtype=torch.int32))
+        for v in variants:
+            name = ",".join(f"{k}={val}" for k, val in v.items()) or "rule"
+            found[f"mla_decode_paged ctx{ctx} {name}"] = (
+                each_call(lambda cache, v=v, a=step: decode_triton.mla_decode_paged(
+                    a[0], cache, a[1], a[2], scale, rank, **v), caches),
+                each_call(lambda cache, a=step: decode_triton.mla_decode_paged(a[0], cache, a[1], a[2], scale, rank),
+                          caches), batch * ctx * (rank + rope) * 2)
+    return found
 
 
 def router_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tuple[int, ...]]) -> dict[str, Case]:
@@ -124,10 +185,19 @@ def moe_layer_case(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, 
     fast = MoeDecode(moe, c, grouped_mm_available(gen.device, torch.bfloat16))
     x = torch.randn(tokens, c.hidden_size, device=gen.device, generator=gen).to(torch.bfloat16)
     residual = torch.zeros_like(x)
-    with torch.no_grad():
-        diff = float((fast(x) - moe(x)).abs().max())
-    form = "dense" if fast._dense(tokens) else "grouped"
-    return {f"MoeDecode layer ({form}), diff {diff:.3g}": (torch.no_grad()(lambda: fast(x, residual)), None, 0)}
+    if not fast._dense(tokens):
+        with torch.no_grad():
+            diff = float((fast(x) - moe(x)).abs().max())
+        return {f"MoeDecode layer (grouped), diff {diff:.3g}": (torch.no_grad()(lambda: fast(x, residual)), None, 0)}
+    found: dict[str, Case] = {}
+    for form in fast_ffn.DENSE_FORMS:  # each dense form (K3_DENSE_EXPERTS), set while its calls are captured
+        def call(form=form):
+            with harness_env({fast_ffn.DENSE_FORM_ENV: form}), torch.no_grad():
+                return fast(x, residual)
+        with harness_env({fast_ffn.DENSE_FORM_ENV: form}), torch.no_grad():
+            diff = float((fast(x) - moe(x)).abs().max())
+        found[f"MoeDecode layer (dense {form}), diff {diff:.3g}"] = (call, None, 0)
+    return found
 
 
 def max_diff(a: object, b: object) -> float:
@@ -188,7 +258,7 @@ def cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, tuple[Cal
     }
 
 
-GROUPS = ("glue", "router", "experts", "layer", "skinny")
+GROUPS = ("glue", "router", "experts", "down", "mla", "layer", "skinny")
 
 
 def main() -> None:
@@ -219,6 +289,10 @@ def main() -> None:
             timed |= router_cases(config, tokens, gen, ROUTER_CONFIGS if sweep else ROUTER_CONFIGS[:1])
         if tokens <= 128 and "experts" in groups:  # the dense experts' range (MoeDecode._dense)
             timed |= expert_cases(config, tokens, gen, EXPERT_CONFIGS if sweep else EXPERT_CONFIGS[:1])
+        if tokens <= 128 and "down" in groups:
+            timed |= down_cases(config, tokens, gen, DOWN_CONFIGS if sweep else DOWN_CONFIGS[:1])
+        if "mla" in groups and sweep:
+            timed |= mla_cases(config, tokens, gen, MLA_VARIANTS if sweep else MLA_VARIANTS[:1])
         if "skinny" in groups and tokens <= skinny_gemm_triton.MAX_ROWS:
             timed |= skinny_cases(config, tokens, gen, sweep)
         if "layer" in groups:

@@ -30,6 +30,11 @@ def expert_gate_up_glu(z: torch.Tensor, w13: torch.Tensor, activation: str = "si
     return glu(gate_up, activation, beta1, beta2).transpose(0, 1).contiguous()
 
 
+def expert_down(act: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Every expert's down projection: act [E, T, F] @ w2 [E, l, F]^T -> [E, T, l]."""
+    return torch.bmm(act, w2.transpose(1, 2))
+
+
 def moe_align(indices: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The (token, expert) pairs of indices [T, k] sorted by expert, ties by pair id (t*k + j): (token of each
     sorted row [T*k] int64, cumulative row count per expert [E] int32: grouped-GEMM offsets, sorted row of

@@ -12,6 +12,7 @@ No host sync and no per-sequence Python: every shape depends on the batch size o
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -26,6 +27,15 @@ from kernels import dispatch
 from services.engine.derived_weights import DerivedWeights
 
 L2_EPS = 1e-6  # k3core.ops.kda.l2norm's default, what the reference layer uses
+MLA_SPLITS_ENV = "K3_MLA_SPLITS"  # a fixed split count for the MLA decode kernel (bench.serve --variant); unset:
+# the launcher's rule (kernels/mla/decode_triton.default_splits)
+
+
+def mla_tuning(q: torch.Tensor) -> dict[str, int]:
+    """The MLA decode launcher's tuning from the environment, read when a forward is traced or captured (only
+    on the Triton path: the reference takes none)."""
+    splits = os.environ.get(MLA_SPLITS_ENV)
+    return {"num_splits": int(splits)} if splits and dispatch.use_triton(q) else {}
 
 
 def rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -120,7 +130,7 @@ class MlaDecode:
         absorbed[..., attn.rank :] = q[..., attn.nope :]
         absorbed = absorbed.to(self.cache.dtype)
         o_latent = dispatch.mla_decode_paged(absorbed, self.cache, page_table, lengths, attn.scale,
-                                             latent_dim=attn.rank)
+                                             latent_dim=attn.rank, **mla_tuning(absorbed))
         o = torch.bmm(o_latent.transpose(0, 1).to(x.dtype), self.w_uv_t.to(x.dtype))  # [H, B, Dv]
         o = dispatch.gated_heads(o, parts[2]) if attn.output_gate else o.transpose(0, 1).reshape(batch, -1)
         return linear_add(o, attn.o_proj.weight, residual)

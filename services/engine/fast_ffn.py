@@ -16,8 +16,10 @@ GEMM for the down projections; the combine then reads only the picked (expert, t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,22 @@ from services.engine.fast_attention import fuse_linears, linear_add, rms
 
 ExpertRows = tuple[torch.Tensor, torch.Tensor, int, int]  # rows, index, index_stride, token_stride (moe_combine)
 RoutedSum = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (z, weights, indices) -> [T, l]
+# The dense experts' kernels on the device (`K3_DENSE_EXPERTS`, read when a forward is traced or captured):
+# name -> (gate|up + GLU launcher tuning, down projection's tuning; None: cuBLAS's batched GEMM). bench.serve
+# compares them in one process with `--variant`; bench.serve_glue times each kernel alone.
+DENSE_FORMS: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
+    "pointer": ({}, None),
+    "tma": ({"tma": True}, None),
+    "tma-down": ({"tma": True}, {"tma": True, "block_n": 128, "num_warps": 4, "num_stages": 3}),
+}
+DENSE_FORM_ENV, DEFAULT_DENSE_FORM = "K3_DENSE_EXPERTS", "pointer"
+
+
+def dense_form() -> tuple[dict[str, Any], dict[str, Any] | None]:
+    name = os.environ.get(DENSE_FORM_ENV, DEFAULT_DENSE_FORM)
+    if name not in DENSE_FORMS:
+        raise ValueError(f"{DENSE_FORM_ENV}={name!r}: expected one of {sorted(DENSE_FORMS)}")
+    return DENSE_FORMS[name]
 
 
 def glu_activation(config: K3Config, gate_up: torch.Tensor) -> torch.Tensor:
@@ -98,9 +116,10 @@ class MoeDecode:
 
     def _expert_rows_dense(self, z: torch.Tensor, indices: torch.Tensor) -> ExpertRows:
         """Every expert on every token: [E*T, l] rows, token t's pick of expert e at row e*T + t."""
+        gate_up, down = dense_form() if dispatch.use_triton(z) else ({}, None)  # the references take no tuning
         act = dispatch.expert_gate_up_glu(z, self.w13, self.activation, self.config.situ_beta,
-                                          self.config.situ_linear_beta)  # [E, T, F]
-        out = torch.bmm(act, self.w2.transpose(1, 2))  # [E, T, l]
+                                          self.config.situ_linear_beta, **gate_up)  # [E, T, F]
+        out = torch.bmm(act, self.w2.transpose(1, 2)) if down is None else dispatch.expert_down(act, self.w2, **down)
         experts, tokens, width = out.shape
         return out.view(experts * tokens, width), indices, tokens, 1
 

@@ -47,6 +47,7 @@ from kernels.kda import decode_step_triton, decode_triton, prefill_triton, verif
 from kernels.mla import decode_triton as mla_decode
 from kernels.moe import latent_moe_decode_triton, situ_glu_triton
 from kernels.perf import attnres_cases, kda_decode_cases, kda_prefill_cases, mla_cases, moe_cases
+from services.engine import fast_ffn
 from services.engine.decode_inputs import DecodeInputs
 
 BF16, F32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
@@ -161,7 +162,9 @@ def moe_step(tokens: int) -> None:
     situ_glu_triton.situ_glu_fused(empty(tokens * TOP_K, 2 * F_MOE))
     moe_combine_triton.moe_combine(empty(tokens * TOP_K, LATENT), position, weights, 1, 0, empty(LATENT), 1e-6,
                                    shared, out_dtype=BF16)
-    expert_gemm_triton.expert_gate_up_glu(h[:, :LATENT], empty(E, 2 * F_MOE, LATENT))
+    for gate_up, down in fast_ffn.DENSE_FORMS.values():  # the dense experts' forms (K3_DENSE_EXPERTS)
+        expert_gemm_triton.expert_gate_up_glu(h[:, :LATENT], empty(E, 2 * F_MOE, LATENT), **gate_up)
+        expert_gemm_triton.expert_down(empty(E, tokens, F_MOE), empty(E, LATENT, F_MOE), **(down or {}))
     moe_combine_triton.moe_combine(empty(E * tokens, LATENT), ids, weights, tokens, 1, empty(LATENT), 1e-6, shared,
                                    out_dtype=BF16)
 
