@@ -22,6 +22,7 @@ from services.engine.decode_lookahead import stop_table
 from tests.workers.overlap_harness import (
     STOP,
     ScriptedEngine,
+    batch_noise_floor,
     compare_with_plain,
     harness_model,
     interleaving,
@@ -29,6 +30,11 @@ from tests.workers.overlap_harness import (
     prompt,
     scripted_requests,
 )
+
+# The look-ahead's states against the measured noise floor (overlap_harness.batch_noise_floor). Measured on this
+# test's script: the largest look-ahead difference was 1.06x the floor on the CPU (1.26e-5 / 1.19e-5) and 1.11x
+# on the H200 (1.79e-4 / 1.61e-4; the plain engine run twice there: bit-equal); one step moves a state by 1.1-3.1.
+NOISE_MARGIN = 4
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +87,11 @@ def _stops_mid_batch(nano, **engine_args) -> None:
         ("r4", 9, options(vocab, temperature=0.9, seed=4, max_tokens=11, ignore_eos=True)),
     ]
     script = {0: [("add", rid, prompt(i, n), o) for i, (rid, n, o) in enumerate(requests)]}
-    _, ahead = compare_with_plain(nano, script, lookahead=True, **engine_args)
+    # The states may differ from the plain engine's by what other batches do to them on this device, measured
+    # here (a few ulps on the CPU); an extra step of a request moves its state by ~1 (1.1-3.1 a step here).
+    tolerance = NOISE_MARGIN * batch_noise_floor(nano, script, **engine_args)
+    assert tolerance < 1e-2
+    _, ahead = compare_with_plain(nano, script, lookahead=True, state_atol=tolerance, **engine_args)
     assert ahead.ahead >= 5  # the look-ahead did run the decode steps
     got = ahead.streams
     assert got["r0"].reason == got["r1"].reason == STOP and got["r0"].tokens[-1] == r0[3]
