@@ -19,6 +19,7 @@ them. The key dimension is walked in BK-column blocks so that only [C, BK] tiles
 from __future__ import annotations
 
 from kernels._triton import tl, triton
+from kernels.kda.prefill_prep_triton import _chunk_head
 
 CHUNK = 64
 SUB = 16  # sub-block of the decay split: |lower_bound| * SUB must stay below ~88 (float32 exp range)
@@ -26,12 +27,12 @@ SUB = 16  # sub-block of the decay split: |lower_bound| * SUB must stay below ~8
 if triton is not None:
 
     @triton.jit
-    def _diagonal_block_inverses(ws, C: tl.constexpr, BC: tl.constexpr):
+    def _diagonal_block_inverses(ws, C: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
         """(I + M_bb)^-1 of the C / BC diagonal BC x BC blocks of the strictly lower-triangular M [C, C]
         (row-major float32 at ws), as [C / BC, BC, BC], in float32, by block doubling with batched dots:
         with X_s the inverse of the s x s diagonal blocks and L_s the entries of M between the two s-halves
         of each 2s-block, X_2s = X_s - X_s L_s X_s (exact, since (L_s X_s)^2 = 0); X_2 = I - L_1 needs no
-        dot, so 6 small dots. It replaced forward substitution row by row (two cross-thread reductions per
+        dot, so 6 small dots, at input precision DOT. It replaced forward substitution row by row (two cross-thread reductions per
         row, a serial chain: 119 barrier and 240 shuffle instructions vs 17 and 0 in sm_90a SASS; the UT
         pass 1.10 -> 0.98 ms at B=1, T=32K, H=16 on the H200)."""
         NB: tl.constexpr = C // BC
@@ -44,17 +45,20 @@ if triton is not None:
         for level in tl.static_range(1, BC.bit_length() - 1):
             s = 1 << level
             L = tl.where((r3 // (2 * s) == j3 // (2 * s)) & (r3 // s > j3 // s), diag, 0.0)
-            X -= tl.dot(tl.dot(X, L, input_precision="ieee"), X, input_precision="ieee")
+            X -= tl.dot(tl.dot(X, L, input_precision=DOT), X, input_precision=DOT)
         return X
 
     @triton.jit
-    def _unit_lower_inverse(ws, rows, C: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
+    def _unit_lower_inverse(ws, rows, C: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr, INV_DOT: tl.constexpr):
         """(I + M)^-1 for the strictly lower-triangular M [C, C] (row-major float32 at ws): the diagonal
         blocks' inverses D^-1, then the block off-diagonal terms by the nilpotent series with dots:
-        (D + L)^-1 = (I - N + N^2 - N^3) D^-1, N = D^-1 L, since N^4 = 0 for C / BC = 4 blocks."""
+        (D + L)^-1 = (I - N + N^2 - N^3) D^-1, N = D^-1 L, since N^4 = 0 for C / BC = 4 blocks. INV_DOT: the
+        input precision of the diagonal blocks' dots (sm_90a SASS, 4 warps: "ieee" runs them on the FMA
+        pipe, 768 FFMA per thread; "tf32" on the tensor cores: the inverse's straight-line code 2516 -> 1690
+        instructions per warp, of ~7.9 K for the whole pass)."""
         NB: tl.constexpr = C // BC
         tl.static_assert(NB == 4, "the series below stops at N^3: exactly 4 sub-blocks per chunk")
-        X = _diagonal_block_inverses(ws, C, BC)
+        X = _diagonal_block_inverses(ws, C, BC, INV_DOT)
         same = tl.arange(0, NB)[:, None, None, None] == tl.arange(0, NB)[None, None, :, None]
         d_inv = tl.reshape(tl.where(same, X[:, :, None, :], 0.0), [C, C])
         cols = tl.arange(0, C)
@@ -104,15 +108,15 @@ if triton is not None:
         q, k, v, g, beta, cu_seqlens, chunk_seq, chunk_start,
         w_out, u_out, qg_out, kg_out, aqk_out, gc_out, akk_ws, scale,
         H, D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, F32_DOTS: tl.constexpr,
-        DOT: tl.constexpr,
+        DOT: tl.constexpr, INV_DOT: tl.constexpr, HEADS_FIRST: tl.constexpr,
     ):
         """Grid (chunks, H). Token-major [T_total, H, *] in and out; g float32 in log2 units (G * log2(e): the
         decay factors are bare exp2, one MUFU op each, where exp costs a multiply and a range fix-up more),
         beta [T_total, H] float32 (already through the sigmoid); gc_out [chunks, H, D]; akk_ws [chunks, H, C, C] float32 scratch.
         F32_DOTS: float32 dot operands instead of the input dtype. DOT: the float32 dots' input_precision
-        ("tf32" or "ieee", see prefill_triton.dot_precision)."""
-        ci = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+        ("tf32" or "ieee", see prefill_triton.dot_precision); INV_DOT: see _unit_lower_inverse. HEADS_FIRST: a
+        1-D grid (chunks * H), a chunk's heads adjacent (see prefill_prep_triton._chunk_head)."""
+        ci, h = _chunk_head(H, HEADS_FIRST)
         start = tl.load(chunk_start + ci).to(tl.int64)
         n_valid = (tl.load(cu_seqlens + tl.load(chunk_seq + ci) + 1) - start).to(tl.int32)
         # Every pointer is moved to this chunk's first row once; tiles then use 32-bit offsets (64-bit ones
@@ -130,7 +134,6 @@ if triton is not None:
         last = tl.minimum(n_valid, C) - 1
         dt = tl.float32 if F32_DOTS else q.dtype.element_ty
         NB: tl.constexpr = C // BC
-        bt = tl.load(beta + rows * H, mask=valid, other=0.0)
         # Aqk goes out; Akk goes through this program's scratch tile to come back as one [C, C] tile.
         ws = akk_ws + (ci * H + h) * C * C
         aqk_st = aqk_out + rows[:, None] * (H * C)
@@ -159,12 +162,16 @@ if triton is not None:
                 else:
                     ak3 += part_k
                     aq3 += part_q
+        # beta loaded after the loop and again after the inverse: not live across them (sm_90a under the
+        # 168-register cap: 40 instead of 64 B of spills)
+        bt = tl.load(beta + rows * H, mask=valid, other=0.0)
         _store_a_block(aqk_st, ws, ak0, aq0, 0, rows, bt, scale, io_mask, C, BC)
         _store_a_block(aqk_st, ws, ak1, aq1, BC, rows, bt, scale, io_mask, C, BC)
         _store_a_block(aqk_st, ws, ak2, aq2, 2 * BC, rows, bt, scale, io_mask, C, BC)
         _store_a_block(aqk_st, ws, ak3, aq3, 3 * BC, rows, bt, scale, io_mask, C, BC)
         tl.debug_barrier()
-        T = _unit_lower_inverse(ws, rows, C, BC, DOT).to(dt)
+        T = _unit_lower_inverse(ws, rows, C, BC, DOT, INV_DOT).to(dt)
+        bt = tl.load(beta + rows * H, mask=valid, other=0.0)
         for kb in range(0, D // BK):
             cols = kb * BK + tl.arange(0, BK)
             rel = rows[:, None] * HD + cols[None, :]

@@ -11,6 +11,7 @@ From the UT pass's outputs (prefill_chunk_triton.py: w (negated), u, qg, kg, Aqk
 from __future__ import annotations
 
 from kernels._triton import tl, triton
+from kernels.kda.prefill_prep_triton import _chunk_head
 
 if triton is not None:
 
@@ -103,11 +104,10 @@ if triton is not None:
     @triton.jit
     def _kda_chunk_output_kernel(
         qg, aqk, h_in, v_new, gate, norm_w, y_out, cu_seqlens, chunk_seq, chunk_start, norm_eps,
-        H, D: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr,
+        H, D: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr, HEADS_FIRST: tl.constexpr,
     ):
-        """Grid (chunks, H): y = gated RMSNorm(qg S_in + Aqk v_new)."""
-        ci = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+        """Grid (chunks, H), or (chunks * H,) with HEADS_FIRST: y = gated RMSNorm(qg S_in + Aqk v_new)."""
+        ci, h = _chunk_head(H, HEADS_FIRST)
         start = tl.load(chunk_start + ci).to(tl.int64)
         n_valid = (tl.load(cu_seqlens + tl.load(chunk_seq + ci) + 1) - start).to(tl.int32)
         rows = tl.arange(0, C)

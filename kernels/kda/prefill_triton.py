@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from k3core.layers.weight_derivation import WeightDerivation
 from kernels._triton import next_pow2, require, sm_count
 from kernels.kda import naive
 from kernels.kda.prefill_chunk_triton import CHUNK, SUB, _kda_chunk_ut_kernel
@@ -59,6 +60,24 @@ def chunk_plan(bounds: tuple[int, ...], device: torch.device) -> tuple[torch.Ten
     return tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (bounds, seq, start, offsets))
 
 
+def tap_major(conv_weight: torch.Tensor) -> torch.Tensor:
+    """The conv weights [3, H*D, W] tap-major, [3, W, H*D] (what the prep pass reads: a tap's weights for a
+    thread's channels are one vector load, where [3, H*D, W] took one 16-bit load per channel; sm_90a: 31 vs
+    59 global loads per prep program; H200, same run: prep 1.02 -> 0.88 ms at B=8, T=4K, H=32). Derived once
+    per weight tensor and kept on it (a layer passes the same cached stacked weight every call); rebuilt when
+    the tensor changed in place or moved (WeightDerivation), on every call for inference tensors (no version
+    counter) and during CUDA-graph capture (the graph then transposes on every replay, as before caching)."""
+    def build(weights):
+        return weights[0].transpose(1, 2).contiguous()
+
+    if conv_weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        return build([conv_weight])
+    derived = getattr(conv_weight, "_k3_tap_major", None)
+    if derived is None:
+        derived = conv_weight._k3_tap_major = WeightDerivation(build)
+    return derived.get([conv_weight])
+
+
 def _sequence_bounds(cu_seqlens: torch.Tensor | None, batch: int, length: int) -> tuple[int, ...]:
     if cu_seqlens is None:
         return tuple(range(0, batch * length + 1, length)) if length else (0,) * (batch + 1)
@@ -93,7 +112,8 @@ def kda_prefill_block(
     norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
     prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 3, f32_dots: bool = False,
     ut_maxnreg: int | None = 168, few_block_v: int = 16, ut_stages: int = 3, fuse_output: bool | None = None,
-    fused_warps: int = 8, fused_stages: int = 2,
+    fused_warps: int = 8, fused_stages: int = 2, ut_exact_inverse: bool = True,
+    heads_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
@@ -122,6 +142,10 @@ def kda_prefill_block(
       the SMs (B=8, H=32: 256 programs) and no sequence holds over 1.25x the mean chunk count; with few of
       them (B=1, H=16) the recurrence needs its value-column split to have enough programs. fused_stages:
       its chunk loop's pipelining depth (3 needs 288 KB of shared memory on sm_90a: 2, 197 KB, fits).
+    - ut_exact_inverse: the UT pass's 16 x 16 diagonal-block inverses with IEEE float32 dots (FMA pipe);
+      False: at the block's dot precision (TF32 tensor-core dots for 16-bit activations).
+    - heads_first: the prep, UT and output passes' programs ordered chunk-major (all heads of a chunk
+      adjacent: the programs running at once read contiguous memory) instead of head-major.
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
@@ -144,6 +168,7 @@ def kda_prefill_block(
     dev = q.device
     cu, chunk_seq, chunk_start, chunk_offsets = chunk_plan(bounds, dev)
     n_chunks = chunk_seq.numel()
+    grid = (n_chunks * H, 1) if heads_first else (n_chunks, H)  # the per-(chunk, head) passes
     q, k, v, z, beta, gate = (t.contiguous() for t in (q, k, v, z, beta, gate))
     work = [torch.empty_like(q) for _ in range(4)]  # w, u, qg, kg
     aqk = torch.empty(B, T, H, CHUNK, device=dev, dtype=q.dtype)
@@ -156,17 +181,15 @@ def kda_prefill_block(
         qn, kn, vc = (torch.empty_like(q) for _ in range(3))
         g = torch.empty(q.shape, device=dev, dtype=torch.float32)
         beta_f = torch.empty(beta.shape, device=dev, dtype=torch.float32)
-        # The conv weights tap-major, [3, W, H*D]: a tap's weights for a thread's channels are one vector load,
-        # where [3, H*D, W] took one 16-bit load per channel (sm_90a: 31 vs 59 global loads per prep program;
-        # H200, same run: prep 1.02 -> 0.88 ms at B=8, T=4K, H=32, 0.51 -> 0.44 at B=1, T=32K).
-        _kda_prep_kernel[(n_chunks, H, 3)](
-            q, k, v, z, beta, conv_weight.transpose(1, 2).contiguous(), A_log, dt_bias.contiguous(), conv, cu,
+        _kda_prep_kernel[(*grid, 3)](
+            q, k, v, z, beta, tap_major(conv_weight), A_log, dt_bias.contiguous(), conv, cu,
             chunk_seq, chunk_start, qn, kn, vc, g, beta_f, lower_bound, l2_eps, **shape, W=W,
-            HAS_CONV=initial_conv is not None, num_warps=prep_warps)
-        _kda_chunk_ut_kernel[(n_chunks, H)](
+            HAS_CONV=initial_conv is not None, HEADS_FIRST=heads_first, num_warps=prep_warps)
+        _kda_chunk_ut_kernel[grid](
             qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
             torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,
-            BK=k_block, F32_DOTS=f32_dots or q.dtype == torch.float16, DOT=dot, num_warps=ut_warps, num_stages=ut_stages,
+            BK=k_block, F32_DOTS=f32_dots or q.dtype == torch.float16, DOT=dot,
+            INV_DOT="ieee" if ut_exact_inverse else dot, HEADS_FIRST=heads_first, num_warps=ut_warps, num_stages=ut_stages,
             maxnreg=ut_maxnreg)
     if fuse_output is None:  # an explicit block_v asks for the split recurrence
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
@@ -190,8 +213,8 @@ def kda_prefill_block(
         HAS_CONV=initial_conv is not None, STAGES=stages, DOT=dot, FUSED_OUT=fuse_output, num_warps=recurrence_warps,
     )
     if n_chunks and not fuse_output:
-        _kda_chunk_output_kernel[(n_chunks, H)](
+        _kda_chunk_output_kernel[grid](
             qg, aqk, h_states, v_new, gate, norm_weight, y, cu, chunk_seq, chunk_start, norm_eps,
-            **shape, DOT=dot, num_warps=num_warps,
+            **shape, DOT=dot, HEADS_FIRST=heads_first, num_warps=num_warps,
         )
     return y, final_state, final_conv

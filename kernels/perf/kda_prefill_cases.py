@@ -56,6 +56,10 @@ VARIANTS = (
     ("out w8", {"num_warps": 8}, "_kda_chunk_output_kernel"),
     ("ut f32 dots", {"f32_dots": True}, "_kda_chunk_ut_kernel"),
     ("prep w16", {"prep_warps": 16}, "_kda_prep_kernel"),
+    ("ut tf32 inverse", {"ut_exact_inverse": False}, "_kda_chunk_ut_kernel"),
+    # None: it moves two kernels (the prep and the UT pass)
+    ("heads first", {"heads_first": True}, None),
+    ("heads first + tf32 inverse", {"heads_first": True, "ut_exact_inverse": False}, None),
     # Last: 8-warp UT programs ran on Triton 3.6 / H200 this round, but an earlier 8-warp form faulted, and a
     # fault ends the process. 128 registers: 2 programs of 8 warps per SM.
     ("ut w8 cap128", {"ut_warps": 8, "ut_maxnreg": 128}, "_kda_chunk_ut_kernel"),

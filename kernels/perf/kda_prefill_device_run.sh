@@ -13,12 +13,19 @@
 # comparison with fla needs BUDGET >= 240 with the default T_WARM=130, about 300 device-seconds in all.
 # Session 6 (history 26): BUDGET=272 T_WARM=115 F0_PEER=second, 5 of ours + fla at four shapes: warm-ups
 # 118 s (fla's compiles), F0 96 s; 244 device-seconds from a cold start.
+# Triton's on-disk cache (session 7): every process compiles into $TRITON_CACHE_DIR; CACHE_IN (a .tgz, e.g. a
+# previous run's, copied to the carried .device/) is unpacked there first, so fla's compiles (118 of session
+# 6's 244 s) and its autotuning on the timed shapes (cached by the F0 process: FLA_CACHE_RESULTS) come from
+# it; SAVE_CACHE=1 packs the cache to $OUT/kda_triton_cache.tgz at the end.
 set -u
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
 pip install --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/kda_triton_cache}"
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f "${CACHE_IN:-.device/kda_triton_cache.tgz}" ] && tar xzf "${CACHE_IN:-.device/kda_triton_cache.tgz}" -C "$TRITON_CACHE_DIR"
+save_cache() { [ "${SAVE_CACHE:-0}" = 1 ] && tar czf "$OUT/kda_triton_cache.tgz" -C "$TRITON_CACHE_DIR" . && log "cache saved"; }
 left() { echo $(( ${BUDGET:-240} - ($(date +%s) - START) )); }
 # A phase's time limit: what is left less $1, at least 1 s (`timeout 0` would mean no limit at all).
 limit() { local s=$(( $(left) - $1 )); echo $(( s > 1 ? s : 1 )); }
@@ -42,7 +49,7 @@ KDA_PREFILL_PEER="${F0_PEER:-last}" KDA_PREFILL_ROWS="$OUT/final.jsonl" KDA_PREF
   timeout -k 3 "$(limit "$RESERVE")" python3 -m bench.kernels --only kda_prefill --out "$OUT/final.json" \
   > "$OUT/final.log" 2>&1
 log "final rc=$?"
-[ -n "$VARIANTS" ] || exit 0
+[ -n "$VARIANTS" ] || { save_cache; exit 0; }
 KDA_PREFILL_ROWS="$OUT/variants.jsonl" KDA_PREFILL_PEER=0 KDA_PREFILL_SHAPES="B=1,T=32K" \
 KDA_PREFILL_VARIANTS="default,$VARIANTS" timeout -k 3 "$(limit 20)" \
   python3 -m bench.kernels --only kda_prefill --out "$OUT/variants.json" > "$OUT/variants.log" 2>&1
@@ -56,3 +63,4 @@ if [ "$PICK" != "{}" ] && [ "$(left)" -gt 8 ]; then
     > "$OUT/picked.log" 2>&1
   log "picked rc=$?"
 fi
+save_cache

@@ -49,11 +49,13 @@ def test_reference_prefill_matches_float64_token_by_token():
     (None, 32, {"fuse_output": False}),
     (16, 32, {"ut_maxnreg": None, "stages": 2, "ut_stages": 2}),
     (None, 16, {"fuse_output": True}),
+    (None, 32, {"heads_first": True, "ut_exact_inverse": False, "fuse_output": False}),
 ])
 def test_triton_prefill_matches_reference(interpreted, block_v, k_block, tuning):
     """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states, D = 32: the
     UT transform in one or two key-column blocks; the prologue's conv taps before the chunk are negative
-    32-bit row offsets; the output pass on its own or inside the recurrence."""
+    32-bit row offsets; the output pass on its own or inside the recurrence; the prep and UT grids
+    chunk-major (heads first) and the UT pass's diagonal inverse at the dots' precision."""
     case = KdaCase(heads=2, dim=32)
     gen = torch.Generator().manual_seed(12)
     params = case.params(gen)
@@ -137,7 +139,7 @@ def test_triton_prefill_with_nearly_parallel_keys(interpreted):
 
 @triton.jit
 def _inverses_kernel(m, out, C: tl.constexpr, BC: tl.constexpr):
-    x = _diagonal_block_inverses(m, C, BC)
+    x = _diagonal_block_inverses(m, C, BC, "ieee")
     blocks = tl.arange(0, C // BC)[:, None, None] * BC * BC
     tl.store(out + blocks + tl.arange(0, BC)[None, :, None] * BC + tl.arange(0, BC)[None, None, :], x)
 
@@ -183,3 +185,21 @@ def test_bad_cu_seqlens_and_state_shapes_are_named():
     with pytest.raises(ValueError, match="initial_state"):
         prefill_triton.kda_prefill_block(*args, initial_state=torch.zeros(2, CASE.heads, 16, 16),
                                          cu_seqlens=torch.tensor([0, 6]))
+
+
+def test_tap_major_conv_weights_are_derived_once_and_follow_updates():
+    """The launcher's tap-major conv weights [3, W, H*D] come from a cache kept on the weight tensor: the same
+    tensor while the weight is unchanged, rebuilt after an in-place update, never cached for inference
+    tensors (no version counter to follow)."""
+    weight = torch.randn(3, 8, 4)
+    taps = prefill_triton.tap_major(weight)
+    assert torch.equal(taps, weight.transpose(1, 2)) and taps.is_contiguous()
+    assert prefill_triton.tap_major(weight) is taps
+    weight.mul_(-2.0)
+    again = prefill_triton.tap_major(weight)
+    assert again is not taps and torch.equal(again, weight.transpose(1, 2))
+    with torch.inference_mode():
+        frozen = torch.randn(3, 8, 4)
+        first = prefill_triton.tap_major(frozen)
+        frozen.mul_(3.0)
+        assert torch.equal(prefill_triton.tap_major(frozen), frozen.transpose(1, 2)) and not torch.equal(first, frozen.transpose(1, 2))
