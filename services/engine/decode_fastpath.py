@@ -3,8 +3,9 @@ batch-size bucket on CUDA, eagerly elsewhere (the CPU form runs the kernels' ref
 `kernels.dispatch`: the CI oracle that the fast path computes what the reference layers compute).
 
 It owns two scratch pages of the pool (taken once, never released) for the padding rows of a bucket. With
-the decode look-ahead on (decode_lookahead.py) it also owns `drawn`, the last draw's tokens on the device,
-which a look-ahead step's forward reads its tokens from (`DecodeInputs.resolve_on_device`, in the graph).
+the decode look-ahead on (decode_lookahead.py; the default at TP 1) it also owns `drawn`, the last draw's
+tokens on the device, which a look-ahead step's forward reads its tokens from (`DecodeInputs.resolve_on_device`,
+in the graph).
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ from services.engine.decode_inputs import DecodeInputBuilder, DecodeInputs
 from services.engine.fast_tensor_parallel import graph_capturable, rank_decoder
 
 ENV = "K3_DECODE_FASTPATH"  # "0": never; "1": also on CPU (eager); unset: on CUDA
-LOOKAHEAD_ENV = "K3_DECODE_LOOKAHEAD"  # "1": decode steps launched before the previous one's tokens are in
+LOOKAHEAD_ENV = "K3_DECODE_LOOKAHEAD"  # "0": no decode step launched before the previous one's tokens are in
 GRAPHS_ENV = "K3_DECODE_CUDA_GRAPHS"  # "0": eager fast path on CUDA too; "1": graphs at TP > 1 (NCCL) too
 
 
-def lookahead_wanted() -> bool:
-    return os.environ.get(LOOKAHEAD_ENV, "0") == "1"
+def lookahead_wanted(sharded: bool) -> bool:
+    """On by default where the decode overlap can run it, at TP 1 (a `sharded` model's ranks replay rank 0's
+    plans, which the look-ahead does not make: its images would carry the `source`/`stops` parts for
+    nothing); K3_DECODE_LOOKAHEAD=0 turns it off."""
+    return os.environ.get(LOOKAHEAD_ENV, "1") != "0" and not sharded
 
 
 def fastpath_wanted(device: torch.device, tp_size: int) -> bool:
@@ -53,7 +57,8 @@ class DecodeFastPath:
         self.decoder = rank_decoder(model, PoolViews(manager.store.data, layout))  # sharded at TP > 1
         scratch_kda = manager.pool.allocate(PageKind.KDA, 0)[0]
         scratch_mla = manager.pool.allocate(PageKind.MLA, 0)[0]
-        self.lookahead = lookahead_wanted() if lookahead is None else lookahead
+        self.sharded = not graph_capturable(model)  # (opted_in False: capturable exactly where no collective is)
+        self.lookahead = lookahead_wanted(self.sharded) if lookahead is None else lookahead
         self.builder = DecodeInputBuilder(layout, math.ceil(max_model_len / layout.tokens_per_block),
                                           scratch_kda, scratch_mla, lookahead=self.lookahead)
         self.drawn = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # the last draw, row order
@@ -75,7 +80,7 @@ class DecodeFastPath:
     def rebuild(self) -> None:
         """Read K3_DECODE_LOOKAHEAD again and drop the captured graphs and their staging images (made again on
         first use, in the setting's image layout): the benches' variants change the setting within one process."""
-        self.lookahead = self.builder.lookahead = lookahead_wanted()  # the image's look-ahead parts too
+        self.lookahead = self.builder.lookahead = lookahead_wanted(self.sharded)  # the image's look-ahead parts too
         self._forward = self._step_forward()
         if self.graphs is not None:
             self.graphs = DecodeGraphs(self._forward, self.builder, self.device, self.max_batch)

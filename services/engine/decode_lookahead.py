@@ -1,4 +1,5 @@
-"""Decode look-ahead: step N+1 is launched before step N's tokens reach the host (K3_DECODE_LOOKAHEAD=1).
+"""Decode look-ahead: step N+1 is launched before step N's tokens reach the host (on by default wherever the
+decode overlap runs; K3_DECODE_LOOKAHEAD=0 turns it off).
 
 The overlap (decode_overlap.py) prepares N+1's image while N computes, but launches it only once N's
 tokens are on the host and checked, so the device idles for the copy, the host's wake-up and the stop
@@ -94,7 +95,8 @@ class DecodeLookahead:
             logits = fast.launch(image, len(rows))
         engine.metrics.overlapped_steps.inc()
         # N's token is not appended yet: N+1 draws each request's output position len(output) + 1
-        next_tokens = overlap.draw(logits, [(k, req.options, len(req.output) + 1) for k, req in enumerate(ahead)])
+        with label("k3.sample"):
+            next_tokens = overlap.draw(logits, [(k, req.options, len(req.output) + 1) for k, req in enumerate(ahead)])
         with label("k3.tokens_ready"):
             tokens = inflight.token_array()
         with label("k3.accept"):

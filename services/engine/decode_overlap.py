@@ -33,8 +33,8 @@ pool cannot give the new blocks without preempting, logprobs or forced tokens ar
 smaller than the batch. Only at TP 1 (ranks > 0 would need the plan before the tokens) without a
 draft model, and only on the decode fast path. K3_DECODE_OVERLAP=0 turns it off.
 
-With the look-ahead on (K3_DECODE_LOOKAHEAD=1, decode_lookahead.py), an eligible step is launched before
-the in-flight step's tokens are in, its tokens and stop check on the device.
+With the look-ahead (decode_lookahead.py; the default, K3_DECODE_LOOKAHEAD=0 turns it off), an eligible step
+is launched before the in-flight step's tokens are in, its tokens and stop check on the device.
 """
 
 from __future__ import annotations
