@@ -49,6 +49,7 @@ from kernels.fused import (
 from kernels.moe import situ_glu_triton
 from kernels.perf import harness
 from services.engine import fast_ffn
+from services.engine.fast_attention import BRANCHES_ENV
 from services.engine.fast_ffn import MoeDecode, grouped_mm_available
 
 ROUTER_CONFIGS = [  # (block_t, block_h, num_warps, num_stages, H splits; None: the launcher's rule)
@@ -118,6 +119,11 @@ def expert_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[t
         each_call(lambda w, t=(n, k, warps, stages, tma): expert_gemm_triton.expert_gate_up_glu(
             z, w, "situ", *beta, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], tma=t[4]), w13s),
         each_call(cublas, w13s), experts * 2 * ffn * latent * 2) for n, k, warps, stages, tma in configs}
+
+
+def default_tiles(configs: list[tuple]) -> list[tuple]:
+    """Outside the sweep: the launcher's default tile (the first) in both load forms."""
+    return [c for c in configs if c[:4] == configs[0][:4]]
 
 
 def down_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tuple]) -> dict[str, Case]:
@@ -190,13 +196,17 @@ def moe_layer_case(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, 
             diff = float((fast(x) - moe(x)).abs().max())
         return {f"MoeDecode layer (grouped), diff {diff:.3g}": (torch.no_grad()(lambda: fast(x, residual)), None, 0)}
     found: dict[str, Case] = {}
-    for form in fast_ffn.DENSE_FORMS:  # each dense form (K3_DENSE_EXPERTS), set while its calls are captured
-        def call(form=form):
-            with harness_env({fast_ffn.DENSE_FORM_ENV: form}), torch.no_grad():
+    # Each dense form (K3_DENSE_EXPERTS), with the router on a side branch or in the chain (K3_DECODE_BRANCHES),
+    # set while its calls are captured.
+    for form, branches in itertools.product(fast_ffn.DENSE_FORMS, ("1", "0")):
+        settings = {fast_ffn.DENSE_FORM_ENV: form, BRANCHES_ENV: branches}
+
+        def call(settings=settings):
+            with harness_env(settings), torch.no_grad():
                 return fast(x, residual)
-        with harness_env({fast_ffn.DENSE_FORM_ENV: form}), torch.no_grad():
+        with harness_env(settings), torch.no_grad():
             diff = float((fast(x) - moe(x)).abs().max())
-        found[f"MoeDecode layer (dense {form}), diff {diff:.3g}"] = (call, None, 0)
+        found[f"MoeDecode layer (dense {form}, branches {branches}), diff {diff:.3g}"] = (call, None, 0)
     return found
 
 
@@ -288,9 +298,9 @@ def main() -> None:
         if "router" in groups:
             timed |= router_cases(config, tokens, gen, ROUTER_CONFIGS if sweep else ROUTER_CONFIGS[:1])
         if tokens <= 128 and "experts" in groups:  # the dense experts' range (MoeDecode._dense)
-            timed |= expert_cases(config, tokens, gen, EXPERT_CONFIGS if sweep else EXPERT_CONFIGS[:1])
+            timed |= expert_cases(config, tokens, gen, EXPERT_CONFIGS if sweep else default_tiles(EXPERT_CONFIGS))
         if tokens <= 128 and "down" in groups:
-            timed |= down_cases(config, tokens, gen, DOWN_CONFIGS if sweep else DOWN_CONFIGS[:1])
+            timed |= down_cases(config, tokens, gen, DOWN_CONFIGS if sweep else default_tiles(DOWN_CONFIGS))
         if "mla" in groups and sweep:
             timed |= mla_cases(config, tokens, gen, MLA_VARIANTS if sweep else MLA_VARIANTS[:1])
         if "skinny" in groups and tokens <= skinny_gemm_triton.MAX_ROWS:

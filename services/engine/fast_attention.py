@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,36 @@ def mla_tuning(q: torch.Tensor) -> dict[str, int]:
     on the Triton path: the reference takes none)."""
     splits = os.environ.get(MLA_SPLITS_ENV)
     return {"num_splits": int(splits)} if splits and dispatch.use_triton(q) else {}
+
+
+BRANCHES_ENV = "K3_DECODE_BRANCHES"  # "1": latency-bound kernels on a side stream beside the layer's chain
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def fork(x: torch.Tensor) -> torch.cuda.Stream | None:
+    """A second stream of x's device that has waited for everything queued so far on the current one, for work
+    of a layer that only the layer's end needs (in a CUDA graph: a parallel branch, so a latency-bound kernel
+    runs beside the main chain's GEMMs instead of between them); None off CUDA or with K3_DECODE_BRANCHES=0.
+    Pair with `join` before the first reader of the branch's outputs. What the branch allocates is freed only
+    on its own stream's pool, whose next user waits at the next fork: no `record_stream` needed."""
+    if not x.is_cuda or os.environ.get(BRANCHES_ENV, "0") == "0":
+        return None
+    side = _SIDE_STREAMS.get(x.device)
+    if side is None:
+        side = _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    return side
+
+
+def on(side: torch.cuda.Stream | None) -> AbstractContextManager:
+    """The branch's stream as the current one (nothing to switch without a branch)."""
+    return nullcontext() if side is None else torch.cuda.stream(side)
+
+
+def join(side: torch.cuda.Stream | None) -> None:
+    """The current stream waits for the branch's work."""
+    if side is not None:
+        torch.cuda.current_stream(side.device).wait_stream(side)
 
 
 def rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -120,7 +151,9 @@ class MlaDecode:
         q = attn.q_b_proj(rms(attn.q_a_layernorm, parts[0])) if attn.q_lora else parts[0]
         q = q.reshape(batch, attn.heads, attn.nope + attn.rope)
         norm = attn.kv_a_layernorm
-        dispatch.mla_latent_write(parts[1], norm.weight, norm.eps, self.rows, write_rows)  # [RMSNorm(c) | rope]
+        side = fork(x)  # the latent row's write beside the query's chain; the attention reads it after the join
+        with on(side):
+            dispatch.mla_latent_write(parts[1], norm.weight, norm.eps, self.rows, write_rows)  # [RMSNorm(c) | rope]
         # [q_nope W_uk | q_pe] per head: the batched GEMM writes its [H, B, R] product straight into the latent
         # columns of the absorbed query (a strided output cuBLAS takes as is), only the rope part is copied
         # (a concat cost a 4.6 us launch a layer at batch 64 on the H200).
@@ -129,6 +162,7 @@ class MlaDecode:
                   out=absorbed.transpose(0, 1)[..., : attn.rank])
         absorbed[..., attn.rank :] = q[..., attn.nope :]
         absorbed = absorbed.to(self.cache.dtype)
+        join(side)
         o_latent = dispatch.mla_decode_paged(absorbed, self.cache, page_table, lengths, attn.scale,
                                              latent_dim=attn.rank, **mla_tuning(absorbed))
         o = torch.bmm(o_latent.transpose(0, 1).to(x.dtype), self.w_uv_t.to(x.dtype))  # [H, B, Dv]

@@ -30,7 +30,7 @@ from k3core.layers.moe import SparseMoE
 from k3core.ops.moe import swiglu
 from kernels import dispatch
 from services.engine.derived_weights import DerivedWeights
-from services.engine.fast_attention import fuse_linears, linear_add, rms
+from services.engine.fast_attention import fork, fuse_linears, join, linear_add, on, rms
 
 ExpertRows = tuple[torch.Tensor, torch.Tensor, int, int]  # rows, index, index_stride, token_stride (moe_combine)
 RoutedSum = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (z, weights, indices) -> [T, l]
@@ -40,9 +40,12 @@ RoutedSum = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  
 DENSE_FORMS: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
     "pointer": ({}, None),
     "tma": ({"tma": True}, None),
-    "tma-down": ({"tma": True}, {"tma": True, "block_n": 128, "num_warps": 4, "num_stages": 3}),
+    "tma-down": ({"tma": True}, {"tma": True}),
 }
 DENSE_FORM_ENV, DEFAULT_DENSE_FORM = "K3_DENSE_EXPERTS", "pointer"
+# Above this many rows the Triton down projection lost to cuBLAS (H200, bench.serve_glue, session 7: 15.1 / 16.6
+# vs 15.5 / 17.4 us at 16 / 64 tokens, 23.5 vs 20.5 at 128).
+TRITON_DOWN_MAX_TOKENS = 64
 
 
 def dense_form() -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -119,7 +122,10 @@ class MoeDecode:
         gate_up, down = dense_form() if dispatch.use_triton(z) else ({}, None)  # the references take no tuning
         act = dispatch.expert_gate_up_glu(z, self.w13, self.activation, self.config.situ_beta,
                                           self.config.situ_linear_beta, **gate_up)  # [E, T, F]
-        out = torch.bmm(act, self.w2.transpose(1, 2)) if down is None else dispatch.expert_down(act, self.w2, **down)
+        if down is None or z.shape[0] > TRITON_DOWN_MAX_TOKENS:
+            out = torch.bmm(act, self.w2.transpose(1, 2))  # [E, T, l]
+        else:
+            out = dispatch.expert_down(act, self.w2, **down)
         experts, tokens, width = out.shape
         return out.view(experts * tokens, width), indices, tokens, 1
 
@@ -151,7 +157,11 @@ class MoeDecode:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         moe = self.moe
-        weights, indices = self._route(x)
+        # The router (latency-bound) beside the expert GEMMs: only the combine reads its output (a tensor-parallel
+        # rank's routed wrapper needs it first).
+        side = fork(x) if self.routed_wrapper is None else None
+        with on(side):
+            weights, indices = self._route(x)
         h = F.linear(x, self.in_weight) if self.in_weight is not None else None
         z = h[:, : self.width] if moe.latent else x
         shared_gate_up = h[:, self.width if moe.latent else 0 :] if self.shared_down is not None else None
@@ -160,8 +170,12 @@ class MoeDecode:
             routed = self.routed_wrapper(partial(self._routed, dense=dense), z, weights, indices)
             out = self._unfused_tail(routed.to(x.dtype), shared_gate_up)
             return out if residual is None else residual + out
+        if not dense:  # the grouped form sorts its rows by the routing
+            join(side)
+            side = None
         rows, index, index_stride, token_stride = (self._expert_rows_dense if dense else self._expert_rows_grouped)(
             z, indices)
+        join(side)
         norm = moe.routed_expert_norm if moe.latent else None
         tail = dispatch.moe_combine(rows, index, weights, index_stride, token_stride,
                                     None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps,

@@ -64,3 +64,64 @@ def test_expert_gemms_refuse_bad_layouts():
         expert_gemm_triton.expert_down(torch.zeros(E, 4, F + 1, dtype=torch.float16), w2)
     with pytest.raises(ValueError, match="16-byte"):  # a row stride of 2 * 47 bytes cannot be a TMA view
         expert_gemm_triton.expert_gate_up_glu(torch.zeros(4, L + 7, dtype=torch.float16)[:, :L], w13, tma=True)
+
+
+def _cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return torch.device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [16, 64, 70])
+def test_compiled_expert_gemms_match_reference_on_gpu(tokens):
+    """Compiled bf16 at mini's expert shapes (E 32, F 768, l 1024), both load forms, z a column slice."""
+    dev, bf = _cuda(), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(tokens)
+    z = torch.randn(tokens, 3072, device=dev, generator=gen).to(bf)[:, :1024]
+    w13 = (torch.randn(32, 1536, 1024, device=dev, generator=gen) / 32).to(bf)
+    w2 = (torch.randn(32, 1024, 768, device=dev, generator=gen) / 28).to(bf)
+    act = fused_naive.expert_gate_up_glu(z, w13, "situ", 4.0, 25.0)
+    down = fused_naive.expert_down(act, w2)
+    for tma in (False, True):
+        got = expert_gemm_triton.expert_gate_up_glu(z, w13, "situ", 4.0, 25.0, tma=tma)
+        torch.testing.assert_close(got.float(), act.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(expert_gemm_triton.expert_down(act, w2, tma=tma).float(), down.float(),
+                                   rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [4, 64])
+def test_moe_layer_router_branch_is_the_serial_layer_in_a_graph(tokens, monkeypatch):
+    """The router on a side stream (K3_DECODE_BRANCHES=1) joined before the combine: the captured
+    layer's output is bit for bit the one-chain layer's, at a grouped (4) and a dense (64) batch."""
+    from k3core.layers.moe import SparseMoE
+    from k3core.presets import preset
+    from services.engine.fast_attention import BRANCHES_ENV
+    from services.engine.fast_ffn import MoeDecode
+
+    dev, config = _cuda(), preset("mini")
+    gen = torch.Generator(device=dev).manual_seed(tokens)
+    with torch.device(dev):
+        moe = SparseMoE(config)
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
+    fast = MoeDecode(moe.to(torch.bfloat16).eval(), config, grouped=True)
+    x = torch.randn(tokens, config.hidden_size, device=dev, generator=gen).to(torch.bfloat16)
+    outs = []
+    for branches in ("0", "1"):
+        monkeypatch.setenv(BRANCHES_ENV, branches)
+        residual = torch.zeros_like(x)
+        with torch.no_grad():
+            fast(x, torch.zeros_like(x))  # warm-up (compiles) outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fast(x, residual)
+            for _ in range(3):
+                residual.zero_()
+                graph.replay()
+        torch.cuda.synchronize()
+        outs.append(residual.clone())
+    assert outs[0].abs().max() > 0 and torch.equal(outs[0], outs[1])
