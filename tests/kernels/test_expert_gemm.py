@@ -125,3 +125,65 @@ def test_moe_layer_router_branch_is_the_serial_layer_in_a_graph(tokens, monkeypa
         torch.cuda.synchronize()
         outs.append(residual.clone())
     assert outs[0].abs().max() > 0 and torch.equal(outs[0], outs[1])
+
+
+def _mla_layer_branch_outputs(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One MLA decode layer (mini, bf16) on a pool of random latents, with K3_DECODE_BRANCHES 0 then 1 (on CUDA
+    captured in a graph and replayed from the same pool bytes): (output, pool bytes) of each."""
+    import os
+
+    from k3core.cache.layout import plan_layout, shape_from_config
+    from k3core.cache.pool_views import PoolViews
+    from k3core.layers.mla import GatedMLA
+    from k3core.presets import preset
+    from services.engine.derived_weights import DerivedWeights
+    from services.engine.fast_attention import BRANCHES_ENV, MlaDecode
+
+    config = preset("mini")
+    layout = plan_layout(shape_from_config(config, "mini"))
+    gen = torch.Generator(device=device).manual_seed(7)
+    with torch.device(device):
+        attn = GatedMLA(config, 0)
+    with torch.no_grad():
+        for param in attn.parameters():
+            param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
+    attn = attn.to(torch.bfloat16).eval()
+    pages, batch, per_page = 8, 4, layout.tokens_per_block
+    data = torch.zeros(pages, layout.page_bytes, dtype=torch.uint8, device=device)
+    views = PoolViews(data, layout)
+    cache = views.mla_cache(0)
+    cache.copy_(torch.randn(cache.shape, device=device, generator=gen).to(cache.dtype))
+    layer = MlaDecode(attn, views, DerivedWeights())
+    lengths = torch.tensor([5, 17, 1, per_page], device=device, dtype=torch.int32)
+    table = torch.arange(batch, device=device, dtype=torch.int32).view(batch, 1) * 2
+    slot = layout.mla_slot(0)[1]
+    write_rows = (table[:, 0].long() * per_page + lengths.long() - 1) * layout.layers_per_group + slot
+    x = torch.randn(batch, config.hidden_size, device=device, generator=gen).to(torch.bfloat16)
+    before, outs = data.clone(), []
+    for branches in ("0", "1"):
+        os.environ[BRANCHES_ENV] = branches
+        try:
+            with torch.no_grad():
+                if device.type == "cuda":
+                    layer(x, table, lengths, write_rows)  # compiles outside the capture
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        out = layer(x, table, lengths, write_rows)
+                    data.copy_(before)
+                    graph.replay()
+                    torch.cuda.synchronize()
+                else:
+                    data.copy_(before)
+                    out = layer(x, table, lengths, write_rows)
+        finally:
+            os.environ.pop(BRANCHES_ENV, None)
+        outs.append((out.clone(), data.clone()))
+    return outs
+
+
+@pytest.mark.gpu
+def test_mla_layer_latent_write_branch_is_the_serial_layer_in_a_graph():
+    """The new latent row written on a side stream, joined before the attention reads the cache: the same
+    output and pool bytes, bit for bit, as the one-chain layer (a branch never joined fails the capture)."""
+    (serial, serial_pool), (branched, branched_pool) = _mla_layer_branch_outputs(_cuda())
+    assert serial.abs().max() > 0 and torch.equal(serial, branched) and torch.equal(serial_pool, branched_pool)
