@@ -28,13 +28,7 @@ from kernels.moe.tiles import Tile, default_tiles
 
 if triton is not None:
     from kernels.moe.expert_slots_triton import expert_tokens, slots
-    from kernels.moe.mxfp4_tile_triton import (
-        lane_group_columns,
-        lane_group_columns3,
-        mxfp4_split_tile,
-        mxfp4_tile,
-        unshift,
-    )
+    from kernels.moe.mxfp4_tile_triton import lane_group_columns, mxfp4_tile, unshift
     from kernels.moe.situ_glu_triton import situ_glu_values
 
     @triton.jit
@@ -45,14 +39,6 @@ if triton is not None:
         return lane_group_columns(a, G)
 
     @triton.jit
-    def _split_activations(rows_ptr, used, c0, DEPTH: tl.constexpr, BT: tl.constexpr, G: tl.constexpr,
-                           S: tl.constexpr):
-        """[S, BT, 32 G] operand: `_activations` of each of S slices of the reduction (DEPTH columns each)."""
-        cols = (tl.arange(0, S) * DEPTH)[:, None, None] + c0 + tl.arange(0, 32 * G)[None, None, :]
-        a = tl.load(rows_ptr[None, :, None] + cols, mask=used[None, :, None], other=0.0)
-        return lane_group_columns3(a, G)
-
-    @triton.jit
     def _mma(w, act, acc, USE_ASM: tl.constexpr):
         """acc [BT, BR] + act [BT, K] @ w^T for bf16 operands. The tokens are the product's M side (16 rows:
         warp-level MMAs, each warp on its own weight rows, fed from registers; measured faster than
@@ -60,8 +46,6 @@ if triton is not None:
         interpreter's dot mistakes bf16 for integers: float32 there, the same values."""
         if not USE_ASM:
             w, act = w.to(tl.float32), act.to(tl.float32)
-        if len(w.shape) == 3:  # [S, ...]: one product per slice of the reduction (warps on the slices)
-            return tl.dot(act, tl.permute(w, (0, 2, 1)), acc)
         return tl.dot(act, tl.trans(w), acc)
 
     @triton.jit
@@ -80,7 +64,7 @@ if triton is not None:
     def _gate_up_kernel(x, ids, wgu, mgu, h, T, K, F, beta1, beta2, L: tl.constexpr, BR: tl.constexpr,
                         G: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                         X_PARTS: tl.constexpr, HP: tl.constexpr, CW: tl.constexpr, STAGES: tl.constexpr,
-                        WS: tl.constexpr, USE_ASM: tl.constexpr):
+                        USE_ASM: tl.constexpr):
         e, leader, first, _match, _index = expert_tokens(ids, tl.program_id(0), T, K, TP, BK)
         if leader:
             rows = tl.program_id(1) * BR + tl.arange(0, BR)
@@ -88,26 +72,14 @@ if triton is not None:
             words, mults = wgu + e * (2 * F) * (L // 8), mgu + e * (2 * F) * (L // 32)
             for n0 in range(0, tl.sum((first < (1 << 30)).to(tl.int32)), BT):
                 _hit, pair, used = slots(first, n0, BT)
-                xp = x + (pair // K) * L
-                if WS == 1:
-                    g = tl.zeros([BT, BR], dtype=tl.float32)
-                    u = tl.zeros([BT, BR], dtype=tl.float32)
-                    for g0 in tl.range(0, L // 32, G, num_stages=STAGES):
-                        xt = _activations(xp, used, g0 * 32, BT, G)
-                        gate = mxfp4_tile(words, mults, rows, ok, g0, L // 8, G, CW, USE_ASM)
-                        g = _dot_parts(gate, xt, g, X_PARTS, USE_ASM)
-                        up = mxfp4_tile(words, mults, rows + F, ok, g0, L // 8, G, CW, USE_ASM)
-                        u = _dot_parts(up, xt, u, X_PARTS, USE_ASM)
-                else:  # the reduction split between WS warps, one slice each, summed once at the end
-                    g3 = tl.zeros([WS, BT, BR], dtype=tl.float32)
-                    u3 = tl.zeros([WS, BT, BR], dtype=tl.float32)
-                    for g0 in tl.range(0, L // (32 * WS), G, num_stages=STAGES):
-                        xt3 = _split_activations(xp, used, g0 * 32, L // WS, BT, G, WS)
-                        gate3 = mxfp4_split_tile(words, mults, rows, ok, g0, L // 8, G, CW, WS, USE_ASM)
-                        g3 = _dot_parts(gate3, xt3, g3, X_PARTS, USE_ASM)
-                        up3 = mxfp4_split_tile(words, mults, rows + F, ok, g0, L // 8, G, CW, WS, USE_ASM)
-                        u3 = _dot_parts(up3, xt3, u3, X_PARTS, USE_ASM)
-                    g, u = tl.sum(g3, 0), tl.sum(u3, 0)
+                g = tl.zeros([BT, BR], dtype=tl.float32)
+                u = tl.zeros([BT, BR], dtype=tl.float32)
+                for g0 in tl.range(0, L // 32, G, num_stages=STAGES):
+                    xt = _activations(x + (pair // K) * L, used, g0 * 32, BT, G)
+                    gate = mxfp4_tile(words, mults, rows, ok, g0, L // 8, G, CW, USE_ASM)
+                    g = _dot_parts(gate, xt, g, X_PARTS, USE_ASM)
+                    up = mxfp4_tile(words, mults, rows + F, ok, g0, L // 8, G, CW, USE_ASM)
+                    u = _dot_parts(up, xt, u, X_PARTS, USE_ASM)
                 rest = situ_glu_values(unshift(g), unshift(u), beta1, beta2)
                 for p in tl.static_range(HP):
                     part = rest.to(tl.bfloat16)
@@ -241,8 +213,6 @@ def latent_moe_decode_prepared(
     gu_tile, d_tile = gate_up_tile or default_gu, down_tile or default_down
     require(gu_tile.splits == 1, f"gate/up tiles cannot split the reduction (SiTU-GLU needs whole sums), got "
             f"splits={gu_tile.splits}")
-    require(d_tile.warp_splits == 1, f"down tiles split the reduction between programs (splits), got "
-            f"warp_splits={d_tile.warp_splits}")
     gu_groups, d_groups = gu_tile.groups(L), d_tile.groups(F)
     ids = expert_ids.contiguous()
     # Token tiles of at least 16 rows: one build serves every decode batch up to 16.
@@ -252,7 +222,7 @@ def latent_moe_decode_prepared(
     _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
         x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, T, K, F, beta1, beta2, L=L,
         X_PARTS=_parts(x.dtype), BR=gu_tile.rows, G=gu_groups, CW=block_words(L // 8),
-        STAGES=gu_tile.stages, WS=gu_tile.warp_splits, **common, **gu_tile.launch_options(),
+        STAGES=gu_tile.stages, **common, **gu_tile.launch_options(),
     )
     partial = torch.empty(d_tile.splits, T * K, L, dtype=torch.float32, device=x.device)
     _down_kernel[(T * K, triton.cdiv(L, d_tile.rows), d_tile.splits)](

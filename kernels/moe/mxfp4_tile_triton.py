@@ -128,22 +128,6 @@ if triton is not None:
         return tl.reshape(t, (t.shape[0], 4 * G))
 
     @triton.jit
-    def _lane_groups3(t, G: tl.constexpr):
-        """_lane_groups for [S, R, G, 4] (a leading reduction-split axis) -> [S, R, 4 G]."""
-        if G % 4 == 0:
-            t = tl.permute(tl.reshape(t, (t.shape[0], t.shape[1], G // 4, 4, 4)), (0, 1, 2, 4, 3))
-        return tl.reshape(t, (t.shape[0], t.shape[1], 4 * G))
-
-    @triton.jit
-    def lane_group_columns3(a, G: tl.constexpr):
-        """lane_group_columns for [S, BT, 32 G] operands (a leading reduction-split axis)."""
-        S: tl.constexpr = a.shape[0]
-        BT: tl.constexpr = a.shape[1]
-        if G % 4 == 0:
-            a = tl.permute(tl.reshape(a, (S, BT, G // 4, 4, 4, 8)), (0, 1, 2, 4, 3, 5))
-        return tl.reshape(tl.permute(tl.reshape(a, (S, BT, 4 * G, 2, 4)), (0, 1, 2, 4, 3)), (S, BT, 32 * G))
-
-    @triton.jit
     def lane_group_columns(a, G: tl.constexpr):
         """Columns of a [BT, 32 G] operand in `mxfp4_tile`'s order: word slots as `_lane_groups`, then within
         each word of 8 columns position p holds column p // 2 + 4 (p % 2)."""
@@ -175,11 +159,6 @@ if triton is not None:
         f = tl.load(mults + block_offsets(rows, g0 + tl.arange(0, G), WORDS // 4, CW // 4),
                     mask=row_ok[:, None], other=0)
         m = _lane_groups(tl.broadcast_to((f.to(tl.uint32) * _FIELDS_TO_BF16X2)[:, :, None], (R, G, 4)), G)
-        return tl.reshape(_decoded(w, m, USE_ASM), (R, 32 * G))
-
-    @triton.jit
-    def _decoded(w, m, USE_ASM: tl.constexpr):
-        """Words and their bf16x2 multipliers [...] -> bf16 [..., 8] in `mxfp4_tile`'s order within a word."""
         if USE_ASM:
             e0, e1, e2, e3, e4, e5, e6, e7 = _decode_ptx(w, m)
         else:
@@ -188,26 +167,4 @@ if triton is not None:
         # shuffles), which gives the order within each word above.
         low = tl.join(tl.join(e0, e2), tl.join(e1, e3))
         high = tl.join(tl.join(e4, e6), tl.join(e5, e7))
-        return tl.join(low, high)
-
-    @triton.jit
-    def mxfp4_split_tile(words, mults, rows, row_ok, g0, WORDS: tl.constexpr, G: tl.constexpr, CW: tl.constexpr,
-                         S: tl.constexpr, USE_ASM: tl.constexpr):
-        """`mxfp4_tile` for S slices of the reduction at once: bf16 [S, len(rows), 32 G], slice s holding
-        columns 32 (s WORDS / (4 S) + g0) onwards (the reduction split between S warps)."""
-        R: tl.constexpr = rows.shape[0]
-        split = tl.arange(0, S)
-        cols = (split * (WORDS // S) + g0 * 4)[:, None] + tl.arange(0, 4 * G)[None, :]
-        col_part = (cols // CW) * (_BLOCK_ROWS * CW) + cols % CW
-        if CW >= 4 * G:  # each slice's step inside one block: its columns stay contiguous and aligned
-            col_part = tl.max_contiguous(tl.multiple_of(col_part, (1, 4 * G)), (1, 4 * G))
-        row_part = (rows // _BLOCK_ROWS) * (_BLOCK_ROWS * WORDS) + (rows % _BLOCK_ROWS) * CW
-        off = row_part[None, :, None] + col_part[:, None, :]
-        w = tl.load(words + off, mask=row_ok[None, :, None], other=0)
-        w = _lane_groups3(tl.reshape(w, (S, R, G, 4)).to(tl.uint32, bitcast=True), G)
-        groups = (split * (WORDS // (4 * S)) + g0)[:, None] + tl.arange(0, G)[None, :]
-        f_off = ((rows // _BLOCK_ROWS) * (_BLOCK_ROWS * (WORDS // 4)) + (rows % _BLOCK_ROWS) * (CW // 4))[None, :, None] \
-            + ((groups // (CW // 4)) * (_BLOCK_ROWS * (CW // 4)) + groups % (CW // 4))[:, None, :]
-        f = tl.load(mults + f_off, mask=row_ok[None, :, None], other=0)
-        m = _lane_groups3(tl.broadcast_to((f.to(tl.uint32) * _FIELDS_TO_BF16X2)[:, :, :, None], (S, R, G, 4)), G)
-        return tl.reshape(_decoded(w, m, USE_ASM), (S, R, 32 * G))
+        return tl.reshape(tl.join(low, high), (R, 32 * G))

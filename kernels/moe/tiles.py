@@ -23,26 +23,18 @@ class Tile:
     stages: int = 3
     max_registers: int | None = None
     splits: int = 1  # programs per row block, each over 1 / splits of the reduction (down kernel only)
-    # warps of a program that split its reduction, one slice each (gate/up kernel only; warps == warp_splits:
-    # every warp holds all rows, so a step keeps the per-warp work of a 1-split program)
-    warp_splits: int = 1
 
     def label(self) -> str:
         cap = f",r{self.max_registers}" if self.max_registers else ""
         split = f",k{self.splits}" if self.splits > 1 else ""
-        split += f",ws{self.warp_splits}" if self.warp_splits > 1 else ""
         return f"{self.rows}x{self.cols},w{self.warps},s{self.stages}{cap}{split}"
 
     def groups(self, depth: int) -> int:
         """32-column groups per step over a reduction of `depth` columns (cols capped at the depth of one
         split)."""
-        parts = self.splits * self.warp_splits
-        require(self.splits >= 1 and self.warp_splits >= 1 and depth % (32 * parts) == 0,
-                f"tile splits={self.splits} x warp_splits={self.warp_splits} must divide the reduction of {depth} "
-                f"columns into 32-column groups")
-        require(self.warp_splits in (1, self.warps), f"tile warp_splits={self.warp_splits} must be 1 or the warps "
-                f"({self.warps})")
-        depth //= parts
+        require(self.splits >= 1 and depth % (32 * self.splits) == 0,
+                f"tile splits={self.splits} must divide the reduction of {depth} columns into 32-column groups")
+        depth //= self.splits
         rows, cols = self.rows, min(self.cols, depth)
         require(rows >= 16 and rows == next_pow2(rows), f"tile rows must be a power of two >= 16, got {rows}")
         require(cols % 32 == 0 and cols == 32 * next_pow2(cols // 32) and depth % cols == 0,

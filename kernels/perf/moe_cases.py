@@ -1,6 +1,7 @@
 """Latent-MoE routed-expert decode with MXFP4 weights on the H200 (GPU only).
 
     python -m kernels.perf.moe_cases [--variants sweep|default]   # prints the table and per-kernel times
+    ncu ... python -m kernels.perf.moe_cases --variants default --once   # one untimed launch per batch
     K3_MOE_VARIANTS=sweep python -m bench.kernels --only moe   # the sweep's rows into kernels.json
 """
 
@@ -43,10 +44,11 @@ class Variant(NamedTuple):
 # (three stages, the down reduction split in two at T = 1). Each row of the sweep times both kernels, so every
 # gate/up tile and every down tile is measured on its own (kernels_ms). Slower and no longer swept: register
 # caps with 4-warp tiles (history 19); 1-warp tiles, 64x64 gate/up, 4 and 8 warps (history 23); one stage,
-# L2 prefetch, dependent launches (history 25).
-# Last two pairs: history 27's candidates for T = 1 / 4, not timed yet (twice the warps per SM of the default
-# at ~22 SASS instructions per weight word instead of 19, each weight decoded once: 4 warps on the default's
-# rows, or 2 warps on half the rows and twice the programs).
+# L2 prefetch, dependent launches (history 25); the gate/up reduction split between a program's warps
+# (history 28).
+# Last two pairs: history 27's candidates for T = 1 / 4, measured slower there and kept as measured points
+# (twice the warps per SM of the default at ~22 SASS instructions per weight word instead of 19, each weight
+# decoded once: 4 warps on the default's rows, or 2 warps on half the rows and twice the programs).
 SWEEP = ((Tile(64, 128, 2, 2), Tile(128, 128, 2, 2)), (Tile(64, 128, 2, 3, 168), Tile(128, 128, 2, 3, 168)),
          (Tile(64, 128, 2), Tile(128, 128, 2, splits=2)), (Tile(64, 128, 4, 2), Tile(128, 128, 4, 2)),
          (Tile(32, 128, 2, 2), Tile(64, 128, 2, 2)))
@@ -181,6 +183,20 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
     return rows
 
 
+def launch_once(batches: tuple[int, ...], tiles: tuple[Variant, ...]) -> None:
+    """Each variant called once per batch on the first L2-fair routing set, untimed: the launches a profiler
+    records (`ncu --kernel-name regex:"gate_up|down_kernel" ... python -m kernels.perf.moe_cases --once`;
+    Triton compiles before the launch, so the profiled launch is the kernel alone)."""
+    experts = latent_moe_decode_triton.prepare_experts(*_experts())
+    for T in batches:
+        ids = routings(T)[0].cuda()
+        x, w = torch.randn(T, L, device="cuda", dtype=torch.bfloat16), torch.rand(T, TOP_K, device="cuda")
+        for v in (v for v in tiles if v.runs_at(T)):
+            latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, gate_up_tile=v.gate_up,
+                                                                down_tile=v.down)
+    torch.cuda.synchronize()
+
+
 def parse_tiles(text: str) -> tuple[Variant, ...]:
     """"rows,cols,warps,stages[,regs[,splits]]/...[/T...];..." -> Variants (regs 0: no cap; "T1,4": timed at
     those batches only)."""
@@ -200,7 +216,13 @@ def main() -> None:
     parser.add_argument("--tiles", help="tile pairs instead of --variants (see parse_tiles)")
     parser.add_argument("--batches", default="1,4,16", help="decode batch sizes T, comma-separated")
     parser.add_argument("--json", help="JSON file rewritten after each measured row (with the copy ceiling)")
+    parser.add_argument("--once", action="store_true", help="launch each variant once per batch, untimed (for ncu)")
     args = parser.parse_args()
+    tiles = parse_tiles(args.tiles) if args.tiles else SWEEP_VARIANTS if args.variants == "sweep" else VARIANTS
+    batches = tuple(int(t) for t in args.batches.split(","))
+    if args.once:
+        launch_once(batches, tiles)
+        return
     copy_bps = copy_bandwidth()
     print(f"copy {copy_bps / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}", flush=True)
     done: list[dict] = []
@@ -215,8 +237,7 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(done, f, indent=1)
 
-    tiles = parse_tiles(args.tiles) if args.tiles else SWEEP_VARIANTS if args.variants == "sweep" else VARIANTS
-    moe_rows(tuple(int(t) for t in args.batches.split(",")), tiles=tiles, peer=False, on_row=show)
+    moe_rows(batches, tiles=tiles, peer=False, on_row=show)
 
 
 if __name__ == "__main__":
