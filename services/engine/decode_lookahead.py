@@ -41,18 +41,24 @@ if TYPE_CHECKING:
     from services.engine.decode_overlap import DecodeOverlap, InFlight
 
 
-def stop_table(requests: list[EngineRequest], eos: int | None) -> np.ndarray | None:
-    """[STOP_WIDTH, rows] int64: each row's stop token ids and the EOS (unless ignored), -1 padded; None
-    when a row has more than fit."""
-    table = np.full((STOP_WIDTH, len(requests)), -1, dtype=np.int64)
-    for k, req in enumerate(requests):
-        ids = list(req.options.stop_token_ids)
-        if eos is not None and not req.options.ignore_eos:
-            ids.append(eos)
-        if len(ids) > STOP_WIDTH:
-            return None
-        table[: len(ids), k] = ids
-    return table
+def stop_table(requests: list[EngineRequest], eos: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """([STOP_WIDTH, rows] int64: each row's stop token ids, then the EOS unless ignored, -1 padded;
+    [rows] bool: the row's ids fit, else its column is left -1). Built for every row of a prepared step,
+    behind the forward (`DecodeOverlap._prepare`): rows without stop ids, nearly all, get the EOS in one
+    vector write; a row's own ids are written in a loop over the rows that have some."""
+    n = len(requests)
+    table = np.full((STOP_WIDTH, n), -1, dtype=np.int64)
+    counts = np.fromiter((len(r.options.stop_token_ids) for r in requests), dtype=np.int64, count=n)
+    if eos is not None:
+        counts += np.fromiter((not r.options.ignore_eos for r in requests), dtype=bool, count=n)
+    fits = counts <= STOP_WIDTH
+    for k in np.flatnonzero(counts).tolist():
+        if fits[k]:
+            ids = sorted(requests[k].options.stop_token_ids)
+            table[: len(ids), k] = ids
+            if len(ids) < counts[k]:  # the EOS, last
+                table[len(ids), k] = eos
+    return table, fits
 
 
 class DecodeLookahead:
@@ -70,9 +76,15 @@ class DecodeLookahead:
             return None
         if not all(req.phase is Phase.RUNNING and not req.options.stop for req in requests):
             return None  # a cancellation (settled), or stop strings: only the host can check those
-        rows = np.flatnonzero(~inflight.always_check).tolist()  # the others' N token is their max_tokens-th
-        stops = stop_table([requests[i] for i in rows], self.engine.output.eos_token_id) if rows else None
-        return None if stops is None else (rows, stops)
+        rows = np.flatnonzero(~inflight.always_check)  # the others' N token is their max_tokens-th
+        table, fits = inflight.stops
+        if not len(rows) or not fits[rows].all():
+            return None  # a row with more stop ids than the table holds
+        return rows.tolist(), table if len(rows) == len(requests) else table[:, rows]
+
+    def stop_table(self, requests: list[EngineRequest]) -> tuple[np.ndarray, np.ndarray]:
+        """The stop table of a prepared step's rows (`stop_table`), with the engine's EOS."""
+        return stop_table(requests, self.engine.output.eos_token_id)
 
     def advance(self, inflight: InFlight, rows: list[int], stops: np.ndarray) -> None:
         """Launch the prepared step for `rows` (`plan`) with its tokens on the device, then accept the

@@ -71,6 +71,7 @@ class InFlight:
     always_check: np.ndarray  # [rows] bool: stop strings, or the token reaches max_tokens
     stop_ids: np.ndarray  # every row's stop token ids and the EOS: a row holding one is checked
     rows: np.ndarray | None = None  # the row of `tokens` of each request (a look-ahead step's), None: in order
+    stops: tuple[np.ndarray, np.ndarray] | None = None  # with the look-ahead: its stop table (`stop_table`)
 
     def token_array(self) -> np.ndarray:
         """The requests' tokens, in order (waits for the device's draw)."""
@@ -145,7 +146,8 @@ class DecodeOverlap:
 
     def _prepare(self, requests: list[EngineRequest], tokens: SampledTokens,
                  rows: np.ndarray | None = None) -> InFlight:
-        """Step N+1's image for N's rows, all but the tokens, and the tables of the stop check."""
+        """Step N+1's image for N's rows, all but the tokens, and the tables of the stop check (the host's, and
+        with the look-ahead the device's)."""
         engine = self.engine
         manager = engine.executor.manager
         cached = [manager.requests[r.rid] for r in requests]
@@ -158,7 +160,9 @@ class DecodeOverlap:
         eos = engine.output.eos_token_id
         if eos is not None and not all(r.options.ignore_eos for r in requests):
             stop_ids.add(eos)
-        return InFlight(requests, tokens, image, size, crossing, always, np.fromiter(stop_ids, dtype=np.int64), rows)
+        stops = self.lookahead.stop_table(requests) if self.lookahead is not None else None
+        return InFlight(requests, tokens, image, size, crossing, always, np.fromiter(stop_ids, dtype=np.int64), rows,
+                        stops)
 
     # ---- leaving to a plain step ------------------------------------------------------------------------
     def settle(self) -> None:

@@ -67,10 +67,11 @@ def test_stop_table_holds_each_rows_ids_and_eos_or_refuses():
     class Req:
         def __init__(self, ids, ignore_eos=False):
             self.options = type("Options", (), dict(stop_token_ids=frozenset(ids), ignore_eos=ignore_eos))()
-    table = stop_table([Req([5]), Req([], ignore_eos=True), Req([1, 2, 3])], eos=9)
-    assert table.T.tolist() == [[5, 9, -1, -1], [-1] * 4, [1, 2, 3, 9]]
-    assert stop_table([Req([1, 2, 3, 4])], eos=9) is None  # five ids: the step is not run ahead
-    assert stop_table([Req([1, 2, 3, 4])], eos=None).shape == (STOP_WIDTH, 1)
+    table, fits = stop_table([Req([5]), Req([], ignore_eos=True), Req([3, 1, 2]), Req([4, 1, 2, 3]), Req([])], eos=9)
+    assert table.T.tolist() == [[5, 9, -1, -1], [-1] * 4, [1, 2, 3, 9], [-1] * 4, [9, -1, -1, -1]]
+    assert fits.tolist() == [True, True, True, False, True]  # five ids with the EOS: not run ahead
+    table, fits = stop_table([Req([1, 2, 3, 4])], eos=None)
+    assert table.T.tolist() == [[1, 2, 3, 4]] and fits.all()
 
 
 def _stops_mid_batch(nano, **engine_args) -> None:
@@ -203,7 +204,8 @@ def test_a_stop_the_devices_table_misses_is_an_error_not_a_divergence(nano, monk
     # The host's finish must be the stop table's (the device's check): with the table emptied, the device runs
     # the stopping row's next forward on the request's own state while the host ends it, and the step raises.
     from services.engine import decode_lookahead
-    monkeypatch.setattr(decode_lookahead, "stop_table", lambda requests, eos: np.full((STOP_WIDTH, len(requests)), -1))
+    monkeypatch.setattr(decode_lookahead, "stop_table", lambda requests, eos: (np.full((STOP_WIDTH, len(requests)), -1),
+                                                                              np.ones(len(requests), dtype=bool)))
     vocab = nano.config.vocab_size
     probe = ScriptedEngine(nano, False).run({0: [("add", "s", prompt(0, 9), options(vocab, max_tokens=8,
                                                                                    ignore_eos=True))]})
