@@ -89,7 +89,7 @@ class ScriptedEngine:
     """`Engine` without its thread: `run(script)` submits and cancels at the given step numbers."""
 
     def __init__(self, model, overlap: bool, *, num_pages: int = 160, max_running: int = 8, budget: int = 64,
-                 lookahead: bool = False, device: str = "cpu"):
+                 lookahead: bool | None = False, device: str = "cpu"):
         model = copy.deepcopy(model).to(device)  # the fast path fuses weights in place: one model per engine
         config = WorkerConfig.load("decode", ["--model-overrides", json.dumps(OVERRIDES), "--hash-block-tokens",
                                               str(HASH_BLOCK), "--num-pages", str(num_pages)], env={})

@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.engine.decode_fastpath import LOOKAHEAD_ENV, lookahead_wanted
 from services.engine.decode_inputs import STOP_WIDTH, DecodeInputBuilder, DecodeInputs
 from services.engine.decode_lookahead import stop_table
 from tests.workers.overlap_harness import (
@@ -72,6 +73,16 @@ def test_stop_table_holds_each_rows_ids_and_eos_or_refuses():
     assert fits.tolist() == [True, True, True, False, True]  # five ids with the EOS: not run ahead
     table, fits = stop_table([Req([1, 2, 3, 4])], eos=None)
     assert table.T.tolist() == [[1, 2, 3, 4]] and fits.all()
+
+
+def test_the_look_ahead_is_on_by_default_at_tp_1(nano, monkeypatch):
+    monkeypatch.delenv(LOOKAHEAD_ENV, raising=False)
+    assert lookahead_wanted(sharded=False) and not lookahead_wanted(sharded=True)  # TP > 1: the overlap is off
+    scripted = ScriptedEngine(nano, True, lookahead=None)  # the fast path reads the setting
+    assert scripted.engine.executor.fastpath.lookahead and scripted.engine.overlap.lookahead is not None
+    monkeypatch.setenv(LOOKAHEAD_ENV, "0")
+    assert not lookahead_wanted(sharded=False)
+    assert ScriptedEngine(nano, True, lookahead=None).engine.overlap.lookahead is None
 
 
 def _stops_mid_batch(nano, **engine_args) -> None:
