@@ -48,16 +48,14 @@ def stop_table(requests: list[EngineRequest], eos: int | None) -> tuple[np.ndarr
     vector write; a row's own ids are written in a loop over the rows that have some."""
     n = len(requests)
     table = np.full((STOP_WIDTH, n), -1, dtype=np.int64)
-    counts = np.fromiter((len(r.options.stop_token_ids) for r in requests), dtype=np.int64, count=n)
+    own = np.fromiter((len(r.options.stop_token_ids) for r in requests), dtype=np.int64, count=n)
+    with_eos = np.fromiter((eos is not None and not r.options.ignore_eos for r in requests), dtype=bool, count=n)
+    fits = own + with_eos <= STOP_WIDTH
+    for k in np.flatnonzero((own > 0) & fits).tolist():
+        table[: own[k], k] = sorted(requests[k].options.stop_token_ids)
     if eos is not None:
-        counts += np.fromiter((not r.options.ignore_eos for r in requests), dtype=bool, count=n)
-    fits = counts <= STOP_WIDTH
-    for k in np.flatnonzero(counts).tolist():
-        if fits[k]:
-            ids = sorted(requests[k].options.stop_token_ids)
-            table[: len(ids), k] = ids
-            if len(ids) < counts[k]:  # the EOS, last
-                table[len(ids), k] = eos
+        at = np.flatnonzero(with_eos & fits)
+        table[own[at], at] = eos  # after the row's own ids
     return table, fits
 
 
