@@ -39,17 +39,19 @@ def mla_tuning(q: torch.Tensor) -> dict[str, int]:
     return {"num_splits": int(splits)} if splits and dispatch.use_triton(q) else {}
 
 
-BRANCHES_ENV = "K3_DECODE_BRANCHES"  # "1": latency-bound kernels on a side stream beside the layer's chain
+BRANCHES_ENV = "K3_DECODE_BRANCHES"  # "0": every kernel of a captured layer in one chain (no side branch)
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def fork(x: torch.Tensor) -> torch.cuda.Stream | None:
-    """A second stream of x's device that has waited for everything queued so far on the current one, for work
-    of a layer that only the layer's end needs (in a CUDA graph: a parallel branch, so a latency-bound kernel
-    runs beside the main chain's GEMMs instead of between them); None off CUDA or with K3_DECODE_BRANCHES=0.
+    """While a CUDA graph is captured: a second stream of x's device that has waited for everything queued so far
+    on the current one, for work of a layer that only the layer's end needs (in the graph a parallel branch, so
+    a latency-bound kernel runs beside the main chain's GEMMs instead of between them: 3-6 us a MoE layer at
+    batch 64 on the H200, docs/serving.md item 11). None otherwise (eager forwards are host-bound: two more
+    CUDA calls a fork would cost more than they hide) and with K3_DECODE_BRANCHES=0.
     Pair with `join` before the first reader of the branch's outputs. What the branch allocates is freed only
     on its own stream's pool, whose next user waits at the next fork: no `record_stream` needed."""
-    if not x.is_cuda or os.environ.get(BRANCHES_ENV, "0") == "0":
+    if not x.is_cuda or os.environ.get(BRANCHES_ENV, "1") == "0" or not torch.cuda.is_current_stream_capturing():
         return None
     side = _SIDE_STREAMS.get(x.device)
     if side is None:

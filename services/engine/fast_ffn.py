@@ -42,17 +42,18 @@ DENSE_FORMS: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
     "tma": ({"tma": True}, None),
     "tma-down": ({"tma": True}, {"tma": True}),
 }
-DENSE_FORM_ENV, DEFAULT_DENSE_FORM = "K3_DENSE_EXPERTS", "pointer"
-# Above this many rows the Triton down projection lost to cuBLAS (H200, bench.serve_glue, session 7: 15.1 / 16.6
-# vs 15.5 / 17.4 us at 16 / 64 tokens, 23.5 vs 20.5 at 128).
-TRITON_DOWN_MAX_TOKENS = 64
+DENSE_FORM_ENV, DEFAULT_DENSE_FORM = "K3_DENSE_EXPERTS", "tma-down"
+# Above this many rows every form runs as "pointer": there the Triton down projection lost to cuBLAS (H200,
+# bench.serve_glue, session 7: 14.8 / 16.3 vs 15.1 / 17.1 us at 16 / 64 tokens, 20.7 vs 18.3 at 96, 21.8 vs
+# 19.8 at 128) and the TMA gate|up did not win (40.6 vs 38.6 us at 96, 37.9 vs 39.3 at 128).
+FORM_MAX_TOKENS = 64
 
 
-def dense_form() -> tuple[dict[str, Any], dict[str, Any] | None]:
+def dense_form(tokens: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
     name = os.environ.get(DENSE_FORM_ENV, DEFAULT_DENSE_FORM)
     if name not in DENSE_FORMS:
         raise ValueError(f"{DENSE_FORM_ENV}={name!r}: expected one of {sorted(DENSE_FORMS)}")
-    return DENSE_FORMS[name]
+    return DENSE_FORMS[name if tokens <= FORM_MAX_TOKENS else "pointer"]
 
 
 def glu_activation(config: K3Config, gate_up: torch.Tensor) -> torch.Tensor:
@@ -119,13 +120,10 @@ class MoeDecode:
 
     def _expert_rows_dense(self, z: torch.Tensor, indices: torch.Tensor) -> ExpertRows:
         """Every expert on every token: [E*T, l] rows, token t's pick of expert e at row e*T + t."""
-        gate_up, down = dense_form() if dispatch.use_triton(z) else ({}, None)  # the references take no tuning
+        gate_up, down = dense_form(z.shape[0]) if dispatch.use_triton(z) else ({}, None)  # references: no tuning
         act = dispatch.expert_gate_up_glu(z, self.w13, self.activation, self.config.situ_beta,
                                           self.config.situ_linear_beta, **gate_up)  # [E, T, F]
-        if down is None or z.shape[0] > TRITON_DOWN_MAX_TOKENS:
-            out = torch.bmm(act, self.w2.transpose(1, 2))  # [E, T, l]
-        else:
-            out = dispatch.expert_down(act, self.w2, **down)
+        out = torch.bmm(act, self.w2.transpose(1, 2)) if down is None else dispatch.expert_down(act, self.w2, **down)
         experts, tokens, width = out.shape
         return out.view(experts * tokens, width), indices, tokens, 1
 
