@@ -19,12 +19,25 @@ them. The key dimension is walked in BK-column blocks so that only [C, BK] tiles
 from __future__ import annotations
 
 from kernels._triton import tl, triton
-from kernels.kda.prefill_prep_triton import _chunk_head
 
 CHUNK = 64
 SUB = 16  # sub-block of the decay split: |lower_bound| * SUB must stay below ~88 (float32 exp range)
 
 if triton is not None:
+
+    @triton.jit
+    def _chunk_head(H, HEADS_FIRST: tl.constexpr):
+        """(chunk int64, head) of a per-(chunk, head) program. HEADS_FIRST: grid axis 0 is chunk * H + head, so
+        the programs running at once cover all heads of a few chunks, one contiguous stretch of the
+        token-major tensors; otherwise axis 0 is the chunk and axis 1 the head (the programs running at once
+        read one head's rows of many chunks: 2 * D bytes every 2 * H * D). H200, same run, heads first: UT
+        pass 0.94 -> 0.91 ms (B=1, T=32K, H=16), 1.87 -> 1.80 (B=8, T=4K, H=32); output pass 0.26 -> 0.25,
+        1.01 -> 0.96 (T=128K); but the prep pass 0.44 -> 0.53, 0.89 -> 1.05 ms (it stays head-major)."""
+        if HEADS_FIRST:
+            pid = tl.program_id(0)
+            return (pid // H).to(tl.int64), pid % H
+        else:
+            return tl.program_id(0).to(tl.int64), tl.program_id(1)
 
     @triton.jit
     def _diagonal_block_inverses(ws, C: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
@@ -49,16 +62,17 @@ if triton is not None:
         return X
 
     @triton.jit
-    def _unit_lower_inverse(ws, rows, C: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr, INV_DOT: tl.constexpr):
+    def _unit_lower_inverse(ws, rows, C: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
         """(I + M)^-1 for the strictly lower-triangular M [C, C] (row-major float32 at ws): the diagonal
         blocks' inverses D^-1, then the block off-diagonal terms by the nilpotent series with dots:
-        (D + L)^-1 = (I - N + N^2 - N^3) D^-1, N = D^-1 L, since N^4 = 0 for C / BC = 4 blocks. INV_DOT: the
-        input precision of the diagonal blocks' dots (sm_90a SASS, 4 warps: "ieee" runs them on the FMA
-        pipe, 768 FFMA per thread; "tf32" on the tensor cores: the inverse's straight-line code 2516 -> 1690
-        instructions per warp, of ~7.9 K for the whole pass)."""
+        (D + L)^-1 = (I - N + N^2 - N^3) D^-1, N = D^-1 L, since N^4 = 0 for C / BC = 4 blocks. The diagonal
+        blocks' dots take the pass's precision DOT too (TF32 for 16-bit activations): in IEEE float32 they ran
+        on the FMA pipe (sm_90a, 4 warps: 768 FFMA per thread; the inverse's straight-line code 2516 vs 1690
+        instructions per warp, of ~7.9 K for the pass); H200, same run: UT pass 0.94 -> 0.87 ms at B=1,
+        T=32K, H=16, 1.87 -> 1.73 at B=8, T=4K, H=32, errors unchanged to 3 digits (y 3.8-3.9e-3)."""
         NB: tl.constexpr = C // BC
         tl.static_assert(NB == 4, "the series below stops at N^3: exactly 4 sub-blocks per chunk")
-        X = _diagonal_block_inverses(ws, C, BC, INV_DOT)
+        X = _diagonal_block_inverses(ws, C, BC, DOT)
         same = tl.arange(0, NB)[:, None, None, None] == tl.arange(0, NB)[None, None, :, None]
         d_inv = tl.reshape(tl.where(same, X[:, :, None, :], 0.0), [C, C])
         cols = tl.arange(0, C)
@@ -108,14 +122,14 @@ if triton is not None:
         q, k, v, g, beta, cu_seqlens, chunk_seq, chunk_start,
         w_out, u_out, qg_out, kg_out, aqk_out, gc_out, akk_ws, scale,
         H, D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, F32_DOTS: tl.constexpr,
-        DOT: tl.constexpr, INV_DOT: tl.constexpr, HEADS_FIRST: tl.constexpr,
+        DOT: tl.constexpr, HEADS_FIRST: tl.constexpr,
     ):
         """Grid (chunks, H). Token-major [T_total, H, *] in and out; g float32 in log2 units (G * log2(e): the
         decay factors are bare exp2, one MUFU op each, where exp costs a multiply and a range fix-up more),
         beta [T_total, H] float32 (already through the sigmoid); gc_out [chunks, H, D]; akk_ws [chunks, H, C, C] float32 scratch.
         F32_DOTS: float32 dot operands instead of the input dtype. DOT: the float32 dots' input_precision
-        ("tf32" or "ieee", see prefill_triton.dot_precision); INV_DOT: see _unit_lower_inverse. HEADS_FIRST: a
-        1-D grid (chunks * H), a chunk's heads adjacent (see prefill_prep_triton._chunk_head)."""
+        ("tf32" or "ieee", see prefill_triton.dot_precision). HEADS_FIRST: a 1-D grid (chunks * H), a chunk's
+        heads adjacent (see _chunk_head)."""
         ci, h = _chunk_head(H, HEADS_FIRST)
         start = tl.load(chunk_start + ci).to(tl.int64)
         n_valid = (tl.load(cu_seqlens + tl.load(chunk_seq + ci) + 1) - start).to(tl.int32)
@@ -170,7 +184,7 @@ if triton is not None:
         _store_a_block(aqk_st, ws, ak2, aq2, 2 * BC, rows, bt, scale, io_mask, C, BC)
         _store_a_block(aqk_st, ws, ak3, aq3, 3 * BC, rows, bt, scale, io_mask, C, BC)
         tl.debug_barrier()
-        T = _unit_lower_inverse(ws, rows, C, BC, DOT, INV_DOT).to(dt)
+        T = _unit_lower_inverse(ws, rows, C, BC, DOT).to(dt)
         bt = tl.load(beta + rows * H, mask=valid, other=0.0)
         for kb in range(0, D // BK):
             cols = kb * BK + tl.arange(0, BK)

@@ -17,18 +17,6 @@ from kernels._triton import tl, triton
 if triton is not None:
 
     @triton.jit
-    def _chunk_head(H, HEADS_FIRST: tl.constexpr):
-        """(chunk int64, head) of this program. HEADS_FIRST: grid axis 0 is chunk * H + head, so the programs
-        running at once cover all heads of a few chunks, one contiguous stretch of the token-major tensors;
-        otherwise axis 0 is the chunk and axis 1 the head (the programs running at once then read one head's
-        rows of many chunks: 2 * D bytes every H * D * 2 bytes)."""
-        if HEADS_FIRST:
-            pid = tl.program_id(0)
-            return (pid // H).to(tl.int64), pid % H
-        else:
-            return tl.program_id(0).to(tl.int64), tl.program_id(1)
-
-    @triton.jit
     def _conv_tap(x, conv, conv_w, rows, lo, valid, offs, HD, s, HAS_CONV: tl.constexpr, W: tl.constexpr):
         """Tap s of the ShortConv: x[row - s] * w[W-1-s], [C, len(offs)] float32 (see _conv_swish)."""
         p = rows - s
@@ -64,14 +52,14 @@ if triton is not None:
     def _kda_prep_kernel(
         q, k, v, z, beta, conv_w, A_log, dt_bias, init_conv, cu_seqlens, chunk_seq, chunk_start,
         q_out, k_out, v_out, g_out, beta_out, lower_bound, l2_eps,
-        H, D: tl.constexpr, W: tl.constexpr, C: tl.constexpr, HAS_CONV: tl.constexpr, HEADS_FIRST: tl.constexpr,
+        H, D: tl.constexpr, W: tl.constexpr, C: tl.constexpr, HAS_CONV: tl.constexpr,
     ):
-        """Grid (chunks, H, 3), or (chunks * H, 1, 3) with HEADS_FIRST (see _chunk_head): program (., ., 0) does q,
-        1 k, 2 v and the gate and beta (a fourth program
+        """Grid (chunks, H, 3): program (., ., 0) does q, 1 k, 2 v and the gate and beta (a fourth program
         for the gate and beta measured slower: 0.505 vs 0.490 ms at B=1, T=32K, H=16). Token-major
         [T_total, H, D] in and out (g_out float32), beta_out [T_total, H]. Tile offsets are 32-bit, from the
         chunk's first row (64-bit ones cost registers; the conv taps before the chunk are negative rows)."""
-        ci, h = _chunk_head(H, HEADS_FIRST)
+        ci = tl.program_id(0)
+        h = tl.program_id(1)
         stream = tl.program_id(2)
         n = tl.load(chunk_seq + ci).to(tl.int64)
         start = tl.load(chunk_start + ci).to(tl.int64)

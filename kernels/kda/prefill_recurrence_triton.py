@@ -11,7 +11,7 @@ From the UT pass's outputs (prefill_chunk_triton.py: w (negated), u, qg, kg, Aqk
 from __future__ import annotations
 
 from kernels._triton import tl, triton
-from kernels.kda.prefill_prep_triton import _chunk_head
+from kernels.kda.prefill_chunk_triton import _chunk_head
 
 if triton is not None:
 

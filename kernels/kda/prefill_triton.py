@@ -112,8 +112,7 @@ def kda_prefill_block(
     norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
     prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 3, f32_dots: bool = False,
     ut_maxnreg: int | None = 168, few_block_v: int = 16, ut_stages: int = 3, fuse_output: bool | None = None,
-    fused_warps: int = 8, fused_stages: int = 2, ut_exact_inverse: bool = True,
-    heads_first: bool = False,
+    fused_warps: int = 8, fused_stages: int = 2, heads_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
@@ -142,10 +141,9 @@ def kda_prefill_block(
       the SMs (B=8, H=32: 256 programs) and no sequence holds over 1.25x the mean chunk count; with few of
       them (B=1, H=16) the recurrence needs its value-column split to have enough programs. fused_stages:
       its chunk loop's pipelining depth (3 needs 288 KB of shared memory on sm_90a: 2, 197 KB, fits).
-    - ut_exact_inverse: the UT pass's 16 x 16 diagonal-block inverses with IEEE float32 dots (FMA pipe);
-      False: at the block's dot precision (TF32 tensor-core dots for 16-bit activations).
-    - heads_first: the prep, UT and output passes' programs ordered chunk-major (all heads of a chunk
-      adjacent: the programs running at once read contiguous memory) instead of head-major.
+    - heads_first: the UT and output passes' programs ordered chunk-major (all heads of a chunk adjacent:
+      the programs running at once read contiguous memory) instead of head-major; measured per pass, not
+      yet as a whole block (prefill_chunk_triton._chunk_head).
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
@@ -168,7 +166,7 @@ def kda_prefill_block(
     dev = q.device
     cu, chunk_seq, chunk_start, chunk_offsets = chunk_plan(bounds, dev)
     n_chunks = chunk_seq.numel()
-    grid = (n_chunks * H, 1) if heads_first else (n_chunks, H)  # the per-(chunk, head) passes
+    grid = (n_chunks * H,) if heads_first else (n_chunks, H)  # the UT and output passes
     q, k, v, z, beta, gate = (t.contiguous() for t in (q, k, v, z, beta, gate))
     work = [torch.empty_like(q) for _ in range(4)]  # w, u, qg, kg
     aqk = torch.empty(B, T, H, CHUNK, device=dev, dtype=q.dtype)
@@ -181,15 +179,15 @@ def kda_prefill_block(
         qn, kn, vc = (torch.empty_like(q) for _ in range(3))
         g = torch.empty(q.shape, device=dev, dtype=torch.float32)
         beta_f = torch.empty(beta.shape, device=dev, dtype=torch.float32)
-        _kda_prep_kernel[(*grid, 3)](
+        _kda_prep_kernel[(n_chunks, H, 3)](
             q, k, v, z, beta, tap_major(conv_weight), A_log, dt_bias.contiguous(), conv, cu,
             chunk_seq, chunk_start, qn, kn, vc, g, beta_f, lower_bound, l2_eps, **shape, W=W,
-            HAS_CONV=initial_conv is not None, HEADS_FIRST=heads_first, num_warps=prep_warps)
+            HAS_CONV=initial_conv is not None, num_warps=prep_warps)
         _kda_chunk_ut_kernel[grid](
             qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
             torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,
             BK=k_block, F32_DOTS=f32_dots or q.dtype == torch.float16, DOT=dot,
-            INV_DOT="ieee" if ut_exact_inverse else dot, HEADS_FIRST=heads_first, num_warps=ut_warps, num_stages=ut_stages,
+            HEADS_FIRST=heads_first, num_warps=ut_warps, num_stages=ut_stages,
             maxnreg=ut_maxnreg)
     if fuse_output is None:  # an explicit block_v asks for the split recurrence
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]

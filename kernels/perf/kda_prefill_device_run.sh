@@ -13,10 +13,11 @@
 # comparison with fla needs BUDGET >= 240 with the default T_WARM=130, about 300 device-seconds in all.
 # Session 6 (history 26): BUDGET=272 T_WARM=115 F0_PEER=second, 5 of ours + fla at four shapes: warm-ups
 # 118 s (fla's compiles), F0 96 s; 244 device-seconds from a cold start.
-# Triton's on-disk cache (session 7): every process compiles into $TRITON_CACHE_DIR; CACHE_IN (a .tgz, e.g. a
-# previous run's, copied to the carried .device/) is unpacked there first, so fla's compiles (118 of session
-# 6's 244 s) and its autotuning on the timed shapes (cached by the F0 process: FLA_CACHE_RESULTS) come from
-# it; SAVE_CACHE=1 packs the cache to $OUT/kda_triton_cache.tgz at the end.
+# Triton's on-disk cache (session 7): every process compiles into $TRITON_CACHE_DIR; CACHE_IN (a .tgz or its
+# parts CACHE_IN.00, .01, ..., e.g. a previous run's, copied to the carried .device/) is unpacked there first,
+# so fla's compiles (112 of session 7's 210 s) and its autotuning on the timed shapes (cached by the F0
+# process: FLA_CACHE_RESULTS) come from it; SAVE_CACHE=1 packs the cache to $OUT/kda_triton_cache.tgz.NN in
+# 15 MiB parts (files come back only up to 16 MiB each: session 7's single 28.6 MB archive did not).
 set -u
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -24,8 +25,12 @@ START=$(date +%s)
 pip install --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/kda_triton_cache}"
 mkdir -p "$TRITON_CACHE_DIR"
-[ -f "${CACHE_IN:-.device/kda_triton_cache.tgz}" ] && tar xzf "${CACHE_IN:-.device/kda_triton_cache.tgz}" -C "$TRITON_CACHE_DIR"
-save_cache() { [ "${SAVE_CACHE:-0}" = 1 ] && tar czf "$OUT/kda_triton_cache.tgz" -C "$TRITON_CACHE_DIR" . && log "cache saved"; }
+CACHE_IN="${CACHE_IN:-.device/kda_triton_cache.tgz}"
+compgen -G "$CACHE_IN*" >/dev/null && cat "$CACHE_IN"* | tar xz -C "$TRITON_CACHE_DIR"
+save_cache() {
+  [ "${SAVE_CACHE:-0}" = 1 ] || return 0
+  tar cz -C "$TRITON_CACHE_DIR" . | split -b 15m -d - "$OUT/kda_triton_cache.tgz." && log "cache saved"
+}
 left() { echo $(( ${BUDGET:-240} - ($(date +%s) - START) )); }
 # A phase's time limit: what is left less $1, at least 1 s (`timeout 0` would mean no limit at all).
 limit() { local s=$(( $(left) - $1 )); echo $(( s > 1 ? s : 1 )); }

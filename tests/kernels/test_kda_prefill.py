@@ -49,13 +49,13 @@ def test_reference_prefill_matches_float64_token_by_token():
     (None, 32, {"fuse_output": False}),
     (16, 32, {"ut_maxnreg": None, "stages": 2, "ut_stages": 2}),
     (None, 16, {"fuse_output": True}),
-    (None, 32, {"heads_first": True, "ut_exact_inverse": False, "fuse_output": False}),
+    (None, 32, {"heads_first": True, "fuse_output": False}),
 ])
 def test_triton_prefill_matches_reference(interpreted, block_v, k_block, tuning):
     """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states, D = 32: the
     UT transform in one or two key-column blocks; the prologue's conv taps before the chunk are negative
     32-bit row offsets; the output pass on its own or inside the recurrence; the prep and UT grids
-    chunk-major (heads first) and the UT pass's diagonal inverse at the dots' precision."""
+    chunk-major (heads first)."""
     case = KdaCase(heads=2, dim=32)
     gen = torch.Generator().manual_seed(12)
     params = case.params(gen)
