@@ -110,9 +110,10 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, shared_x: bool,
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(width, block_n), experts)
     common = dict(ACT=act, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
                   num_stages=num_stages)
-    x2 = x if shared_x else x.view(experts * tokens, depth)
-    w2 = w.view(experts * w.shape[1], depth)
-    if tma:
+    if tma:  # 2-D views: x [T or E*T, K], w [E*rows, K]
+        require(w.is_contiguous() and (shared_x or x.is_contiguous()), "tma=True needs contiguous experts' operands")
+        x2 = x if shared_x else x.view(experts * tokens, depth)
+        w2 = w.view(experts * w.shape[1], depth)
         require(_tma_ready(x2, w2), "tma=True needs 16-byte aligned rows of x and w")
         _expert_gemm_tma_kernel[grid](
             TensorDescriptor.from_tensor(x2, [block_t, block_k]), TensorDescriptor.from_tensor(w2, [block_n, block_k]),
@@ -134,7 +135,7 @@ def expert_gate_up_glu(z: torch.Tensor, w13: torch.Tensor, activation: str = "si
     require(z.dim() == 2 and w13.dim() == 3 and w13.shape[2] == z.shape[1] and w13.shape[1] % 2 == 0,
             f"z must be [T, l] and w13 [E, 2F, l], got {tuple(z.shape)} and {tuple(w13.shape)}")
     require(z.dtype == w13.dtype, f"z and w13 must share a dtype, got {z.dtype} and {w13.dtype}")
-    require(z.stride(1) == 1 and w13.is_contiguous(), "z needs a unit stride along l and w13 must be contiguous")
+    require(z.stride(1) == 1 and w13.stride(2) == 1, "z and w13 need a unit stride along l")
     width = w13.shape[1] // 2
     out = torch.empty(w13.shape[0], z.shape[0], width, dtype=z.dtype, device=z.device)
     return _launch(z, w13, out, True, ACTIVATIONS[activation], width, beta1, beta2, block_n, block_k, num_warps,
@@ -148,7 +149,7 @@ def expert_down(act: torch.Tensor, w2: torch.Tensor, block_n: int = 64, block_k:
     require(act.dim() == 3 and w2.dim() == 3 and act.shape[0] == w2.shape[0] and act.shape[2] == w2.shape[2],
             f"act must be [E, T, F] and w2 [E, l, F], got {tuple(act.shape)} and {tuple(w2.shape)}")
     require(act.dtype == w2.dtype, f"act and w2 must share a dtype, got {act.dtype} and {w2.dtype}")
-    require(act.is_contiguous() and w2.is_contiguous(), "act and w2 must be contiguous")
+    require(act.stride(2) == 1 and w2.stride(2) == 1, "act and w2 need a unit stride along F")
     experts, tokens, _ = act.shape
     out = torch.empty(experts, tokens, w2.shape[1], dtype=act.dtype, device=act.device)
     return _launch(act, w2, out, False, 0, w2.shape[1], 1.0, 1.0, block_n, block_k, num_warps, num_stages, tma)

@@ -56,6 +56,22 @@ def test_expert_down_matches_reference(interpreted, tma, tokens):
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
 
 
+def test_pointer_form_takes_strided_experts_and_tma_refuses_them(interpreted):
+    """Experts stacked with padding between them (a view, as a shard of a larger stack could be): the pointer
+    form follows the strides; TMA's 2-D view needs them contiguous and says so."""
+    z, w13, w2 = _inputs(5)
+    padded13 = torch.zeros(E, 2 * F + 8, L, dtype=w13.dtype)
+    padded13[:, : 2 * F] = w13
+    padded2 = torch.zeros(E, L + 8, F, dtype=w2.dtype)
+    padded2[:, :L] = w2
+    act = expert_gemm_triton.expert_gate_up_glu(z, padded13[:, : 2 * F], "situ", block_n=16, block_k=32)
+    torch.testing.assert_close(act, expert_gemm_triton.expert_gate_up_glu(z, w13, "situ", block_n=16, block_k=32))
+    torch.testing.assert_close(expert_gemm_triton.expert_down(act, padded2[:, :L], block_n=16, block_k=16),
+                               expert_gemm_triton.expert_down(act, w2, block_n=16, block_k=16))
+    with pytest.raises(ValueError, match="contiguous"):
+        expert_gemm_triton.expert_gate_up_glu(z, padded13[:, : 2 * F], tma=True)
+
+
 def test_expert_gemms_refuse_bad_layouts():
     z, w13, w2 = _inputs(4)
     with pytest.raises(ValueError, match="w13"):
