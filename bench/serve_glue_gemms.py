@@ -15,12 +15,17 @@ from kernels.fused import expert_gemm_triton
 from kernels.mla import decode_triton
 from kernels.moe import situ_glu_triton
 
-EXPERT_CONFIGS = [  # (block_n, block_k, num_warps, num_stages, TMA loads); the first is the launcher's default
-    (64, 64, 4, 3, False), (128, 64, 4, 2, False), (128, 64, 8, 2, False), (64, 64, 4, 3, True),
-    (64, 64, 4, 4, True), (64, 64, 8, 3, True), (128, 64, 8, 2, True), (128, 64, 8, 3, True), (64, 128, 4, 2, True)]
+# (block_n, block_k, num_warps, num_stages, loads: "pointer" | "tma" | "tma-ws" (TMA, warp-specialised K loop));
+# the first of each is the launcher's default.
+EXPERT_CONFIGS = [
+    (64, 64, 4, 3, "pointer"), (128, 64, 4, 2, "pointer"), (128, 64, 8, 2, "pointer"), (64, 64, 4, 3, "tma"),
+    (64, 64, 4, 4, "tma"), (64, 64, 8, 3, "tma"), (128, 64, 8, 2, "tma"), (128, 64, 8, 3, "tma"),
+    (64, 128, 4, 2, "tma"), (64, 64, 4, 3, "tma-ws"), (64, 64, 4, 2, "tma-ws")]
 DOWN_CONFIGS = [  # the experts' down projection in Triton, against cuBLAS's batched GEMM (what runs now)
-    (64, 64, 4, 3, False), (128, 64, 4, 3, False), (128, 64, 8, 3, False), (64, 64, 4, 3, True),
-    (128, 64, 4, 3, True), (128, 64, 8, 3, True), (128, 64, 8, 4, True), (256, 64, 8, 3, True)]
+    (64, 64, 4, 3, "pointer"), (128, 64, 4, 3, "pointer"), (128, 64, 8, 3, "pointer"), (64, 64, 4, 3, "tma"),
+    (128, 64, 4, 3, "tma"), (128, 64, 8, 3, "tma"), (128, 64, 8, 4, "tma"), (256, 64, 8, 3, "tma"),
+    (64, 64, 4, 3, "tma-ws")]
+LOADS = {"pointer": {}, "tma": {"tma": True}, "tma-ws": {"tma": True, "warp_specialize": True}}
 MLA_VARIANTS = [  # mla_decode_paged tuning at the serve pool's 1024-token pages; {} = the launcher's rule
     {}, {"num_splits": 2}, {"num_splits": 8}, {"num_splits": 16}, {"block_n": 32, "num_stages": 3},
     {"block_n": 32, "num_stages": 3, "num_splits": 8}, {"num_warps": 8}, {"tokens_major": True}]
@@ -51,14 +56,15 @@ def expert_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[t
         gate_up = F.linear(z, w13.view(experts * 2 * ffn, latent)).view(tokens * experts, 2 * ffn)
         return situ_glu_triton.situ_glu_fused(gate_up, *beta).view(tokens, experts, ffn).transpose(0, 1)
 
-    return {f"expert_gate_up_glu n{n} k{k} w{warps} s{stages}{' tma' if tma else ''}": (
-        each_call(lambda w, t=(n, k, warps, stages, tma): expert_gemm_triton.expert_gate_up_glu(
-            z, w, "situ", *beta, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], tma=t[4]), w13s),
-        each_call(cublas, w13s), experts * 2 * ffn * latent * 2) for n, k, warps, stages, tma in configs}
+    return {f"expert_gate_up_glu n{n} k{k} w{warps} s{stages}{'' if loads == 'pointer' else ' ' + loads}": (
+        each_call(lambda w, t=(n, k, warps, stages, loads): expert_gemm_triton.expert_gate_up_glu(
+            z, w, "situ", *beta, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], **LOADS[t[4]]),
+            w13s), each_call(cublas, w13s), experts * 2 * ffn * latent * 2)
+        for n, k, warps, stages, loads in configs}
 
 
 def default_tiles(configs: list[tuple]) -> list[tuple]:
-    """Outside the sweep: the launcher's default tile (the first) in both load forms."""
+    """Outside the sweep: the launcher's default tile (the first) in every load form."""
     return [c for c in configs if c[:4] == configs[0][:4]]
 
 
@@ -67,11 +73,11 @@ def down_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tup
     experts, ffn, latent = c.num_experts, c.moe_intermediate_size, c.routed_expert_hidden_size
     act = torch.randn(experts, tokens, ffn, device=gen.device, generator=gen).to(torch.bfloat16)
     w2s = weight_copies((experts, latent, ffn), gen, 2 * WEIGHT_COPIES)
-    return {f"expert_down n{n} k{k} w{warps} s{stages}{' tma' if tma else ''}": (
-        each_call(lambda w, t=(n, k, warps, stages, tma): expert_gemm_triton.expert_down(
-            act, w, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], tma=t[4]), w2s),
+    return {f"expert_down n{n} k{k} w{warps} s{stages}{'' if loads == 'pointer' else ' ' + loads}": (
+        each_call(lambda w, t=(n, k, warps, stages, loads): expert_gemm_triton.expert_down(
+            act, w, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], **LOADS[t[4]]), w2s),
         each_call(lambda w: torch.bmm(act, w.transpose(1, 2)), w2s), experts * latent * ffn * 2)
-        for n, k, warps, stages, tma in configs}
+        for n, k, warps, stages, loads in configs}
 
 
 def mla_cases(c: K3Config, batch: int, gen: torch.Generator, variants: list[dict]) -> dict[str, Case]:

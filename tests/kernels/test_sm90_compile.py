@@ -169,6 +169,19 @@ def moe_step(tokens: int) -> None:
                                    out_dtype=BF16)
 
 
+def dense_expert_tilings(tokens: int) -> None:
+    """The dense experts' gate|up and down tilings bench.serve_glue times (bench/serve_glue_gemms.py)."""
+    from bench import serve_glue_gemms as glue
+
+    h = empty(tokens, LATENT + 2 * 2 * F_MOE)
+    for n, k, warps, stages, loads in glue.EXPERT_CONFIGS:
+        expert_gemm_triton.expert_gate_up_glu(h[:, :LATENT], empty(E, 2 * F_MOE, LATENT), block_n=n, block_k=k,
+                                              num_warps=warps, num_stages=stages, **glue.LOADS[loads])
+    for n, k, warps, stages, loads in glue.DOWN_CONFIGS:
+        expert_gemm_triton.expert_down(empty(E, tokens, F_MOE), empty(E, LATENT, F_MOE), block_n=n, block_k=k,
+                                       num_warps=warps, num_stages=stages, **glue.LOADS[loads])
+
+
 def latent_moe(tokens: int, experts: int = E, latent: int = LATENT, width: int = F_MOE, top_k: int = TOP_K,
                **tuning) -> None:
     """The MXFP4 routed-expert decode (kernels/moe) on prepared experts (int32 words, uint8 multipliers)."""
@@ -245,6 +258,7 @@ def _bench_variants() -> dict:
             latent_moe(n, moe_cases.E, moe_cases.L, moe_cases.F, moe_cases.TOP_K, gate_up_tile=g, down_tile=d)
             for n in DECODE_BATCHES]
     cases["skinny gemm tilings"] = lambda: skinny_gemm(64, skinny_gemm_triton.candidate_tilings)
+    cases["dense experts' tilings"] = lambda: dense_expert_tilings(64)
     return cases
 
 
