@@ -113,6 +113,7 @@ def kda_prefill_block(
     prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 3, f32_dots: bool = False,
     ut_maxnreg: int | None = 168, few_block_v: int = 16, ut_stages: int = 3, fuse_output: bool | None = None,
     fused_warps: int = 8, fused_stages: int = 2, heads_first: bool = False,
+    ut_scale_in_dtype: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
@@ -144,6 +145,8 @@ def kda_prefill_block(
     - heads_first: the UT and output passes' programs ordered chunk-major (all heads of a chunk adjacent:
       the programs running at once read contiguous memory) instead of head-major; measured per pass, not
       yet as a whole block (prefill_chunk_triton._chunk_head).
+    - ut_scale_in_dtype: the UT pass's Akk / Aqk loop scales its rows in the 16-bit dtype (prefill_chunk_triton
+      SCALE_IN_DT; not timed yet).
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
@@ -187,7 +190,7 @@ def kda_prefill_block(
             qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
             torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,
             BK=k_block, F32_DOTS=f32_dots or q.dtype == torch.float16, DOT=dot,
-            HEADS_FIRST=heads_first, num_warps=ut_warps, num_stages=ut_stages,
+            HEADS_FIRST=heads_first, SCALE_IN_DT=ut_scale_in_dtype, num_warps=ut_warps, num_stages=ut_stages,
             maxnreg=ut_maxnreg)
     if fuse_output is None:  # an explicit block_v asks for the split recurrence
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]

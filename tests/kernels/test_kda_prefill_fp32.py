@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels._triton import tl
+from kernels._triton import tl, triton
 from kernels.kda import naive, prefill_triton
 from tests.kernels.kda_inputs import KdaCase
 
@@ -25,10 +25,15 @@ TF32_MASK = np.uint32(0xFFFFE000)  # keep the sign, 8 exponent bits and 10 manti
 def tf32_dots(interpreted, monkeypatch):
     """Interpreted tl.dot as on the device (EMULATION): float32 operands cut to TF32 unless input_precision
     is IEEE; bfloat16 operands widened to float32 exactly (Triton 3.9's interpreter multiplies their raw
-    uint16 bits: a bf16 dot of randn 16x16 tiles comes out ~2e10 off, so bf16 was never checked on CPU)."""
+    uint16 bits: a bf16 dot of randn 16x16 tiles comes out ~2e10 off, so bf16 was never checked on CPU).
+    bfloat16 multiplies, adds and subtracts likewise: widened, computed in float32, rounded back to bf16 (one
+    rounding, as the device's bf16x2 instructions)."""
     from triton.runtime import interpreter
 
-    exact_dot = interpreter.InterpreterBuilder.create_dot
+    builder = interpreter.InterpreterBuilder
+    exact_dot = builder.create_dot
+    for name in ("create_fmul", "create_fadd", "create_fsub"):
+        monkeypatch.setattr(builder, name, _bf16_widened(getattr(builder, name)))
 
     def _operand(handle, tf32: bool):
         if handle.dtype == tl.bfloat16:
@@ -44,8 +49,24 @@ def tf32_dots(interpreted, monkeypatch):
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
+def _bf16_widened(op):
+    """A binary float op of the interpreter that computes bfloat16 operands in float32 and rounds the result
+    to the nearest bfloat16 (the interpreter's own float32 -> bf16 cast truncates)."""
+    from triton.runtime import interpreter
+
+    def widened(handle):
+        return interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def run(self, lhs, rhs):
+        if lhs.dtype.scalar != tl.bfloat16:
+            return op(self, lhs, rhs)
+        out = torch.from_numpy(np.ascontiguousarray(op(self, widened(lhs), widened(rhs)).data)).bfloat16()
+        return interpreter.TensorHandle(out.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+    return run
+
+
 def _relative_error(precision: str = "highest", dtype: torch.dtype = torch.float32, dim: int = 32,
-                    gate_shift: float = 0.0) -> float:
+                    gate_shift: float = 0.0, **tuning) -> float:
     """A 100-token sequence (a full chunk and a masked tail) continuing carried states, like nano's test:
     the block on activations in `dtype` vs the reference in float32 on the same (rounded) inputs."""
     case = KdaCase(heads=4, dim=dim)  # nano's KDA heads
@@ -58,7 +79,7 @@ def _relative_error(precision: str = "highest", dtype: torch.dtype = torch.float
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
     try:
-        got, state, _ = prefill_triton.kda_prefill_block(*x, *params, **kwargs)
+        got, state, _ = prefill_triton.kda_prefill_block(*x, *params, **kwargs, **tuning)
     finally:
         torch.set_float32_matmul_precision(before)
     want, want_state, _ = naive.kda_prefill_block(*[t.float() for t in x], *params, **kwargs)
@@ -88,6 +109,30 @@ def test_float16_block_stays_finite_and_close(tf32_dots, gate_shift):
 def test_bfloat16_block_is_as_close_at_nano_head_dim_as_at_128(tf32_dots, dim):
     """bf16 intermediates (q, k, w, u, states entering chunks): measured 1.3e-2 .. 2e-2 at both head dims."""
     assert _relative_error(dtype=torch.bfloat16, dim=dim) < 4e-2
+
+
+@pytest.mark.parametrize("gate_shift", [0.0, 10.0])
+def test_bfloat16_scaling_of_the_ut_rows_keeps_the_error(tf32_dots, gate_shift):
+    """ut_scale_in_dtype at D=128: the Akk / Aqk rows scaled in bf16 (decay factors up to 2^115 at the gate
+    bound) stay finite and as close as the float32 scaling (measured 1.51 vs 1.53e-2 and 1.92 vs 1.92e-2;
+    at nano's D=32 it is worse: 2.7 vs 1.7e-2, 3.6 vs 2.2e-2)."""
+    base = _relative_error(dtype=torch.bfloat16, dim=128, gate_shift=gate_shift)
+    scaled = _relative_error(dtype=torch.bfloat16, dim=128, gate_shift=gate_shift, ut_scale_in_dtype=True)
+    assert scaled < 1.1 * base
+
+
+def test_bf16_emulation_computes_bf16_products(tf32_dots):
+    """The fixture's bf16 arithmetic is torch's (the bare interpreter multiplies the raw bits)."""
+    a, b = (torch.randn(64, generator=torch.Generator().manual_seed(s)).bfloat16() for s in (1, 2))
+    out = torch.empty(64, dtype=torch.bfloat16)
+    _bf16_multiply_kernel[(1,)](a, b, out, N=64)
+    assert torch.equal(out, a * b)
+
+
+@triton.jit
+def _bf16_multiply_kernel(a, b, out, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out + i, tl.load(a + i) * tl.load(b + i))
 
 
 @pytest.mark.parametrize(("dtype", "setting", "want"), [
