@@ -127,9 +127,13 @@ def pick_tuning(rows: list[dict], variants=VARIANTS, margin: float = 0.03) -> di
 
 
 def _params(heads: int, dev: str):
-    conv_w = (torch.randn(3, heads * D, W, device=dev) * 0.5).to(BF16)
-    return conv_w, torch.randn(heads, device=dev) * 0.3, torch.randn(heads * D, device=dev), \
-        torch.rand(D, device=dev) + 0.5
+    """Weights as a served layer holds them: normal tensors, even when made inside inference_mode (the layer's
+    stacked conv weight is one), so the launcher's tap-major copy is cached (session 7's rows still
+    transposed per call: 3 us)."""
+    with torch.inference_mode(False):
+        conv_w = (torch.randn(3, heads * D, W, device=dev) * 0.5).to(BF16)
+        return conv_w, torch.randn(heads, device=dev) * 0.3, torch.randn(heads * D, device=dev), \
+            torch.rand(D, device=dev) + 0.5
 
 
 def _inputs(batch: int, length: int, heads: int, dev: str):
