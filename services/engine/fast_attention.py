@@ -30,13 +30,17 @@ from services.engine.derived_weights import DerivedWeights
 L2_EPS = 1e-6  # k3core.ops.kda.l2norm's default, what the reference layer uses
 MLA_SPLITS_ENV = "K3_MLA_SPLITS"  # a fixed split count for the MLA decode kernel (bench.serve --variant); unset:
 # the launcher's rule (kernels/mla/decode_triton.default_splits)
+MLA_MERGE_ENV, DEFAULT_MLA_MERGE = "K3_MLA_MERGE_LAST", "0"  # "1": the last split program merges (no 2nd launch)
 
 
-def mla_tuning(q: torch.Tensor) -> dict[str, int]:
+def mla_tuning(q: torch.Tensor) -> dict[str, int | bool]:
     """The MLA decode launcher's tuning from the environment, read when a forward is traced or captured (only
     on the Triton path: the reference takes none)."""
+    if not dispatch.use_triton(q):
+        return {}
     splits = os.environ.get(MLA_SPLITS_ENV)
-    return {"num_splits": int(splits)} if splits and dispatch.use_triton(q) else {}
+    tuning: dict[str, int | bool] = {"num_splits": int(splits)} if splits else {}
+    return tuning | {"merge_last": os.environ.get(MLA_MERGE_ENV, DEFAULT_MLA_MERGE) == "1"}
 
 
 BRANCHES_ENV = "K3_DECODE_BRANCHES"  # "0": none (every kernel of a captured layer in one chain); "1" or unset:
