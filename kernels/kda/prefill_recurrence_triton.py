@@ -40,18 +40,27 @@ if triton is not None:
     @triton.jit
     def _kda_chunk_recurrence_kernel(
         w, u, kg, gc, h_out, vnew_out, init_state, final_state, q, k, v, init_conv, final_conv,
-        cu_seqlens, chunk_offsets, qg, aqk, gate, norm_w, y_out, norm_eps,
+        cu_seqlens, chunk_offsets, seq_order, qg, aqk, gate, norm_w, y_out, norm_eps,
         H, D: tl.constexpr, W: tl.constexpr, BWM: tl.constexpr, C: tl.constexpr,
         BV: tl.constexpr, HAS_STATE: tl.constexpr, HAS_CONV: tl.constexpr, STAGES: tl.constexpr,
-        DOT: tl.constexpr, FUSED_OUT: tl.constexpr,
+        DOT: tl.constexpr, FUSED_OUT: tl.constexpr, LONGEST_FIRST: tl.constexpr,
     ):
-        """Grid (sequences, H, D // BV). FUSED_OUT (BV == D): the output pass happens here, per chunk, from the
+        """Grid (sequences, H, D // BV), or with LONGEST_FIRST (D // BV, H, sequences) taking sequence
+        seq_order[axis 2] (longest first): the programs start in that order, so the longest sequences' serial
+        chains start at once instead of waiting behind short ones, and the value blocks of one (sequence,
+        head), which read the same w and kg, run side by side (L2 hits instead of a second HBM read).
+        FUSED_OUT (BV == D): the output pass happens here, per chunk, from the
         state on chip (o = qg S_in + Aqk v_new, gated RMSNorm -> y): h_out and vnew_out are neither written
         nor read back (1.5 KB per token and head of HBM traffic less), at the cost of one program per
         (sequence, head) doing the output's dots on the serial chain: for many sequences x heads only."""
-        n = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        iv = tl.program_id(2)
+        if LONGEST_FIRST:
+            iv = tl.program_id(0)
+            h = tl.program_id(1)
+            n = tl.load(seq_order + tl.program_id(2)).to(tl.int64)
+        else:
+            n = tl.program_id(0).to(tl.int64)
+            h = tl.program_id(1)
+            iv = tl.program_id(2)
         bos = tl.load(cu_seqlens + n).to(tl.int64)
         eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
         first = tl.load(chunk_offsets + n).to(tl.int64)

@@ -49,15 +49,16 @@ def fuses_output(lengths: Sequence[int], heads: int, device: torch.device) -> bo
 
 @functools.lru_cache(maxsize=64)
 def chunk_plan(bounds: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(cu_seqlens, chunk_seq [NC], chunk_start [NC], chunk_offsets [N+1]) int32 on `device` for sequence
-    bounds [N+1]. Cached, so that repeated shapes (and CUDA-graph capture) need no host round trip."""
+    """(cu_seqlens, chunk_seq [NC], chunk_start [NC], chunk_offsets [N+1], longest_first [N]) int32 on
+    `device` for sequence bounds [N+1]; longest_first: the sequences by chunk count, most first. Cached, so that repeated shapes (and CUDA-graph capture) need no host round trip."""
     counts = [-(-(b - a) // CHUNK) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     seq = [n for n, c in enumerate(counts) for _ in range(c)]
     start = [bounds[n] + i * CHUNK for n, c in enumerate(counts) for i in range(c)]
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)
-    return tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (bounds, seq, start, offsets))
+    longest = sorted(range(len(counts)), key=lambda n: -counts[n])
+    return tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (bounds, seq, start, offsets, longest))
 
 
 def tap_major(conv_weight: torch.Tensor) -> torch.Tensor:
@@ -113,7 +114,7 @@ def kda_prefill_block(
     prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 3, f32_dots: bool = False,
     ut_maxnreg: int | None = 168, few_block_v: int = 16, ut_stages: int = 3, fuse_output: bool | None = None,
     fused_warps: int = 8, fused_stages: int = 2, heads_first: bool = False,
-    ut_scale_in_dtype: bool = False,
+    ut_scale_in_dtype: bool = False, longest_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
@@ -147,6 +148,8 @@ def kda_prefill_block(
       yet as a whole block (prefill_chunk_triton._chunk_head).
     - ut_scale_in_dtype: the UT pass's Akk / Aqk loop scales its rows in the 16-bit dtype (prefill_chunk_triton
       SCALE_IN_DT; not timed yet).
+    - longest_first: the recurrence's programs launched longest sequence first, a (sequence, head)'s value
+      blocks adjacent (prefill_recurrence_triton LONGEST_FIRST; for uneven varlen batches; not timed yet).
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
@@ -167,7 +170,7 @@ def kda_prefill_block(
     k_block = k_block or min(32, D)
     require(D % k_block == 0 and k_block >= 16, f"k_block must divide {D} and be >= 16, got {k_block}")
     dev = q.device
-    cu, chunk_seq, chunk_start, chunk_offsets = chunk_plan(bounds, dev)
+    cu, chunk_seq, chunk_start, chunk_offsets, seq_order = chunk_plan(bounds, dev)
     n_chunks = chunk_seq.numel()
     grid = (n_chunks * H,) if heads_first else (n_chunks, H)  # the UT and output passes
     q, k, v, z, beta, gate = (t.contiguous() for t in (q, k, v, z, beta, gate))
@@ -207,11 +210,13 @@ def kda_prefill_block(
     h_states = gc if fuse_output else torch.empty(max(n_chunks, 1), H, D, D, device=dev, dtype=q.dtype)
     v_new = q if fuse_output else torch.empty_like(q)
     w, u, qg, kg = work
-    _kda_chunk_recurrence_kernel[(N, H, D // block_v)](
+    require(not longest_first or N < 65536, f"longest_first takes at most 65535 sequences, got {N}")
+    _kda_chunk_recurrence_kernel[(D // block_v, H, N) if longest_first else (N, H, D // block_v)](
         w, u, kg, gc, h_states, v_new, initial_state.contiguous() if initial_state is not None else gc,
-        final_state, q, k, v, conv, final_conv, cu, chunk_offsets, qg, aqk, gate, norm_weight, y, norm_eps,
-        **shape, W=W, BWM=next_pow2(W - 1), BV=block_v, HAS_STATE=initial_state is not None,
-        HAS_CONV=initial_conv is not None, STAGES=stages, DOT=dot, FUSED_OUT=fuse_output, num_warps=recurrence_warps,
+        final_state, q, k, v, conv, final_conv, cu, chunk_offsets, seq_order, qg, aqk, gate, norm_weight, y,
+        norm_eps, **shape, W=W, BWM=next_pow2(W - 1), BV=block_v, HAS_STATE=initial_state is not None,
+        HAS_CONV=initial_conv is not None, STAGES=stages, DOT=dot, FUSED_OUT=fuse_output,
+        LONGEST_FIRST=longest_first, num_warps=recurrence_warps,
     )
     if n_chunks and not fuse_output:
         _kda_chunk_output_kernel[grid](

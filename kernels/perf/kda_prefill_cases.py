@@ -65,6 +65,14 @@ VARIANTS = (
     # Offline (sm_90a): the Akk / Aqk loop 759 -> 606 instructions per key block, no spills; CPU emulation at
     # D=128: the same error (tests/kernels/test_kda_prefill_fp32.py). Not timed yet.
     ("ut bf16 scaling", {"ut_scale_in_dtype": True}, "_kda_chunk_ut_kernel"),
+    # The split recurrence's programs longest sequence first, a (sequence, head)'s value blocks adjacent: for
+    # the varlen batch, whose 12K sequence's chain was the pass's tail (0.76 ms against ~0.5 at copy speed).
+    ("longest first", {"longest_first": True}, "_kda_chunk_recurrence_kernel"),
+    # The combinations (separate kernels, so each option's share shows in the per-kernel times; the three-way
+    # one first: a time limit then cuts the other, which the per-kernel times of the rest stand in for).
+    ("heads first + ut bf16 + longest first", {"heads_first": True, "ut_scale_in_dtype": True,
+                                               "longest_first": True}, None),
+    ("heads first + ut bf16", {"heads_first": True, "ut_scale_in_dtype": True}, None),
     # Last: 8-warp UT programs ran on Triton 3.6 / H200 this round, but an earlier 8-warp form faulted, and a
     # fault ends the process. 128 registers: 2 programs of 8 warps per SM.
     ("ut w8 cap128", {"ut_warps": 8, "ut_maxnreg": 128}, "_kda_chunk_ut_kernel"),
