@@ -17,7 +17,9 @@
 # parts CACHE_IN.00, .01, ..., e.g. a previous run's, copied to the carried .device/) is unpacked there first,
 # so fla's compiles (112 of session 7's 210 s) and its autotuning on the timed shapes (cached by the F0
 # process: FLA_CACHE_RESULTS) come from it; SAVE_CACHE=1 packs the cache to $OUT/kda_triton_cache.tgz.NN in
-# 15 MiB parts (files come back only up to 16 MiB each: session 7's single 28.6 MB archive did not).
+# 15 MiB parts (files come back only up to 16 MiB each: session 7's single 28.6 MB archive did not). Session
+# 7's second run returned one (26.5 MB in two parts: ours' four variants, fla's kernels of all three warm-ups
+# up to their cut and its 32K autotuning), kept in .device/ as kda_triton_cache.tgz.00 / .01 for CACHE_IN.
 set -u
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -44,13 +46,19 @@ warm() { local f=$1; shift; "$@" > "$f" 2>&1; echo "rc=$? after $(( $(date +%s) 
 KDA_PREFILL_VARIANTS="$F0_VARIANTS${VARIANTS:+,$VARIANTS}" warm "$OUT/warm_ours.log" timeout -k 3 "${T_WARM:-130}" \
   python3 -m kernels.perf.kda_prefill_cases --warm-ours &
 for s in "B=1,T=32K" "B=8" "varlen"; do
-  FLA_CACHE_RESULTS=0 warm "$OUT/warm_${s//[^A-Za-z0-9]/_}.log" timeout -k 3 "${T_WARM:-130}" \
+  FLA_CACHE_RESULTS=0 warm "$OUT/warm_peer_${s//[^A-Za-z0-9]/_}.log" timeout -k 3 "${T_WARM:-130}" \
     python3 -m kernels.perf.kda_prefill_cases --warm-peer "$s" &
 done
 wait; log "warm"
 # Ours first (F0_PEER=last): a limit that falls inside fla's autotuning then still leaves ours measured;
 # F0_PEER=second: the default, fla, then the F0 variants (a new variant that faults loses only what follows).
-KDA_PREFILL_PEER="${F0_PEER:-last}" KDA_PREFILL_ROWS="$OUT/final.jsonl" KDA_PREFILL_VARIANTS="$F0_VARIANTS" \
+# A peer warm-up cut by T_WARM forces ours first: session 7's second run (fla's compiles 126 s against
+# T_WARM=118) spent F0 compiling fla in-process after its 32K row, and no variant was timed.
+PEER_ORDER="${F0_PEER:-last}"
+if grep -q "^rc=124" "$OUT"/warm_peer_*.log; then PEER_ORDER=last; log "a peer warm-up was cut: ours first"; fi
+# One log file for the warm-ups: only 8 files come back from a run (session 7's second run lost one).
+for f in "$OUT"/warm_*.log; do { echo "== ${f##*/}"; cat "$f"; } >> "$OUT/warm.log"; rm -f "$f"; done
+KDA_PREFILL_PEER="$PEER_ORDER" KDA_PREFILL_ROWS="$OUT/final.jsonl" KDA_PREFILL_VARIANTS="$F0_VARIANTS" \
   timeout -k 3 "$(limit "$RESERVE")" python3 -m bench.kernels --only kda_prefill --out "$OUT/final.json" \
   > "$OUT/final.log" 2>&1
 log "final rc=$?"
