@@ -130,7 +130,7 @@ def moe_layer_case(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, 
     found: dict[str, Case] = {}
     # Each dense form (K3_DENSE_EXPERTS), with the default side branches, none, and the router's branch with the
     # shared experts' GEMM on it (K3_DECODE_BRANCHES), set while its calls are captured.
-    for form, branches in itertools.product(fast_ffn.DENSE_FORMS, ("1", "0", "router,shared")):
+    for form, branches in itertools.product(fast_ffn.DENSE_FORMS, ("1", "0", "router+shared")):
         settings = {fast_ffn.DENSE_FORM_ENV: form, BRANCHES_ENV: branches}
 
         def call(settings=settings):

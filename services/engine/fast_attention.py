@@ -44,7 +44,8 @@ def mla_tuning(q: torch.Tensor) -> dict[str, int | bool]:
 
 
 BRANCHES_ENV = "K3_DECODE_BRANCHES"  # "0": none (every kernel of a captured layer in one chain); "1" or unset:
-# DEFAULT_BRANCHES; else a comma list of BRANCH_NAMES (bench.serve --variant compares sets in one process)
+# DEFAULT_BRANCHES; else BRANCH_NAMES joined by "+" or "," (bench.serve --variant, whose settings are comma
+# separated, takes "+": compares sets in one process)
 BRANCH_NAMES = (
     "router",  # the MoE router beside the x GEMM and the expert GEMMs
     "shared",  # the shared experts' gate|up GEMM on the router's branch (dense experts only; needs "router")
@@ -61,7 +62,7 @@ def branches() -> frozenset[str]:
     value = os.environ.get(BRANCHES_ENV, "1").strip()
     if value in ("", "1"):
         return DEFAULT_BRANCHES
-    names = frozenset(n.strip() for n in value.split(",") if n.strip() and n.strip() != "0")
+    names = frozenset(n.strip() for n in value.replace("+", ",").split(",") if n.strip() and n.strip() != "0")
     unknown = names - set(BRANCH_NAMES)
     if unknown:
         raise ValueError(f"{BRANCHES_ENV}={value!r}: unknown {sorted(unknown)}; expected 0, 1 or names of "

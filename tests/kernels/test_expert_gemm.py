@@ -110,14 +110,14 @@ def test_compiled_expert_gemms_match_reference_on_gpu(tokens):
 
 
 def test_branch_sets_from_the_environment(monkeypatch):
-    """K3_DECODE_BRANCHES: unset / "1" the defaults, "0" none, a comma list those names; a misspelt name is an
+    """K3_DECODE_BRANCHES: unset / "1" the defaults, "0" none, names joined by "," or "+"; a misspelt name is an
     error (silently serial would measure the wrong variant)."""
     from services.engine.fast_attention import BRANCHES_ENV, DEFAULT_BRANCHES, branches
 
     monkeypatch.delenv(BRANCHES_ENV, raising=False)
     assert branches() == DEFAULT_BRANCHES == {"router", "latent"}
     for value, expected in (("1", DEFAULT_BRANCHES), ("0", set()), (" router, shared ", {"router", "shared"}),
-                            ("latent-early,rope", {"latent-early", "rope"})):
+                            ("latent-early+rope", {"latent-early", "rope"})):
         monkeypatch.setenv(BRANCHES_ENV, value)
         assert branches() == expected
     monkeypatch.setenv(BRANCHES_ENV, "router,shraed")
@@ -130,7 +130,7 @@ def test_branch_sets_from_the_environment(monkeypatch):
 def test_moe_layer_router_branch_is_the_serial_layer_in_a_graph(tokens, monkeypatch):
     """The router on a side stream (K3_DECODE_BRANCHES=1) joined before the combine: the captured
     layer's output is bit for bit the one-chain layer's, at a grouped (4) and a dense (64) batch. With the
-    shared experts' GEMM on that branch ("router,shared": two GEMMs of the fused x weight's row halves, whose
+    shared experts' GEMM on that branch ("router+shared": two GEMMs of the fused x weight's row halves, whose
     cuBLAS kernels may sum in another order) it matches within bf16 rounding."""
     from k3core.layers.moe import SparseMoE
     from k3core.presets import preset
@@ -147,7 +147,7 @@ def test_moe_layer_router_branch_is_the_serial_layer_in_a_graph(tokens, monkeypa
     fast = MoeDecode(moe.to(torch.bfloat16).eval(), config, grouped=True)
     x = torch.randn(tokens, config.hidden_size, device=dev, generator=gen).to(torch.bfloat16)
     outs = []
-    for branches in ("0", "1", "router,shared"):
+    for branches in ("0", "1", "router+shared"):
         monkeypatch.setenv(BRANCHES_ENV, branches)
         residual = torch.zeros_like(x)
         with torch.no_grad():
@@ -199,7 +199,7 @@ def _mla_layer_branch_outputs(device: torch.device) -> list[tuple[torch.Tensor, 
     write_rows = (table[:, 0].long() * per_page + lengths.long() - 1) * layout.layers_per_group + slot
     x = torch.randn(batch, config.hidden_size, device=device, generator=gen).to(torch.bfloat16)
     before, outs = data.clone(), []
-    for branches in ("0", "1", "latent-early,rope", "rope"):
+    for branches in ("0", "1", "latent-early+rope", "rope"):
         os.environ[BRANCHES_ENV] = branches
         try:
             with torch.no_grad():
