@@ -15,8 +15,10 @@ Two load forms, same programs: pointer tiles (cp.async, every thread computes ad
 through host-built tensor descriptors (`tma=True`: one copy instruction a tile, out-of-range rows and K
 columns zero-filled by the copy engine, so no masks in the loop). On the H200 TMA measured 29.9 vs 30.2 us
 for the gate|up and 16.3 vs 17.1 us (cuBLAS) for the down projection at 64 rows (docs/serving.md item 11).
-`warp_specialize=True` (TMA only; not yet timed) lets Triton split the K loop into producer warps that issue
-the copies and consumer warps that run the MMAs (Triton 3.6 on sm_90: 12 warps, 90 KB of shared memory).
+`warp_specialize=True` (TMA only) lets Triton split the K loop into producer warps that issue the copies and
+consumer warps that run the MMAs (Triton 3.6 on sm_90: 12 warps, 90 KB of shared memory). Compiled on the H200
+it is wrong with 64-row token tiles (one NaN row per expert tile at 64 and 70 tokens; right at 16), so the
+launcher refuses it there (docs/serving.md item 12); untimed.
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, shared_x: bool,
     if tokens == 0:
         return out
     block_t = min(64, max(16, next_pow2(tokens)))
+    require(not warp_specialize or block_t < 64, "warp_specialize gives wrong rows with 64-row token tiles (H200, "
+            f"Triton 3.6): {tokens} tokens need them")
     block_k = min(block_k, max(16, next_pow2(depth)))
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(width, block_n), experts)
     common = dict(ACT=act, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,

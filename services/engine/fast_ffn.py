@@ -41,7 +41,6 @@ DENSE_FORMS: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
     "pointer": ({}, None),
     "tma": ({"tma": True}, None),
     "tma-down": ({"tma": True}, {"tma": True}),
-    "tma-ws": ({"tma": True, "warp_specialize": True}, {"tma": True}),  # producer warps for the gate|up's loads
 }
 DENSE_FORM_ENV, DEFAULT_DENSE_FORM = "K3_DENSE_EXPERTS", "tma-down"
 # Above this many rows every form runs as "pointer": there the Triton down projection lost to cuBLAS (H200,
