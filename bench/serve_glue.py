@@ -7,8 +7,8 @@ roofline). `down`: the experts' down projection in Triton against cuBLAS's batch
 MLA decode at the serve pool's pages per tiling, against the launcher's rule (bench/serve_glue_gemms.py). At
 the sweep's token counts, the router and these kernels run in a few tilings each (the launchers' defaults
 first; elsewhere the default tile in both load forms). Last, one whole latent-MoE layer of the fast path
-(`MoeDecode`) per token count, in each dense form (`K3_DENSE_EXPERTS`) with the default side branches, none,
-and the router's branch carrying the shared experts' GEMM (`K3_DECODE_BRANCHES`), against `SparseMoE` for the difference (its per-expert loop syncs the host:
+(`MoeDecode`) per token count, in each dense form (`K3_DENSE_EXPERTS`) with and without the router's side
+branch (`K3_DECODE_BRANCHES`), against `SparseMoE` for the difference (its per-expert loop syncs the host:
 not timed).
 `--groups skinny`: every decode projection (`skinny_gemm_triton.decode_projections`) in the skinny GEMM's
 candidate tilings against cuBLAS as the fast path calls it, weights cycled through enough copies to come from
@@ -128,9 +128,9 @@ def moe_layer_case(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, 
             diff = float((fast(x) - moe(x)).abs().max())
         return {f"MoeDecode layer (grouped), diff {diff:.3g}": (torch.no_grad()(lambda: fast(x, residual)), None, 0)}
     found: dict[str, Case] = {}
-    # Each dense form (K3_DENSE_EXPERTS), with the default side branches, none, and the router's branch with the
-    # shared experts' GEMM on it (K3_DECODE_BRANCHES), set while its calls are captured.
-    for form, branches in itertools.product(fast_ffn.DENSE_FORMS, ("1", "0", "router+shared")):
+    # Each dense form (K3_DENSE_EXPERTS), with the router on a side branch or in the chain (K3_DECODE_BRANCHES),
+    # set while its calls are captured.
+    for form, branches in itertools.product(fast_ffn.DENSE_FORMS, ("1", "0")):
         settings = {fast_ffn.DENSE_FORM_ENV: form, BRANCHES_ENV: branches}
 
         def call(settings=settings):

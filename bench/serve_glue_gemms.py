@@ -27,8 +27,7 @@ DOWN_CONFIGS = [  # the experts' down projection in Triton, against cuBLAS's bat
 LOADS = {"pointer": {}, "tma": {"tma": True}}
 MLA_VARIANTS = [  # mla_decode_paged tuning at the serve pool's 1024-token pages; {} = the launcher's rule
     {}, {"num_splits": 2}, {"num_splits": 8}, {"num_splits": 16}, {"block_n": 32, "num_stages": 3},
-    {"block_n": 32, "num_stages": 3, "num_splits": 8}, {"num_warps": 8}, {"tokens_major": True}, {"merge_last": True},
-    {"merge_last": True, "num_splits": 8}]
+    {"block_n": 32, "num_stages": 3, "num_splits": 8}, {"num_warps": 8}, {"tokens_major": True}]
 MLA_CONTEXTS = (1024, 4096)
 WEIGHT_COPIES = 3  # distinct weight sets cycled through the timed calls: 300 MB, far past the 50 MB L2
 Case = tuple[Callable[[], object], Callable[[], object] | None, int]  # fused, peer, weight bytes read per call

@@ -3,8 +3,7 @@
 Every head of a sequence attends to the same latent rows [c_kv (R) | k_pe (P)], so one program loads a tile
 of rows once and scores all heads against it with tensor-core dots (MQA in latent space). Long contexts are
 cut into NUM_SPLITS ranges per sequence so that even a small batch fills the GPU; a second kernel merges the
-per-split partial outputs through their log-sum-exp (or, `merge_last`, the last split program of a sequence to
-finish does, reading its siblings' partials from L2). The pool can hand over any view of [num_pages,
+per-split partial outputs through their log-sum-exp. The pool can hand over any view of [num_pages,
 page_tokens, R + P]: when the page size is a multiple of the tile (64 rows), a tile is BN consecutive rows
 of one page, found with one page-table read (48 -> 60 % of copy bandwidth at B=64, 4K; 59 -> 80 % at 64K);
 otherwise rows are gathered token by token through the page table. The latent (512) and rope (64) parts
@@ -18,16 +17,15 @@ import math
 import torch
 
 from kernels._triton import next_pow2, require, tl, triton
-from kernels.fused.split_scratch import split_scratch
 
 if triton is not None:
 
     @triton.jit
     def _mla_split_kernel(
-        q, cache, page_table, lengths, o_part, lse_part, o_final, counters,
+        q, cache, page_table, lengths, o_part, lse_part,
         H, max_pages, page_tokens, page_stride, row_stride, sm_scale_log2,
         NUM_SPLITS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-        TOKENS_MAJOR: tl.constexpr, PAGE_TILES: tl.constexpr, MERGE_LAST: tl.constexpr,
+        TOKENS_MAJOR: tl.constexpr, PAGE_TILES: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -87,36 +85,6 @@ if triton is not None:
         tl.store(o_part + out[:, None] * R + offs_r[None, :], o, mask=head_ok)
         lse = tl.where(has_rows, m + tl.log2(tl.where(has_rows, denom, 1.0)), float("-inf"))
         tl.store(lse_part + out, lse, mask=heads < H)
-        if MERGE_LAST:
-            tl.debug_barrier()  # every thread's partial is written before the release below
-            arrived = tl.atomic_add(counters + b, 1)  # acq_rel: the sibling splits' partials happen before
-            if arrived == NUM_SPLITS - 1:  # the last split of the sequence merges (no second launch)
-                tl.atomic_xchg(counters + b, 0)  # ready for the next launch
-                _merge_splits(o_part, lse_part, o_final, b, H, NUM_SPLITS, BH, R)
-
-    @triton.jit
-    def _merge_splits(o_part, lse_part, o_final, b, H, NUM_SPLITS: tl.constexpr, BH: tl.constexpr, R: tl.constexpr):
-        """Sequence b's heads merged over its splits by their LSE, in split order (the result does not depend on
-        which split came last); .cg loads: the siblings' partials from L2, never a stale L1 line."""
-        heads = tl.arange(0, BH)
-        offs_r = tl.arange(0, R)
-        head_ok = heads < H
-        top = tl.full([BH], float("-inf"), dtype=tl.float32)
-        for s in tl.static_range(NUM_SPLITS):
-            top = tl.maximum(top, tl.load(lse_part + (b * NUM_SPLITS + s) * H + heads, mask=head_ok,
-                                          other=float("-inf"), cache_modifier=".cg"))
-        total = tl.zeros([BH], dtype=tl.float32)
-        res = tl.zeros([BH, R], dtype=tl.float32)
-        for s in tl.static_range(NUM_SPLITS):
-            rows = (b * NUM_SPLITS + s) * H + heads
-            part_lse = tl.load(lse_part + rows, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
-            w = tl.where(part_lse > float("-inf"), tl.exp2(part_lse - top), 0.0)
-            total += w
-            res += w[:, None] * tl.load(o_part + rows[:, None] * R + offs_r[None, :], mask=head_ok[:, None],
-                                        other=0.0, cache_modifier=".cg")
-        o = res / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(o_final + (b * H + heads[:, None]) * R + offs_r[None, :], o.to(o_final.dtype.element_ty),
-                 mask=head_ok[:, None])
 
     @triton.jit
     def _mla_combine_kernel(o_part, lse_part, o, H, NUM_SPLITS: tl.constexpr, BS: tl.constexpr,
@@ -151,13 +119,11 @@ def default_splits(batch: int, capacity: int, block: int, sms: int = 132) -> int
 def mla_decode_paged(
     q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor, scale: float,
     latent_dim: int = 512, num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-    num_stages: int = 2, tokens_major: bool = False, page_tiles: bool | None = None, merge_last: bool = False,
+    num_stages: int = 2, tokens_major: bool = False, page_tiles: bool | None = None,
 ) -> torch.Tensor:
     """q [B, H, R+P] (absorbed q_nope W_uk | q_pe); cache [num_pages, page_tokens, R+P]; page_table
     [B, max_pages] int; lengths [B] int (tokens cached per sequence, >= 1). Returns the latent-space output
-    softmax(scale * q . row) . c_kv as [B, H, R] in q's dtype (the caller applies W_uv and the gate).
-    merge_last: the last split program of a sequence to finish merges its splits (a per-sequence counter in
-    `split_scratch`, reset by that program) instead of the second kernel (one launch less a layer)."""
+    softmax(scale * q . row) . c_kv as [B, H, R] in q's dtype (the caller applies W_uv and the gate)."""
     B, H, width = q.shape
     R, P = latent_dim, width - latent_dim
     require(cache.dim() == 3 and cache.shape[-1] == width, f"cache must be [pages, tokens, {width}], got "
@@ -176,15 +142,13 @@ def mla_decode_paged(
     page_tiles = tiles_in_pages if page_tiles is None else page_tiles
     o_part = torch.empty(B, splits, H, R, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
-    o = torch.empty(B, H, R, dtype=q.dtype, device=q.device)
-    counters = split_scratch(1, B, q.device)[1] if merge_last else lse_part  # unused without merge_last
     _mla_split_kernel[(B, splits)](
-        q, cache, page_table, lengths, o_part, lse_part, o, counters,
+        q, cache, page_table, lengths, o_part, lse_part,
         H, page_table.shape[1], cache.shape[1], cache.stride(0), cache.stride(1), scale * math.log2(math.e),
         NUM_SPLITS=splits, R=R, P=P, BH=max(16, next_pow2(H)), BN=block_n, TOKENS_MAJOR=tokens_major,
-        PAGE_TILES=page_tiles, MERGE_LAST=merge_last, num_warps=num_warps, num_stages=num_stages,
+        PAGE_TILES=page_tiles, num_warps=num_warps, num_stages=num_stages,
     )
-    if not merge_last:
-        _mla_combine_kernel[(B, H)](o_part, lse_part, o, H, NUM_SPLITS=splits, BS=next_pow2(splits), R=R,
-                                    CHUNK=min(8, next_pow2(splits)))
+    o = torch.empty(B, H, R, dtype=q.dtype, device=q.device)
+    _mla_combine_kernel[(B, H)](o_part, lse_part, o, H, NUM_SPLITS=splits, BS=next_pow2(splits), R=R,
+                                CHUNK=min(8, next_pow2(splits)))
     return o

@@ -21,10 +21,10 @@ def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, seq: int, length
 def mla_decode_paged(
     q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor, scale: float,
     latent_dim: int = 512, num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-    num_stages: int = 2, tokens_major: bool = False, page_tiles: bool | None = None, merge_last: bool = False,
+    num_stages: int = 2, tokens_major: bool = False, page_tiles: bool | None = None,
 ) -> torch.Tensor:
     """Reference of kernels.mla.decode_triton.mla_decode_paged (tuning arguments ignored)."""
-    del num_splits, block_n, num_warps, num_stages, tokens_major, page_tiles, merge_last
+    del num_splits, block_n, num_warps, num_stages, tokens_major, page_tiles
     B, H, _ = q.shape
     eye = torch.eye(latent_dim, dtype=torch.float32, device=q.device)
     identity_kv_b = torch.cat([eye, eye]).repeat(H, 1)  # per head [W_uk = I; W_uv = I], [H*2R, R]

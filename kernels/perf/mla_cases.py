@@ -34,9 +34,8 @@ def mla_bytes(batch: int, ctx: int) -> float:
 
 
 # Tuning arguments of mla_decode_paged; unnamed ones take their defaults.
-# The second is the previous kernel's configuration (per-row page gathers, 32-row tiles, 3 stages); the third
-# merges the splits in the last split program to finish instead of a second kernel.
-VARIANTS: tuple[dict, ...] = ({}, {"page_tiles": False, "block_n": 32, "num_stages": 3}, {"merge_last": True})
+# The second is the previous kernel's configuration (per-row page gathers, 32-row tiles, 3 stages).
+VARIANTS: tuple[dict, ...] = ({}, {"page_tiles": False, "block_n": 32, "num_stages": 3})
 
 
 def _name(v: dict) -> str:

@@ -30,56 +30,28 @@ from services.engine.derived_weights import DerivedWeights
 L2_EPS = 1e-6  # k3core.ops.kda.l2norm's default, what the reference layer uses
 MLA_SPLITS_ENV = "K3_MLA_SPLITS"  # a fixed split count for the MLA decode kernel (bench.serve --variant); unset:
 # the launcher's rule (kernels/mla/decode_triton.default_splits)
-MLA_MERGE_ENV, DEFAULT_MLA_MERGE = "K3_MLA_MERGE_LAST", "0"  # "1": the last split program merges (no 2nd launch)
 
 
-def mla_tuning(q: torch.Tensor) -> dict[str, int | bool]:
+def mla_tuning(q: torch.Tensor) -> dict[str, int]:
     """The MLA decode launcher's tuning from the environment, read when a forward is traced or captured (only
     on the Triton path: the reference takes none)."""
-    if not dispatch.use_triton(q):
-        return {}
     splits = os.environ.get(MLA_SPLITS_ENV)
-    tuning: dict[str, int | bool] = {"num_splits": int(splits)} if splits else {}
-    return tuning | {"merge_last": os.environ.get(MLA_MERGE_ENV, DEFAULT_MLA_MERGE) == "1"}
+    return {"num_splits": int(splits)} if splits and dispatch.use_triton(q) else {}
 
 
-BRANCHES_ENV = "K3_DECODE_BRANCHES"  # "0": none (every kernel of a captured layer in one chain); "1" or unset:
-# DEFAULT_BRANCHES; else BRANCH_NAMES joined by "+" or "," (bench.serve --variant, whose settings are comma
-# separated, takes "+": compares sets in one process)
-BRANCH_NAMES = (
-    "router",  # the MoE router beside the x GEMM and the expert GEMMs
-    "shared",  # the shared experts' gate|up GEMM on the router's branch (dense experts only; needs "router")
-    "latent",  # the MLA latent-row write beside the absorb bmm (forked after the query chain)
-    "latent-early",  # the same write forked right after the input GEMM, beside the q norm and q_b GEMM
-    "rope",  # the MLA rope copy into the absorbed query beside the absorb bmm
-)
-DEFAULT_BRANCHES = frozenset({"router", "latent"})
+BRANCHES_ENV = "K3_DECODE_BRANCHES"  # "0": every kernel of a captured layer in one chain (no side branch)
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def branches() -> frozenset[str]:
-    """The side branches K3_DECODE_BRANCHES asks for (unknown names are an error, not silently serial)."""
-    value = os.environ.get(BRANCHES_ENV, "1").strip()
-    if value in ("", "1"):
-        return DEFAULT_BRANCHES
-    names = frozenset(n.strip() for n in value.replace("+", ",").split(",") if n.strip() and n.strip() != "0")
-    unknown = names - set(BRANCH_NAMES)
-    if unknown:
-        raise ValueError(f"{BRANCHES_ENV}={value!r}: unknown {sorted(unknown)}; expected 0, 1 or names of "
-                         f"{', '.join(BRANCH_NAMES)}")
-    return names
-
-
-def fork(x: torch.Tensor, name: str) -> torch.cuda.Stream | None:
-    """While a CUDA graph is captured and the branch `name` is on: a second stream of x's device that has waited
-    for everything queued so far on the current one, for work of a layer that only the layer's end needs (in the
-    graph a parallel branch, so a latency-bound kernel runs beside the main chain's GEMMs instead of between
-    them: 3-6 us a MoE layer at batch 64 on the H200, docs/serving.md item 11). None otherwise (eager forwards
-    are host-bound: two more CUDA calls a fork would cost more than they hide). Every branch of a device shares
-    one stream: a second fork in a layer orders it after both the first branch's work and the main chain's.
+def fork(x: torch.Tensor) -> torch.cuda.Stream | None:
+    """While a CUDA graph is captured: a second stream of x's device that has waited for everything queued so far
+    on the current one, for work of a layer that only the layer's end needs (in the graph a parallel branch, so
+    a latency-bound kernel runs beside the main chain's GEMMs instead of between them: 3-6 us a MoE layer at
+    batch 64 on the H200, docs/serving.md item 11). None otherwise (eager forwards are host-bound: two more
+    CUDA calls a fork would cost more than they hide) and with K3_DECODE_BRANCHES=0.
     Pair with `join` before the first reader of the branch's outputs. What the branch allocates is freed only
     on its own stream's pool, whose next user waits at the next fork: no `record_stream` needed."""
-    if not x.is_cuda or not torch.cuda.is_current_stream_capturing() or name not in branches():
+    if not x.is_cuda or os.environ.get(BRANCHES_ENV, "1") == "0" or not torch.cuda.is_current_stream_capturing():
         return None
     side = _SIDE_STREAMS.get(x.device)
     if side is None:
@@ -178,34 +150,21 @@ class MlaDecode:
         incl. the new one); write_rows [B]: where each new latent row goes in `views.mla_rows()`."""
         attn, batch = self.attn, x.shape[0]
         parts = F.linear(x, self.weight).split(self.splits, dim=-1)
-        norm = attn.kv_a_layernorm
-
-        def write_latent() -> None:  # [RMSNorm(c) | rope] into its page slot; the attention reads it after the join
-            dispatch.mla_latent_write(parts[1], norm.weight, norm.eps, self.rows, write_rows)
-
-        side = fork(x, "latent-early")  # beside the query's norm and q_b GEMM
-        if side is not None:
-            with on(side):
-                write_latent()
         q = attn.q_b_proj(rms(attn.q_a_layernorm, parts[0])) if attn.q_lora else parts[0]
         q = q.reshape(batch, attn.heads, attn.nope + attn.rope)
-        if side is None:  # beside the absorb bmm (or in the chain)
-            side = fork(x, "latent")
-            with on(side):
-                write_latent()
+        norm = attn.kv_a_layernorm
+        side = fork(x)  # the latent row's write beside the query's chain; the attention reads it after the join
+        with on(side):
+            dispatch.mla_latent_write(parts[1], norm.weight, norm.eps, self.rows, write_rows)  # [RMSNorm(c) | rope]
         # [q_nope W_uk | q_pe] per head: the batched GEMM writes its [H, B, R] product straight into the latent
         # columns of the absorbed query (a strided output cuBLAS takes as is), only the rope part is copied
-        # (a concat cost a 4.6 us launch a layer at batch 64 on the H200), on a branch if "rope" is on: the
-        # two write disjoint columns of one tensor.
+        # (a concat cost a 4.6 us launch a layer at batch 64 on the H200).
         absorbed = q.new_empty(batch, attn.heads, attn.rank + attn.rope)
-        rope_side = fork(x, "rope")
-        with on(rope_side):
-            absorbed[..., attn.rank :] = q[..., attn.nope :]
         torch.bmm(q[..., : attn.nope].transpose(0, 1), self.w_uk.to(q.dtype),
                   out=absorbed.transpose(0, 1)[..., : attn.rank])
-        join(rope_side)  # before the cast reads the rope columns
-        join(side)
+        absorbed[..., attn.rank :] = q[..., attn.nope :]
         absorbed = absorbed.to(self.cache.dtype)
+        join(side)
         o_latent = dispatch.mla_decode_paged(absorbed, self.cache, page_table, lengths, attn.scale,
                                              latent_dim=attn.rank, **mla_tuning(absorbed))
         o = torch.bmm(o_latent.transpose(0, 1).to(x.dtype), self.w_uv_t.to(x.dtype))  # [H, B, Dv]

@@ -106,10 +106,6 @@ class MoeDecode:
             ([shared.gate_proj, shared.up_proj] if shared is not None else [])
         self.in_weight = fuse_linears(readers) if readers else None  # one GEMM for every reader of x
         self.width = moe.routed_expert_down_proj.weight.shape[0] if moe.latent else config.hidden_size
-        # Row views of it for the "shared" branch: the routed down projection on the main chain, the shared
-        # experts' gate|up (12.6 of mini's 16.8 MB) beside it on the router's branch (only the combine reads it).
-        self.routed_in = self.in_weight[: self.width] if moe.latent else None
-        self.shared_in = self.in_weight[self.width if moe.latent else 0 :] if shared is not None else None
         self.out_weight = None
         if moe.latent:  # [normed routed | shared activation] @ [W_up | W_shared_down]^T: one GEMM, no add
             up = moe.routed_expert_up_proj.weight
@@ -159,23 +155,15 @@ class MoeDecode:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         moe = self.moe
-        dense = self._dense(x.shape[0])
         # The router (latency-bound) beside the expert GEMMs: only the combine reads its output (a tensor-parallel
-        # rank's routed wrapper needs it first). With "shared" (dense experts, latent MoE), the shared experts'
-        # gate|up GEMM runs on that branch too, and the main chain's x GEMM is the routed down projection alone.
-        side = fork(x, "router") if self.routed_wrapper is None else None
-        shared_side = fork(x, "shared") if side is not None and dense and self.routed_in is not None \
-            and self.shared_in is not None else None
+        # rank's routed wrapper needs it first).
+        side = fork(x) if self.routed_wrapper is None else None
         with on(side):
             weights, indices = self._route(x)
-            if shared_side is not None:
-                shared_gate_up = F.linear(x, self.shared_in)
-        if shared_side is not None:
-            z = F.linear(x, self.routed_in)
-        else:
-            h = F.linear(x, self.in_weight) if self.in_weight is not None else None
-            z = h[:, : self.width] if moe.latent else x
-            shared_gate_up = h[:, self.width if moe.latent else 0 :] if self.shared_down is not None else None
+        h = F.linear(x, self.in_weight) if self.in_weight is not None else None
+        z = h[:, : self.width] if moe.latent else x
+        shared_gate_up = h[:, self.width if moe.latent else 0 :] if self.shared_down is not None else None
+        dense = self._dense(x.shape[0])
         if self.routed_wrapper is not None:
             routed = self.routed_wrapper(partial(self._routed, dense=dense), z, weights, indices)
             out = self._unfused_tail(routed.to(x.dtype), shared_gate_up)

@@ -116,29 +116,11 @@ def test_compiled_expert_gemms_match_reference_on_gpu(tokens):
                                    rtol=2e-2, atol=2e-2)
 
 
-def test_branch_sets_from_the_environment(monkeypatch):
-    """K3_DECODE_BRANCHES: unset / "1" the defaults, "0" none, names joined by "," or "+"; a misspelt name is an
-    error (silently serial would measure the wrong variant)."""
-    from services.engine.fast_attention import BRANCHES_ENV, DEFAULT_BRANCHES, branches
-
-    monkeypatch.delenv(BRANCHES_ENV, raising=False)
-    assert branches() == DEFAULT_BRANCHES == {"router", "latent"}
-    for value, expected in (("1", DEFAULT_BRANCHES), ("0", set()), (" router, shared ", {"router", "shared"}),
-                            ("latent-early+rope", {"latent-early", "rope"})):
-        monkeypatch.setenv(BRANCHES_ENV, value)
-        assert branches() == expected
-    monkeypatch.setenv(BRANCHES_ENV, "router,shraed")
-    with pytest.raises(ValueError, match="shraed"):
-        branches()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [4, 64])
 def test_moe_layer_router_branch_is_the_serial_layer_in_a_graph(tokens, monkeypatch):
     """The router on a side stream (K3_DECODE_BRANCHES=1) joined before the combine: the captured
-    layer's output is bit for bit the one-chain layer's, at a grouped (4) and a dense (64) batch. With the
-    shared experts' GEMM on that branch ("router+shared": two GEMMs of the fused x weight's row halves, whose
-    cuBLAS kernels may sum in another order) it matches within bf16 rounding."""
+    layer's output is bit for bit the one-chain layer's, at a grouped (4) and a dense (64) batch."""
     from k3core.layers.moe import SparseMoE
     from k3core.presets import preset
     from services.engine.fast_attention import BRANCHES_ENV
@@ -154,7 +136,7 @@ def test_moe_layer_router_branch_is_the_serial_layer_in_a_graph(tokens, monkeypa
     fast = MoeDecode(moe.to(torch.bfloat16).eval(), config, grouped=True)
     x = torch.randn(tokens, config.hidden_size, device=dev, generator=gen).to(torch.bfloat16)
     outs = []
-    for branches in ("0", "1", "router+shared"):
+    for branches in ("0", "1"):
         monkeypatch.setenv(BRANCHES_ENV, branches)
         residual = torch.zeros_like(x)
         with torch.no_grad():
@@ -169,12 +151,10 @@ def test_moe_layer_router_branch_is_the_serial_layer_in_a_graph(tokens, monkeypa
         torch.cuda.synchronize()
         outs.append(residual.clone())
     assert outs[0].abs().max() > 0 and torch.equal(outs[0], outs[1])
-    torch.testing.assert_close(outs[2].float(), outs[0].float(), rtol=2e-2, atol=2e-2)
 
 
 def _mla_layer_branch_outputs(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One MLA decode layer (mini, bf16) on a pool of random latents, with K3_DECODE_BRANCHES 0, 1, the latent
-    write forked early with the rope copy on the branch, and the rope copy alone on it (on CUDA
+    """One MLA decode layer (mini, bf16) on a pool of random latents, with K3_DECODE_BRANCHES 0 then 1 (on CUDA
     captured in a graph and replayed from the same pool bytes): (output, pool bytes) of each."""
     import os
 
@@ -206,7 +186,7 @@ def _mla_layer_branch_outputs(device: torch.device) -> list[tuple[torch.Tensor, 
     write_rows = (table[:, 0].long() * per_page + lengths.long() - 1) * layout.layers_per_group + slot
     x = torch.randn(batch, config.hidden_size, device=device, generator=gen).to(torch.bfloat16)
     before, outs = data.clone(), []
-    for branches in ("0", "1", "latent-early+rope", "rope"):
+    for branches in ("0", "1"):
         os.environ[BRANCHES_ENV] = branches
         try:
             with torch.no_grad():
@@ -229,10 +209,7 @@ def _mla_layer_branch_outputs(device: torch.device) -> list[tuple[torch.Tensor, 
 
 @pytest.mark.gpu
 def test_mla_layer_latent_write_branch_is_the_serial_layer_in_a_graph():
-    """The new latent row written on a side stream (after the query chain or right after the input GEMM) and the
-    rope copy on one, joined before the attention reads them: the same output and pool bytes, bit for bit, as
-    the one-chain layer (a branch never joined fails the capture)."""
-    (serial, serial_pool), *branched = _mla_layer_branch_outputs(_cuda())
-    assert serial.abs().max() > 0
-    for out, pool in branched:
-        assert torch.equal(serial, out) and torch.equal(serial_pool, pool)
+    """The new latent row written on a side stream, joined before the attention reads the cache: the same
+    output and pool bytes, bit for bit, as the one-chain layer (a branch never joined fails the capture)."""
+    (serial, serial_pool), (branched, branched_pool) = _mla_layer_branch_outputs(_cuda())
+    assert serial.abs().max() > 0 and torch.equal(serial, branched) and torch.equal(serial_pool, branched_pool)

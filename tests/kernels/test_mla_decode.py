@@ -32,37 +32,20 @@ def test_reference_matches_float64_attention():
 # block 8 = PAGE: whole-page tiles (one page-table read per tile); 16 and 32 span pages: per-row gathers.
 @pytest.mark.parametrize(("splits", "block", "tokens_major"),
                          [(1, 16, False), (3, 16, True), (4, 32, False), (2, 8, False), (3, 8, True)])
-@pytest.mark.parametrize("merge_last", [False, True])
-def test_triton_split_kv_matches_reference(interpreted, splits, block, tokens_major, merge_last):
+def test_triton_split_kv_matches_reference(interpreted, splits, block, tokens_major):
     q, cache, table, lengths = _paged_case(1, [1, 17, 40, 9])
     out = decode_triton.mla_decode_paged(q, cache, table, lengths, 0.2, latent_dim=R, num_splits=splits,
-                                         block_n=block, tokens_major=tokens_major, merge_last=merge_last)
+                                         block_n=block, tokens_major=tokens_major)
     ref = naive.mla_decode_paged(q, cache, table, lengths, 0.2, latent_dim=R)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("merge_last", [False, True])
-def test_more_splits_than_rows_is_still_exact(interpreted, merge_last):
+def test_more_splits_than_rows_is_still_exact(interpreted):
     """Empty splits (a split range past the sequence end) must not disturb the merge."""
     q, cache, table, lengths = _paged_case(2, [2, 3])
-    out = decode_triton.mla_decode_paged(q, cache, table, lengths, 0.2, latent_dim=R, num_splits=8,
-                                         merge_last=merge_last)
+    out = decode_triton.mla_decode_paged(q, cache, table, lengths, 0.2, latent_dim=R, num_splits=8)
     torch.testing.assert_close(out, naive.mla_decode_paged(q, cache, table, lengths, 0.2, latent_dim=R),
                                rtol=1e-5, atol=1e-5)
-
-
-def test_merge_by_the_last_split_resets_its_counters(interpreted):
-    """merge_last: the last split of each sequence merges and sets its counter back to zero, so a second launch
-    (a graph replay) merges again; the result equals the two-kernel merge's."""
-    from kernels.fused.split_scratch import split_scratch
-
-    q, cache, table, lengths = _paged_case(3, [30, 7, 19])
-    args = (q, cache, table, lengths, 0.2)
-    two_kernels = decode_triton.mla_decode_paged(*args, latent_dim=R, num_splits=3, block_n=8)
-    for _ in range(2):
-        merged = decode_triton.mla_decode_paged(*args, latent_dim=R, num_splits=3, block_n=8, merge_last=True)
-        torch.testing.assert_close(merged, two_kernels, rtol=1e-6, atol=1e-6)
-        assert not split_scratch(1, 3, q.device)[1][:3].any()
 
 
 def test_page_tiles_and_row_gathers_agree(interpreted):
