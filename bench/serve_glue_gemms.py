@@ -15,16 +15,13 @@ from kernels.fused import expert_gemm_triton
 from kernels.mla import decode_triton
 from kernels.moe import situ_glu_triton
 
-# (block_n, block_k, num_warps, num_stages, loads: "pointer" | "tma"); the first of each is the launcher's default
-# (the warp-specialised TMA form is wrong at the sweep's 64 rows: kernels/fused/expert_gemm_triton.py).
+# (block_n, block_k, num_warps, num_stages, TMA loads); the first of each is the launcher's default
 EXPERT_CONFIGS = [
-    (64, 64, 4, 3, "pointer"), (128, 64, 4, 2, "pointer"), (128, 64, 8, 2, "pointer"), (64, 64, 4, 3, "tma"),
-    (64, 64, 4, 4, "tma"), (64, 64, 8, 3, "tma"), (128, 64, 8, 2, "tma"), (128, 64, 8, 3, "tma"),
-    (64, 128, 4, 2, "tma")]
-DOWN_CONFIGS = [  # the experts' down projection in Triton, against cuBLAS's batched GEMM (what runs now)
-    (64, 64, 4, 3, "pointer"), (128, 64, 4, 3, "pointer"), (128, 64, 8, 3, "pointer"), (64, 64, 4, 3, "tma"),
-    (128, 64, 4, 3, "tma"), (128, 64, 8, 3, "tma"), (128, 64, 8, 4, "tma"), (256, 64, 8, 3, "tma")]
-LOADS = {"pointer": {}, "tma": {"tma": True}}
+    (64, 64, 4, 3, False), (128, 64, 4, 2, False), (128, 64, 8, 2, False), (64, 64, 4, 3, True),
+    (64, 64, 4, 4, True), (64, 64, 8, 3, True), (128, 64, 8, 2, True), (128, 64, 8, 3, True), (64, 128, 4, 2, True)]
+DOWN_CONFIGS = [  # the experts' down projection in Triton, against cuBLAS's batched GEMM
+    (64, 64, 4, 3, False), (128, 64, 4, 3, False), (128, 64, 8, 3, False), (64, 64, 4, 3, True),
+    (128, 64, 4, 3, True), (128, 64, 8, 3, True), (128, 64, 8, 4, True), (256, 64, 8, 3, True)]
 MLA_VARIANTS = [  # mla_decode_paged tuning at the serve pool's 1024-token pages; {} = the launcher's rule
     {}, {"num_splits": 2}, {"num_splits": 8}, {"num_splits": 16}, {"block_n": 32, "num_stages": 3},
     {"block_n": 32, "num_stages": 3, "num_splits": 8}, {"num_warps": 8}, {"tokens_major": True}]
@@ -55,15 +52,14 @@ def expert_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[t
         gate_up = F.linear(z, w13.view(experts * 2 * ffn, latent)).view(tokens * experts, 2 * ffn)
         return situ_glu_triton.situ_glu_fused(gate_up, *beta).view(tokens, experts, ffn).transpose(0, 1)
 
-    return {f"expert_gate_up_glu n{n} k{k} w{warps} s{stages}{'' if loads == 'pointer' else ' ' + loads}": (
-        each_call(lambda w, t=(n, k, warps, stages, loads): expert_gemm_triton.expert_gate_up_glu(
-            z, w, "situ", *beta, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], **LOADS[t[4]]),
-            w13s), each_call(cublas, w13s), experts * 2 * ffn * latent * 2)
-        for n, k, warps, stages, loads in configs}
+    return {f"expert_gate_up_glu n{n} k{k} w{warps} s{stages}{' tma' if tma else ''}": (
+        each_call(lambda w, t=(n, k, warps, stages, tma): expert_gemm_triton.expert_gate_up_glu(
+            z, w, "situ", *beta, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], tma=t[4]), w13s),
+        each_call(cublas, w13s), experts * 2 * ffn * latent * 2) for n, k, warps, stages, tma in configs}
 
 
 def default_tiles(configs: list[tuple]) -> list[tuple]:
-    """Outside the sweep: the launcher's default tile (the first) in every load form."""
+    """Outside the sweep: the launcher's default tile (the first) in both load forms."""
     return [c for c in configs if c[:4] == configs[0][:4]]
 
 
@@ -72,11 +68,11 @@ def down_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tup
     experts, ffn, latent = c.num_experts, c.moe_intermediate_size, c.routed_expert_hidden_size
     act = torch.randn(experts, tokens, ffn, device=gen.device, generator=gen).to(torch.bfloat16)
     w2s = weight_copies((experts, latent, ffn), gen, 2 * WEIGHT_COPIES)
-    return {f"expert_down n{n} k{k} w{warps} s{stages}{'' if loads == 'pointer' else ' ' + loads}": (
-        each_call(lambda w, t=(n, k, warps, stages, loads): expert_gemm_triton.expert_down(
-            act, w, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], **LOADS[t[4]]), w2s),
+    return {f"expert_down n{n} k{k} w{warps} s{stages}{' tma' if tma else ''}": (
+        each_call(lambda w, t=(n, k, warps, stages, tma): expert_gemm_triton.expert_down(
+            act, w, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], tma=t[4]), w2s),
         each_call(lambda w: torch.bmm(act, w.transpose(1, 2)), w2s), experts * latent * ffn * 2)
-        for n, k, warps, stages, loads in configs}
+        for n, k, warps, stages, tma in configs}
 
 
 def mla_cases(c: K3Config, batch: int, gen: torch.Generator, variants: list[dict]) -> dict[str, Case]:

@@ -15,10 +15,8 @@ Two load forms, same programs: pointer tiles (cp.async, every thread computes ad
 through host-built tensor descriptors (`tma=True`: one copy instruction a tile, out-of-range rows and K
 columns zero-filled by the copy engine, so no masks in the loop). On the H200 TMA measured 29.9 vs 30.2 us
 for the gate|up and 16.3 vs 17.1 us (cuBLAS) for the down projection at 64 rows (docs/serving.md item 11).
-`warp_specialize=True` (TMA only) lets Triton split the K loop into producer warps that issue the copies and
-consumer warps that run the MMAs (Triton 3.6 on sm_90: 12 warps, 90 KB of shared memory). Compiled on the H200
-it is wrong with 64-row token tiles (one NaN row per expert tile at 64 and 70 tokens; right at 16), so the
-launcher refuses it there (docs/serving.md item 12); untimed.
+Triton's warp-specialised K loop on the TMA form was wrong on the H200 with 64-row token tiles and is gone
+(docs/serving.md item 12).
 """
 
 from __future__ import annotations
@@ -77,7 +75,7 @@ if triton is not None:
     @triton.jit
     def _expert_gemm_tma_kernel(x_desc, w_desc, out, T, N, K, x_rows_per_expert, w_rows_per_expert, stride_oe,
                                 stride_ot, beta1, beta2, ACT: tl.constexpr, BLOCK_T: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WARP_SPEC: tl.constexpr):
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """TMA loads of 2-D views: x [E*x_rows_per_expert or T, K], w [E*w_rows_per_expert, K]. Rows past a
         tile's expert belong to the next one (or lie out of range: zeros); only the store is masked."""
         t0 = tl.program_id(0) * BLOCK_T
@@ -87,7 +85,7 @@ if triton is not None:
         w_row = expert * w_rows_per_expert + n0
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPEC):
+        for k0 in range(0, K, BLOCK_K):
             xt = x_desc.load([x_row, k0])
             acc = tl.dot(xt, tl.trans(w_desc.load([w_row, k0])), acc, input_precision="ieee")
             if ACT != 0:
@@ -105,15 +103,12 @@ def _tma_ready(*views: torch.Tensor) -> bool:
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, shared_x: bool, act: int, width: int,
             beta1: float, beta2: float, block_n: int, block_k: int, num_warps: int, num_stages: int,
-            tma: bool, warp_specialize: bool) -> torch.Tensor:
+            tma: bool) -> torch.Tensor:
     """x [E, T, K] (or [T, K] shared by every expert), w [E, rows, K] -> out [E, T, width]."""
-    require(tma or not warp_specialize, "warp_specialize needs tma=True (its producer warps issue TMA copies)")
     experts, tokens, depth = out.shape[0], out.shape[1], x.shape[-1]
     if tokens == 0:
         return out
     block_t = min(64, max(16, next_pow2(tokens)))
-    require(not warp_specialize or block_t < 64, "warp_specialize gives wrong rows with 64-row token tiles (H200, "
-            f"Triton 3.6): {tokens} tokens need them")
     block_k = min(block_k, max(16, next_pow2(depth)))
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(width, block_n), experts)
     common = dict(ACT=act, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
@@ -126,7 +121,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, shared_x: bool,
         _expert_gemm_tma_kernel[grid](
             TensorDescriptor.from_tensor(x2, [block_t, block_k]), TensorDescriptor.from_tensor(w2, [block_n, block_k]),
             out, tokens, width, depth, 0 if shared_x else tokens, w.shape[1], out.stride(0), out.stride(1),
-            float(beta1), float(beta2), WARP_SPEC=warp_specialize, **common)
+            float(beta1), float(beta2), **common)
         return out
     _expert_gemm_kernel[grid](
         x, w, out, tokens, width, depth, 0 if shared_x else x.stride(0), x.stride(-2), w.stride(0), w.stride(1),
@@ -136,7 +131,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, shared_x: bool,
 
 def expert_gate_up_glu(z: torch.Tensor, w13: torch.Tensor, activation: str = "situ", beta1: float = 4.0,
                        beta2: float = 25.0, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
-                       num_stages: int = 3, tma: bool = False, warp_specialize: bool = False) -> torch.Tensor:
+                       num_stages: int = 3, tma: bool = False) -> torch.Tensor:
     """Same contract as kernels.fused.naive.expert_gate_up_glu: z [T, l] (row-strided allowed), w13 [E, 2F, l]
     -> act [E, T, F] in z's dtype, the GLU computed from float32 accumulators."""
     require_activation(activation)
@@ -147,11 +142,11 @@ def expert_gate_up_glu(z: torch.Tensor, w13: torch.Tensor, activation: str = "si
     width = w13.shape[1] // 2
     out = torch.empty(w13.shape[0], z.shape[0], width, dtype=z.dtype, device=z.device)
     return _launch(z, w13, out, True, ACTIVATIONS[activation], width, beta1, beta2, block_n, block_k, num_warps,
-                   num_stages, tma, warp_specialize)
+                   num_stages, tma)
 
 
 def expert_down(act: torch.Tensor, w2: torch.Tensor, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
-                num_stages: int = 3, tma: bool = False, warp_specialize: bool = False) -> torch.Tensor:
+                num_stages: int = 3, tma: bool = False) -> torch.Tensor:
     """Same contract as kernels.fused.naive.expert_down: act [E, T, F] @ w2 [E, l, F]^T -> [E, T, l] in act's
     dtype (float32 accumulators)."""
     require(act.dim() == 3 and w2.dim() == 3 and act.shape[0] == w2.shape[0] and act.shape[2] == w2.shape[2],
@@ -160,5 +155,4 @@ def expert_down(act: torch.Tensor, w2: torch.Tensor, block_n: int = 64, block_k:
     require(act.stride(2) == 1 and w2.stride(2) == 1, "act and w2 need a unit stride along F")
     experts, tokens, _ = act.shape
     out = torch.empty(experts, tokens, w2.shape[1], dtype=act.dtype, device=act.device)
-    return _launch(act, w2, out, False, 0, w2.shape[1], 1.0, 1.0, block_n, block_k, num_warps, num_stages, tma,
-                   warp_specialize)
+    return _launch(act, w2, out, False, 0, w2.shape[1], 1.0, 1.0, block_n, block_k, num_warps, num_stages, tma)

@@ -174,12 +174,12 @@ def dense_expert_tilings(tokens: int) -> None:
     from bench import serve_glue_gemms as glue
 
     h = empty(tokens, LATENT + 2 * 2 * F_MOE)
-    for n, k, warps, stages, loads in glue.EXPERT_CONFIGS:
+    for n, k, warps, stages, tma in glue.EXPERT_CONFIGS:
         expert_gemm_triton.expert_gate_up_glu(h[:, :LATENT], empty(E, 2 * F_MOE, LATENT), block_n=n, block_k=k,
-                                              num_warps=warps, num_stages=stages, **glue.LOADS[loads])
-    for n, k, warps, stages, loads in glue.DOWN_CONFIGS:
+                                              num_warps=warps, num_stages=stages, tma=tma)
+    for n, k, warps, stages, tma in glue.DOWN_CONFIGS:
         expert_gemm_triton.expert_down(empty(E, tokens, F_MOE), empty(E, LATENT, F_MOE), block_n=n, block_k=k,
-                                       num_warps=warps, num_stages=stages, **glue.LOADS[loads])
+                                       num_warps=warps, num_stages=stages, tma=tma)
 
 
 def latent_moe(tokens: int, experts: int = E, latent: int = LATENT, width: int = F_MOE, top_k: int = TOP_K,
