@@ -95,8 +95,6 @@ def harness_env(values: dict[str, str]) -> Iterator[None]:
         set_environ(before)
 
 
-
-
 def router_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tuple[int, ...]]) -> dict[str, Case]:
     """The router (logits GEMM + selection) per block shape, against the torch reference."""
     x = torch.randn(tokens, c.hidden_size, device=gen.device, generator=gen).to(torch.bfloat16)
@@ -234,7 +232,7 @@ def main() -> None:
         if tokens <= 128 and "down" in groups:
             timed |= down_cases(config, tokens, gen, DOWN_CONFIGS if sweep else default_tiles(DOWN_CONFIGS))
         if "mla" in groups and sweep:
-            timed |= mla_cases(config, tokens, gen, MLA_VARIANTS if sweep else MLA_VARIANTS[:1])
+            timed |= mla_cases(config, tokens, gen, MLA_VARIANTS)
         if "skinny" in groups and tokens <= skinny_gemm_triton.MAX_ROWS:
             timed |= skinny_cases(config, tokens, gen, sweep)
         if "layer" in groups:
