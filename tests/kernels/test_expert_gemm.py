@@ -33,9 +33,10 @@ def test_expert_down_reference_matches_float64():
 
 
 @pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize(("tokens", "activation"), [(5, "situ"), (19, "swiglu")])
+@pytest.mark.parametrize(("tokens", "activation"), [(5, "situ"), (70, "swiglu")])
 def test_gate_up_glu_matches_reference(interpreted, tma, tokens, activation):
-    """19 tokens: two 16-row token tiles, the second mostly out of range (TMA zero-fills it)."""
+    """5 tokens: one 16-row token tile; 70: two 64-row tiles (the widest), the second mostly out of range (TMA
+    zero-fills it)."""
     z, w13, _ = _inputs(tokens)
     want = fused_naive.expert_gate_up_glu(z, w13, activation, 4.0, 25.0)
     got = expert_gemm_triton.expert_gate_up_glu(z, w13, activation, 4.0, 25.0, block_n=16, block_k=32, tma=tma)
@@ -44,10 +45,10 @@ def test_gate_up_glu_matches_reference(interpreted, tma, tokens, activation):
 
 
 @pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("tokens", [5, 19])
+@pytest.mark.parametrize("tokens", [5, 70])
 def test_expert_down_matches_reference(interpreted, tma, tokens):
     """A token tile past an expert's rows reads the next expert's (or, for the last, TMA's zeros): the store
-    mask keeps each expert's output its own."""
+    mask keeps each expert's output its own. 70 tokens: a second 64-row tile starting inside the expert."""
     _, _, w2 = _inputs(tokens)
     act = torch.randn(E, tokens, F, generator=torch.Generator().manual_seed(2)).to(torch.float16)
     want = fused_naive.expert_down(act.float(), w2.float())
