@@ -7,9 +7,10 @@ The engine needs the service runtime's packages (grpcio, protobuf, prometheus-cl
 loop and says so). The one departure from a served
 request: each row is fed a pseudo-random next token (`Rank.next_tokens`): the engine's draw runs on the
 device and is waited for as always, then its values are replaced (the argmax of random weights is one token
-for every row, which would route the whole batch to four experts). With the decode look-ahead
-(K3_DECODE_LOOKAHEAD=1) a step reads its tokens on the device: there the draw's device rows are the same
-feed, uploaded before the run (`SampledTokens.device_rows`), so the device and the host see one token.
+for every row, which would route the whole batch to four experts). With the decode look-ahead (on by
+default at TP 1; K3_DECODE_LOOKAHEAD=0 turns it off) a step reads its tokens on the device: there the draw's
+device rows are the same feed, uploaded before the run (`SampledTokens.device_rows`), so the device and the
+host see one token.
 """
 
 from __future__ import annotations
