@@ -144,11 +144,9 @@ def test_moe_layer_router_branch_is_the_serial_layer_in_a_graph(tokens, monkeypa
     assert outs[0].abs().max() > 0 and torch.equal(outs[0], outs[1])
 
 
-def _mla_layer_branch_outputs(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One MLA decode layer (mini, bf16) on a pool of random latents, with K3_DECODE_BRANCHES 0 then 1 (on CUDA
-    captured in a graph and replayed from the same pool bytes): (output, pool bytes) of each."""
-    import os
-
+def _mla_layer_branch_outputs(device: torch.device, monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One MLA decode layer (mini, bf16) on a pool of random latents, with K3_DECODE_BRANCHES 0 then 1, captured
+    in a CUDA graph and replayed from the same pool bytes: (output, pool bytes) of each."""
     from k3core.cache.layout import plan_layout, shape_from_config
     from k3core.cache.pool_views import PoolViews
     from k3core.layers.mla import GatedMLA
@@ -178,29 +176,22 @@ def _mla_layer_branch_outputs(device: torch.device) -> list[tuple[torch.Tensor, 
     x = torch.randn(batch, config.hidden_size, device=device, generator=gen).to(torch.bfloat16)
     before, outs = data.clone(), []
     for branches in ("0", "1"):
-        os.environ[BRANCHES_ENV] = branches
-        try:
-            with torch.no_grad():
-                if device.type == "cuda":
-                    layer(x, table, lengths, write_rows)  # compiles outside the capture
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        out = layer(x, table, lengths, write_rows)
-                    data.copy_(before)
-                    graph.replay()
-                    torch.cuda.synchronize()
-                else:
-                    data.copy_(before)
-                    out = layer(x, table, lengths, write_rows)
-        finally:
-            os.environ.pop(BRANCHES_ENV, None)
+        monkeypatch.setenv(BRANCHES_ENV, branches)
+        with torch.no_grad():
+            layer(x, table, lengths, write_rows)  # compiles outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = layer(x, table, lengths, write_rows)
+            data.copy_(before)
+            graph.replay()
+            torch.cuda.synchronize()
         outs.append((out.clone(), data.clone()))
     return outs
 
 
 @pytest.mark.gpu
-def test_mla_layer_latent_write_branch_is_the_serial_layer_in_a_graph():
+def test_mla_layer_latent_write_branch_is_the_serial_layer_in_a_graph(monkeypatch):
     """The new latent row written on a side stream, joined before the attention reads the cache: the same
     output and pool bytes, bit for bit, as the one-chain layer (a branch never joined fails the capture)."""
-    (serial, serial_pool), (branched, branched_pool) = _mla_layer_branch_outputs(_cuda())
+    (serial, serial_pool), (branched, branched_pool) = _mla_layer_branch_outputs(_cuda(), monkeypatch)
     assert serial.abs().max() > 0 and torch.equal(serial, branched) and torch.equal(serial_pool, branched_pool)
