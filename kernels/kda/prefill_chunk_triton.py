@@ -26,18 +26,15 @@ SUB = 16  # sub-block of the decay split: |lower_bound| * SUB must stay below ~8
 if triton is not None:
 
     @triton.jit
-    def _chunk_head(H, HEADS_FIRST: tl.constexpr):
-        """(chunk int64, head) of a per-(chunk, head) program. HEADS_FIRST: grid axis 0 is chunk * H + head, so
-        the programs running at once cover all heads of a few chunks, one contiguous stretch of the
-        token-major tensors; otherwise axis 0 is the chunk and axis 1 the head (the programs running at once
-        read one head's rows of many chunks: 2 * D bytes every 2 * H * D). H200, same run, heads first: UT
-        pass 0.94 -> 0.91 ms (B=1, T=32K, H=16), 1.87 -> 1.80 (B=8, T=4K, H=32); output pass 0.26 -> 0.25,
-        1.01 -> 0.96 (T=128K); but the prep pass 0.44 -> 0.53, 0.89 -> 1.05 ms (it stays head-major)."""
-        if HEADS_FIRST:
-            pid = tl.program_id(0)
-            return (pid // H).to(tl.int64), pid % H
-        else:
-            return tl.program_id(0).to(tl.int64), tl.program_id(1)
+    def _chunk_head(H):
+        """(chunk int64, head) of a per-(chunk, head) program on a 1-D grid (chunks * H), chunk-major: the
+        programs running at once cover all heads of a few chunks, one contiguous stretch of the token-major
+        tensors (head-major, they read one head's rows of many chunks: 2 * D bytes every 2 * H * D). H200,
+        same run: UT pass 0.87 -> 0.84 ms (B=1, T=32K, H=16), 1.72 -> 1.66 (B=8, T=4K, H=32); output pass
+        0.26 -> 0.25, 1.01 -> 0.96 (T=128K). The prep pass stays head-major: chunk-major it measured slower
+        (0.44 -> 0.53 ms at 32K, 0.89 -> 1.05 at B=8)."""
+        pid = tl.program_id(0)
+        return (pid // H).to(tl.int64), pid % H
 
     @triton.jit
     def _diagonal_block_inverses(ws, C: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
@@ -95,9 +92,9 @@ if triton is not None:
     def _a_parts(k, g, G, kc, qc, rows, cols, last, n_valid, HD, blk: tl.constexpr, BC: tl.constexpr,
                  dt: tl.constexpr, DOT: tl.constexpr):
         """Key sub-block blk's share of Akk and Aqk [C, BC] from the key columns `cols` (G float32; kc, qc: their
-        [C, len(cols)] tiles, float32, or in dt to scale them in dt). The decay ratio is split at the end of
-        the key sub-block: factors <= 1 off the diagonal block, <= 2^116 on it (bfloat16 holds that range);
-        rows before the block are causally masked (factor 0)."""
+        [C, len(cols)] tiles in dt, the dots' operand dtype, which the row scaling takes too). The decay ratio
+        is split at the end of the key sub-block: factors <= 1 off the diagonal block, <= 2^116 on it
+        (bfloat16 holds that range); rows before the block are causally masked (factor 0)."""
         sub = tl.arange(0, BC)
         ref = tl.load(g + tl.minimum(blk * BC + BC - 1, last) * HD + cols)
         row_decay = tl.math.exp2(tl.where(rows[:, None] >= blk * BC, G - ref[None, :], -1e30))
@@ -106,9 +103,9 @@ if triton is not None:
         k_key = tl.load(k + key_rel, mask=key_ok, other=0.0).to(tl.float32)
         g_key = tl.load(g + key_rel, mask=key_ok, other=0.0)
         k_col = tl.trans((k_key * tl.math.exp2(ref[None, :] - g_key)).to(dt))
-        row_decay = row_decay.to(kc.dtype)
-        return (tl.dot((kc * row_decay).to(dt), k_col, input_precision=DOT),
-                tl.dot((qc * row_decay).to(dt), k_col, input_precision=DOT))
+        row_decay = row_decay.to(dt)
+        return (tl.dot(kc * row_decay, k_col, input_precision=DOT),
+                tl.dot(qc * row_decay, k_col, input_precision=DOT))
 
     @triton.jit
     def _store_a_block(aqk_st, ws, ak, aq, c0, rows, bt, scale, io_mask, C: tl.constexpr, BC: tl.constexpr):
@@ -124,17 +121,19 @@ if triton is not None:
         q, k, v, g, beta, cu_seqlens, chunk_seq, chunk_start,
         w_out, u_out, qg_out, kg_out, aqk_out, gc_out, akk_ws, scale,
         H, D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, F32_DOTS: tl.constexpr,
-        DOT: tl.constexpr, HEADS_FIRST: tl.constexpr, SCALE_IN_DT: tl.constexpr,
+        DOT: tl.constexpr,
     ):
-        """Grid (chunks, H). Token-major [T_total, H, *] in and out; g float32 in log2 units (G * log2(e): the
-        decay factors are bare exp2, one MUFU op each, where exp costs a multiply and a range fix-up more),
-        beta [T_total, H] float32 (already through the sigmoid); gc_out [chunks, H, D]; akk_ws [chunks, H, C, C] float32 scratch.
-        F32_DOTS: float32 dot operands instead of the input dtype. DOT: the float32 dots' input_precision
-        ("tf32" or "ieee", see prefill_triton.dot_precision). HEADS_FIRST: a 1-D grid (chunks * H), a chunk's
-        heads adjacent (see _chunk_head). SCALE_IN_DT: the Akk / Aqk loop scales its key and query rows in the
-        dots' dtype (bf16x2 multiplies, the decay factor rounded first) instead of float32 then rounding the
-        product (sm_90a: 759 -> 606 instructions per key block, no spills under the 168 cap; not timed yet)."""
-        ci, h = _chunk_head(H, HEADS_FIRST)
+        """Grid (chunks * H,), chunk-major (see _chunk_head). Token-major [T_total, H, *] in and out; g float32
+        in log2 units (G * log2(e): the decay factors are bare exp2, one MUFU op each, where exp costs a
+        multiply and a range fix-up more), beta [T_total, H] float32 (already through the sigmoid); gc_out
+        [chunks, H, D]; akk_ws [chunks, H, C, C] float32 scratch. F32_DOTS: float32 dot operands instead of
+        the input dtype. DOT: the float32 dots' input_precision ("tf32" or "ieee", see
+        prefill_triton.dot_precision). The Akk / Aqk loop scales its key and query rows in the dots' dtype
+        (bf16x2 multiplies, the decay factor rounded first) rather than in float32 with the product rounded
+        once: sm_90a 759 -> 606 instructions per key block, no spills under the 168 cap; H200, same run: UT
+        pass 0.84 -> 0.81 ms at B=1, T=32K, H=16, 1.66 -> 1.61 at B=8, T=4K, H=32; y's error vs float64
+        3.8 -> 4.0e-3 at D=128 (CPU emulation at nano's D=32: 1.7 -> 2.7e-2 max-relative)."""
+        ci, h = _chunk_head(H)
         start = tl.load(chunk_start + ci).to(tl.int64)
         n_valid = (tl.load(cu_seqlens + tl.load(chunk_seq + ci) + 1) - start).to(tl.int32)
         # Every pointer is moved to this chunk's first row once; tiles then use 32-bit offsets (64-bit ones
@@ -164,9 +163,8 @@ if triton is not None:
             cols = kb * BK + tl.arange(0, BK)
             rel = rows[:, None] * HD + cols[None, :]
             G, _ = _flat_gate(g, rel, io_mask, last, HD, cols)
-            scaled = dt if SCALE_IN_DT else tl.float32
-            kc = tl.load(k + rel, mask=io_mask, other=0.0).to(scaled)
-            qc = tl.load(q + rel, mask=io_mask, other=0.0).to(scaled)
+            kc = tl.load(k + rel, mask=io_mask, other=0.0).to(dt)
+            qc = tl.load(q + rel, mask=io_mask, other=0.0).to(dt)
             for blk in tl.static_range(NB):
                 part_k, part_q = _a_parts(k, g, G, kc, qc, rows, cols, last, n_valid, HD, blk, BC, dt, DOT)
                 if blk == 0:

@@ -2,10 +2,11 @@
 
 Four passes (the output norm epilogue never takes a pass of its own):
 1. `prefill_prep_triton`: per (chunk, head), ShortConv + Swish + L2Norm + gate cumsum + sigmoid(beta).
-2. `prefill_chunk_triton`: per (chunk, head), the chunk's UT transform -> w, u, qg, kg, Aqk, exp(G_C).
-3. `prefill_recurrence_triton`: per (sequence, head, value block) the recurrence across the chunks, the
-   state on chip; it stores the state entering each chunk (bf16) and v_new.
-4. `prefill_recurrence_triton`: per (chunk, head), the output o = qg S_in + Aqk v_new, then
+2. `prefill_chunk_triton`: per (chunk, head), chunk-major, the chunk's UT transform -> w, u, qg, kg, Aqk,
+   exp(G_C).
+3. `prefill_recurrence_triton`: per (value block, head, sequence), longest sequence first, the recurrence
+   across the chunks, the state on chip; it stores the state entering each chunk (bf16) and v_new.
+4. `prefill_recurrence_triton`: per (chunk, head), chunk-major, the output o = qg S_in + Aqk v_new, then
    RMSNorm x w x sigmoid(gate) -> y.
 This module plans and launches them.
 With many, balanced sequences 3 and 4 are one pass (one program per sequence and head: the chunk-entry
@@ -49,8 +50,9 @@ def fuses_output(lengths: Sequence[int], heads: int, device: torch.device) -> bo
 
 @functools.lru_cache(maxsize=64)
 def chunk_plan(bounds: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(cu_seqlens, chunk_seq [NC], chunk_start [NC], chunk_offsets [N+1], longest_first [N]) int32 on
-    `device` for sequence bounds [N+1]; longest_first: the sequences by chunk count, most first. Cached, so that repeated shapes (and CUDA-graph capture) need no host round trip."""
+    """(cu_seqlens, chunk_seq [NC], chunk_start [NC], chunk_offsets [N+1], seq_order [N]) int32 on `device`
+    for sequence bounds [N+1]; seq_order: the sequences by chunk count, most first (the recurrence's launch
+    order). Cached, so that repeated shapes (and CUDA-graph capture) need no host round trip."""
     counts = [-(-(b - a) // CHUNK) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     seq = [n for n, c in enumerate(counts) for _ in range(c)]
     start = [bounds[n] + i * CHUNK for n, c in enumerate(counts) for i in range(c)]
@@ -113,8 +115,7 @@ def kda_prefill_block(
     norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
     prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 3, f32_dots: bool = False,
     ut_maxnreg: int | None = 168, few_block_v: int = 16, ut_stages: int = 3, fuse_output: bool | None = None,
-    fused_warps: int = 8, fused_stages: int = 2, heads_first: bool = False,
-    ut_scale_in_dtype: bool = False, longest_first: bool = False,
+    fused_warps: int = 8, fused_stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
@@ -143,13 +144,6 @@ def kda_prefill_block(
       the SMs (B=8, H=32: 256 programs) and no sequence holds over 1.25x the mean chunk count; with few of
       them (B=1, H=16) the recurrence needs its value-column split to have enough programs. fused_stages:
       its chunk loop's pipelining depth (3 needs 288 KB of shared memory on sm_90a: 2, 197 KB, fits).
-    - heads_first: the UT and output passes' programs ordered chunk-major (all heads of a chunk adjacent:
-      the programs running at once read contiguous memory) instead of head-major; measured per pass, not
-      yet as a whole block (prefill_chunk_triton._chunk_head).
-    - ut_scale_in_dtype: the UT pass's Akk / Aqk loop scales its rows in the 16-bit dtype (prefill_chunk_triton
-      SCALE_IN_DT; not timed yet).
-    - longest_first: the recurrence's programs launched longest sequence first, a (sequence, head)'s value
-      blocks adjacent (prefill_recurrence_triton LONGEST_FIRST; for uneven varlen batches; not timed yet).
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
@@ -172,7 +166,7 @@ def kda_prefill_block(
     dev = q.device
     cu, chunk_seq, chunk_start, chunk_offsets, seq_order = chunk_plan(bounds, dev)
     n_chunks = chunk_seq.numel()
-    grid = (n_chunks * H,) if heads_first else (n_chunks, H)  # the UT and output passes
+    grid = (n_chunks * H,)  # the UT and output passes, chunk-major (prefill_chunk_triton._chunk_head)
     q, k, v, z, beta, gate = (t.contiguous() for t in (q, k, v, z, beta, gate))
     work = [torch.empty_like(q) for _ in range(4)]  # w, u, qg, kg
     aqk = torch.empty(B, T, H, CHUNK, device=dev, dtype=q.dtype)
@@ -192,9 +186,8 @@ def kda_prefill_block(
         _kda_chunk_ut_kernel[grid](
             qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
             torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32), scale, **shape, BC=SUB,
-            BK=k_block, F32_DOTS=f32_dots or q.dtype == torch.float16, DOT=dot,
-            HEADS_FIRST=heads_first, SCALE_IN_DT=ut_scale_in_dtype, num_warps=ut_warps, num_stages=ut_stages,
-            maxnreg=ut_maxnreg)
+            BK=k_block, F32_DOTS=f32_dots or q.dtype == torch.float16, DOT=dot, num_warps=ut_warps,
+            num_stages=ut_stages, maxnreg=ut_maxnreg)
     if fuse_output is None:  # an explicit block_v asks for the split recurrence
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         fuse_output = not block_v and fuses_output(lengths, H, dev)
@@ -210,17 +203,17 @@ def kda_prefill_block(
     h_states = gc if fuse_output else torch.empty(max(n_chunks, 1), H, D, D, device=dev, dtype=q.dtype)
     v_new = q if fuse_output else torch.empty_like(q)
     w, u, qg, kg = work
-    require(not longest_first or N < 65536, f"longest_first takes at most 65535 sequences, got {N}")
-    _kda_chunk_recurrence_kernel[(D // block_v, H, N) if longest_first else (N, H, D // block_v)](
+    require(N < 65536, f"at most 65535 sequences (the recurrence grid's third axis), got {N}")
+    _kda_chunk_recurrence_kernel[(D // block_v, H, N)](  # longest sequence first: seq_order
         w, u, kg, gc, h_states, v_new, initial_state.contiguous() if initial_state is not None else gc,
         final_state, q, k, v, conv, final_conv, cu, chunk_offsets, seq_order, qg, aqk, gate, norm_weight, y,
         norm_eps, **shape, W=W, BWM=next_pow2(W - 1), BV=block_v, HAS_STATE=initial_state is not None,
         HAS_CONV=initial_conv is not None, STAGES=stages, DOT=dot, FUSED_OUT=fuse_output,
-        LONGEST_FIRST=longest_first, num_warps=recurrence_warps,
+        num_warps=recurrence_warps,
     )
     if n_chunks and not fuse_output:
         _kda_chunk_output_kernel[grid](
             qg, aqk, h_states, v_new, gate, norm_weight, y, cu, chunk_seq, chunk_start, norm_eps,
-            **shape, DOT=dot, HEADS_FIRST=heads_first, num_warps=num_warps,
+            **shape, DOT=dot, num_warps=num_warps,
         )
     return y, final_state, final_conv

@@ -43,6 +43,10 @@ SHAPES = (
 # prep + UT 1.40 ms) or recomputed in its loops (slowest, and wrong on the device). Session 7 (history 29): the
 # UT pass's diagonal inverse in IEEE float32 (UT 0.94 vs 0.87 ms, at B=8 1.87 vs 1.73, the same errors: the
 # dots' precision is the only form now) and the prep pass chunk-major (0.53 vs 0.44 ms, at B=8 1.05 vs 0.89).
+# Session 7's third run (history 31) made three variants the only form, block ms at 32K / 128K / B=8 / varlen:
+# the UT and output passes chunk-major (2.04 -> 2.00, 8.13 -> 7.99, 3.47 -> 3.42, 4.00 -> 3.91), the UT's
+# row scaling in bf16 (-> 1.98, 7.86, 3.36, 3.85), the recurrence longest sequence first (-> 1.97, 7.82, 3.37,
+# 3.55: varlen's recurrence 0.78 -> 0.48 ms).
 VARIANTS = (
     ("default", {}, None),
     # None: its recurrence kernel time leaves out the output pass, which the fused one includes
@@ -58,21 +62,6 @@ VARIANTS = (
     ("out w8", {"num_warps": 8}, "_kda_chunk_output_kernel"),
     ("ut f32 dots", {"f32_dots": True}, "_kda_chunk_ut_kernel"),
     ("prep w16", {"prep_warps": 16}, "_kda_prep_kernel"),
-    # None: it moves two kernels (the UT and output passes). Session 7 timed each of its kernels in the same run
-    # as the default (UT 0.87 -> 0.84 ms at 32K, 1.73 -> 1.67 at B=8; output 1.01 -> 0.96 at 128K), not yet
-    # the block as a whole.
-    ("heads first", {"heads_first": True}, None),
-    # Offline (sm_90a): the Akk / Aqk loop 759 -> 606 instructions per key block, no spills; CPU emulation at
-    # D=128: the same error (tests/kernels/test_kda_prefill_fp32.py). Not timed yet.
-    ("ut bf16 scaling", {"ut_scale_in_dtype": True}, "_kda_chunk_ut_kernel"),
-    # The split recurrence's programs longest sequence first, a (sequence, head)'s value blocks adjacent: for
-    # the varlen batch, whose 12K sequence's chain was the pass's tail (0.76 ms against ~0.5 at copy speed).
-    ("longest first", {"longest_first": True}, "_kda_chunk_recurrence_kernel"),
-    # The combinations (separate kernels, so each option's share shows in the per-kernel times; the three-way
-    # one first: a time limit then cuts the other, which the per-kernel times of the rest stand in for).
-    ("heads first + ut bf16 + longest first", {"heads_first": True, "ut_scale_in_dtype": True,
-                                               "longest_first": True}, None),
-    ("heads first + ut bf16", {"heads_first": True, "ut_scale_in_dtype": True}, None),
     # Last: 8-warp UT programs ran on Triton 3.6 / H200 this round, but an earlier 8-warp form faulted, and a
     # fault ends the process. 128 registers: 2 programs of 8 warps per SM.
     ("ut w8 cap128", {"ut_warps": 8, "ut_maxnreg": 128}, "_kda_chunk_ut_kernel"),

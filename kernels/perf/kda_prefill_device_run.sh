@@ -20,6 +20,8 @@
 # 15 MiB parts (files come back only up to 16 MiB each: session 7's single 28.6 MB archive did not). Session
 # 7's second run returned one (26.5 MB in two parts: ours' four variants, fla's kernels of all three warm-ups
 # up to their cut and its 32K autotuning), kept in .device/ as kda_triton_cache.tgz.00 / .01 for CACHE_IN.
+# Session 7's third run (history 31), carry [".whl", ".device"]: warm-ups 65 s with that cache (none cut), F0
+# (default, fla, three variants) 59 s; its own cache replaced the .device/ parts.
 set -u
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

@@ -49,14 +49,12 @@ def test_reference_prefill_matches_float64_token_by_token():
     (None, 32, {"fuse_output": False}),
     (16, 32, {"ut_maxnreg": None, "stages": 2, "ut_stages": 2}),
     (None, 16, {"fuse_output": True}),
-    (None, 32, {"heads_first": True, "fuse_output": False}),
-    (16, 32, {"longest_first": True}),
 ])
 def test_triton_prefill_matches_reference(interpreted, block_v, k_block, tuning):
     """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states, D = 32: the
     UT transform in one or two key-column blocks; the prologue's conv taps before the chunk are negative
-    32-bit row offsets; the output pass on its own or inside the recurrence; the prep and UT grids
-    chunk-major (heads first)."""
+    32-bit row offsets; the output pass on its own or inside the recurrence; with two value blocks (block_v
+    16) the recurrence's programs of a (sequence, head) adjacent."""
     case = KdaCase(heads=2, dim=32)
     gen = torch.Generator().manual_seed(12)
     params = case.params(gen)
@@ -93,18 +91,18 @@ def test_output_fuses_only_for_many_balanced_sequences():
     assert not prefill_triton.fuses_output([], 8, cpu)
 
 
-@pytest.mark.parametrize(("fuse_output", "longest_first"), [(None, False), (True, False), (None, True)])
-def test_triton_prefill_varlen_with_an_empty_sequence(interpreted, fuse_output, longest_first):
+@pytest.mark.parametrize("fuse_output", [None, True])
+def test_triton_prefill_varlen_with_an_empty_sequence(interpreted, fuse_output):
     """Packed sequences shorter than the conv window, spanning chunks, and empty (state passes through); the
-    output pass apart (the default for such uneven lengths) and fused; the recurrence's programs in the
-    launch order longest sequence first (2, 3, 0, 1 here)."""
+    output pass apart (the default for such uneven lengths) and fused; the recurrence's programs launched
+    longest sequence first (2, 3, 0, 1 here)."""
     gen = torch.Generator().manual_seed(13)
     params = CASE.params(gen)
     states, convs = CASE.pools(gen)
     x = CASE.tokens(gen, 1, 135)
     y, state, conv = prefill_triton.kda_prefill_block(*x, *params, initial_state=states[:4], initial_conv=convs[:4],
                                                       cu_seqlens=torch.tensor([0, 2, 2, 70, 135]),
-                                                      fuse_output=fuse_output, longest_first=longest_first)
+                                                      fuse_output=fuse_output)
     keep = [0, 2, 3]  # the reference's conv cannot take an empty sequence: compare the others without it
     want = naive.kda_prefill_block(*x, *params, initial_state=states[keep], initial_conv=convs[keep],
                                    cu_seqlens=torch.tensor([0, 2, 70, 135]))

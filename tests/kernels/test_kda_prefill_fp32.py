@@ -105,20 +105,15 @@ def test_float16_block_stays_finite_and_close(tf32_dots, gate_shift):
     assert _relative_error(dtype=torch.float16, gate_shift=gate_shift) < 5e-3
 
 
-@pytest.mark.parametrize("dim", [32, 128])
-def test_bfloat16_block_is_as_close_at_nano_head_dim_as_at_128(tf32_dots, dim):
-    """bf16 intermediates (q, k, w, u, states entering chunks): measured 1.3e-2 .. 2e-2 at both head dims."""
-    assert _relative_error(dtype=torch.bfloat16, dim=dim) < 4e-2
-
-
-@pytest.mark.parametrize("gate_shift", [0.0, 10.0])
-def test_bfloat16_scaling_of_the_ut_rows_keeps_the_error(tf32_dots, gate_shift):
-    """ut_scale_in_dtype at D=128: the Akk / Aqk rows scaled in bf16 (decay factors up to 2^115 at the gate
-    bound) stay finite and as close as the float32 scaling (measured 1.51 vs 1.53e-2 and 1.92 vs 1.92e-2;
-    at nano's D=32 it is worse: 2.7 vs 1.7e-2, 3.6 vs 2.2e-2)."""
-    base = _relative_error(dtype=torch.bfloat16, dim=128, gate_shift=gate_shift)
-    scaled = _relative_error(dtype=torch.bfloat16, dim=128, gate_shift=gate_shift, ut_scale_in_dtype=True)
-    assert scaled < 1.1 * base
+@pytest.mark.parametrize(("dim", "gate_shift", "tolerance"), [
+    (32, 0.0, 3.5e-2), (32, 10.0, 4.8e-2), (128, 0.0, 2e-2), (128, 10.0, 2.5e-2)])
+def test_bfloat16_block_stays_close_at_nano_and_k3_head_dims(tf32_dots, dim, gate_shift, tolerance):
+    """bf16 intermediates (q, k, w, u, states entering chunks) and the UT pass's Akk / Aqk rows scaled in bf16
+    (decay factors up to 2^115 at the gate bound: finite). Measured (tolerance ~1.3x): D=32 2.70e-2 and
+    3.65e-2 at the bound, D=128 1.51e-2 and 1.92e-2. The scaling in float32 (before session 7's third run)
+    measured 1.7e-2 / 2.2e-2 at D=32 and the same at D=128 (why D=32 loses more was not looked into); on the
+    H200 at D=128 y's error vs float64 went 3.8 -> 4.0e-3 (bar 1e-2)."""
+    assert _relative_error(dtype=torch.bfloat16, dim=dim, gate_shift=gate_shift) < tolerance
 
 
 def test_bf16_emulation_computes_bf16_products(tf32_dots):
