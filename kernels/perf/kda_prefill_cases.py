@@ -62,6 +62,10 @@ VARIANTS = (
     ("out w8", {"num_warps": 8}, "_kda_chunk_output_kernel"),
     ("ut f32 dots", {"f32_dots": True}, "_kda_chunk_ut_kernel"),
     ("prep w16", {"prep_warps": 16}, "_kda_prep_kernel"),
+    # Not timed yet (history 31): Akk assembled in registers instead of the float32 scratch tile's global
+    # round trip (16 KB written and read back per program); sm_90a (Triton 3.6): 7135 -> 6943 instructions,
+    # 180 -> 162 barriers, no spills, the same 67 KB of shared memory. For B=8, whose UT pass is half the block.
+    ("ut akk regs", {"ut_akk_in_registers": True}, "_kda_chunk_ut_kernel"),
     # Last: 8-warp UT programs ran on Triton 3.6 / H200 this round, but an earlier 8-warp form faulted, and a
     # fault ends the process. 128 registers: 2 programs of 8 warps per SM.
     ("ut w8 cap128", {"ut_warps": 8, "ut_maxnreg": 128}, "_kda_chunk_ut_kernel"),

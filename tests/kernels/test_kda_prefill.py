@@ -49,12 +49,14 @@ def test_reference_prefill_matches_float64_token_by_token():
     (None, 32, {"fuse_output": False}),
     (16, 32, {"ut_maxnreg": None, "stages": 2, "ut_stages": 2}),
     (None, 16, {"fuse_output": True}),
+    (None, 16, {"ut_akk_in_registers": True}),
 ])
 def test_triton_prefill_matches_reference(interpreted, block_v, k_block, tuning):
     """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states, D = 32: the
     UT transform in one or two key-column blocks; the prologue's conv taps before the chunk are negative
     32-bit row offsets; the output pass on its own or inside the recurrence; with two value blocks (block_v
-    16) the recurrence's programs of a (sequence, head) adjacent."""
+    16) the recurrence's programs of a (sequence, head) adjacent; Akk assembled in registers, not through
+    the scratch tile."""
     case = KdaCase(heads=2, dim=32)
     gen = torch.Generator().manual_seed(12)
     params = case.params(gen)
@@ -125,15 +127,17 @@ def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted):
     _close(got, want)
 
 
-def test_triton_prefill_with_nearly_parallel_keys(interpreted):
+@pytest.mark.parametrize("akk_in_registers", [False, True])
+def test_triton_prefill_with_nearly_parallel_keys(interpreted, akk_in_registers):
     """One key direction for the whole chunk, beta ~ 1, no decay: I + beta Akk is close to I plus the
-    all-ones lower triangle, whose inverse only exists by cancellation (the inverse's hardest case)."""
+    all-ones lower triangle, whose inverse only exists by cancellation (the inverse's hardest case); Akk
+    through the scratch tile or assembled in registers."""
     gen = torch.Generator().manual_seed(18)
     params = CASE.params(gen)
     q, k, v, z, beta, gate = CASE.tokens(gen, 1, 64)
     k = k[:, :1] + 0.01 * k  # the conv of one repeated key is one direction after its first taps
     z, beta = torch.full_like(z, -30.0), beta.abs() + 8.0
-    got = prefill_triton.kda_prefill_block(q, k, v, z, beta, gate, *params)
+    got = prefill_triton.kda_prefill_block(q, k, v, z, beta, gate, *params, ut_akk_in_registers=akk_in_registers)
     _close(got, naive.kda_prefill_block(q, k, v, z, beta, gate, *params))
 
 

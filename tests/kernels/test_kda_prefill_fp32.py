@@ -116,6 +116,20 @@ def test_bfloat16_block_stays_close_at_nano_and_k3_head_dims(tf32_dots, dim, gat
     assert _relative_error(dtype=torch.bfloat16, dim=dim, gate_shift=gate_shift) < tolerance
 
 
+@pytest.mark.parametrize("gate_shift", [0.0, 10.0])
+def test_akk_in_registers_gives_the_scratch_tiles_result_bitwise(tf32_dots, gate_shift):
+    """ut_akk_in_registers assembles the same float32 beta Akk (and its diagonal blocks) as the scratch tile
+    holds, so the block must come out bitwise equal, with bf16 activations at K3's head dim."""
+    case = KdaCase(heads=2, dim=128)
+    gen = torch.Generator().manual_seed(32)
+    params = case.params(gen)
+    q, k, v, z, beta, gate = case.tokens(gen, 1, 100)
+    x = [t.bfloat16() for t in (q, k, v, z + gate_shift, beta, gate)]
+    want = prefill_triton.kda_prefill_block(*x, *params)
+    got = prefill_triton.kda_prefill_block(*x, *params, ut_akk_in_registers=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_bf16_emulation_computes_bf16_products(tf32_dots):
     """The fixture's bf16 arithmetic is torch's (the bare interpreter multiplies the raw bits)."""
     a, b = (torch.randn(64, generator=torch.Generator().manual_seed(s)).bfloat16() for s in (1, 2))
