@@ -28,14 +28,20 @@ from services.engine.fast_tensor_parallel import graph_capturable, rank_decoder
 
 ENV = "K3_DECODE_FASTPATH"  # "0": never; "1": also on CPU (eager); unset: on CUDA
 LOOKAHEAD_ENV = "K3_DECODE_LOOKAHEAD"  # "0": no decode step launched before the previous one's tokens are in
+OVERLAP_ENV = "K3_DECODE_OVERLAP"  # "0": every step waits for its tokens before the next is planned (decode_overlap)
 GRAPHS_ENV = "K3_DECODE_CUDA_GRAPHS"  # "0": eager fast path on CUDA too; "1": graphs at TP > 1 (NCCL) too
 
 
-def lookahead_wanted(sharded: bool) -> bool:
-    """On by default where the decode overlap can run it, at TP 1 (a `sharded` model's ranks replay rank 0's
-    plans, which the look-ahead does not make: its images would carry the `source`/`stops` parts for
-    nothing); K3_DECODE_LOOKAHEAD=0 turns it off."""
-    return os.environ.get(LOOKAHEAD_ENV, "1") != "0" and not sharded
+def overlap_wanted() -> bool:
+    return os.environ.get(OVERLAP_ENV, "1") != "0"
+
+
+def lookahead_wanted(sharded: bool, speculative: bool = False) -> bool:
+    """On by default wherever the decode overlap can run it: with the overlap on, at TP 1 (a `sharded` model's
+    ranks replay rank 0's plans, which the look-ahead does not make) and without a draft model (`speculative`:
+    the overlap is off). Elsewhere every image would carry the `source`/`stops` parts and every forward the
+    prologue, for nothing. K3_DECODE_LOOKAHEAD=0 turns it off."""
+    return os.environ.get(LOOKAHEAD_ENV, "1") != "0" and overlap_wanted() and not sharded and not speculative
 
 
 def fastpath_wanted(device: torch.device, tp_size: int) -> bool:
@@ -49,7 +55,8 @@ def fastpath_wanted(device: torch.device, tp_size: int) -> bool:
 
 class DecodeFastPath:
     def __init__(self, model: K3Model, manager: PrefixCacheManager, *, max_model_len: int = 32768,
-                 max_batch: int = 256, graphs: bool | None = None, lookahead: bool | None = None) -> None:
+                 max_batch: int = 256, graphs: bool | None = None, lookahead: bool | None = None,
+                 speculative: bool = False) -> None:
         if manager.store is None:
             raise ValueError("the decode fast path needs a manager with a page store")
         layout = manager.layout
@@ -58,7 +65,8 @@ class DecodeFastPath:
         scratch_kda = manager.pool.allocate(PageKind.KDA, 0)[0]
         scratch_mla = manager.pool.allocate(PageKind.MLA, 0)[0]
         self.sharded = not graph_capturable(model)  # (opted_in False: capturable exactly where no collective is)
-        self.lookahead = lookahead_wanted(self.sharded) if lookahead is None else lookahead
+        self.speculative = speculative
+        self.lookahead = lookahead_wanted(self.sharded, speculative) if lookahead is None else lookahead
         self.builder = DecodeInputBuilder(layout, math.ceil(max_model_len / layout.tokens_per_block),
                                           scratch_kda, scratch_mla, lookahead=self.lookahead)
         self.drawn = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # the last draw, row order
@@ -80,7 +88,8 @@ class DecodeFastPath:
     def rebuild(self) -> None:
         """Read K3_DECODE_LOOKAHEAD again and drop the captured graphs and their staging images (made again on
         first use, in the setting's image layout): the benches' variants change the setting within one process."""
-        self.lookahead = self.builder.lookahead = lookahead_wanted(self.sharded)  # the image's look-ahead parts too
+        # the image's look-ahead parts too
+        self.lookahead = self.builder.lookahead = lookahead_wanted(self.sharded, self.speculative)
         self._forward = self._step_forward()
         if self.graphs is not None:
             self.graphs = DecodeGraphs(self._forward, self.builder, self.device, self.max_batch)

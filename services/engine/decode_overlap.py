@@ -39,13 +39,13 @@ is launched before the in-flight step's tokens are in, its tokens and stop check
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from services.engine.decode_fastpath import overlap_wanted
 from services.engine.decode_lookahead import DecodeLookahead
 from services.engine.executor import StepResult
 from services.engine.plan import StepPlan
@@ -55,8 +55,6 @@ from services.engine.trace_labels import label
 
 if TYPE_CHECKING:
     from services.engine.engine import Engine
-
-ENV = "K3_DECODE_OVERLAP"  # "0": every step waits for its tokens before the next is planned
 
 
 @dataclass
@@ -110,7 +108,7 @@ def plain_order(rows: list[int], requests: list[EngineRequest], running: list[En
 class DecodeOverlap:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.enabled = (os.environ.get(ENV, "1") != "0" and engine.broadcast is None and engine.speculator is None
+        self.enabled = (overlap_wanted() and engine.broadcast is None and engine.speculator is None
                         and engine.executor.fastpath is not None)
         self.inflight: InFlight | None = None
         fast = engine.executor.fastpath

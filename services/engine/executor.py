@@ -38,7 +38,7 @@ def _messages(failed: set[str], local: dict[str, str]) -> dict[str, str]:
 
 class Executor:
     def __init__(self, manager: PrefixCacheManager, runner: ModelRunner, *, rank: int, tp_size: int,
-                 total_heads: int, instance: common_pb2.InstanceId, auth_token: str = ""):
+                 total_heads: int, instance: common_pb2.InstanceId, auth_token: str = "", speculative: bool = False):
         self.manager = manager
         self.runner = runner
         self.rank = rank
@@ -49,7 +49,7 @@ class Executor:
         # Transfers run on their own thread, so a step's pulls progress while this thread computes.
         self._transfers = TransferThread()
         self._transports: dict[str, Transport] = {}  # only touched on the transfer thread
-        self.fastpath = runner.decode_fastpath(manager, tp_size)
+        self.fastpath = runner.decode_fastpath(manager, tp_size, speculative)
 
     def replay(self, plan: StepPlan) -> None:
         """Ranks > 0: apply rank 0's cache-manager calls of this step."""

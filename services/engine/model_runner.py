@@ -71,13 +71,16 @@ class ModelRunner:
         self.prefill_moe: list[tuple[SparseMoE, MoeDecode]] = []  # set with the decode fast path
         self.fast_prefill: FastPrefill | None = None  # likewise
 
-    def decode_fastpath(self, manager: PrefixCacheManager, tp_size: int) -> DecodeFastPath | None:
-        """The decode fast path over `manager`'s pool where it applies (CUDA, any TP; see fastpath_wanted).
+    def decode_fastpath(self, manager: PrefixCacheManager, tp_size: int,
+                        speculative: bool = False) -> DecodeFastPath | None:
+        """The decode fast path over `manager`'s pool where it applies (CUDA, any TP; see fastpath_wanted;
+        `speculative`: a draft model proposes, see DecodeFastPath).
         On an unsharded rank its forms then also run prefill forwards (`FastPrefill`, where every MoE form is
         grouped), or, with K3_PREFILL_FASTPATH=0, the MoE layers of the reference prefill (`prefill_moe_forms`)."""
         if not fastpath_wanted(self.device, tp_size) or manager.store is None:
             return None
-        fast = DecodeFastPath(self.model, manager, max_model_len=self.max_model_len, max_batch=self.max_batch)
+        fast = DecodeFastPath(self.model, manager, max_model_len=self.max_model_len, max_batch=self.max_batch,
+                              speculative=speculative)
         self.prefill_moe = prefill_moe_forms(self.model, fast.decoder) if tp_size == 1 else []
         applies = tp_size == 1 and FastPrefill.applies(fast.decoder)
         self.fast_prefill = FastPrefill(fast.decoder) if applies else None

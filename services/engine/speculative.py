@@ -88,10 +88,15 @@ class Speculator:
         self.draft.forget(rid)
 
 
+def speculating(config: WorkerConfig, role: str) -> bool:
+    """Speculative decoding is on: the decode worker with a draft model (the prefill worker emits one token
+    per request: nothing to speculate)."""
+    return bool(config.draft_model) and role == "decode"
+
+
 def build_verifier(config: WorkerConfig, role: str, executor: Executor) -> Verifier | None:
-    """Every rank's verifier when speculative decoding is on: the decode worker with a draft model (the
-    prefill worker emits one token per request: nothing to speculate)."""
-    if not config.draft_model or role != "decode":
+    """Every rank's verifier when speculative decoding is on."""
+    if not speculating(config, role):
         return None
     return Verifier(executor.runner.model, executor.manager, config.device, config.tp_size, executor.fastpath)
 

@@ -26,7 +26,7 @@ from services.engine.model_runner import ModelRunner, build_model
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager, StepPlan
 from services.engine.scheduler import Scheduler
-from services.engine.speculative import build_speculator, build_verifier
+from services.engine.speculative import build_speculator, build_verifier, speculating
 from services.engine.warmup import WarmupReport, warm_up
 from services.runtime.ports import free_port
 
@@ -50,7 +50,7 @@ def build_executor(config: WorkerConfig, role: str, rank: int, instance: common_
                                  metrics=metrics.cache if metrics else None)
     return Executor(manager, ModelRunner(model, config.device), rank=rank, tp_size=config.tp_size,
                     total_heads=config.model_config().kda_num_heads, instance=instance,
-                    auth_token=config.auth_token)
+                    auth_token=config.auth_token, speculative=speculating(config, role))
 
 
 class Worker:

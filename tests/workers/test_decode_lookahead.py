@@ -17,7 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.engine.decode_fastpath import LOOKAHEAD_ENV, lookahead_wanted
+from k3.v1 import common_pb2
+from services.engine.config import WorkerConfig
+from services.engine.decode_fastpath import ENV as FASTPATH_ENV
+from services.engine.decode_fastpath import LOOKAHEAD_ENV, OVERLAP_ENV, lookahead_wanted
 from services.engine.decode_inputs import STOP_WIDTH, DecodeInputBuilder, DecodeInputs
 from services.engine.decode_lookahead import stop_table
 from tests.workers.overlap_harness import (
@@ -83,6 +86,23 @@ def test_the_look_ahead_is_on_by_default_at_tp_1(nano, monkeypatch):
     monkeypatch.setenv(LOOKAHEAD_ENV, "0")
     assert not lookahead_wanted(sharded=False)
     assert ScriptedEngine(nano, True, lookahead=None).engine.overlap.lookahead is None
+
+
+def test_the_look_ahead_is_off_where_the_overlap_cannot_run_it(monkeypatch):
+    # Its images' source/stops parts and the forward's prologue would be paid for nothing: with the overlap off,
+    # and on a decode worker with a draft model (the overlap is off there).
+    from services.engine.worker import build_executor  # the worker's own construction of its executor
+
+    monkeypatch.delenv(LOOKAHEAD_ENV, raising=False)
+    monkeypatch.setenv(OVERLAP_ENV, "0")
+    assert not lookahead_wanted(sharded=False)
+    monkeypatch.delenv(OVERLAP_ENV)
+    assert lookahead_wanted(sharded=False) and not lookahead_wanted(sharded=False, speculative=True)
+    monkeypatch.setenv(FASTPATH_ENV, "1")  # the decode fast path on the CPU
+    for draft, role, want in (("", "decode", True), ("nano", "decode", False), ("nano", "prefill", True)):
+        config = WorkerConfig.load(role, ["--model", "nano", "--num-pages", "64", "--draft-model", draft], env={})
+        fast = build_executor(config, role, 0, common_pb2.InstanceId(), None).fastpath
+        assert fast.lookahead is want and fast.builder.lookahead is want, (draft, role)
 
 
 def _stops_mid_batch(nano, **engine_args) -> None:
