@@ -10,7 +10,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import dispatch
-from services.engine.fast_ffn import MoeDecode, grouped_mm_available
+from services.engine.fast_ffn import (
+    DENSE_FORM_ENV,
+    DENSE_FORMS,
+    FORM_MAX_TOKENS,
+    MoeDecode,
+    dense_form,
+    grouped_mm_available,
+)
 from tests.workers.oracle import build_reference
 
 VIEWS = {"view", "_unsafe_view", "t", "transpose", "slice", "select", "expand", "detach", "alias", "as_strided",
@@ -29,6 +36,20 @@ def test_grouped_form_only_where_a_cuda_graph_can_capture_it():
     before touching the device, so it holds on a machine without CUDA too."""
     assert not grouped_mm_available(torch.device("cuda"), torch.float32)
     assert not grouped_mm_available(torch.device("cuda"), torch.float16)
+
+
+def test_dense_form_from_the_environment(monkeypatch):
+    """K3_DENSE_EXPERTS picks the dense experts' kernels up to FORM_MAX_TOKENS rows (above, where the Triton down
+    projection lost to cuBLAS, every form runs as 'pointer'); the default is 'tma-down'; a name it does not know
+    is an error naming the known ones, not a silent fallback."""
+    monkeypatch.delenv(DENSE_FORM_ENV, raising=False)
+    assert dense_form(FORM_MAX_TOKENS) == DENSE_FORMS["tma-down"] == ({"tma": True}, {"tma": True})
+    assert dense_form(FORM_MAX_TOKENS + 1) == DENSE_FORMS["pointer"] == ({}, None)
+    monkeypatch.setenv(DENSE_FORM_ENV, "tma")
+    assert dense_form(1) == ({"tma": True}, None)
+    monkeypatch.setenv(DENSE_FORM_ENV, "tma-ws")  # a form that was removed
+    with pytest.raises(ValueError, match="tma-down"):
+        dense_form(1)
 
 
 @pytest.mark.parametrize(("overrides", "tokens", "with_residual"), [
