@@ -31,15 +31,13 @@ ACTIVATIONS = {"none": 0, "situ": 1, "swiglu": 2}
 if triton is not None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from kernels.moe.situ_glu_triton import situ_glu_values
+    from kernels.moe.situ_glu_triton import glu_values
 
     @triton.jit
     def _epilogue(acc, up, out, expert, tokens, cols, T, N, stride_oe, stride_ot, beta1, beta2, ACT: tl.constexpr):
         """The GLU of the float32 accumulators (ACT 1 SiTU, 2 SwiGLU; 0: acc as is), stored as [E, T, N]."""
-        if ACT == 1:
-            acc = situ_glu_values(acc, up, beta1, beta2)
-        elif ACT == 2:
-            acc = acc * tl.sigmoid(acc) * up
+        if ACT != 0:
+            acc = glu_values(acc, up, beta1, beta2, ACT == 1)
         target = out + expert * stride_oe + tokens.to(tl.int64)[:, None] * stride_ot + cols[None, :]
         tl.store(target, acc.to(out.dtype.element_ty), mask=(tokens < T)[:, None] & (cols < N)[None, :])
 

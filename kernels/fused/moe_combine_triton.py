@@ -17,7 +17,7 @@ from kernels._triton import next_pow2, require, tl, triton
 from kernels.fused.naive import require_activation
 
 if triton is not None:
-    from kernels.moe.situ_glu_triton import situ_glu_values
+    from kernels.moe.situ_glu_triton import glu_values
 
     @triton.jit
     def _combine_kernel(rows, index, weight, norm_w, shared, out, L, F, K, stride_rows, stride_shared, stride_out,
@@ -43,10 +43,7 @@ if triton is not None:
                 ok = f < F
                 g = tl.load(shared + token * stride_shared + f, mask=ok, other=0.0).to(tl.float32)
                 u = tl.load(shared + token * stride_shared + F + f, mask=ok, other=0.0).to(tl.float32)
-                if SITU:
-                    act = situ_glu_values(g, u, beta1, beta2)
-                else:
-                    act = g * tl.sigmoid(g) * u
+                act = glu_values(g, u, beta1, beta2, SITU)
                 tl.store(out + token * stride_out + L + f, act.to(out.dtype.element_ty), mask=ok)
 
 

@@ -19,6 +19,14 @@ if triton is not None:
         return gate * (beta2 * (2 * tl.sigmoid(2 * u / beta2) - 1))
 
     @triton.jit
+    def glu_values(g, u, beta1, beta2, SITU: tl.constexpr):
+        """The MoE GLU of float32 gate and up values: SiTU-GLU, or SwiGLU when not SITU; shared by the fused
+        kernels that apply it in an epilogue (dense experts' gate|up GEMM, the shared experts' combine)."""
+        if SITU:
+            return situ_glu_values(g, u, beta1, beta2)
+        return g * tl.sigmoid(g) * u
+
+    @triton.jit
     def _situ_glu_kernel(gate_up, out, F, beta1, beta2, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
