@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from kernels._triton import next_pow2, require, sm_count, tl, triton
-from kernels.moe.mxfp4_tile_triton import block_words, prepare
+from kernels.moe.mxfp4_tile_triton import prepare
 from kernels.moe.tiles import Tile, default_tiles
 
 if triton is not None:
@@ -63,8 +63,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])  # one build for every decode batch (T = 1 would be a constant)
     def _gate_up_kernel(x, ids, wgu, mgu, h, T, K, F, beta1, beta2, L: tl.constexpr, BR: tl.constexpr,
                         G: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                        X_PARTS: tl.constexpr, HP: tl.constexpr, CW: tl.constexpr, STAGES: tl.constexpr,
-                        USE_ASM: tl.constexpr):
+                        X_PARTS: tl.constexpr, HP: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr):
         e, leader, first, _match, _index = expert_tokens(ids, tl.program_id(0), T, K, TP, BK)
         if leader:
             rows = tl.program_id(1) * BR + tl.arange(0, BR)
@@ -76,9 +75,9 @@ if triton is not None:
                 u = tl.zeros([BT, BR], dtype=tl.float32)
                 for g0 in tl.range(0, L // 32, G, num_stages=STAGES):
                     xt = _activations(x + (pair // K) * L, used, g0 * 32, BT, G)
-                    gate = mxfp4_tile(words, mults, rows, ok, g0, L // 8, G, CW, USE_ASM)
+                    gate = mxfp4_tile(words, mults, rows, ok, g0, L // 8, G, USE_ASM)
                     g = _dot_parts(gate, xt, g, X_PARTS, USE_ASM)
-                    up = mxfp4_tile(words, mults, rows + F, ok, g0, L // 8, G, CW, USE_ASM)
+                    up = mxfp4_tile(words, mults, rows + F, ok, g0, L // 8, G, USE_ASM)
                     u = _dot_parts(up, xt, u, X_PARTS, USE_ASM)
                 rest = situ_glu_values(unshift(g), unshift(u), beta1, beta2)
                 for p in tl.static_range(HP):
@@ -90,7 +89,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])  # one build for every decode batch (T = 1 would be a constant)
     def _down_kernel(h, ids, weights, wd, md, partial, T, K, L, F: tl.constexpr, BR: tl.constexpr,
                      G: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, HP: tl.constexpr,
-                     SPLITS: tl.constexpr, CW: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr):
+                     SPLITS: tl.constexpr, STAGES: tl.constexpr, USE_ASM: tl.constexpr):
         e, leader, first, match, index = expert_tokens(ids, tl.program_id(0), T, K, TP, BK)
         if leader:
             rows = tl.program_id(1) * BR + tl.arange(0, BR)
@@ -105,7 +104,7 @@ if triton is not None:
                 # This program's share of the reduction: groups split * F / (32 SPLITS) onwards.
                 for g0 in tl.range(split * (F // (32 * SPLITS)), (split + 1) * (F // (32 * SPLITS)), G,
                                    num_stages=STAGES):
-                    w = mxfp4_tile(words, mults, rows, ok, g0, F // 8, G, CW, USE_ASM)
+                    w = mxfp4_tile(words, mults, rows, ok, g0, F // 8, G, USE_ASM)
                     for p in tl.static_range(HP):
                         ht = _activations(h + (p * T * K + pair) * F, used, g0 * 32, BT, G)
                         acc = _mma(w, ht, acc, USE_ASM)
@@ -221,14 +220,12 @@ def latent_moe_decode_prepared(
     h = torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device)
     _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
         x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, T, K, F, beta1, beta2, L=L,
-        X_PARTS=_parts(x.dtype), BR=gu_tile.rows, G=gu_groups, CW=block_words(L // 8),
-        STAGES=gu_tile.stages, **common, **gu_tile.launch_options(),
+        X_PARTS=_parts(x.dtype), BR=gu_tile.rows, G=gu_groups, STAGES=gu_tile.stages, **common, **gu_tile.launch_options(),
     )
     partial = torch.empty(d_tile.splits, T * K, L, dtype=torch.float32, device=x.device)
     _down_kernel[(T * K, triton.cdiv(L, d_tile.rows), d_tile.splits)](
         h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial, T, K, L, F=F,
-        BR=d_tile.rows, G=d_groups, SPLITS=d_tile.splits, CW=block_words(F // 8),
-        STAGES=d_tile.stages, **common, **d_tile.launch_options(),
+        BR=d_tile.rows, G=d_groups, SPLITS=d_tile.splits, STAGES=d_tile.stages, **common, **d_tile.launch_options(),
     )
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     _sum_pairs_kernel[(T, triton.cdiv(L, 128))](partial, ids, out, T * K, K, L, SPLITS=d_tile.splits,

@@ -78,6 +78,7 @@ if triton is not None:
     _DECODE_ASM = tl.constexpr(_decode_asm())
     _FIELDS_TO_BF16X2 = tl.constexpr(_FIELD_TO_BF16X2)
     _BLOCK_ROWS = tl.constexpr(BLOCK_ROWS)
+    _block_words = triton.constexpr_function(block_words)
 
     @triton.jit
     def unshift(acc):
@@ -147,12 +148,12 @@ if triton is not None:
         return row_part[:, None] + col_part[None, :]
 
     @triton.jit
-    def mxfp4_tile(words, mults, rows, row_ok, g0, WORDS: tl.constexpr, G: tl.constexpr, CW: tl.constexpr,
-                   USE_ASM: tl.constexpr):
+    def mxfp4_tile(words, mults, rows, row_ok, g0, WORDS: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr):
         """bf16 [len(rows), 32 G] tile of weights x 2^-SHIFT, columns 32 g0 .. 32 (g0 + G), from `prepare`'s
         words (rows of WORDS in blocks of CW = `block_words(WORDS)` words) and multiplier fields (one byte
         per 4 words), in the column order of `lane_group_columns` (activations go through it)."""
         R: tl.constexpr = rows.shape[0]
+        CW: tl.constexpr = _block_words(WORDS)
         w = tl.load(words + block_offsets(rows, g0 * 4 + tl.arange(0, 4 * G), WORDS, CW), mask=row_ok[:, None],
                     other=0)
         w = _lane_groups(tl.reshape(w, (R, G, 4)).to(tl.uint32, bitcast=True), G)

@@ -9,15 +9,15 @@ import torch
 from k3core.quant.mxfp4 import dequantize
 from k3core.quant.mxfp4_device import decode_multipliers, device_words
 from kernels._triton import tl, triton
-from kernels.moe.mxfp4_tile_triton import SHIFT, block_words, mxfp4_tile, prepare
+from kernels.moe.mxfp4_tile_triton import SHIFT, mxfp4_tile, prepare
 
 ROWS, GROUPS = 64, 8  # 64 rows x 256 columns (2 x 2 stored blocks): every code in every row, 8 scales a row
 
 
 @triton.jit
-def tile_kernel(words, mults, out, R: tl.constexpr, WORDS: tl.constexpr, CW: tl.constexpr):
+def tile_kernel(words, mults, out, R: tl.constexpr, WORDS: tl.constexpr):
     rows = tl.arange(0, R)
-    t = mxfp4_tile(words, mults, rows, rows < R, 0, WORDS, WORDS // 4, CW, False)
+    t = mxfp4_tile(words, mults, rows, rows < R, 0, WORDS, WORDS // 4, False)
     tl.store(out + rows[:, None] * (8 * WORDS) + tl.arange(0, 8 * WORDS)[None, :], t.to(tl.float32))
 
 
@@ -26,7 +26,7 @@ def _decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     2^SHIFT, as float64."""
     out = torch.empty(packed.shape[0], packed.shape[1] * 2)
     words = packed.shape[1] // 4
-    tile_kernel[(1,)](*prepare(packed, scales), out, R=packed.shape[0], WORDS=words, CW=block_words(words))
+    tile_kernel[(1,)](*prepare(packed, scales), out, R=packed.shape[0], WORDS=words)
     return out.double() * 2.0**SHIFT
 
 
