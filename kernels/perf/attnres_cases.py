@@ -20,17 +20,11 @@ D, BLOCKS, SITES = 7168, 8, 24
 BF16 = torch.bfloat16
 
 
-MERGE_VARIANTS = (4,)  # num_warps (8: same at decode, 93 vs 98 % at prefill)
-# Phase 1 launcher arguments timed per shape (decode: M=64; prefill: the rest); {} is the default. The
-# defaults combine the winners of earlier runs' variants (docs/kernels.md, AttnRes history); the other
-# variants of those runs are left out to save device time.
-INTER_VARIANTS = {"decode": ({},), "prefill": ({},)}
-# Phase 1 from cached logits (`phase1_rows`): apply tunings, and block_logits tunings (the newest block
-# against the sites after it, q_eff's parts cut once ahead as in serving). Session 5's sweeps of both
-# (apply_block_d 64, apply_rows 4; block_d 128, 56 chunks, parts cut in the loop, 128 rows) were all
-# slower (docs/kernels.md, AttnRes history 22): the defaults alone now.
-CACHED_VARIANTS = {"decode": ({},), "prefill": ({},)}
-LOGITS_VARIANTS = {"decode": ({},), "prefill": ({},)}
+MERGE_WARPS = 4  # the merge's num_warps (8: same at decode, 93 vs 98 % at prefill)
+# Phase 1 (direct and from cached logits, and the newest block's logits) is timed at its launchers' defaults
+# only: they combine the winners of earlier runs' variants (docs/kernels.md, AttnRes history); session 5's
+# sweeps of the cached form (apply_block_d 64, apply_rows 4; block_d 128, 56 chunks, parts cut in the loop,
+# 128 rows) were all slower (history 22).
 MID_FORWARD_SITES = 163  # K3: the sites after its first layer block (93 layers x 2 + 1 - 24)
 
 
@@ -46,8 +40,7 @@ def launch_floor_rows() -> list[Row]:
     return [Row("launch_floor", "grid=132", "empty Triton kernel", ms, 0.0, note=how)]
 
 
-def attnres_rows(tokens: tuple[int, ...] = (64, 8192), variants: tuple = MERGE_VARIANTS,
-                 inter_variants: dict = INTER_VARIANTS) -> list[Row]:
+def attnres_rows(tokens: tuple[int, ...] = (64, 8192)) -> list[Row]:
     rows: list[Row] = launch_floor_rows()
     for M in tokens:
         blocks = torch.randn(BLOCKS, M, D, device="cuda", dtype=BF16)
@@ -58,16 +51,14 @@ def attnres_rows(tokens: tuple[int, ...] = (64, 8192), variants: tuple = MERGE_V
         ref = attnres_naive.attnres_merge_norm(*args)
         moved = M * D * (4 + 2 + 2 + 2) + M * 8  # acc f32 + partial in; h + normed out; max, denom
         shape = f"M={M},D={D}"
-        for nw in variants:
-            run = partial(merge_norm_triton.attnres_merge_norm, *args, num_warps=nw)
-            ours = run()
-            err = {"h_max_abs": max_err(ours[0], ref[0]), "normed_max_abs": max_err(ours[1], ref[1])}
-            ms, how = time_ms(run)
-            rows.append(Row("attnres_merge_norm", shape, f"ours(w={nw})", ms, moved, note=how, extra=err))
+        run = partial(merge_norm_triton.attnres_merge_norm, *args, num_warps=MERGE_WARPS)
+        ours = run()
+        err = {"h_max_abs": max_err(ours[0], ref[0]), "normed_max_abs": max_err(ours[1], ref[1])}
+        ms, how = time_ms(run)
+        rows.append(Row("attnres_merge_norm", shape, f"ours(w={MERGE_WARPS})", ms, moved, note=how, extra=err))
         ms, how = time_ms(partial(attnres_naive.attnres_merge_norm, *args))
         rows.append(Row("attnres_merge_norm", shape, "torch k3core.ops composition", ms, moved, note=how))
-        kind = "decode" if M <= 64 else "prefill"
-        rows += _inter_rows(blocks, queries, inter_variants[kind])  # the cached form: `phase1_rows`
+        rows += _inter_rows(blocks, queries)  # the cached form: `phase1_rows`
         del blocks, args, stats
         torch.cuda.empty_cache()
     rows += _situ_rows()
@@ -80,7 +71,7 @@ def _stats_errors(ours: OnlineSoftmax, ref: OnlineSoftmax) -> dict:
             "denom_rel": rel_err(ours.denom, ref.denom)}
 
 
-def _inter_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple) -> list[Row]:
+def _inter_rows(blocks: torch.Tensor, queries: torch.Tensor) -> list[Row]:
     """Phase 1 for all SITES sites of a block against BLOCKS completed blocks (bf16 in, float32 stats out)."""
     rows: list[Row] = []
     N, M, _ = blocks.shape
@@ -88,14 +79,10 @@ def _inter_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple) ->
     ref = attnres_inter(queries, blocks, norm_w)
     moved = N * M * D * 2 + SITES * M * (D + 2) * 4 + SITES * D * 2 * 2
     shape = f"M={M},D={D},N={N},Q={SITES}"
-    for kwargs in variants:
-        run = partial(inter_triton.attnres_inter, queries, blocks, norm_w, **kwargs)
-        ours = run()
-        err = _stats_errors(ours, ref)
-        ms, how = time_ms(run)
-        label = ",".join(f"{k}={v}" for k, v in kwargs.items()) or "default"
-        rows.append(Row("attnres_inter", shape, f"ours({label})", ms, moved, note=how, extra=err))
-        del ours
+    run = partial(inter_triton.attnres_inter, queries, blocks, norm_w)
+    err = _stats_errors(run(), ref)
+    ms, how = time_ms(run)
+    rows.append(Row("attnres_inter", shape, "ours(default)", ms, moved, note=how, extra=err))
     ms, how = time_ms(partial(attnres_inter, queries, blocks, norm_w))
     rows.append(Row("attnres_inter", shape, "torch k3core.ops.attnres_inter", ms, moved, note=how))
     plan = inter_triton.plan_inter(queries, blocks, norm_w)  # the default's two kernels, timed apart
@@ -107,7 +94,7 @@ def _inter_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple) ->
     return rows
 
 
-def _cached_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple, logits_variants: tuple) -> list[Row]:
+def _cached_rows(blocks: torch.Tensor, queries: torch.Tensor) -> list[Row]:
     """Phase 1 the cached way, per block of the forward: the newest block's logits against the sites after
     it (this block's SITES and the final site), written once into the logit cache, then the apply kernel
     over the cached logits of all N blocks: two launches. Bytes: `phase1_bytes`."""
@@ -125,17 +112,13 @@ def _cached_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple, l
     logits_ref = attnres_logits(later_q, blocks[-1:], later_w)[:, 0]
     shape = f"M={M},D={D},N={N},Q={SITES}"
     later_parts = query_parts(later_q, later_w)  # a derived weight in the serving path: not timed
-    for kwargs in logits_variants:
-        run = partial(block_logits_triton.attnres_block_logits, later_q, blocks[-1], later_w, out=cache[:, N - 1],
-                      **{"parts": later_parts, **kwargs})
-        run()
-        err = {"logits_rel": rel_err(cache[:, N - 1], logits_ref)}
-        ms, how = time_ms(run)
-        label = ",".join(f"{k}={v}" for k, v in kwargs.items()) or "default"
-        rows.append(Row("attnres_block_logits", f"M={M},D={D},S={later}", f"ours({label}), newest block", ms,
-                        M * D * 2 + later * M * 4 + later * D * 2 * 2, note=how, extra=err))
     newest = partial(block_logits_triton.attnres_block_logits, later_q, blocks[-1], later_w, out=cache[:, N - 1],
                      parts=later_parts)
+    newest()
+    err = {"logits_rel": rel_err(cache[:, N - 1], logits_ref)}
+    ms, how = time_ms(newest)
+    rows.append(Row("attnres_block_logits", f"M={M},D={D},S={later}", "ours(default), newest block", ms,
+                    M * D * 2 + later * M * 4 + later * D * 2 * 2, note=how, extra=err))
     if M <= 64:  # a block early in the forward has many more sites after it
         many_q = torch.randn(MID_FORWARD_SITES, D, device="cuda", dtype=BF16) * D**-0.5
         many_w = (torch.rand(MID_FORWARD_SITES, D, device="cuda") + 0.5).to(BF16)
@@ -143,18 +126,14 @@ def _cached_rows(blocks: torch.Tensor, queries: torch.Tensor, variants: tuple, l
                                   parts=query_parts(many_q, many_w)))
         rows.append(Row("attnres_block_logits", f"M={M},D={D},S={MID_FORWARD_SITES}", "ours(default)", ms,
                         M * D * 2 + MID_FORWARD_SITES * (M + D) * 4, note=how))
-    for kwargs in variants:
-        label = ",".join(f"{k}={v}" for k, v in kwargs.items()) or "default"
-        apply = partial(inter_triton.attnres_inter, queries, blocks, norm_w, logits=cache[:SITES], **kwargs)
-        ours = apply()
-        err = _stats_errors(ours, ref)
-        del ours
-        ms, how = time_ms(lambda a=apply: (newest(), a()))
-        rows.append(Row("attnres_inter", shape, f"cached: newest block's logits + apply({label})", ms,
-                        phase1_bytes(M, D, N, SITES, later), note=how, extra=err))
-        ms, how = time_ms(apply)
-        rows.append(Row("attnres_inter_apply_cached", shape, f"ours({label}), this kernel alone", ms,
-                        N * M * D * 2 + SITES * M * (D + 2) * 4 + SITES * N * M * 4, note=how))
+    apply = partial(inter_triton.attnres_inter, queries, blocks, norm_w, logits=cache[:SITES])
+    err = _stats_errors(apply(), ref)
+    ms, how = time_ms(lambda: (newest(), apply()))
+    rows.append(Row("attnres_inter", shape, "cached: newest block's logits + apply(default)", ms,
+                    phase1_bytes(M, D, N, SITES, later), note=how, extra=err))
+    ms, how = time_ms(apply)
+    rows.append(Row("attnres_inter_apply_cached", shape, "ours(default), this kernel alone", ms,
+                    N * M * D * 2 + SITES * M * (D + 2) * 4 + SITES * N * M * 4, note=how))
     return rows
 
 
@@ -187,8 +166,7 @@ def phase1_rows(tokens: tuple[int, ...] = (64, 8192), forwards: tuple[str, ...] 
     for M in tokens:
         blocks = torch.randn(BLOCKS, M, D, device="cuda", dtype=BF16)
         queries = torch.randn(SITES, D, device="cuda", dtype=BF16) * D**-0.5
-        kind = "decode" if M <= 64 else "prefill"
-        rows += _cached_rows(blocks, queries, CACHED_VARIANTS[kind], LOGITS_VARIANTS[kind])
+        rows += _cached_rows(blocks, queries)
         if M <= 64:  # the serving path is decode's
             rows += _served_rows(f"M={M},D={D},N={BLOCKS},Q={SITES}", D, M, [(BLOCKS, SITES, SITES + 1)])
         del blocks

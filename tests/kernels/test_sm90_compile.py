@@ -135,18 +135,18 @@ def mla_step(batch: int, **tuning) -> None:
     gated_heads_triton.gated_heads(empty(MLA_HEADS, batch, MINI.v_head_dim), gate)
 
 
-def attnres(tokens: int, cached: dict | None = None, logits: dict | None = None, **tuning) -> None:
+def attnres(tokens: int) -> None:
     """services/engine/fast_decoder: a block's sites and the final site, then the merges with and without a
-    partial sum; phase 1 from cached logits (`cached`: its apply tuning) after a block's logits against the
-    sites after it (this block's and the final one; many, as early in a forward; `logits`: its tuning)."""
+    partial sum; phase 1 from cached logits after a block's logits against the sites after it (this block's
+    and the final one; many, as early in a forward)."""
     blocks = empty(3, tokens, HIDDEN)
     for sites in (SITES, 1):
-        inter_triton.attnres_inter(empty(sites, HIDDEN), blocks, empty(sites, HIDDEN), 1e-6, **tuning)
+        inter_triton.attnres_inter(empty(sites, HIDDEN), blocks, empty(sites, HIDDEN), 1e-6)
         inter_triton.attnres_inter(empty(sites, HIDDEN), blocks, empty(sites, HIDDEN), 1e-6,
-                                   logits=empty(sites, 3, tokens, dtype=F32), **(cached or {}))
+                                   logits=empty(sites, 3, tokens, dtype=F32))
     for later in (SITES + 1, 4 * SITES + 1):
         block_logits_triton.attnres_block_logits(empty(later, HIDDEN), blocks[0], empty(later, HIDDEN), 1e-6,
-                                                 **{"parts": empty(2, later, HIDDEN), **(logits or {})})
+                                                 parts=empty(2, later, HIDDEN))
     stats = (empty(tokens, dtype=F32), empty(tokens, dtype=F32), empty(tokens, HIDDEN, dtype=F32))
     for partial in (empty(tokens, HIDDEN), None):
         merge_norm_triton.attnres_merge_norm(*stats, empty(HIDDEN), partial, empty(HIDDEN), key_norm_weight=empty(HIDDEN),
@@ -245,13 +245,6 @@ def _bench_variants() -> dict:
         cases[f"kda prefill {label}"] = lambda t=tuning: kda_prefill(**t)
     for v in mla_cases.VARIANTS:
         cases[f"mla decode {v}"] = lambda v=v: [mla_step(b, **v) for b in DECODE_BATCHES]
-    for kind, tokens in (("decode", DECODE_BATCHES), ("prefill", (PREFILL_TOKENS,))):
-        for v in attnres_cases.INTER_VARIANTS[kind]:
-            cases[f"attnres {kind} {v}"] = lambda v=v, ts=tokens: [attnres(m, **v) for m in ts]
-        for v in attnres_cases.CACHED_VARIANTS[kind]:
-            cases[f"attnres cached {kind} {v}"] = lambda v=v, ts=tokens: [attnres(m, cached=v) for m in ts]
-        for v in attnres_cases.LOGITS_VARIANTS[kind]:
-            cases[f"attnres logits {kind} {v}"] = lambda v=v, ts=tokens: [attnres(m, logits=v) for m in ts]
     for gate_up, down in moe_cases.SWEEP:  # the tile sweep (default_tiles' two choices first), at the bench's shape:
         # some tiles do not divide mini's widths
         cases[f"latent moe {gate_up.label()} | {down.label()}"] = lambda g=gate_up, d=down: [
