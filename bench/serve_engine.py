@@ -160,7 +160,7 @@ def critical_path_line(path: dict[str, float]) -> str:
 
 def build_engine(rank: Rank, batch: int) -> Engine:
     """An engine over the rank's manager, model and fast path (TP 1, greedy, no tokenizer)."""
-    rank.runner.decode_fastpath = lambda manager, tp_size: rank.fast  # the executor takes the rank's fast path
+    rank.runner.decode_fastpath = lambda manager, tp_size, speculative=False: rank.fast  # the executor takes the rank's fast path
     return engine_over(bench_executor(rank.manager, rank.runner), batch, max(8192, batch), "bench", "bench_serve")
 
 
