@@ -32,7 +32,7 @@ from services.engine import decode_overlap, sampler
 from services.engine.engine import Engine
 from services.engine.executor import Executor
 from services.engine.heap import freeze_startup_heap, release_startup_heap
-from services.engine.metrics import EngineMetrics
+from services.engine.metrics import EngineMetrics, counts_since
 from services.engine.model_runner import ModelRunner
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager
@@ -80,6 +80,10 @@ class StepClock:
         self.launch_host_s: list[float] = []  # host seconds inside the launch call
         self.waited_s: list[float] = []  # host seconds blocked on the tokens (~0: the host came late)
         self.host_to_launch_s: list[float] = []  # host clock: tokens read -> the launch call
+        self.modes: list[str] = []  # per entry of `steps`: how the engine launched it (`PipelineMetrics.MODES`)
+        self._unlabelled = False  # the last launch made an entry of `steps` that has no mode yet
+        # the engine's `PipelineMetrics.counts` differences over the timed steps (`engine_decode`)
+        self.pipeline: dict[str, dict[str, int]] = {}
         # events made ahead (4 a step): creating one on the critical path would add to what is measured
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4 * steps)] if self.cuda else []
 
@@ -110,7 +114,17 @@ class StepClock:
         if self._ready is not None and self._prelaunch is not None:
             self.launch_host_s.append(time.perf_counter() - self._host_launch)
             self.steps.append([self._ready, self._prelaunch, self._mark()])
+            self.modes.append("?")
+            self._unlabelled = True
+        else:
+            self._unlabelled = False
         self._ready = self._prelaunch = None
+
+    def mode(self, name: str) -> None:
+        """The engine counted its last launch as a step of this mode (right after the launch)."""
+        if self._unlabelled:
+            self.modes[-1] = name
+            self._unlabelled = False
 
     def sampled(self) -> None:
         """After the draw of the last launched step was queued (its tokens' copy to the host included)."""
@@ -118,24 +132,28 @@ class StepClock:
             self.steps[-1].append(self._mark())
 
     def clear(self) -> None:
-        for kept in (self.steps, self.launch_host_s, self.waited_s, self.host_to_launch_s):
+        for kept in (self.steps, self.launch_host_s, self.waited_s, self.host_to_launch_s, self.modes):
             kept.clear()
+        self._unlabelled = False
 
     def median_seconds(self) -> float:
         sync()
         times = sorted(self._elapsed(ready, end) for ready, _, end, *_ in self.steps)
         return times[len(times) // 2] if times else float("nan")
 
-    def critical_path(self, replay_s: float) -> dict[str, float]:
+    def critical_path(self, replay_s: float) -> dict:
         """Median microseconds of each part of the device's idle path between two forwards (consecutive
         launched steps): the draw (its kernels and the tokens' copy, after the forward), the host's wake-up
         (from the copy to the tokens read on the host), the host's work to the launch, and the launch (from
         the launch call to the forward's end, less one graph replay); the launch call's own host time; the
         device-clock cycle's median and mean (a mean above the median: outlier steps); on the host clock, the
-        tokens-to-launch Python and how long the host waited for the tokens (the host was early by that)."""
+        tokens-to-launch Python and how long the host waited for the tokens (the host was early by that); the
+        steps by mode and the fallbacks by stage and reason (`pipeline`), and the slowest device-clock cycles
+        with their steps' modes (`slowest_cycles`: where a mean above the median comes from)."""
         sync()
         parts: dict[str, list[float]] = {"draw": [], "wake": [], "to_launch": [], "launch": [], "cycle": []}
-        for before, this in zip(self.steps, self.steps[1:], strict=False):
+        cycles: list[tuple[float, int, str]] = []
+        for k, (before, this) in enumerate(zip(self.steps, self.steps[1:], strict=False), start=1):
             if len(before) < 4:
                 continue
             ready, prelaunch, end = this[:3]
@@ -144,18 +162,43 @@ class StepClock:
             parts["to_launch"].append(self._elapsed(ready, prelaunch))
             parts["launch"].append(self._elapsed(prelaunch, end) - (0.0 if math.isnan(replay_s) else replay_s))
             parts["cycle"].append(self._elapsed(before[2], end))
-        out = {f"{name}_us": 1e6 * statistics.median(v) for name, v in parts.items() if v}
+            cycles.append((parts["cycle"][-1], k, self.modes[k]))
+        out: dict = {f"{name}_us": 1e6 * statistics.median(v) for name, v in parts.items() if v}
         if parts["cycle"]:
             out["cycle_mean_us"] = 1e6 * statistics.fmean(parts["cycle"])
         host = {"launch_call": self.launch_host_s, "host_to_launch": self.host_to_launch_s, "waited": self.waited_s}
         out.update({f"{name}_us": 1e6 * statistics.median(v) for name, v in host.items() if v})
+        out["pipeline"] = self.pipeline
+        out["slowest_cycles"] = [{"step": k, "cycle_us": 1e6 * cycle, "mode": mode}
+                                 for cycle, k, mode in sorted(cycles, reverse=True)[:SLOWEST]]
         return out
 
 
-def critical_path_line(path: dict[str, float]) -> str:
+SLOWEST = 3  # the slowest cycles a row reports
+
+
+def critical_path_line(path: dict) -> str:
+    """The critical path's medians, then a line of the steps by mode, the fallbacks and the slowest cycles."""
     names = ("draw", "wake", "to_launch", "launch", "launch_call", "host_to_launch", "waited", "cycle", "cycle_mean")
-    return "  critical path (median us): " + ", ".join(f"{n} {path[n + '_us']:.1f}" for n in names
+    line = "  critical path (median us): " + ", ".join(f"{n} {path[n + '_us']:.1f}" for n in names
                                                          if n + "_us" in path)
+    counts = path.get("pipeline", {})
+    fallbacks = [f"{stage}/{reason} {n}" for stage in ("lookahead", "overlap")
+                 for reason, n in counts.get(stage, {}).items()]
+    slowest = [f"{c['cycle_us']:.0f} ({c['mode']}, step {c['step']})" for c in path.get("slowest_cycles", [])]
+    return (f"{line}\n  steps by mode: {counts.get('steps', {})}; fallbacks: {', '.join(fallbacks) or 'none'}; "
+            f"slowest cycles (us): {', '.join(slowest) or 'none'}")
+
+
+class ModeTap:
+    """A step-mode counter of `PipelineMetrics` that also tells the clock the mode of the step just launched."""
+
+    def __init__(self, counter, mode: str, clock: StepClock) -> None:
+        self.counter, self.mode, self.clock = counter, mode, clock
+
+    def inc(self, amount: float = 1) -> None:
+        self.counter.inc(amount)
+        self.clock.mode(self.mode)
 
 
 def build_engine(rank: Rank, batch: int) -> Engine:
@@ -236,6 +279,10 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
         clock.sampled()
         return tokens
 
+    pipeline = engine.metrics.pipeline
+    counted = {mode: getattr(pipeline, mode) for mode in pipeline.MODES}
+    for mode, child in counted.items():  # each step's mode, as the engine counts it right after its launch
+        setattr(pipeline, mode, ModeTap(child, mode, clock))
     sampler.SampledTokens.array = fed_tokens  # type: ignore[method-assign]
     sampler.SampledTokens.device_rows = fed_rows  # type: ignore[method-assign]
     decode_overlap.sample_rows_async = timed_draw
@@ -247,6 +294,7 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
         freeze_startup_heap()  # as `Engine.start` does after a worker's warm-up (no full GC pass mid-run)
         frozen = True
         clock.clear()
+        counts = pipeline.counts()
         sync()
         started = time.perf_counter()
         with GcPauses() as pauses:
@@ -254,11 +302,14 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
             engine.overlap.settle()  # the last step's tokens
             sync()
         wall = (time.perf_counter() - started) / steps
+        clock.pipeline = counts_since(counts, pipeline.counts())
         print(f"  batch {len(rids)}: {pauses}", flush=True)
     finally:
         sampler.SampledTokens.array = result  # type: ignore[method-assign]
         sampler.SampledTokens.device_rows = rows  # type: ignore[method-assign]
         decode_overlap.sample_rows_async = draw
+        for mode, child in counted.items():
+            setattr(pipeline, mode, child)
         if rank.fast is not None:
             del rank.fast.launch
         streams.close()

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from services.engine.decode_inputs import STOP_WIDTH
+from services.engine.metrics import Fallback
 from services.engine.request import EngineRequest, Phase
 from services.engine.trace_labels import label
 
@@ -63,21 +64,31 @@ class DecodeLookahead:
     def __init__(self, overlap: DecodeOverlap) -> None:
         self.overlap = overlap
         self.engine = overlap.engine
+        self.missed: str | None = None  # why the last `plan` was None (a `Fallback` label), counted if N+1 overlaps
 
     def plan(self, inflight: InFlight) -> tuple[list[int], np.ndarray] | None:
         """The rows of the in-flight step that the next step runs ahead of their tokens and their stop
-        table, or None: not eligible."""
+        table, or None: not eligible, why in `missed` (a `Fallback` label; None where no row goes on)."""
         scheduler = self.engine.scheduler
         requests = inflight.requests
+        self.missed = None
         if inflight.crossing or scheduler.waiting or len(scheduler.running) != len(requests) \
                 or len(requests) > scheduler.budget:
+            self.missed = Fallback.BLOCK_CROSSING if inflight.crossing else Fallback.WAITING if scheduler.waiting \
+                else Fallback.BATCH_CHANGED if len(scheduler.running) != len(requests) else Fallback.BUDGET
             return None
         if not all(req.phase is Phase.RUNNING and not req.options.stop for req in requests):
-            return None  # a cancellation (settled), or stop strings: only the host can check those
+            # a cancellation (settled), or stop strings: only the host can check those
+            running = all(req.phase is Phase.RUNNING for req in requests)
+            self.missed = Fallback.STOP_STRINGS if running else Fallback.BATCH_CHANGED
+            return None
         rows = np.flatnonzero(~inflight.always_check)  # the others' N token is their max_tokens-th
         table, fits = inflight.stops
-        if not len(rows) or not fits[rows].all():
-            return None  # a row with more stop ids than the table holds
+        if not len(rows):
+            return None  # every row ends with this token: no next step of these rows
+        if not fits[rows].all():
+            self.missed = Fallback.STOP_IDS  # a row with more stop ids than the table holds
+            return None
         return rows.tolist(), table if len(rows) == len(requests) else table[:, rows]
 
     def stop_table(self, requests: list[EngineRequest]) -> tuple[np.ndarray, np.ndarray]:
@@ -104,6 +115,7 @@ class DecodeLookahead:
         with label("k3.launch"):
             logits = fast.launch(image, len(rows))
         engine.metrics.overlapped_steps.inc()
+        engine.metrics.pipeline.lookahead.inc()
         # N's token is not appended yet: N+1 draws each request's output position len(output) + 1
         with label("k3.sample"):
             next_tokens = overlap.draw(logits, [(k, req.options, len(req.output) + 1) for k, req in enumerate(ahead)])

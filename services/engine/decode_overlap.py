@@ -48,6 +48,7 @@ import numpy as np
 from services.engine.decode_fastpath import overlap_wanted
 from services.engine.decode_lookahead import DecodeLookahead
 from services.engine.executor import StepResult
+from services.engine.metrics import Fallback
 from services.engine.plan import StepPlan
 from services.engine.request import EngineRequest, Phase
 from services.engine.sampler import SampledTokens, sample_rows_async
@@ -111,24 +112,40 @@ class DecodeOverlap:
         self.enabled = (overlap_wanted() and engine.broadcast is None and engine.speculator is None
                         and engine.executor.fastpath is not None)
         self.inflight: InFlight | None = None
+        # Why the next step runs plain (a `Fallback` label), counted by the engine when it runs; None: no
+        # decode step was left (the overlap off, the engine idle, the rows all ended).
+        self.why_plain: str | None = None
         fast = engine.executor.fastpath
         self.lookahead = DecodeLookahead(self) if self.enabled and fast.lookahead else None
 
     # ---- entering from a plain step ---------------------------------------------------------------------
     def eligible(self, plan: StepPlan) -> bool:
-        """A plain step just launched `plan`: may its tokens be left in flight while the next is planned?"""
+        """A plain step just launched `plan`: may its tokens be left in flight while the next is planned?
+        If not, why (a `Fallback` label) is kept for the next step (`why_plain`)."""
         engine = self.engine
-        if not self.enabled or plan.imports or plan.exports or plan.verify or not plan.forward:
+        if not self.enabled or not plan.forward:
             return False
-        if len(plan.forward) != len(engine.scheduler.running) or len(plan.forward) > engine.scheduler.budget:
-            return False
+        if plan.imports or plan.exports or plan.verify:
+            return self._plain_next(Fallback.TRANSFER)
         if not all(len(f.token_ids) == 1 and f.sample for f in plan.forward):
-            return False
+            return self._plain_next(Fallback.PREFILL)
+        if len(plan.forward) != len(engine.scheduler.running):
+            return self._plain_next(Fallback.BATCH_CHANGED)
+        if len(plan.forward) > engine.scheduler.budget:
+            return self._plain_next(Fallback.BUDGET)
         requests = [engine.requests.get(f.rid) for f in plan.forward]
         if not all(r is not None and _plain(r) for r in requests):
-            return False
+            return self._plain_next(Fallback.BATCH_CHANGED if any(r is None or r.phase is not Phase.RUNNING
+                                                                  for r in requests)
+                                    else Fallback.FORCED if any(r.forced for r in requests) else Fallback.LOGPROBS)
         manager = engine.executor.manager
-        return engine.executor.fastpath.supports([manager.requests[f.rid] for f in plan.forward])
+        if not engine.executor.fastpath.supports([manager.requests[f.rid] for f in plan.forward]):
+            return self._plain_next(Fallback.UNSUPPORTED)
+        return True
+
+    def _plain_next(self, reason: str) -> bool:
+        self.why_plain = reason
+        return False
 
     def begin(self, plan: StepPlan, result: StepResult) -> None:
         requests = [self.engine.requests[f.rid] for f in plan.forward]
@@ -163,10 +180,12 @@ class DecodeOverlap:
                         stops)
 
     # ---- leaving to a plain step ------------------------------------------------------------------------
-    def settle(self) -> None:
-        """Accept the in-flight step's tokens in full (waiting for them) and drop the prepared step."""
+    def settle(self, reason: str | None = None) -> None:
+        """Accept the in-flight step's tokens in full (waiting for them) and drop the prepared step; the next
+        step runs plain for `reason` (a `Fallback` label) if one was in flight."""
         inflight, self.inflight = self.inflight, None
         if inflight is not None:
+            self.why_plain = reason
             self._accept_rows(inflight, inflight.token_array(), range(len(inflight.requests)))
 
     def _accept_rows(self, inflight: InFlight, tokens: np.ndarray, rows) -> None:
@@ -210,6 +229,9 @@ class DecodeOverlap:
             if (joins or not live or len(live) != len(scheduler.running) or len(live) > scheduler.budget or not fits
                     or new_pages > manager.pool.num_available):
                 self._accept_rows(inflight, tokens, np.flatnonzero(~candidates).tolist())
+                self.why_plain = Fallback.ADMISSION if joins else None if not live else \
+                    Fallback.BATCH_CHANGED if len(live) != len(scheduler.running) else \
+                    Fallback.BUDGET if len(live) > scheduler.budget else Fallback.MAX_PAGES if not fits else Fallback.POOL
                 return False
             accepted = candidates  # rows whose token is taken before the launch
             image, size = inflight.image, inflight.size
@@ -231,6 +253,10 @@ class DecodeOverlap:
         with label("k3.launch"):
             logits = fast.launch(image, len(live))
         engine.metrics.overlapped_steps.inc()
+        pipeline = engine.metrics.pipeline
+        pipeline.overlap.inc()
+        if self.lookahead is not None and self.lookahead.missed is not None:
+            pipeline.not_ahead[self.lookahead.missed].inc()
         # ---- step N+1 runs: N's bookkeeping overlaps it
         taken = accepted.tolist()
         drawn = [(k, requests[i].options, len(requests[i].output) + (not taken[i])) for k, i in enumerate(live)]

@@ -18,7 +18,7 @@ from services.engine.decode_overlap import DecodeOverlap
 from services.engine.draft_runner import Proposal
 from services.engine.executor import Executor, StepResult
 from services.engine.heap import freeze_startup_heap, release_startup_heap
-from services.engine.metrics import EngineMetrics
+from services.engine.metrics import EngineMetrics, Fallback
 from services.engine.output import OutputProcessor
 from services.engine.plan import RecordingManager, StepPlan
 from services.engine.request import EngineRequest, Phase, StepOutput
@@ -124,6 +124,7 @@ class Engine(TokenStreaming):
     def _drain_inbox(self, block: bool) -> None:
         if block:
             self._flush()  # idle: nothing to overlap the hand-over with
+            self.overlap.why_plain = None  # the next step follows no decode step
         while True:
             try:
                 kind, item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
@@ -145,7 +146,7 @@ class Engine(TokenStreaming):
             elif kind == "call":
                 fn, future, settle = item  # type: ignore[misc]
                 if settle:
-                    self.overlap.settle()  # no step in flight (e.g. a weight reload)
+                    self.overlap.settle(Fallback.CALL)  # no step in flight (e.g. a weight reload)
                 try:
                     future.set_result(fn(self.manager.manager))
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
@@ -153,7 +154,7 @@ class Engine(TokenStreaming):
             elif kind == "cancel":
                 if str(item) in self.requests:
                     # its token of the step in flight first, as the plain loop has it (it may end the request)
-                    self.overlap.settle()
+                    self.overlap.settle(Fallback.CANCEL)
                 req = self.requests.get(str(item))
                 if req is not None:
                     self._finish(req, common_pb2.FINISH_REASON_CANCELLED, keep_turn=False)
@@ -173,6 +174,7 @@ class Engine(TokenStreaming):
             self._emit(req, StepOutput([], error=errors.ResourceExhausted(
                 f"request {req.rid!r} needs more cache pages than this worker's whole pool",
                 retry_after_ms=5000)))
+        why_plain, self.overlap.why_plain = self.overlap.why_plain, None
         if plan.empty:
             self._flush()
             return
@@ -182,6 +184,11 @@ class Engine(TokenStreaming):
             self._verify(plan, proposals)
         with label("k3.execute"):
             result = self.executor.execute(plan)
+        if plan.forward:  # a forward through the scheduler: a plain step (not one of cache calls alone)
+            pipeline = self.metrics.pipeline
+            pipeline.plain.inc()
+            if why_plain is not None:
+                pipeline.not_overlapped[why_plain].inc()
         self._flush()  # the previous step's outputs, while this step's forward runs (no sync before here)
         with label("k3.after_step"):  # plain: sample (waits for the device) and accept; overlapped: prepare
             if self.overlap.eligible(plan):

@@ -44,6 +44,70 @@ class BatchedObservations:
                 bucket.inc(count)
 
 
+class Fallback:
+    """Why a step did not run in the best pipelined mode the engine allows: the fixed label set of
+    `k3_<role>_pipeline_fallbacks_total{stage, reason}`, chosen where the step's mode is decided (no label
+    is built on the hot path: the children are made once, `PipelineMetrics`)."""
+
+    BLOCK_CROSSING = "block_crossing"  # a row's next token starts a block (its page is reserved on the host)
+    WAITING = "waiting"  # a request waits in the queue (the look-ahead cannot plan around an admission)
+    ADMISSION = "admission"  # the scheduler admits a waiting request next step
+    STOP_STRINGS = "stop_strings"  # only the host checks stop strings
+    STOP_IDS = "stop_ids"  # more stop ids (with the EOS) than the look-ahead's device table holds
+    LOGPROBS = "logprobs"
+    FORCED = "forced_tokens"
+    BUDGET = "budget"  # the batch is larger than the step's token budget
+    BATCH_CHANGED = "batch_changed"  # the rows are not the running batch (a request left or was not scheduled)
+    CANCEL = "cancel"  # a cancellation settles the step in flight
+    CALL = "engine_call"  # a cross-thread `Engine.call` (a weight reload, a checkpoint read) runs between steps
+    PREFILL = "prefill"  # the step computes prompt tokens (a new request, a prefill chunk)
+    TRANSFER = "transfer"  # the step imports or exports a KV handle (or verifies drafts)
+    MAX_PAGES = "max_pages"  # a crossing row's block table is full (the fast path's page limit)
+    POOL = "pool"  # the pool cannot give the crossing rows their pages without preempting
+    UNSUPPORTED = "unsupported"  # the decode fast path does not take these rows
+
+    LOOKAHEAD = (BLOCK_CROSSING, WAITING, STOP_STRINGS, STOP_IDS, BUDGET, BATCH_CHANGED)
+    OVERLAP = (BLOCK_CROSSING, ADMISSION, LOGPROBS, FORCED, BUDGET, BATCH_CHANGED, CANCEL, CALL, PREFILL, TRANSFER,
+               MAX_PAGES, POOL, UNSUPPORTED)
+
+
+class PipelineMetrics:
+    """How decode steps ran: `{p}_steps_total{mode}` ("lookahead": launched before the previous step's
+    tokens were in; "overlap": planned while it computed, launched once they were; "plain": a forward through
+    the scheduler, every prefill and mixed step included) and `{p}_pipeline_fallbacks_total{stage, reason}`
+    (stage "lookahead": a step that ran in the overlap instead of ahead; "overlap": a step that ran plain
+    after a decode step, where the overlap is on). One counter increment a step; the children are resolved
+    here once, so every label is exported (at 0) from the start."""
+
+    MODES = ("lookahead", "overlap", "plain")
+
+    def __init__(self, prefix: str) -> None:
+        self.steps = Counter(f"{prefix}_steps", "Engine steps by how they were launched", ["mode"])
+        self.fallbacks = Counter(f"{prefix}_pipeline_fallbacks", "Steps that did not run in the pipelined mode "
+                                 "of their stage (lookahead, overlap), by reason", ["stage", "reason"])
+        self.lookahead, self.overlap, self.plain = (self.steps.labels(mode) for mode in self.MODES)
+        self.not_ahead = {reason: self.fallbacks.labels("lookahead", reason) for reason in Fallback.LOOKAHEAD}
+        self.not_overlapped = {reason: self.fallbacks.labels("overlap", reason) for reason in Fallback.OVERLAP}
+
+    def counts(self) -> dict[str, dict[str, float]]:
+        """{"steps": {mode: n}, "lookahead": {reason: n}, "overlap": {reason: n}}: the counters' values now
+        (for a bench row's or a test's difference of two readings)."""
+        out: dict[str, dict[str, float]] = {"steps": {}, "lookahead": {}, "overlap": {}}
+        for sample in self.steps.collect()[0].samples:
+            if sample.name.endswith("_total"):
+                out["steps"][sample.labels["mode"]] = sample.value
+        for sample in self.fallbacks.collect()[0].samples:
+            if sample.name.endswith("_total"):
+                out[sample.labels["stage"]][sample.labels["reason"]] = sample.value
+        return out
+
+
+def counts_since(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, int]]:
+    """The non-zero differences of two `PipelineMetrics.counts` readings."""
+    return {group: {key: int(value - before[group].get(key, 0.0)) for key, value in values.items()
+                    if value != before[group].get(key, 0.0)} for group, values in after.items()}
+
+
 class EngineMetrics:
     """One set per role and process (Prometheus names are process-global); `for_role` hands it out."""
 
@@ -73,6 +137,7 @@ class EngineMetrics:
         self.step_seconds = Histogram(f"{p}_step_seconds", "Engine step duration", buckets=LATENCY_BUCKETS)
         self.overlapped_steps = Counter(f"{p}_overlapped_steps", "Decode steps launched before the previous "
                                         "step's tokens were accepted (decode_overlap.py)")
+        self.pipeline = PipelineMetrics(p)
         # Set once at start by services/engine/warmup.py (rank 0), before the worker turns SERVING.
         self.warmup_seconds = Gauge(f"{p}_warmup_seconds", "Duration of the worker's warm-up at start (0: skipped)",
                                     ["stage"])

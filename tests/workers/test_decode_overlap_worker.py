@@ -1,6 +1,6 @@
 """A TP-1 decode worker process with the decode fast path on this CPU (K3_DECODE_FASTPATH=1), where the
 host/device overlap is on by default: concurrent gRPC streams (greedy, seeded, a stop token that ends one
-mid-batch) equal k3core's offline generation, and the worker's /metrics count overlapped steps."""
+mid-batch) equal k3core's offline generation, and the worker's /metrics count overlapped steps, steps by mode and fallbacks by reason."""
 
 from __future__ import annotations
 
@@ -40,4 +40,14 @@ async def test_streams_through_the_overlap_equal_the_offline_generation(overlap_
                                     for i, (p, s) in enumerate(zip(prompts, params, strict=True))))
     assert [[t for c in cs for t in c.token_ids] for cs in chunks] == expected
     assert chunks[2][-1].finish_reason == common_pb2.FINISH_REASON_STOP
-    assert scrape(worker.info["metrics_address"]).value("k3_decode_overlapped_steps_total") > 0
+    metrics = scrape(worker.info["metrics_address"])
+    assert metrics.value("k3_decode_overlapped_steps_total") > 0
+    # the steps by mode: the look-ahead's (on by default at TP 1) and the plain prefill and first decode steps
+    steps = {mode: metrics.value("k3_decode_steps_total", {"mode": mode}) for mode in ("lookahead", "overlap", "plain")}
+    assert steps["lookahead"] > 0 and steps["plain"] >= 2
+    assert steps["lookahead"] + steps["overlap"] == metrics.value("k3_decode_overlapped_steps_total")
+    fallbacks = metrics.series("k3_decode_pipeline_fallbacks_total")
+    assert metrics.value("k3_decode_pipeline_fallbacks_total", {"stage": "overlap", "reason": "prefill"}) >= 1
+    assert metrics.value("k3_decode_pipeline_fallbacks_total", {"stage": "lookahead", "reason": "stop_ids"}) == 0
+    # a plain step has at most one reason (none: the engine's first step, or one after idling)
+    assert sum(v for labels, v in fallbacks if labels["stage"] == "overlap") <= steps["plain"]
