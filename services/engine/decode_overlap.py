@@ -31,7 +31,9 @@ that must wait for pages or budget keeps the steps overlapped), a cross-thread `
 steps, a request is cancelled (its in-flight token may end it, as it would have in the plain loop), the
 pool cannot give the new blocks without preempting, logprobs or forced tokens are asked for, the budget is
 smaller than the batch. Only at TP 1 (ranks > 0 would need the plan before the tokens) without a
-draft model, and only on the decode fast path. K3_DECODE_OVERLAP=0 turns it off.
+draft model, and only on the decode fast path. K3_DECODE_OVERLAP=0 turns it off. Why a step runs plain is
+kept in `why_plain` (a `metrics.Fallback` label) and counted by the engine when that step runs
+(`PipelineMetrics`: steps by mode, fallbacks by stage and reason).
 
 With the look-ahead (decode_lookahead.py; the default, K3_DECODE_LOOKAHEAD=0 turns it off), an eligible step
 is launched before the in-flight step's tokens are in, its tokens and stop check on the device.

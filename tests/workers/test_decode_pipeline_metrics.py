@@ -77,3 +77,15 @@ def test_a_cancel_settles_the_step_in_flight_and_the_next_runs_plain(nano):
     script = {0: [("add", "a", prompt(0, 5), greedy), ("add", "b", prompt(1, 5), greedy)], 3: [("cancel", "b")]}
     assert pipeline_counts(nano, script) == {"steps": {"plain": 3, "lookahead": 5}, "lookahead": {},
                                              "overlap": {Fallback.PREFILL: 1, Fallback.CANCEL: 1}}
+
+
+@pytest.mark.parametrize("settle", [True, False])
+def test_a_call_between_steps_runs_the_next_plain_only_when_it_settles(nano, settle):
+    greedy = options(nano.config.vocab_size, max_tokens=8, ignore_eos=True)
+    script = {0: [("add", "a", prompt(0, 5), greedy), ("add", "b", prompt(1, 5), greedy)],
+              3: [("call", lambda engine: None, settle)]}
+    # 8 tokens: the prefill and the first decode step plain, 6 decode steps ahead, one of which plain after a settle
+    want = {"steps": {"plain": 3, "lookahead": 5}, "lookahead": {},
+            "overlap": {Fallback.PREFILL: 1, Fallback.CALL: 1}} if settle else \
+        {"steps": {"plain": 2, "lookahead": 6}, "lookahead": {}, "overlap": {Fallback.PREFILL: 1}}
+    assert pipeline_counts(nano, script) == want
