@@ -10,7 +10,7 @@ first; elsewhere the default tile in both load forms). Last, one whole latent-Mo
 (`MoeDecode`) per token count, in each dense form (`K3_DENSE_EXPERTS`) with and without the router's side
 branch (`K3_DECODE_BRANCHES`), against `SparseMoE` for the difference (its per-expert loop syncs the host:
 not timed).
-`--groups skinny`: every decode projection (`skinny_gemm_triton.decode_projections`) in the skinny GEMM's
+`--groups skinny`: every decode projection (`fast_decoder.distinct_projections`) in the skinny GEMM's
 candidate tilings against cuBLAS as the fast path calls it, weights cycled through enough copies to come from
 HBM. `--compile-only --shard I N` launches a share of the cases once (run shards in parallel to fill
 Triton's cache before a timed run).
@@ -64,6 +64,7 @@ from kernels.fused import (
 from kernels.perf import harness
 from services.engine import fast_ffn
 from services.engine.fast_attention import BRANCHES_ENV
+from services.engine.fast_decoder import distinct_projections
 from services.engine.fast_ffn import MoeDecode, grouped_mm_available
 
 ROUTER_CONFIGS = [  # (block_t, block_h, num_warps, num_stages, H splits; None: the launcher's rule)
@@ -146,11 +147,11 @@ def max_diff(a: object, b: object) -> float:
 
 
 def skinny_cases(c: K3Config, tokens: int, gen: torch.Generator, sweep: bool) -> dict[str, Case]:
-    """Each decode projection of the model (`skinny_gemm_triton.decode_projections`) in the skinny GEMM's
+    """Each decode projection of the model (`fast_decoder.distinct_projections`) in the skinny GEMM's
     tilings, against cuBLAS as the fast path calls it (F.linear, or addmm_ into the residual). Enough weight
     copies that every call of a timed graph reads its weight from HBM."""
     found: dict[str, Case] = {}
-    for name, (n, k, residual) in skinny_gemm_triton.decode_projections(c).items():
+    for name, (n, k, residual) in distinct_projections(c).items():
         x = torch.randn(tokens, k, device=gen.device, generator=gen).to(torch.bfloat16)
         res = torch.randn(tokens, n, device=gen.device, generator=gen).to(torch.bfloat16) if residual else None
         weights = weight_copies((n, k), gen, max(WEIGHT_COPIES, min(24, -(-200_000_000 // (n * k * 2)))))

@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 import torch
 
-from k3core.config import K3Config
 from kernels._triton import next_pow2, require, tl, triton
 from kernels.fused.naive import skinny_linear as torch_linear
 from kernels.fused.split_scratch import split_scratch
@@ -84,9 +83,10 @@ class Tiling(NamedTuple):
     num_stages: int = 4
 
 
-# (N, K, BLOCK_M) of `mini`'s decode projections -> the tiling measured faster than cuBLAS on the H200
-# (bench.serve_glue --groups skinny; bench/results/serve_glue_skinny.json and docs/serving.md "Measured"), at
-# 16 rows for the 16-row tile and at 48 and 64 rows for the 64-row one. Routed only for rows in the upper
+# (N, K, BLOCK_M) of `mini`'s decode projections (services.engine.fast_decoder.distinct_projections) -> the
+# tiling measured faster than cuBLAS on the H200 (bench.serve_glue --groups skinny;
+# bench/results/serve_glue_skinny.json and docs/serving.md "Measured"), at 16 rows for the 16-row tile and
+# at 48 and 64 rows for the 64-row one. Routed only for rows in the upper
 # half of a tile (9-16, 33-64: the measured side); everything else stays on cuBLAS, which won at every other
 # projection (the K-split output GEMMs by 1.2-1.3x: their reduction tail costs more than the split gains).
 # us at 16 / 48 / 64 rows, ours vs cuBLAS: KDA input 10.2 / 10.8 / 10.9 vs 11.3 / 11.7 / 11.1; KDA f_b 2.2 /
@@ -101,27 +101,6 @@ ROUTES: dict[tuple[int, int, int], Tiling] = {
 def block_rows(rows: int) -> int:
     """The token tile of `rows` rows (the MMA's narrow side: 16 at least)."""
     return max(16, next_pow2(rows))
-
-
-def decode_projections(c: K3Config) -> dict[str, tuple[int, int, bool]]:
-    """The decode fast path's projection GEMMs (services/engine/fast_*.py) of a config: name -> (N, K, whether
-    the residual is added in the epilogue)."""
-    hidden, kda = c.hidden_size, c.kda_num_heads * c.kda_head_dim
-    gate = kda if c.use_full_rank_gate else c.kda_head_dim
-    mla_q = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
-    shared = c.moe_intermediate_size * c.num_shared_experts
-    return {
-        "attention out + residual": (hidden, c.num_attention_heads * c.v_head_dim, True),
-        "moe out + residual": (hidden, c.routed_expert_hidden_size + shared, True),
-        "mlp down + residual": (hidden, c.intermediate_size, True),
-        "kda in (q|k|v|g|f_a|b)": (3 * kda + gate + c.kda_head_dim + c.kda_num_heads, hidden, False),
-        "kda f_b": (kda, c.kda_head_dim, False),
-        "moe x (down|shared gate_up)": (c.routed_expert_hidden_size + 2 * shared, hidden, False),
-        "mla in (q_a|kv_a|g)": (c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim
-                                + c.num_attention_heads * c.v_head_dim, hidden, False),
-        "mla q_b": (mla_q, c.q_lora_rank, False),
-        "mlp gate_up": (2 * c.intermediate_size, hidden, False),
-    }
 
 
 MAX_SPLITS = 8  # the last program of a tile reads every split's float32 partial: many splits make a long tail

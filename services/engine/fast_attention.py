@@ -15,12 +15,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from k3core.cache.pool_views import PoolViews
+from k3core.config import K3Config
 from k3core.layers.kda import KimiDeltaAttention
 from k3core.layers.mla import GatedMLA
 from k3core.ops.mla import split_kv_b
@@ -83,6 +85,17 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | N
     return dispatch.skinny_linear(x, weight, residual)
 
 
+class Projection(NamedTuple):
+    """One GEMM a decode step routes through `linear_add` (so `dispatch.skinny_linear`): x [rows, k] @
+    W [n, k]^T, added into a residual in its epilogue when `residual`. What each form's `projections` lists,
+    on an unsharded rank; the fast path's other GEMMs (F.linear, bmm) are not in it."""
+
+    name: str
+    n: int
+    k: int
+    residual: bool
+
+
 def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
     """One weight for several projections of the same input (one GEMM instead of several). The modules'
     weights become views of it, so nothing is duplicated and the reference path sees the same numbers."""
@@ -110,6 +123,15 @@ class KdaDecode:
         # The step kernel; None: `dispatch.kda_decode_step`, looked up per call. A verify forward sets its
         # window form here for the duration of the forward (services/engine/fast_verify.py).
         self.step: Callable[..., torch.Tensor] | None = None
+
+    @staticmethod
+    def projections(c: K3Config, residual: bool) -> list[Projection]:
+        """`__call__`'s `linear_add` GEMMs in call order (`residual`: whether the call is given one); the
+        low-rank gate's g_b_proj runs as its module."""
+        proj, dim, hidden = c.kda_projection_size, c.kda_head_dim, c.hidden_size
+        gate = proj if c.use_full_rank_gate else dim
+        return [Projection("kda in (q|k|v|g|f_a|b)", 3 * proj + gate + dim + c.kda_num_heads, hidden, False),
+                Projection("kda f_b", proj, dim, False), Projection("kda out", hidden, proj, residual)]
 
     def __call__(self, x: torch.Tensor, slots: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, hidden] (normed) -> [B, hidden] (+ residual); slots [B]: each sequence's KDA state page of
@@ -143,6 +165,12 @@ class MlaDecode:
         self.w_uv_t = derived.derive(lambda: kv_b()[1].transpose(1, 2).contiguous())  # [H, R, Dv]
         self.cache = views.mla_cache(attn.mla_index)
         self.rows = views.mla_rows()
+
+    @staticmethod
+    def projections(c: K3Config, residual: bool) -> list[Projection]:
+        """`__call__`'s `linear_add` GEMMs: the output projection only (the fused input GEMM and q_b run as
+        F.linear, the absorbed products as bmm)."""
+        return [Projection("mla out", c.hidden_size, c.num_attention_heads * c.v_head_dim, residual)]
 
     def __call__(self, x: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
                  write_rows: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

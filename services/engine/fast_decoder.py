@@ -13,13 +13,14 @@ from __future__ import annotations
 import torch
 
 from k3core.cache.pool_views import PoolViews
+from k3core.config import K3Config
 from k3core.layers.kda import KimiDeltaAttention
 from k3core.model import K3Model
 from kernels import dispatch
 from kernels.attnres.query_parts import query_parts
 from services.engine.decode_inputs import DecodeInputs
 from services.engine.derived_weights import DerivedWeights
-from services.engine.fast_attention import KdaDecode, MlaDecode, rms
+from services.engine.fast_attention import KdaDecode, MlaDecode, Projection, rms
 from services.engine.fast_ffn import MlpDecode, MoeDecode, grouped_mm_available
 
 
@@ -64,6 +65,19 @@ class FastDecoder:
             self.site_key_norms = derived.derive(lambda: torch.stack([s.norm.weight for s in sites]))
             # q_eff's bf16 parts for the logits' MMAs, cut once (refreshed after the two above)
             self.site_query_parts = derived.derive(lambda: query_parts(self.site_queries, self.site_key_norms))
+
+    @staticmethod
+    def projections(c: K3Config) -> list[Projection]:
+        """Every GEMM one decode step of an unsharded rank routes through `dispatch.skinny_linear`, in call
+        order (tests/workers/test_decode_projections.py runs a step to hold this to it). With Block AttnRes
+        a block's first sublayer starts the partial sum, so its GEMM has no residual (`_attn_res`)."""
+        found: list[Projection] = []
+        for layer in range(c.num_hidden_layers):
+            starts_block = c.uses_attn_res and layer % c.attn_res_block_size == 0
+            attention = KdaDecode if c.layer_kind(layer) == "kda" else MlaDecode
+            ffn = MoeDecode if c.is_moe_layer(layer) else MlpDecode
+            found += attention.projections(c, not starts_block) + ffn.projections(c, True)
+        return found
 
     @torch.no_grad()
     def forward(self, inp: DecodeInputs) -> torch.Tensor:
@@ -137,3 +151,14 @@ class FastDecoder:
                                                 key_norm_weight=final.norm.weight, key_eps=eps, out_eps=norm.eps,
                                                 out_dtype=h.dtype)
         return normed
+
+
+def distinct_projections(c: K3Config) -> dict[str, tuple[int, int, bool]]:
+    """The distinct (N, K, residual) of `FastDecoder.projections`, each named by the projections that share it
+    ("kda out | mla out + residual"): the shapes the skinny GEMM's benches and compile cases take."""
+    names: dict[tuple[int, int, bool], list[str]] = {}
+    for p in FastDecoder.projections(c):
+        shared = names.setdefault((p.n, p.k, p.residual), [])
+        if p.name not in shared:
+            shared.append(p.name)
+    return {" | ".join(found) + (" + residual" if key[2] else ""): key for key, found in names.items()}

@@ -30,7 +30,7 @@ from k3core.layers.moe import SparseMoE
 from k3core.ops.moe import swiglu
 from kernels import dispatch
 from services.engine.derived_weights import DerivedWeights
-from services.engine.fast_attention import fork, fuse_linears, join, linear_add, on, rms
+from services.engine.fast_attention import Projection, fork, fuse_linears, join, linear_add, on, rms
 
 ExpertRows = tuple[torch.Tensor, torch.Tensor, int, int]  # rows, index, index_stride, token_stride (moe_combine)
 RoutedSum = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (z, weights, indices) -> [T, l]
@@ -68,6 +68,11 @@ class MlpDecode:
     def __init__(self, mlp: GatedMLP, config: K3Config) -> None:
         self.mlp, self.config = mlp, config
         self.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])
+
+    @staticmethod
+    def projections(c: K3Config, residual: bool) -> list[Projection]:
+        """`__call__`'s `linear_add` GEMMs: the down projection (the gate|up GEMM runs as F.linear)."""
+        return [Projection("mlp down", c.hidden_size, c.intermediate_size, residual)]
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         act = glu_activation(self.config, F.linear(x, self.gate_up))
@@ -117,6 +122,15 @@ class MoeDecode:
         # Set by a tensor-parallel rank (fast_tensor_parallel.ShardedMoe): the routed sum goes through it (this
         # rank's experts' share, all-reduced between the sum and the latent norm), so the tail runs unfused.
         self.routed_wrapper: Callable[[RoutedSum, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    @staticmethod
+    def projections(c: K3Config, residual: bool) -> list[Projection]:
+        """`__call__`'s `linear_add` GEMMs on an unsharded rank (the GEMM of x's readers runs as F.linear)."""
+        shared = c.moe_intermediate_size * c.num_shared_experts
+        if c.uses_latent_moe:
+            return [Projection("moe out (up|shared down)", c.hidden_size, c.routed_width + shared, residual)]
+        # plain MoE: the shared down projection adds into the routed rows; the layer's residual comes after
+        return [Projection("moe shared down", c.hidden_size, shared, True)] if shared else []
 
     def _expert_rows_dense(self, z: torch.Tensor, indices: torch.Tensor) -> ExpertRows:
         """Every expert on every token: [E*T, l] rows, token t's pick of expert e at row e*T + t."""

@@ -11,6 +11,7 @@ from k3core.presets import preset
 from kernels import dispatch
 from kernels.fused import naive, skinny_gemm_triton
 from kernels.fused.skinny_gemm_triton import Tiling
+from services.engine.fast_decoder import distinct_projections
 
 F16 = torch.float16  # the venv's interpreter computes bf16 tl.dot wrongly; float16 is exact in it
 
@@ -84,7 +85,7 @@ def test_only_routed_shapes_and_rows_reach_the_kernel(monkeypatch):
 
 def test_routes_are_valid_tilings_of_mini():
     """Every route is a mini projection shape its tiling divides (a typo would silently never match)."""
-    shapes = {(n, k) for n, k, _ in skinny_gemm_triton.decode_projections(preset("mini")).values()}
+    shapes = {(n, k) for n, k, _ in distinct_projections(preset("mini")).values()}
     for (n, k, block_m), t in skinny_gemm_triton.ROUTES.items():
         assert (n, k) in shapes and block_m in (16, 32, 64)
         assert k % (t.splits * t.block_k) == 0

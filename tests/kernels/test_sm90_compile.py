@@ -49,6 +49,7 @@ from kernels.moe import latent_moe_decode_triton, situ_glu_triton
 from kernels.perf import attnres_cases, kda_decode_cases, kda_prefill_cases, mla_cases, moe_cases
 from services.engine import fast_ffn
 from services.engine.decode_inputs import DecodeInputs
+from services.engine.fast_decoder import distinct_projections
 
 BF16, F32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 MINI = preset("mini")
@@ -194,9 +195,9 @@ def latent_moe(tokens: int, experts: int = E, latent: int = LATENT, width: int =
 
 
 def skinny_gemm(tokens: int, tilings=lambda n, k: [skinny_gemm_triton.default_tiling(n, k)]) -> None:
-    """The decode projections (services/engine/fast_*.py through dispatch.skinny_linear): the routed tiling
-    and the launcher's default of every mini projection shape."""
-    for n, k, residual in skinny_gemm_triton.decode_projections(MINI).values():
+    """The decode projections (services/engine/fast_*.py through dispatch.skinny_linear: fast_decoder's
+    `distinct_projections`): the routed tiling and the launcher's default of every mini projection shape."""
+    for n, k, residual in distinct_projections(MINI).values():
         routed = skinny_gemm_triton.ROUTES.get((n, k, skinny_gemm_triton.block_rows(tokens)))
         for tiling in dict.fromkeys([*tilings(n, k), *([routed] if routed else [])]):
             skinny_gemm_triton.skinny_gemm(empty(tokens, k), empty(n, k), empty(tokens, n) if residual else None,
