@@ -45,7 +45,8 @@ def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str) -> tu
         wall, forward = rank_decode(rank, rids, context, steps)
         replay, path = replay_seconds(rank, batch, steps), {}
     else:
-        from bench.serve_engine import critical_path_line, engine_decode
+        from bench.serve_engine import engine_decode
+        from bench.step_clock import critical_path_line
 
         wall, clock = engine_decode(rank, rids, context, steps)
         forward, replay = clock.median_seconds(), replay_seconds(rank, batch, steps)
