@@ -114,7 +114,6 @@ class DecodeLookahead:
             manager.pre_forward()
         with label("k3.launch"):
             logits = fast.launch(image, len(rows))
-        engine.metrics.overlapped_steps.inc()
         engine.metrics.pipeline.lookahead.inc()
         # N's token is not appended yet: N+1 draws each request's output position len(output) + 1
         with label("k3.sample"):

@@ -254,7 +254,6 @@ class DecodeOverlap:
             manager.pre_forward()
         with label("k3.launch"):
             logits = fast.launch(image, len(live))
-        engine.metrics.overlapped_steps.inc()
         pipeline = engine.metrics.pipeline
         pipeline.overlap.inc()
         if self.lookahead is not None and self.lookahead.missed is not None:

@@ -67,7 +67,7 @@ class Fallback:
     UNSUPPORTED = "unsupported"  # the decode fast path does not take these rows
 
     LOOKAHEAD = (BLOCK_CROSSING, WAITING, STOP_STRINGS, STOP_IDS, BUDGET, BATCH_CHANGED)
-    OVERLAP = (BLOCK_CROSSING, ADMISSION, LOGPROBS, FORCED, BUDGET, BATCH_CHANGED, CANCEL, CALL, PREFILL, TRANSFER,
+    OVERLAP = (ADMISSION, LOGPROBS, FORCED, BUDGET, BATCH_CHANGED, CANCEL, CALL, PREFILL, TRANSFER,
                MAX_PAGES, POOL, UNSUPPORTED)
 
 
@@ -135,8 +135,6 @@ class EngineMetrics:
         self.preemptions = Counter(f"{p}_preemptions", "Requests preempted because the pool was full")
         self.finished = Counter(f"{p}_requests_finished", "Requests ended", ["reason"])
         self.step_seconds = Histogram(f"{p}_step_seconds", "Engine step duration", buckets=LATENCY_BUCKETS)
-        self.overlapped_steps = Counter(f"{p}_overlapped_steps", "Decode steps launched before the previous "
-                                        "step's tokens were accepted (decode_overlap.py)")
         self.pipeline = PipelineMetrics(p)
         # Set once at start by services/engine/warmup.py (rank 0), before the worker turns SERVING.
         self.warmup_seconds = Gauge(f"{p}_warmup_seconds", "Duration of the worker's warm-up at start (0: skipped)",
