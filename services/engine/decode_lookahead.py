@@ -71,11 +71,10 @@ class DecodeLookahead:
         table, or None: not eligible, why in `missed` (a `Fallback` label; None where no row goes on)."""
         scheduler = self.engine.scheduler
         requests = inflight.requests
-        self.missed = None
-        if inflight.crossing or scheduler.waiting or len(scheduler.running) != len(requests) \
-                or len(requests) > scheduler.budget:
-            self.missed = Fallback.BLOCK_CROSSING if inflight.crossing else Fallback.WAITING if scheduler.waiting \
-                else Fallback.BATCH_CHANGED if len(scheduler.running) != len(requests) else Fallback.BUDGET
+        self.missed = Fallback.BLOCK_CROSSING if inflight.crossing else Fallback.WAITING if scheduler.waiting \
+            else Fallback.BATCH_CHANGED if len(scheduler.running) != len(requests) \
+            else Fallback.BUDGET if len(requests) > scheduler.budget else None
+        if self.missed is not None:
             return None
         if not all(req.phase is Phase.RUNNING and not req.options.stop for req in requests):
             # a cancellation (settled), or stop strings: only the host can check those
