@@ -32,6 +32,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "mla": ("kernels.perf.mla_cases", "mla_rows"),
     "attnres": ("kernels.perf.attnres_cases", "attnres_rows"),
     "attnres_phase1": ("kernels.perf.attnres_cases", "phase1_rows"),
+    "attnres_decode": ("kernels.perf.attnres_decode_cases", "decode_rows"),
     "moe": ("kernels.perf.moe_cases", "moe_rows"),
 }
 PEER_PREFIXES = ("fla", "torch", "baseline")

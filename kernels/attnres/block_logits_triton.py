@@ -26,17 +26,23 @@ from kernels.fused.split_scratch import split_scratch
 if triton is not None:
 
     @triton.jit
-    def _parts_scores(parts, block, m0, d_lo, d_hi, S_left, stride_p, M, D, PARTS: tl.constexpr,
-                      SPLIT: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
+    def _parts_scores(parts, block, copy_to, copy_rows, m0, d_lo, d_hi, S_left, stride_p, M, D, PARTS: tl.constexpr,
+                      SPLIT: tl.constexpr, COPY: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
+                      BD: tl.constexpr):
         """q_eff . block[m0 + r] [BS, BM] and the rows' sums of squares [BM] over d_lo..d_hi, q_eff given as
         PARTS bf16 parts [PARTS, sites, D] (`parts` at this tile's first site, S_left sites from there, parts
-        stride_p apart): one bf16 MMA per part, smallest first."""
+        stride_p apart): one bf16 MMA per part, smallest first. COPY: each block tile's rows < `copy_rows` (M or
+        0) are also stored into `copy_to` (same [M, D] layout) from the registers they were loaded into."""
         qs = tl.arange(0, BS)
+        rows = m0 + tl.arange(0, BM)
         dots = tl.zeros([BS, BM], dtype=tl.float32)
         sq = tl.zeros([BM], dtype=tl.float32)
         for d0 in range(d_lo, d_hi, BD):
             d = d0 + tl.arange(0, BD)
             blk = _block_tile(block, m0, d, 1, M, D, BM, 1, False)
+            if COPY:
+                tl.store(copy_to + rows[:, None] * D + d[None, :], blk,
+                         mask=(rows < copy_rows)[:, None] & (d < D)[None, :])
             sq += tl.sum(blk.to(tl.float32) * blk.to(tl.float32), 1)
             q_ok = (qs < S_left)[:, None] & (d < D)[None, :]
             tile = tl.zeros([BS, BM], dtype=tl.float32)
@@ -51,17 +57,18 @@ if triton is not None:
         return dots, sq
 
     @triton.jit
-    def _block_logits_kernel(queries, norm_w, parts, block, out, part_dots, part_sq, counters, S, M, D, CHUNK,
-                             stride_p, stride_os, eps, CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr,
-                             PARTS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr,
-                             BD: tl.constexpr):
+    def _block_logits_kernel(queries, norm_w, parts, block, copy_to, out, part_dots, part_sq, counters, S, M, D,
+                             CHUNK, stride_p, stride_os, eps, CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr,
+                             PARTS: tl.constexpr, SPLIT: tl.constexpr, COPY: tl.constexpr, BM: tl.constexpr,
+                             BS: tl.constexpr, BD: tl.constexpr):
         m0 = tl.program_id(0).to(tl.int64) * BM
         s0 = tl.program_id(1).to(tl.int64) * BS
         c = tl.program_id(2)
         d_lo, d_hi = c * CHUNK, tl.minimum(c * CHUNK + CHUNK, D)
-        if PARTS > 0:  # q_eff's bf16 parts cut once, ahead
-            dots, sq = _parts_scores(parts + s0 * D, block, m0, d_lo, d_hi, S - s0, stride_p, M, D, PARTS, SPLIT, BM,
-                                     BS, BD)
+        if PARTS > 0:  # q_eff's bf16 parts cut once, ahead; the first sites tile copies the block if asked
+            copy_rows = tl.where(tl.program_id(1) == 0, M, 0)
+            dots, sq = _parts_scores(parts + s0 * D, block, copy_to, copy_rows, m0, d_lo, d_hi, S - s0,
+                                     stride_p, M, D, PARTS, SPLIT, COPY, BM, BS, BD)
         else:  # q_eff formed and cut in every D step
             dots, sq = _partial_scores(queries + s0 * D, norm_w + s0 * D, block, m0, d_lo, d_hi, 1, S - s0, M, D,
                                        HAS_NORM_W, SPLIT, BM, 1, BS, BD)  # [BS, BM], [BM]
@@ -99,14 +106,18 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
 def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weights: torch.Tensor | None = None,
                          eps: float = 1e-6, out: torch.Tensor | None = None, rows: int | None = None,
                          sites: int | None = None, block_d: int = 64, chunks: int | None = None,
-                         num_warps: int = 4, parts: torch.Tensor | None = None) -> torch.Tensor:
+                         num_warps: int = 4, parts: torch.Tensor | None = None,
+                         copy_to: torch.Tensor | None = None) -> torch.Tensor:
     """queries [S, D] (and key-norm weights [S, D]) of later sites, one block [..., D] -> logits [S, ...]
     float32 = k3core.ops.attnres.attnres_logits(queries, block[None], norm_weights)[:, 0].
     `out`: where to write them ([S, ...] float32 with dense rows, e.g. one block's column of a logit cache).
     `parts`: `query_parts.query_parts(queries, norm_weights)` (or its [:, first:] slice for queries[first:]),
     cut once ahead (used for bf16 blocks).
     Tuning: `rows` / `sites` per program (None: 64 / up to 64 at prefill-sized M, 16 rows at decode),
-    `block_d` the D step, `chunks` the D chunks (None: about two programs per SM)."""
+    `block_d` the D step, `chunks` the D chunks (None: about two programs per SM).
+    `copy_to`: a dense tensor shaped like `block` (e.g. its slot in a buffer of completed blocks) that gets a
+    copy of the block: with `parts` from the block tiles the kernel loads anyway (no launch of its own),
+    otherwise by torch first."""
     S, D = queries.shape[0], block.shape[-1]
     require(queries.dim() == 2 and queries.shape[1] == D, f"queries must be [S, {D}], got {tuple(queries.shape)}")
     require(norm_weights is None or norm_weights.shape == queries.shape, f"norm_weights must be [{S}, {D}]")
@@ -139,11 +150,17 @@ def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weight
         require(parts.dtype == torch.bfloat16 and parts.shape == (P, S, D) and parts[0].is_contiguous(),
                 f"parts must be bf16 [{P}, {S}, {D}], each part dense (query_parts.query_parts, or a slice of it)")
     use_parts = parts is not None and split != 0  # other blocks take 3xTF32 on q_eff
+    if copy_to is not None:
+        require(copy_to.shape == block.shape and copy_to.dtype == block.dtype and copy_to.is_contiguous(),
+                f"copy_to must be a contiguous {block.dtype} tensor shaped {tuple(block.shape)}")
+        if not use_parts:  # the fused copy rides the parts loop
+            copy_to.copy_(block)
     counters = _counters(block.device, tiles if n_chunks > 1 else 1)  # unchunked, the kernel counts nothing
     _block_logits_kernel[(*grid_tiles, n_chunks)](
-        q, norm_weights.contiguous() if norm_weights is not None else q, parts if use_parts else q, flat, flat_out,
-        part_dots, part_sq, counters, S, M, D, chunk, parts.stride(0) if use_parts else 0, flat_out.stride(0), eps,
-        CHUNKS=n_chunks, HAS_NORM_W=norm_weights is not None, PARTS=parts.shape[0] if use_parts else 0,
-        SPLIT=split, BM=BM, BS=BS, BD=BD, num_warps=num_warps,
+        q, norm_weights.contiguous() if norm_weights is not None else q, parts if use_parts else q, flat,
+        copy_to if copy_to is not None and use_parts else flat, flat_out, part_dots, part_sq, counters, S, M, D, chunk,
+        parts.stride(0) if use_parts else 0, flat_out.stride(0), eps, CHUNKS=n_chunks,
+        HAS_NORM_W=norm_weights is not None, PARTS=parts.shape[0] if use_parts else 0, SPLIT=split,
+        COPY=copy_to is not None and use_parts, BM=BM, BS=BS, BD=BD, num_warps=num_warps,
     )
     return out

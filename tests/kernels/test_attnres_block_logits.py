@@ -107,6 +107,30 @@ def test_phase_one_softmaxes_the_given_logits(interpreted):
         torch.testing.assert_close(g.double(), w64, rtol=2e-6, atol=2e-5)
 
 
+@pytest.mark.parametrize(("rows", "dtype", "kwargs"), [
+    (40, torch.bfloat16, {"chunks": 3, "rows": 16, "sites": 16}),  # 3 row tiles x 2 site tiles x 3 D chunks
+    (5, torch.bfloat16, {}),  # one tile, default chunks
+    (6, torch.float32, {"chunks": 2}),  # no bf16 parts: copied by torch before the launch
+])
+def test_copy_to_gets_the_block_and_the_logits_stay(interpreted, rows, dtype, kwargs):
+    """`copy_to` (the block's slot in the buffer of completed blocks): every element of the block lands there
+    (once per row tile and D chunk, by the first sites tile only), nothing else of the buffer changes, and
+    the logits are those of the launch without it."""
+    gen = torch.Generator().manual_seed(rows)
+    block = (torch.randn(rows, 48, generator=gen) * 3).to(dtype)
+    queries, norm_w = torch.randn(20, 48, generator=gen).bfloat16(), (torch.rand(20, 48, generator=gen) + 0.5).bfloat16()
+    parts = query_parts(queries, norm_w) if dtype == torch.bfloat16 else None
+    plain = block_logits_triton.attnres_block_logits(queries, block, norm_w, block_d=16, parts=parts, **kwargs)
+    buffer = torch.full((3, rows, 48), float("nan"), dtype=dtype)
+    got = block_logits_triton.attnres_block_logits(queries, block, norm_w, block_d=16, parts=parts,
+                                                   copy_to=buffer[1], **kwargs)
+    assert torch.equal(buffer[1], block)
+    assert buffer[0].isnan().all() and buffer[2].isnan().all()
+    torch.testing.assert_close(got, plain, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="copy_to"):
+        block_logits_triton.attnres_block_logits(queries, block, norm_w, parts=parts, copy_to=buffer[1, :, :16])
+
+
 def test_out_slice_leaves_the_rest_of_the_cache(interpreted):
     gen = torch.Generator().manual_seed(9)
     block, queries = torch.randn(5, 32, generator=gen).bfloat16(), torch.randn(6, 32, generator=gen)

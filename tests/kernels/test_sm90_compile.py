@@ -36,6 +36,7 @@ from kernels.fused import (
     expert_gemm_triton,
     gated_heads_triton,
     greedy_argmax_triton,
+    l2_prefetch_triton,
     lookahead_prologue_triton,
     mla_latent_write_triton,
     moe_align_triton,
@@ -145,13 +146,17 @@ def attnres(tokens: int) -> None:
         inter_triton.attnres_inter(empty(sites, HIDDEN), blocks, empty(sites, HIDDEN), 1e-6)
         inter_triton.attnres_inter(empty(sites, HIDDEN), blocks, empty(sites, HIDDEN), 1e-6,
                                    logits=empty(sites, 3, tokens, dtype=F32))
+        inter_triton.attnres_inter(empty(sites, HIDDEN), blocks, empty(sites, HIDDEN), 1e-6,
+                                   logits=empty(sites, 3, tokens, dtype=F32), pdl=True)
     for later in (SITES + 1, 4 * SITES + 1):
-        block_logits_triton.attnres_block_logits(empty(later, HIDDEN), blocks[0], empty(later, HIDDEN), 1e-6,
-                                                 parts=empty(2, later, HIDDEN))
+        for copy_to in (None, empty(tokens, HIDDEN)):  # the block also copied into the block buffer
+            block_logits_triton.attnres_block_logits(empty(later, HIDDEN), blocks[0], empty(later, HIDDEN), 1e-6,
+                                                     parts=empty(2, later, HIDDEN), copy_to=copy_to)
     stats = (empty(tokens, dtype=F32), empty(tokens, dtype=F32), empty(tokens, HIDDEN, dtype=F32))
     for partial in (empty(tokens, HIDDEN), None):
-        merge_norm_triton.attnres_merge_norm(*stats, empty(HIDDEN), partial, empty(HIDDEN), key_norm_weight=empty(HIDDEN),
-                                             out_dtype=BF16)
+        for launch in ({}, {"store_h": False, "pdl": True, "stats_ready": partial is not None}):
+            merge_norm_triton.attnres_merge_norm(*stats, empty(HIDDEN), partial, empty(HIDDEN),
+                                                 key_norm_weight=empty(HIDDEN), out_dtype=BF16, **launch)
 
 
 def moe_step(tokens: int) -> None:
@@ -216,6 +221,12 @@ def lookahead_prologue(batch: int) -> None:
                                                  torch.zeros(batch, dtype=I64), 0, 0)
 
 
+def l2_prefetch() -> None:
+    """services/engine/weight_prefetch: the L2 prefetch of a decode GEMM's weight (mini's MoE out, x and o_proj)."""
+    for n, k in ((HIDDEN, LATENT + 2 * F_MOE), (LATENT + 4 * F_MOE, HIDDEN), (HIDDEN, HIDDEN)):
+        l2_prefetch_triton.l2_prefetch(empty(n, k))
+
+
 def launch_floor() -> None:
     attnres_cases._empty_kernel[(132,)](empty(132, dtype=I32))
 
@@ -231,6 +242,7 @@ CASES = {
     **{f"skinny gemm T={t}": lambda t=t: skinny_gemm(t) for t in DECODE_BATCHES},
     **{f"greedy argmax B={b}": lambda b=b: greedy_draw(b) for b in DECODE_BATCHES},
     **{f"lookahead prologue B={b}": lambda b=b: lookahead_prologue(b) for b in DECODE_BATCHES},
+    "l2 prefetch": l2_prefetch,
     "launch floor": launch_floor,
 }
 
