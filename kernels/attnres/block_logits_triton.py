@@ -116,8 +116,8 @@ def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weight
     Tuning: `rows` / `sites` per program (None: 64 / up to 64 at prefill-sized M, 16 rows at decode),
     `block_d` the D step, `chunks` the D chunks (None: about two programs per SM).
     `copy_to`: a dense tensor shaped like `block` (e.g. its slot in a buffer of completed blocks) that gets a
-    copy of the block: with `parts` from the block tiles the kernel loads anyway (no launch of its own),
-    otherwise by torch first."""
+    copy of the block: with `parts` and D chunks (decode) from the block tiles the kernel loads anyway (no
+    launch of its own), otherwise by torch first."""
     S, D = queries.shape[0], block.shape[-1]
     require(queries.dim() == 2 and queries.shape[1] == D, f"queries must be [S, {D}], got {tuple(queries.shape)}")
     require(norm_weights is None or norm_weights.shape == queries.shape, f"norm_weights must be [{S}, {D}]")
@@ -150,17 +150,21 @@ def attnres_block_logits(queries: torch.Tensor, block: torch.Tensor, norm_weight
         require(parts.dtype == torch.bfloat16 and parts.shape == (P, S, D) and parts[0].is_contiguous(),
                 f"parts must be bf16 [{P}, {S}, {D}], each part dense (query_parts.query_parts, or a slice of it)")
     use_parts = parts is not None and split != 0  # other blocks take 3xTF32 on q_eff
+    # The copy rides the parts loop of a D-chunked (decode-sized) launch, where a copy launch of its own is
+    # mostly latency (H200: 1.5 us a block at M=64). Unchunked (prefill) it would take the kernel from 96 to
+    # 140 registers at 64-row tiles (sm_90a), not timed: there torch copies first.
+    fused_copy = copy_to is not None and use_parts and n_chunks > 1
     if copy_to is not None:
         require(copy_to.shape == block.shape and copy_to.dtype == block.dtype and copy_to.is_contiguous(),
                 f"copy_to must be a contiguous {block.dtype} tensor shaped {tuple(block.shape)}")
-        if not use_parts:  # the fused copy rides the parts loop
+        if not fused_copy:
             copy_to.copy_(block)
     counters = _counters(block.device, tiles if n_chunks > 1 else 1)  # unchunked, the kernel counts nothing
     _block_logits_kernel[(*grid_tiles, n_chunks)](
         q, norm_weights.contiguous() if norm_weights is not None else q, parts if use_parts else q, flat,
-        copy_to if copy_to is not None and use_parts else flat, flat_out, part_dots, part_sq, counters, S, M, D, chunk,
+        copy_to if fused_copy else flat, flat_out, part_dots, part_sq, counters, S, M, D, chunk,
         parts.stride(0) if use_parts else 0, flat_out.stride(0), eps, CHUNKS=n_chunks,
         HAS_NORM_W=norm_weights is not None, PARTS=parts.shape[0] if use_parts else 0, SPLIT=split,
-        COPY=copy_to is not None and use_parts, BM=BM, BS=BS, BD=BD, num_warps=num_warps,
+        COPY=fused_copy, BM=BM, BS=BS, BD=BD, num_warps=num_warps,
     )
     return out

@@ -30,7 +30,6 @@ import torch
 
 from k3core.ops.attnres import OnlineSoftmax
 from kernels._triton import next_pow2, require, sm_count, tl, triton
-from kernels.attnres.merge_norm_triton import wait_for_previous_kernel
 
 if triton is not None:
 
@@ -115,9 +114,7 @@ if triton is not None:
                       CHUNK, stride_gq, stride_gn, eps, FUSED: tl.constexpr, GIVEN: tl.constexpr,
                       CHUNKS: tl.constexpr, HAS_NORM_W: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, BQ: tl.constexpr, BD_SCORES: tl.constexpr, BD: tl.constexpr,
-                      STREAM_STORES: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # launched while the previous kernel drains: its writes are visible after this
-            wait_for_previous_kernel()
+                      STREAM_STORES: tl.constexpr):
         m0 = tl.program_id(0).to(tl.int64) * BM
         c = tl.program_id(1)
         j = tl.arange(0, BM * BN)
@@ -198,7 +195,6 @@ class InterLaunch:
     scores_buf: torch.Tensor
     squares_buf: torch.Tensor
     given: torch.Tensor | None  # logits [Q, N, M] computed earlier
-    pdl: bool  # the apply launched with programmatic dependent launch (waits for the previous kernel inside)
 
     def scores(self) -> None:
         if self.fused or self.given is not None:
@@ -223,8 +219,7 @@ class InterLaunch:
             self.apply_chunk, *(given.stride()[:2] if self.given is not None else (0, 0)), self.eps,
             FUSED=self.fused, GIVEN=self.given is not None, CHUNKS=self.score_grid[1], HAS_NORM_W=self.has_norm_w,
             SPLIT=c["SPLIT"], BM=c["BM"], BN=c["BN"], BQ=c["BQ"], BD_SCORES=c["BD_SCORES"], BD=c["BD"],
-            STREAM_STORES=self.stream_stores, PDL=self.pdl, num_warps=self.num_warps,
-            **({"launch_pdl": True} if self.pdl else {}),
+            STREAM_STORES=self.stream_stores, num_warps=self.num_warps,
         )
         return OnlineSoftmax(top.reshape(Q, *self.rows), denom.reshape(Q, *self.rows), acc.reshape(Q, *self.rows, D))
 
@@ -236,8 +231,7 @@ class InterLaunch:
 def plan_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None,
                eps: float = 1e-6, block_d: int = 64, score_rows: int | None = None, num_warps: int = 4,
                chunks: tuple[int, int] | None = None, apply_rows: int = 2, apply_block_d: int = 128,
-               fused: bool = False, stream_stores: bool = True, logits: torch.Tensor | None = None,
-               pdl: bool = False) -> InterLaunch:
+               fused: bool = False, stream_stores: bool = True, logits: torch.Tensor | None = None) -> InterLaunch:
     """Checks the arguments of `attnres_inter` and plans its launches."""
     N, D = blocks.shape[0], blocks.shape[-1]
     Q = queries.shape[0]
@@ -276,15 +270,14 @@ def plan_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.
         tuple(blocks.shape[1:-1]), fused, (row_blocks, score_chunks), (apply_programs, apply_chunks),
         triton.cdiv(triton.cdiv(D, score_chunks), BD) * BD, triton.cdiv(triton.cdiv(D, apply_chunks), BDA) * BDA,
         {"SPLIT": split, "BM": apply_rows, "BM_SCORES": score_rows, "BN": BN, "BQ": BQ, "BD_SCORES": BD, "BD": BDA},
-        num_warps, stream_stores, scores, squares, logits, pdl and os.environ.get("TRITON_INTERPRET") != "1",
+        num_warps, stream_stores, scores, squares, logits,
     )
 
 
 def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None,
                   eps: float = 1e-6, block_d: int = 64, score_rows: int | None = None, num_warps: int = 4,
                   chunks: tuple[int, int] | None = None, apply_rows: int = 2, apply_block_d: int = 128,
-                  fused: bool = False, stream_stores: bool = True, logits: torch.Tensor | None = None,
-                  pdl: bool = False) -> OnlineSoftmax:
+                  fused: bool = False, stream_stores: bool = True, logits: torch.Tensor | None = None) -> OnlineSoftmax:
     """queries [Q, D] of all sites of a block, blocks [N, ..., D] -> float32 statistics [Q, ...] (max,
     denominator) and [Q, ..., D] (accumulator), as k3core.ops.attnres.attnres_inter.
     Tuning: `block_d` / `apply_block_d` the D tiles of the scores / accumulators, `score_rows` /
@@ -293,9 +286,6 @@ def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: tor
     kernel per row tile that computes its own scores (measured slower: see docs/kernels.md),
     `stream_stores` streaming (.cs) stores of the accumulators.
     `logits` [Q, N, ...] float32 (rows dense), e.g. slices of a cache that `block_logits_triton` fills once
-    per block: then only the apply kernel runs (k3core.ops.attnres.attnres_inter_from_logits).
-    `pdl`: the apply kernel is launched with programmatic dependent launch and waits for the previous kernel
-    first thing (its launch overlaps that kernel's drain; the previous kernel does not release it early, see
-    docs/kernels.md AttnRes history 24 for why); off under the interpreter."""
+    per block: then only the apply kernel runs (k3core.ops.attnres.attnres_inter_from_logits)."""
     return plan_inter(queries, blocks, norm_weights, eps, block_d, score_rows, num_warps, chunks, apply_rows,
-                      apply_block_d, fused, stream_stores, logits, pdl).run()
+                      apply_block_d, fused, stream_stores, logits).run()

@@ -4,19 +4,11 @@ Per token row: fold the intra-block partial sum into the site's inter-block onli
 (max, denominator, accumulator from phase 1), emit h = acc / denom, and in the same pass the next
 sub-layer's input RMSNorm(h) * w. One read of the statistics and the partial sum, two row writes: the
 kernel is pure memory traffic, so the row is read once into registers and everything else is arithmetic.
-The serving forwards only consume RMSNorm(h) (the sublayer's output goes into the block's partial sum, not
-into h), so `store_h=False` skips h's write: a fifth of the bytes at decode with a partial sum.
-
-At decode a merge moves ~4 MB and its time is mostly latency (launch, one DRAM round trip, two row
-reductions). `pdl=True` launches it with programmatic dependent launch: its programs may start while the
-kernel before it drains, load the site's parameters (and, with `stats_ready`, phase 1's statistics, which
-an earlier kernel wrote) and only then wait for that kernel (`griddepcontrol.wait`) before reading the
-partial sum it produced.
+The forwards only consume RMSNorm(h) (a sublayer's output goes into the block's partial sum, not into h),
+so `store_h=False` skips h's write: a fifth of the bytes with a partial sum (prefill: 1.13x, docs/kernels.md).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -25,33 +17,20 @@ from kernels._triton import next_pow2, require, tl, triton
 if triton is not None:
 
     @triton.jit
-    def wait_for_previous_kernel():
-        """In a kernel launched with programmatic dependent launch: block until the kernel before it has
-        finished and its writes are visible (`griddepcontrol.wait`)."""
-        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _merge_norm_kernel(stat_max, stat_denom, stat_acc, query, key_norm_w, partial, out_norm_w, h_out,
                            normed_out, D, key_eps, out_eps, HAS_PARTIAL: tl.constexpr,
-                           HAS_KEY_NORM_W: tl.constexpr, STORE_H: tl.constexpr, PDL: tl.constexpr,
-                           STATS_READY: tl.constexpr, BD: tl.constexpr):
+                           HAS_KEY_NORM_W: tl.constexpr, STORE_H: tl.constexpr, BD: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BD)
         ok = offs < D
-        # The site's parameters never change within a forward: loaded before any wait.
-        w = tl.load(out_norm_w + offs, mask=ok, other=0.0).to(tl.float32)
-        q = tl.load(query + offs, mask=ok, other=0.0).to(tl.float32)
-        if HAS_KEY_NORM_W:
-            q = q * tl.load(key_norm_w + offs, mask=ok, other=0.0).to(tl.float32)
-        if PDL and not STATS_READY:
-            wait_for_previous_kernel()
         acc = tl.load(stat_acc + row * D + offs, mask=ok, other=0.0)
         denom = tl.load(stat_denom + row)
-        mx = tl.load(stat_max + row)
-        if PDL and STATS_READY:  # the statistics came from an earlier kernel; the partial sum from this one
-            wait_for_previous_kernel()
         if HAS_PARTIAL:
+            mx = tl.load(stat_max + row)
             p = tl.load(partial + row * D + offs, mask=ok, other=0.0).to(tl.float32)
+            q = tl.load(query + offs, mask=ok, other=0.0).to(tl.float32)
+            if HAS_KEY_NORM_W:
+                q = q * tl.load(key_norm_w + offs, mask=ok, other=0.0).to(tl.float32)
             logit = tl.sum(p * q, 0) * tl.rsqrt(tl.sum(p * p, 0) / D + key_eps)
             m_new = tl.maximum(mx, logit)
             old, new = tl.exp(mx - m_new), tl.exp(logit - m_new)
@@ -61,6 +40,9 @@ if triton is not None:
         if STORE_H:
             tl.store(h_out + row * D + offs, h, mask=ok)
         hf = h.to(tl.float32)  # the norm reads h as stored, like the unfused pair of ops
+        # The norm weight loaded last, not with the row: live from the start it took the D=7168 kernel from
+        # 160 to 225 registers (3 -> 2 programs per SM) and 139.5 -> 164 us at prefill (session 8).
+        w = tl.load(out_norm_w + offs, mask=ok, other=0.0).to(tl.float32)
         y = hf * tl.rsqrt(tl.sum(hf * hf, 0) / D + out_eps) * w
         tl.store(normed_out + row * D + offs, y.to(normed_out.dtype.element_ty), mask=ok)
 
@@ -69,14 +51,12 @@ def attnres_merge_norm(
     stat_max: torch.Tensor, stat_denom: torch.Tensor, stat_acc: torch.Tensor, query: torch.Tensor,
     partial: torch.Tensor | None, out_norm_weight: torch.Tensor, key_norm_weight: torch.Tensor | None = None,
     key_eps: float = 1e-6, out_eps: float = 1e-6, out_dtype: torch.dtype | None = None,
-    num_warps: int = 4, store_h: bool = True, pdl: bool = False, stats_ready: bool = False,
+    num_warps: int = 4, store_h: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """stat_* of one site ([M], [M], [M, D] float32, from k3core.ops.attnres.attnres_inter(...).row(i)),
     query [D], partial [M, D] or None (first site of a block) -> (h, RMSNorm(h) * out_norm_weight), both
     [M, D] in partial's dtype (out_dtype when partial is None).
-    `store_h=False`: h is not written and None is returned in its place (the normed row is unchanged).
-    `pdl`: programmatic dependent launch (off under the interpreter); `stats_ready`: the statistics were
-    written before the kernel this one follows (not by it), so they are loaded before the wait too."""
+    `store_h=False`: h is not written and None is returned in its place (the normed row is unchanged)."""
     M, D = stat_acc.shape
     require(stat_acc.dtype == torch.float32 and stat_acc.is_contiguous(), "stat_acc must be contiguous float32")
     require(stat_max.shape == (M,) and stat_denom.shape == (M,), f"stat_max and stat_denom must be [{M}]")
@@ -86,12 +66,10 @@ def attnres_merge_norm(
     dtype = partial.dtype if partial is not None else (out_dtype or stat_acc.dtype)
     normed = torch.empty(M, D, dtype=dtype, device=stat_acc.device)
     h = torch.empty_like(normed) if store_h else None
-    pdl = pdl and os.environ.get("TRITON_INTERPRET") != "1"
     _merge_norm_kernel[(M,)](
         stat_max.float().contiguous(), stat_denom.float().contiguous(), stat_acc, query,
         key_norm_weight if key_norm_weight is not None else query, partial if partial is not None else normed,
         out_norm_weight, h if store_h else normed, normed, D, key_eps, out_eps, HAS_PARTIAL=partial is not None,
-        HAS_KEY_NORM_W=key_norm_weight is not None, STORE_H=store_h, PDL=pdl, STATS_READY=stats_ready,
-        BD=next_pow2(D), num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
+        HAS_KEY_NORM_W=key_norm_weight is not None, STORE_H=store_h, BD=next_pow2(D), num_warps=num_warps,
     )
     return h, normed

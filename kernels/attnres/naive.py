@@ -13,10 +13,10 @@ def attnres_merge_norm(
     stat_max: torch.Tensor, stat_denom: torch.Tensor, stat_acc: torch.Tensor, query: torch.Tensor,
     partial: torch.Tensor | None, out_norm_weight: torch.Tensor, key_norm_weight: torch.Tensor | None = None,
     key_eps: float = 1e-6, out_eps: float = 1e-6, out_dtype: torch.dtype | None = None,
-    num_warps: int = 4, store_h: bool = True, pdl: bool = False, stats_ready: bool = False,
+    num_warps: int = 4, store_h: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Reference of kernels.attnres.merge_norm_triton.attnres_merge_norm (launch arguments ignored)."""
-    del num_warps, pdl, stats_ready
+    """Reference of kernels.attnres.merge_norm_triton.attnres_merge_norm (num_warps ignored)."""
+    del num_warps
     stats = OnlineSoftmax(stat_max.float(), stat_denom.float(), stat_acc)
     h = attnres_merge(stats, query, partial, key_norm_weight, key_eps)
     if partial is None and out_dtype is not None:
@@ -27,10 +27,9 @@ def attnres_merge_norm(
 def attnres_inter(queries: torch.Tensor, blocks: torch.Tensor, norm_weights: torch.Tensor | None = None,
                   eps: float = 1e-6, block_d: int = 64, score_rows: int | None = None, num_warps: int = 4,
                   chunks: tuple[int, int] | None = None, apply_rows: int = 2, apply_block_d: int = 128,
-                  fused: bool = False, stream_stores: bool = True, logits: torch.Tensor | None = None,
-                  pdl: bool = False) -> OnlineSoftmax:
-    """Reference of kernels.attnres.inter_triton.attnres_inter (tuning and launch arguments ignored)."""
-    del block_d, score_rows, num_warps, chunks, apply_rows, apply_block_d, fused, stream_stores, pdl
+                  fused: bool = False, stream_stores: bool = True, logits: torch.Tensor | None = None) -> OnlineSoftmax:
+    """Reference of kernels.attnres.inter_triton.attnres_inter (tuning arguments ignored)."""
+    del block_d, score_rows, num_warps, chunks, apply_rows, apply_block_d, fused, stream_stores
     if logits is not None:
         return attnres_inter_from_logits(logits, blocks)
     return _inter(queries, blocks, norm_weights, eps)

@@ -25,7 +25,6 @@ MERGE_WARPS = 4  # the merge's num_warps (8: same at decode, 93 vs 98 % at prefi
 # only: they combine the winners of earlier runs' variants (docs/kernels.md, AttnRes history); session 5's
 # sweeps of the cached form (apply_block_d 64, apply_rows 4; block_d 128, 56 chunks, parts cut in the loop,
 # 128 rows) were all slower (history 22).
-SERVED_FORMS = ((False, False), (True, False), (True, True))  # (fused copy, pdl apply) of `_served_rows`
 MID_FORWARD_SITES = 163  # K3: the sites after its first layer block (93 layers x 2 + 1 - 24)
 
 
@@ -169,24 +168,24 @@ def phase1_rows(tokens: tuple[int, ...] = (64, 8192), forwards: tuple[str, ...] 
         queries = torch.randn(SITES, D, device="cuda", dtype=BF16) * D**-0.5
         rows += _cached_rows(blocks, queries)
         if M <= 64:  # the serving path is decode's
-            for fused_copy, pdl in SERVED_FORMS:
+            for fused_copy in (False, True):
                 rows += _served_rows(f"M={M},D={D},N={BLOCKS},Q={SITES}", D, M, [(BLOCKS, SITES, SITES + 1)],
-                                     fused_copy, pdl)
+                                     fused_copy)
         del blocks
         torch.cuda.empty_cache()
     for name in forwards:
         config = preset(name)
-        for fused_copy, pdl in SERVED_FORMS:
+        for fused_copy in (False, True):
             rows += _served_rows(f"{name} forward, B={batch}", config.hidden_size, batch, forward_phases(name),
-                                 fused_copy, pdl)
+                                 fused_copy)
     return rows
 
 
-def _served_rows(shape: str, dim: int, M: int, phases: list[tuple[int, int, int]], fused_copy: bool = False,
-                 pdl: bool = False) -> list[Row]:
+def _served_rows(shape: str, dim: int, M: int, phases: list[tuple[int, int, int]],
+                 fused_copy: bool = False) -> list[Row]:
     """`phases` ((N, Q, S) each, in forward order: the blocks' and sites' layout of fast_decoder) as served
-    (per phase: the newest block copied into the buffer, its logits, the apply); `fused_copy`: the copy by
-    the logits kernel (`copy_to`), `pdl`: the apply by programmatic dependent launch."""
+    (per phase: the newest block copied into the buffer, its logits, the apply); `fused_copy`: the copy done
+    by the logits kernel (`copy_to`) instead of a launch of its own."""
     n_blocks, n_sites = phases[-1][0], phases[0][2]
     gen = torch.Generator(device="cuda").manual_seed(M + dim)
     sources = torch.randn(n_blocks, M, dim, device="cuda", dtype=BF16, generator=gen)
@@ -208,7 +207,7 @@ def _served_rows(shape: str, dim: int, M: int, phases: list[tuple[int, int, int]
                                                      out=cache[first:, N - 1], parts=parts[:, first:],
                                                      copy_to=stacked[N - 1] if fused_copy else None)
             out.append(inter_triton.attnres_inter(site_q[first:first + Q], stacked[:N], site_w[first:first + Q],
-                                                  logits=cache[first:first + Q, :N], pdl=pdl))
+                                                  logits=cache[first:first + Q, :N]))
         return out
 
     for N, _, _ in phases:  # each phase must copy its newest block in itself
@@ -221,7 +220,7 @@ def _served_rows(shape: str, dim: int, M: int, phases: list[tuple[int, int, int]
     moved = sum(phase1_bytes(M, dim, N, Q, S, copy=True) for N, Q, S in phases)
     ms, how = time_ms(served)
     impl = ("fused copy: logits (+ copy) + apply" if fused_copy else "as served: copy + logits + apply") + " per phase"
-    return [Row("attnres_phase1_served", shape, impl + (", pdl apply" if pdl else ""), ms, moved, note=how, extra=err)]
+    return [Row("attnres_phase1_served", shape, impl, ms, moved, note=how, extra=err)]
 
 
 def _situ_rows() -> list[Row]:

@@ -4,9 +4,9 @@ A decode step runs inside a CUDA graph, where each AttnRes kernel follows anothe
 the previous sublayer's last GEMM (or, at a block's first site, phase 1's apply), phase 1 follows the block
 that completed. So besides the merge timed back to back (the harness: `inner` copies of one launch in a
 graph), each merge is timed after a stand-in sublayer kernel that writes its partial sum (`torch.mul`, a
-plain elementwise kernel that, like the real GEMMs, does not release dependents early), as the pair's time
-minus the stand-in's alone; and a whole forward's AttnRes work (every block's copy, logits and apply, every
-site's merge, a stand-in between merges) minus its stand-ins alone, for each launch `Form`.
+plain elementwise kernel), as the pair's time minus the stand-in's alone; and a whole forward's AttnRes
+work (every block's copy, logits and apply, every site's merge, a stand-in between merges) minus its
+stand-ins alone, for each `Form`.
 
 Bytes (the least that must move; the same count for every form, so the fractions compare times): a merge
 reads its statistics (float32 accumulator, max, denominator) and the partial sum where there is one and
@@ -39,19 +39,12 @@ class Form:
     name: str
     fused_copy: bool = False  # the completed block copied into the block buffer by its logits kernel
     store_h: bool = True  # the merges write h as well as RMSNorm(h)
-    pdl_merge: bool = False  # merges by programmatic dependent launch (stats loaded early where they may be)
-    pdl_apply: bool = False  # phase 1's apply by programmatic dependent launch
-
-    def merge_kwargs(self, after_apply: bool) -> dict:
-        return {"store_h": self.store_h, "pdl": self.pdl_merge, "stats_ready": self.pdl_merge and not after_apply}
 
 
-BASELINE = Form("baseline: session-7 form")  # copy, logits, apply; merges store h; plain launches
-FORMS = (BASELINE, Form("fused copy, no h", True, False), Form("fused copy, no h, pdl merges", True, False, True),
-         Form("fused copy, no h, pdl merges + apply", True, False, True, True))
-MERGE_FORMS = (("baseline: h stored", {}), ("no h", {"store_h": False}), ("pdl", {"pdl": True}),
-               ("pdl, stats early", {"pdl": True, "stats_ready": True}),
-               ("pdl, stats early, no h", {"pdl": True, "stats_ready": True, "store_h": False}))
+BASELINE = Form("baseline: session-7 form")  # copy launch, logits, apply; merges store h
+FORMS = (BASELINE, Form("fused copy", True), Form("fused copy, no h", True, False))
+# Programmatic dependent launch of the merges and of the apply (session 8) measured slower: removed.
+MERGE_FORMS = (("baseline: h stored", {}), ("no h", {"store_h": False}))
 
 
 def merge_bytes(M: int, dim: int, with_partial: bool) -> int:
@@ -77,10 +70,10 @@ def merge_rows(shapes: tuple[tuple[int, int], ...] = MERGE_SHAPES) -> list[Row]:
         stats, source, out_w, key_w = _merge_inputs(M, dim)
         shape, nbytes = f"M={M},D={dim}", merge_bytes(M, dim, True)
         want = merge_norm_triton.attnres_merge_norm(*stats, source, out_w, key_w)[1]
-        for impl, kw in MERGE_FORMS[:2]:
+        for impl, kw in MERGE_FORMS:
             ms, how = time_ms(partial(merge_norm_triton.attnres_merge_norm, *stats, source, out_w, key_w, **kw))
             rows.append(Row("attnres_merge_norm", shape, f"{impl}, back to back", ms, nbytes, note=how))
-        if M > 64:  # the launch forms are for latency-bound decode merges
+        if M > 64:  # the decode pattern
             continue
         written = torch.empty_like(source)
         standin = partial(torch.mul, source, 1, out=written)
@@ -151,7 +144,7 @@ class ServedForward:
 
         def phase1(sites: slice) -> object:
             stats = inter_triton.attnres_inter(self.q[sites], self.stacked[:done], self.key_w[sites],
-                                               logits=self.cache[sites, :done], pdl=form.pdl_apply)
+                                               logits=self.cache[sites, :done])
             stats.acc = stats.acc.contiguous()
             return stats
 
@@ -163,7 +156,7 @@ class ServedForward:
                 site, row = 2 * i + j, inter.row(2 * (i % self.size) + j)
                 _, normed = merge_norm_triton.attnres_merge_norm(
                     row.max, row.denom, row.acc, self.q[site], partial_sum, self.out_w[site], self.key_w[site],
-                    out_dtype=BF16, **form.merge_kwargs(partial_sum is None))
+                    out_dtype=BF16, store_h=form.store_h)
                 partial_sum = self._sublayer(normed, i // self.size, partial_sum is None)
             if (i + 1) % self.size == 0:
                 complete(partial_sum)
@@ -172,7 +165,7 @@ class ServedForward:
             complete(partial_sum)
         stats = phase1(slice(self.n_sites - 1, self.n_sites)).row(0)
         return merge_norm_triton.attnres_merge_norm(stats.max, stats.denom, stats.acc, self.q[-1], None, self.out_w[-1],
-                                                    self.key_w[-1], out_dtype=BF16, **form.merge_kwargs(True))[1]
+                                                    self.key_w[-1], out_dtype=BF16, store_h=form.store_h)[1]
 
 
 def forward_rows(names: tuple[str, ...] = ("k3", "mini"), batch: int = 64, forms: tuple[Form, ...] = FORMS) -> list[Row]:

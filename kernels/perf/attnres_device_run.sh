@@ -3,7 +3,7 @@
 #  W  in parallel: the GPU tests of the AttnRes kernels (TESTS: block logits, apply, merge), and the bench's
 #     sections run once untimed (each compiles its Triton kernels into the shared on-disk cache: compiles,
 #     not timing, are most of a cold run);
-#  B  `bench.kernels --only $GROUPS` alone on the GPU (default attnres_phase1,attnres_decode: phase 1 at the
+#  B  `bench.kernels --only $BENCH_GROUPS` alone on the GPU (default attnres_phase1,attnres_decode: phase 1 at the
 #     fixed shapes and as served, the merges and whole decode forwards per launch form).
 # B runs only if every GPU test passed (no timing of wrong numbers).
 set -u
@@ -39,7 +39,7 @@ warm mini "" mini
 for part in merges k3 mini; do warm_decode $part; done
 wait
 if ! grep -LZ " passed" "$OUT"/test_*.log | grep -q . && ! grep -qE "failed|error" "$OUT"/test_*.log; then
-  timeout -k 3 "${T_BENCH:-40}" python3 -m bench.kernels --only "${GROUPS:-attnres_phase1,attnres_decode}" \
+  timeout -k 3 "${T_BENCH:-40}" python3 -m bench.kernels --only "${BENCH_GROUPS:-attnres_phase1,attnres_decode}" \
     --merge-from /nonexistent --out "$OUT/attnres.json" > "$OUT/bench.log" 2>&1
   stamp bench $?
 fi

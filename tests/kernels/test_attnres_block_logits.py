@@ -109,13 +109,13 @@ def test_phase_one_softmaxes_the_given_logits(interpreted):
 
 @pytest.mark.parametrize(("rows", "dtype", "kwargs"), [
     (40, torch.bfloat16, {"chunks": 3, "rows": 16, "sites": 16}),  # 3 row tiles x 2 site tiles x 3 D chunks
-    (5, torch.bfloat16, {}),  # one tile, default chunks
-    (6, torch.float32, {"chunks": 2}),  # no bf16 parts: copied by torch before the launch
+    (5, torch.bfloat16, {"chunks": 1}),  # one tile, unchunked (prefill-like): copied by torch first
+    (6, torch.float32, {"chunks": 2}),  # no bf16 parts: copied by torch first
 ])
 def test_copy_to_gets_the_block_and_the_logits_stay(interpreted, rows, dtype, kwargs):
     """`copy_to` (the block's slot in the buffer of completed blocks): every element of the block lands there
-    (once per row tile and D chunk, by the first sites tile only), nothing else of the buffer changes, and
-    the logits are those of the launch without it."""
+    (in the kernel: once per row tile and D chunk, by the first sites tile only), nothing else of the buffer
+    changes, and the logits are those of the launch without it."""
     gen = torch.Generator().manual_seed(rows)
     block = (torch.randn(rows, 48, generator=gen) * 3).to(dtype)
     queries, norm_w = torch.randn(20, 48, generator=gen).bfloat16(), (torch.rand(20, 48, generator=gen) + 0.5).bfloat16()

@@ -37,8 +37,8 @@ def test_decode_bench_counts_a_forwards_merges():
 
 
 def test_decode_bench_forms_compute_the_same_forward(interpreted):
-    """Every launch form of the decode bench's served forward (fused block copy, no h, the launch options,
-    which the interpreter ignores) gives the baseline's final normed output bit for bit, on nano's layout."""
+    """Every form of the decode bench's served forward (the block copy fused into its logits kernel, merges
+    without h) gives the baseline's final normed output bit for bit, on nano's layout."""
     import torch
 
     from kernels.perf.attnres_decode_cases import BASELINE, FORMS, ServedForward

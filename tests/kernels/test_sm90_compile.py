@@ -146,15 +146,13 @@ def attnres(tokens: int) -> None:
         inter_triton.attnres_inter(empty(sites, HIDDEN), blocks, empty(sites, HIDDEN), 1e-6)
         inter_triton.attnres_inter(empty(sites, HIDDEN), blocks, empty(sites, HIDDEN), 1e-6,
                                    logits=empty(sites, 3, tokens, dtype=F32))
-        inter_triton.attnres_inter(empty(sites, HIDDEN), blocks, empty(sites, HIDDEN), 1e-6,
-                                   logits=empty(sites, 3, tokens, dtype=F32), pdl=True)
     for later in (SITES + 1, 4 * SITES + 1):
         for copy_to in (None, empty(tokens, HIDDEN)):  # the block also copied into the block buffer
             block_logits_triton.attnres_block_logits(empty(later, HIDDEN), blocks[0], empty(later, HIDDEN), 1e-6,
                                                      parts=empty(2, later, HIDDEN), copy_to=copy_to)
     stats = (empty(tokens, dtype=F32), empty(tokens, dtype=F32), empty(tokens, HIDDEN, dtype=F32))
     for partial in (empty(tokens, HIDDEN), None):
-        for launch in ({}, {"store_h": False, "pdl": True, "stats_ready": partial is not None}):
+        for launch in ({}, {"store_h": False}):
             merge_norm_triton.attnres_merge_norm(*stats, empty(HIDDEN), partial, empty(HIDDEN),
                                                  key_norm_weight=empty(HIDDEN), out_dtype=BF16, **launch)
 
