@@ -235,8 +235,11 @@ def _compile_one(spec: CompileSpec) -> CompileResult:
 
     module, name = spec.kernel.split(":")
     fn = getattr(importlib.import_module(module), name)
+    source = ASTSource
+    if fn.is_gluon():  # a Gluon kernel is built from its own source class (explicit layouts, no ttir passes)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
     try:
-        compiled = triton.compile(ASTSource(fn, spec.signature, spec.constexprs, spec.attrs), target=_target(),
+        compiled = triton.compile(source(fn, spec.signature, spec.constexprs, spec.attrs), target=_target(),
                                   options=spec.options)
     except Exception as e:  # noqa: BLE001 - the compiler's message is the result
         return CompileResult(False, triton.__version__, f"{type(e).__name__}: {e}")

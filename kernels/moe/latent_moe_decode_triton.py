@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from kernels._triton import next_pow2, require, sm_count, tl, triton
+from kernels.moe import gate_up_gluon
 from kernels.moe.mxfp4_tile_triton import prepare
 from kernels.moe.tiles import Tile, default_tiles
 
@@ -131,6 +132,11 @@ if triton is not None:
         tl.store(out + t * L + cols, total.to(out.dtype.element_ty), mask=cols < L)
 
 
+# Gluon gate/up stages (session 8, history 32: 16.5 / 45.4 / 125.6 us at T = 1 / 4 / 16 against the Triton
+# kernel's 23.1 / 65.9 / 166.2 in the same run; 2 stages alike, 4 slower at T = 4 / 16).
+GLUON_STAGES = 3
+
+
 class PreparedExperts(NamedTuple):
     """MXFP4 experts in the decoder's layout (kernels.moe.mxfp4_tile_triton.prepare): int32 words and uint8
     multiplier fields of W_gate;W_up [E, 2F, l / 8], [E, 2F, l / 32] and of W_down [E, l, F / 8], [E, l, F / 32]
@@ -159,6 +165,7 @@ def latent_moe_decode(
     gate_up_packed: torch.Tensor, gate_up_scales: torch.Tensor, down_packed: torch.Tensor,
     down_scales: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None,
     down_tile: Tile | None = None, token_block: int = 16, h_parts: int | None = None,
+    gluon_stages: int | None = None,
 ) -> torch.Tensor:
     """u = sum_j p_j E_{id_j}(x) per token (eq.11's routed sum, in the latent width l).
 
@@ -177,19 +184,22 @@ def latent_moe_decode(
     require(down_scales.shape == (E, L, F // 32), f"down_scales must be [{E}, {L}, {F // 32}]")
     experts = prepare_experts(gate_up_packed, gate_up_scales, down_packed, down_scales)
     return latent_moe_decode_prepared(x, expert_ids, expert_weights, experts, beta1, beta2, gate_up_tile,
-                                      down_tile, token_block, h_parts)
+                                      down_tile, token_block, h_parts, gluon_stages)
 
 
 def latent_moe_decode_prepared(
     x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, experts: PreparedExperts,
     beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None, down_tile: Tile | None = None,
-    token_block: int = 16, h_parts: int | None = None,
+    token_block: int = 16, h_parts: int | None = None, gluon_stages: int | None = None,
 ) -> torch.Tensor:
     """latent_moe_decode on `prepare_experts`' layout. Tuning: `gate_up_tile` and `down_tile`
     (kernels.moe.tiles.Tile; default: `default_tiles` by T k and the SM count), `token_block` tokens of one
     expert per product (>= 16; an expert chosen by more tokens takes several passes), `h_parts` bf16 parts
     of the SiTU-GLU output h in the down product (default: as many as x's dtype needs, so h keeps x's
-    precision: 1 for bf16, 2 for fp16, 3 for float32).
+    precision: 1 for bf16, 2 for fp16, 3 for float32). The gate/up step runs in Gluon
+    (kernels.moe.gate_up_gluon) where it serves the call (CUDA, bf16, T <= 16, 64 x 128 2-warp tiles: every
+    decode batch with the default tiles), with `gluon_stages` cp.async stages (default GLUON_STAGES; 0: the
+    Triton kernel everywhere), else in Triton.
     """
     T, L = x.shape
     gu_words, gu_mults, d_words, d_mults = experts
@@ -218,10 +228,15 @@ def latent_moe_decode_prepared(
     common = {"TP": max(16, next_pow2(T)), "BK": next_pow2(K), "BT": token_block, "HP": hp,
               "USE_ASM": x.is_cuda}
     h = torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device)
-    _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
-        x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, T, K, F, beta1, beta2, L=L,
-        X_PARTS=_parts(x.dtype), BR=gu_tile.rows, G=gu_groups, STAGES=gu_tile.stages, **common, **gu_tile.launch_options(),
-    )
+    stages = GLUON_STAGES if gluon_stages is None else gluon_stages
+    if stages and token_block == 16 and gate_up_gluon.serves(x, F, gu_tile):
+        gate_up_gluon.gate_up(x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, beta1, beta2, stages)
+    else:
+        _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
+            x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, T, K, F, beta1, beta2, L=L,
+            X_PARTS=_parts(x.dtype), BR=gu_tile.rows, G=gu_groups, STAGES=gu_tile.stages, **common,
+            **gu_tile.launch_options(),
+        )
     partial = torch.empty(d_tile.splits, T * K, L, dtype=torch.float32, device=x.device)
     _down_kernel[(T * K, triton.cdiv(L, d_tile.rows), d_tile.splits)](
         h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial, T, K, L, F=F,

@@ -31,10 +31,16 @@ class Variant(NamedTuple):
     gate_up: Tile | None
     down: Tile | None
     batches: tuple[int, ...] = ()
+    gluon_stages: int | None = None  # the gate/up step's Gluon stages (None: the launcher's; 0: Triton kernel)
 
     def label(self) -> str:
         gate_up, down = (t.label() if t else "default" for t in (self.gate_up, self.down))
-        return f"ours(gu={gate_up},down={down})"
+        form = {None: "", 0: ",triton"}.get(self.gluon_stages, f",gluon s{self.gluon_stages}")
+        return f"ours(gu={gate_up}{form},down={down})"
+
+    def tuning(self) -> dict:
+        """The launcher's keyword arguments for this variant."""
+        return {"gate_up_tile": self.gate_up, "down_tile": self.down, "gluon_stages": self.gluon_stages}
 
     def runs_at(self, T: int) -> bool:
         return not self.batches or T in self.batches
@@ -53,8 +59,9 @@ SWEEP = ((Tile(64, 128, 2, 2), Tile(128, 128, 2, 2)), (Tile(64, 128, 2, 3, 168),
          (Tile(64, 128, 2), Tile(128, 128, 2, splits=2)), (Tile(64, 128, 4, 2), Tile(128, 128, 4, 2)),
          (Tile(32, 128, 2, 2), Tile(64, 128, 2, 2)))
 VARIANTS = (Variant(None, None),)
-# The launcher's defaults and the sweep's pairs (whole-row storage, history 25's control, left the product).
-SWEEP_VARIANTS = (*VARIANTS, *(Variant(*pair) for pair in SWEEP))
+# The launcher's defaults, the Triton gate/up kernel at the default tiles (the Gluon one's control, history 32)
+# and the sweep's pairs (whole-row storage, history 25's control, left the product).
+SWEEP_VARIANTS = (*VARIANTS, Variant(None, None, gluon_stages=0), *(Variant(*pair) for pair in SWEEP))
 MAX_REL_ERR = 1e-2  # a variant further than this from the float32 oracle is wrong, whatever its time
 
 
@@ -130,7 +137,7 @@ def precompile(batches: tuple[int, ...], tiles: tuple[Variant, ...],
             for v in tiles:
                 if v.runs_at(T):
                     latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, ids.float(), experts,
-                                                                        gate_up_tile=v.gate_up, down_tile=v.down)
+                                                                        **v.tuning())
     compile_specs(recorder.unique(), workers=max(1, (os.cpu_count() or 2) - 2))
 
 
@@ -163,8 +170,8 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
         ref = naive.latent_moe_decode(xs[0].float(), sets[0], ws[0], *packs)  # float32 h and output: the oracle
         shape = f"T={T},E={E},k={TOP_K},l={L},F={F},mxfp4,sets={len(sets)}"
         for v in (v for v in tiles if v.runs_at(T)):
-            calls = [partial(latent_moe_decode_triton.latent_moe_decode_prepared, x, ids, w, experts,
-                             gate_up_tile=v.gate_up, down_tile=v.down) for x, ids, w in zip(xs, sets, ws, strict=True)]
+            calls = [partial(latent_moe_decode_triton.latent_moe_decode_prepared, x, ids, w, experts, **v.tuning())
+                     for x, ids, w in zip(xs, sets, ws, strict=True)]
             try:
                 err = rel_err(calls[0](), ref)
                 ms, how = time_ms(_cycling(calls), inner=inner)
@@ -192,21 +199,21 @@ def launch_once(batches: tuple[int, ...], tiles: tuple[Variant, ...]) -> None:
         ids = routings(T)[0].cuda()
         x, w = torch.randn(T, L, device="cuda", dtype=torch.bfloat16), torch.rand(T, TOP_K, device="cuda")
         for v in (v for v in tiles if v.runs_at(T)):
-            latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, gate_up_tile=v.gate_up,
-                                                                down_tile=v.down)
+            latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, **v.tuning())
     torch.cuda.synchronize()
 
 
 def parse_tiles(text: str) -> tuple[Variant, ...]:
-    """"rows,cols,warps,stages[,regs[,splits]]/...[/T...];..." -> Variants (regs 0: no cap; "T1,4": timed at
-    those batches only)."""
+    """"rows,cols,warps,stages[,regs[,splits]]/...[/T...][/G...];..." -> Variants (regs 0: no cap; "T1,4":
+    timed at those batches only; "G3": the Gluon gate/up step with 3 stages, "G0": the Triton one)."""
     def tile(spec: str) -> Tile:
         return Tile(*(int(v) for v in spec.split(",")))
 
     def variant(spec: str) -> Variant:
         parts = spec.split("/")
         batches = next((tuple(int(t) for t in p[1:].split(",")) for p in parts[2:] if p.startswith("T")), ())
-        return Variant(tile(parts[0]), tile(parts[1]), batches=batches)
+        stages = next((int(p[1:]) for p in parts[2:] if p.startswith("G")), None)
+        return Variant(tile(parts[0]), tile(parts[1]), batches=batches, gluon_stages=stages)
     return tuple(variant(spec) for spec in text.split(";"))
 
 
