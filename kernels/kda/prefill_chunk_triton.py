@@ -37,22 +37,14 @@ if triton is not None:
         return (pid // H).to(tl.int64), pid % H
 
     @triton.jit
-    def _diagonal_block_inverses(ws, C: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
-        """(I + M_bb)^-1 of the C / BC diagonal BC x BC blocks of the strictly lower-triangular M [C, C]
-        (row-major float32 at ws), as [C / BC, BC, BC], in float32, by block doubling with batched dots:
+    def _diagonal_block_inverses(diag, C: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
+        """(I + M_bb)^-1 of the C / BC diagonal BC x BC blocks `diag` [C / BC, BC, BC] of the strictly
+        lower-triangular M [C, C], in float32, by block doubling with batched dots:
         with X_s the inverse of the s x s diagonal blocks and L_s the entries of M between the two s-halves
         of each 2s-block, X_2s = X_s - X_s L_s X_s (exact, since (L_s X_s)^2 = 0); X_2 = I - L_1 needs no
         dot, so 6 small dots, at input precision DOT. It replaced forward substitution row by row (two cross-thread reductions per
         row, a serial chain: 119 barrier and 240 shuffle instructions vs 17 and 0 in sm_90a SASS; the UT
         pass 1.10 -> 0.98 ms at B=1, T=32K, H=16 on the H200)."""
-        b3 = tl.arange(0, C // BC)[:, None, None]
-        r3 = tl.arange(0, BC)[None, :, None]
-        j3 = tl.arange(0, BC)[None, None, :]
-        return _diagonal_block_inverses_of(tl.load(ws + (b3 * BC + r3) * C + b3 * BC + j3), C, BC, DOT)
-
-    @triton.jit
-    def _diagonal_block_inverses_of(diag, C: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
-        """_diagonal_block_inverses of the diagonal blocks `diag` [C / BC, BC, BC] (strictly lower)."""
         NB: tl.constexpr = C // BC
         r3 = tl.arange(0, BC)[None, :, None]
         j3 = tl.arange(0, BC)[None, None, :]
@@ -65,27 +57,21 @@ if triton is not None:
         return X
 
     @triton.jit
-    def _unit_lower_inverse(ws, M, diag, rows, C: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr,
-                            IN_WS: tl.constexpr):
-        """(I + M)^-1 for the strictly lower-triangular M [C, C]: with IN_WS, M and its diagonal blocks are read
-        from ws (row-major float32; M and diag are None), else given (diag: [C / BC, BC, BC]). The diagonal
-        blocks' inverses D^-1, then the block off-diagonal terms by the nilpotent series with dots:
-        (D + L)^-1 = (I - N + N^2 - N^3) D^-1, N = D^-1 L, since N^4 = 0 for C / BC = 4 blocks. The diagonal
-        blocks' dots take the pass's precision DOT too (TF32 for 16-bit activations): in IEEE float32 they ran
-        on the FMA pipe (sm_90a, 4 warps: 768 FFMA per thread; the inverse's straight-line code 2516 vs 1690
-        instructions per warp, of ~7.9 K for the pass); H200, same run: UT pass 0.94 -> 0.87 ms at B=1,
-        T=32K, H=16, 1.87 -> 1.73 at B=8, T=4K, H=32, errors unchanged to 3 digits (y 3.8-3.9e-3)."""
+    def _unit_lower_inverse(M, diag, rows, C: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
+        """(I + M)^-1 for the strictly lower-triangular M [C, C] (float32) with its diagonal blocks `diag`
+        [C / BC, BC, BC]: the diagonal blocks' inverses D^-1, then the block off-diagonal terms by the
+        nilpotent series with dots: (D + L)^-1 = (I - N + N^2 - N^3) D^-1, N = D^-1 L, since N^4 = 0 for
+        C / BC = 4 blocks. The diagonal blocks' dots take the pass's precision DOT too (TF32 for 16-bit
+        activations): in IEEE float32 they ran on the FMA pipe (sm_90a, 4 warps: 768 FFMA per thread; the
+        inverse's straight-line code 2516 vs 1690 instructions per warp, of ~7.9 K for the pass); H200, same
+        run: UT pass 0.94 -> 0.87 ms at B=1, T=32K, H=16, 1.87 -> 1.73 at B=8, T=4K, H=32, errors unchanged to
+        3 digits (y 3.8-3.9e-3)."""
         NB: tl.constexpr = C // BC
         tl.static_assert(NB == 4, "the series below stops at N^3: exactly 4 sub-blocks per chunk")
-        if IN_WS:
-            X = _diagonal_block_inverses(ws, C, BC, DOT)
-        else:
-            X = _diagonal_block_inverses_of(diag, C, BC, DOT)
+        X = _diagonal_block_inverses(diag, C, BC, DOT)
         same = tl.arange(0, NB)[:, None, None, None] == tl.arange(0, NB)[None, None, :, None]
         d_inv = tl.reshape(tl.where(same, X[:, :, None, :], 0.0), [C, C])
         cols = tl.arange(0, C)
-        if IN_WS:  # loaded here, after the diagonal inverses: not live across them
-            M = tl.load(ws + rows[:, None] * C + cols[None, :])
         lower = tl.where(rows[:, None] // BC > cols[None, :] // BC, M, 0.0)
         N = tl.dot(d_inv, lower, input_precision=DOT)
         eye = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
@@ -120,22 +106,20 @@ if triton is not None:
                 tl.dot(qc * row_decay, k_col, input_precision=DOT))
 
     @triton.jit
-    def _store_a_block(aqk_st, ws, ak, aq, c0, rows, bt, scale, io_mask, C: tl.constexpr, BC: tl.constexpr,
-                       TO_WS: tl.constexpr):
-        """Key columns c0 .. c0+BC-1: scale * Aqk (i <= r) to the output rows, and with TO_WS beta_r * Akk
-        (i < r) to the program's [C, C] float32 scratch tile."""
+    def _store_aqk_block(aqk_st, aq, c0, rows, scale, io_mask, BC: tl.constexpr):
+        """Key columns c0 .. c0+BC-1 of scale * Aqk (i <= r) to the output rows."""
         kcols = c0 + tl.arange(0, BC)
         aq = tl.where(kcols[None, :] <= rows[:, None], aq * scale, 0.0)
         tl.store(aqk_st + kcols[None, :], aq.to(aqk_st.dtype.element_ty), mask=io_mask)
-        if TO_WS:
-            tl.store(ws + rows[:, None] * C + kcols[None, :],
-                     tl.where(kcols[None, :] < rows[:, None], ak * bt[:, None], 0.0))
 
     @triton.jit
     def _akk_in_registers(ak0, ak1, ak2, ak3, bt, rows, C: tl.constexpr, BC: tl.constexpr):
         """beta_r Akk [C, C] (i < r) and its diagonal blocks [C / BC, BC, BC] from the four [C, BC] key
-        sub-block accumulators, assembled in registers (Triton converts the layouts through shared memory)
-        instead of through the global scratch tile."""
+        sub-block accumulators, assembled in registers (Triton converts the layouts through shared memory).
+        It replaced a round trip through a per-program float32 scratch tile in global memory (16 KB stored, a
+        barrier, loaded back: 268 MB each way at B=8, T=4K, H=32): sm_90a 3568 -> 3472 instructions, 62 -> 44
+        barriers; H200, same run: UT pass 0.81 -> 0.69 ms at B=1, T=32K, H=16, 1.59 -> 1.38 at B=8, T=4K,
+        H=32, errors unchanged (y 3.9-4.0e-3)."""
         NB: tl.constexpr = C // BC
         parts = tl.join(tl.join(ak0, ak1), tl.join(ak2, ak3))  # [C, BC, 2, 2]: [r, c, i, o] = ak_(2o+i)[r, c]
         M = tl.reshape(tl.permute(parts, (0, 3, 2, 1)), (C, C))
@@ -148,21 +132,20 @@ if triton is not None:
     @triton.jit
     def _kda_chunk_ut_kernel(
         q, k, v, g, beta, cu_seqlens, chunk_seq, chunk_start,
-        w_out, u_out, qg_out, kg_out, aqk_out, gc_out, akk_ws, scale,
+        w_out, u_out, qg_out, kg_out, aqk_out, gc_out, scale,
         H, D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, F32_DOTS: tl.constexpr,
-        DOT: tl.constexpr, AKK_IN_REGS: tl.constexpr,
+        DOT: tl.constexpr,
     ):
         """Grid (chunks * H,), chunk-major (see _chunk_head). Token-major [T_total, H, *] in and out; g float32
         in log2 units (G * log2(e): the decay factors are bare exp2, one MUFU op each, where exp costs a
         multiply and a range fix-up more), beta [T_total, H] float32 (already through the sigmoid); gc_out
-        [chunks, H, D]; akk_ws [chunks, H, C, C] float32 scratch. F32_DOTS: float32 dot operands instead of
-        the input dtype. DOT: the float32 dots' input_precision ("tf32" or "ieee", see
-        prefill_triton.dot_precision). The Akk / Aqk loop scales its key and query rows in the dots' dtype
-        (bf16x2 multiplies, the decay factor rounded first) rather than in float32 with the product rounded
-        once: sm_90a 759 -> 606 instructions per key block, no spills under the 168 cap; H200, same run: UT
-        pass 0.84 -> 0.81 ms at B=1, T=32K, H=16, 1.66 -> 1.61 at B=8, T=4K, H=32; y's error vs float64
-        3.8 -> 4.0e-3 at D=128 (CPU emulation at nano's D=32: 1.7 -> 2.7e-2 max-relative). AKK_IN_REGS: Akk
-        assembled in registers (_akk_in_registers), not through akk_ws (not timed)."""
+        [chunks, H, D]. F32_DOTS: float32 dot operands instead of the input dtype. DOT: the float32 dots'
+        input_precision ("tf32" or "ieee", see prefill_triton.dot_precision). The Akk / Aqk loop scales its
+        key and query rows in the dots' dtype (bf16x2 multiplies, the decay factor rounded first) rather than
+        in float32 with the product rounded once: sm_90a 759 -> 606 instructions per key block, no spills
+        under the 168 cap; H200, same run: UT pass 0.84 -> 0.81 ms at B=1, T=32K, H=16, 1.66 -> 1.61 at B=8,
+        T=4K, H=32; y's error vs float64 3.8 -> 4.0e-3 at D=128 (CPU emulation at nano's D=32: 1.7 -> 2.7e-2
+        max-relative)."""
         ci, h = _chunk_head(H)
         start = tl.load(chunk_start + ci).to(tl.int64)
         n_valid = (tl.load(cu_seqlens + tl.load(chunk_seq + ci) + 1) - start).to(tl.int32)
@@ -181,8 +164,6 @@ if triton is not None:
         last = tl.minimum(n_valid, C) - 1
         dt = tl.float32 if F32_DOTS else q.dtype.element_ty
         NB: tl.constexpr = C // BC
-        # Aqk goes out; Akk goes through this program's scratch tile to come back as one [C, C] tile.
-        ws = akk_ws + (ci * H + h) * C * C
         aqk_st = aqk_out + rows[:, None] * (H * C)
         # Akk / Aqk by key sub-block: four [C, BC] column blocks each (the causal zeros are not computed). The
         # row tiles are loaded once per key-column block, so eight accumulators are live (block by block
@@ -212,17 +193,12 @@ if triton is not None:
         # beta loaded after the loop and again after the inverse: not live across them (sm_90a under the
         # 168-register cap: 40 instead of 64 B of spills)
         bt = tl.load(beta + rows * H, mask=valid, other=0.0)
-        TO_WS: tl.constexpr = not AKK_IN_REGS
-        _store_a_block(aqk_st, ws, ak0, aq0, 0, rows, bt, scale, io_mask, C, BC, TO_WS)
-        _store_a_block(aqk_st, ws, ak1, aq1, BC, rows, bt, scale, io_mask, C, BC, TO_WS)
-        _store_a_block(aqk_st, ws, ak2, aq2, 2 * BC, rows, bt, scale, io_mask, C, BC, TO_WS)
-        _store_a_block(aqk_st, ws, ak3, aq3, 3 * BC, rows, bt, scale, io_mask, C, BC, TO_WS)
-        if AKK_IN_REGS:
-            M, diag = _akk_in_registers(ak0, ak1, ak2, ak3, bt, rows, C, BC)
-            T = _unit_lower_inverse(ws, M, diag, rows, C, BC, DOT, False).to(dt)
-        else:
-            tl.debug_barrier()
-            T = _unit_lower_inverse(ws, None, None, rows, C, BC, DOT, True).to(dt)
+        _store_aqk_block(aqk_st, aq0, 0, rows, scale, io_mask, BC)
+        _store_aqk_block(aqk_st, aq1, BC, rows, scale, io_mask, BC)
+        _store_aqk_block(aqk_st, aq2, 2 * BC, rows, scale, io_mask, BC)
+        _store_aqk_block(aqk_st, aq3, 3 * BC, rows, scale, io_mask, BC)
+        M, diag = _akk_in_registers(ak0, ak1, ak2, ak3, bt, rows, C, BC)
+        T = _unit_lower_inverse(M, diag, rows, C, BC, DOT).to(dt)
         bt = tl.load(beta + rows * H, mask=valid, other=0.0)
         for kb in range(0, D // BK):
             cols = kb * BK + tl.arange(0, BK)

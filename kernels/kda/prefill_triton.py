@@ -115,7 +115,7 @@ def kda_prefill_block(
     norm_eps: float = 1e-6, block_v: int | None = None, k_block: int | None = None, num_warps: int = 4,
     prep_warps: int = 8, ut_warps: int = 4, recurrence_warps: int = 4, stages: int = 3, f32_dots: bool = False,
     ut_maxnreg: int | None = 168, few_block_v: int = 16, ut_stages: int = 3, fuse_output: bool | None = None,
-    fused_warps: int = 8, fused_stages: int = 2, ut_akk_in_registers: bool = False,
+    fused_warps: int = 8, fused_stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.kda.naive.kda_prefill_block, plus tuning arguments.
 
@@ -144,8 +144,6 @@ def kda_prefill_block(
       the SMs (B=8, H=32: 256 programs) and no sequence holds over 1.25x the mean chunk count; with few of
       them (B=1, H=16) the recurrence needs its value-column split to have enough programs. fused_stages:
       its chunk loop's pipelining depth (3 needs 288 KB of shared memory on sm_90a: 2, 197 KB, fits).
-    - ut_akk_in_registers: the UT pass assembles Akk from its four key sub-block accumulators in registers
-      instead of a round trip through a float32 scratch tile in global memory (not timed yet).
     cu_seqlens may live on the CPU (no device sync then)."""
     args = (q, k, v, z, beta, gate, conv_weight, A_log, dt_bias, norm_weight)
     if lower_bound is None:
@@ -186,10 +184,9 @@ def kda_prefill_block(
             chunk_seq, chunk_start, qn, kn, vc, g, beta_f, lower_bound, l2_eps, **shape, W=W,
             HAS_CONV=initial_conv is not None, num_warps=prep_warps)
         _kda_chunk_ut_kernel[grid](
-            qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc,
-            gc if ut_akk_in_registers else torch.empty(n_chunks, H, CHUNK, CHUNK, device=dev, dtype=torch.float32),
-            scale, **shape, BC=SUB, BK=k_block, F32_DOTS=f32_dots or q.dtype == torch.float16, DOT=dot,
-            AKK_IN_REGS=ut_akk_in_registers, num_warps=ut_warps, num_stages=ut_stages, maxnreg=ut_maxnreg)
+            qn, kn, vc, g, beta_f, cu, chunk_seq, chunk_start, *work, aqk, gc, scale, **shape, BC=SUB,
+            BK=k_block, F32_DOTS=f32_dots or q.dtype == torch.float16, DOT=dot, num_warps=ut_warps,
+            num_stages=ut_stages, maxnreg=ut_maxnreg)
     if fuse_output is None:  # an explicit block_v asks for the split recurrence
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         fuse_output = not block_v and fuses_output(lengths, H, dev)

@@ -46,7 +46,9 @@ SHAPES = (
 # Session 7's third run (history 31) made three variants the only form, block ms at 32K / 128K / B=8 / varlen:
 # the UT and output passes chunk-major (2.04 -> 2.00, 8.13 -> 7.99, 3.47 -> 3.42, 4.00 -> 3.91), the UT's
 # row scaling in bf16 (-> 1.98, 7.86, 3.36, 3.85), the recurrence longest sequence first (-> 1.97, 7.82, 3.37,
-# 3.55: varlen's recurrence 0.78 -> 0.48 ms).
+# 3.55: varlen's recurrence 0.78 -> 0.48 ms). Session 8 (history 32): the UT pass's Akk assembled in
+# registers, not through a float32 scratch tile in global memory, is the only form (1.96 -> 1.84, 7.78 ->
+# 7.34, 3.34 -> 3.12, 3.53 -> 3.31).
 VARIANTS = (
     ("default", {}, None),
     # None: its recurrence kernel time leaves out the output pass, which the fused one includes
@@ -62,10 +64,6 @@ VARIANTS = (
     ("out w8", {"num_warps": 8}, "_kda_chunk_output_kernel"),
     ("ut f32 dots", {"f32_dots": True}, "_kda_chunk_ut_kernel"),
     ("prep w16", {"prep_warps": 16}, "_kda_prep_kernel"),
-    # Not timed yet (history 31): Akk assembled in registers instead of the float32 scratch tile's global
-    # round trip (16 KB written and read back per program); sm_90a (Triton 3.6): 7135 -> 6943 instructions,
-    # 180 -> 162 barriers, no spills, the same 67 KB of shared memory. For B=8, whose UT pass is half the block.
-    ("ut akk regs", {"ut_akk_in_registers": True}, "_kda_chunk_ut_kernel"),
     # Last: 8-warp UT programs ran on Triton 3.6 / H200 this round, but an earlier 8-warp form faulted, and a
     # fault ends the process. 128 registers: 2 programs of 8 warps per SM.
     ("ut w8 cap128", {"ut_warps": 8, "ut_maxnreg": 128}, "_kda_chunk_ut_kernel"),

@@ -8,7 +8,7 @@ import torch
 from kernels import dispatch
 from kernels._triton import tl, triton
 from kernels.kda import naive, prefill_triton
-from kernels.kda.prefill_chunk_triton import _diagonal_block_inverses
+from kernels.kda.prefill_chunk_triton import _akk_in_registers, _diagonal_block_inverses
 from tests.kernels.kda_inputs import KdaCase
 from tests.kernels.test_kda_decode import _float64_step
 
@@ -49,14 +49,12 @@ def test_reference_prefill_matches_float64_token_by_token():
     (None, 32, {"fuse_output": False}),
     (16, 32, {"ut_maxnreg": None, "stages": 2, "ut_stages": 2}),
     (None, 16, {"fuse_output": True}),
-    (None, 16, {"ut_akk_in_registers": True}),
 ])
 def test_triton_prefill_matches_reference(interpreted, block_v, k_block, tuning):
     """Two sequences of 70 tokens (a full chunk and a partial one) continuing carried states, D = 32: the
     UT transform in one or two key-column blocks; the prologue's conv taps before the chunk are negative
     32-bit row offsets; the output pass on its own or inside the recurrence; with two value blocks (block_v
-    16) the recurrence's programs of a (sequence, head) adjacent; Akk assembled in registers, not through
-    the scratch tile."""
+    16) the recurrence's programs of a (sequence, head) adjacent."""
     case = KdaCase(heads=2, dim=32)
     gen = torch.Generator().manual_seed(12)
     params = case.params(gen)
@@ -127,25 +125,25 @@ def test_triton_prefill_at_the_gate_bound_without_carried_state(interpreted):
     _close(got, want)
 
 
-@pytest.mark.parametrize("akk_in_registers", [False, True])
-def test_triton_prefill_with_nearly_parallel_keys(interpreted, akk_in_registers):
+def test_triton_prefill_with_nearly_parallel_keys(interpreted):
     """One key direction for the whole chunk, beta ~ 1, no decay: I + beta Akk is close to I plus the
-    all-ones lower triangle, whose inverse only exists by cancellation (the inverse's hardest case); Akk
-    through the scratch tile or assembled in registers."""
+    all-ones lower triangle, whose inverse only exists by cancellation (the inverse's hardest case)."""
     gen = torch.Generator().manual_seed(18)
     params = CASE.params(gen)
     q, k, v, z, beta, gate = CASE.tokens(gen, 1, 64)
     k = k[:, :1] + 0.01 * k  # the conv of one repeated key is one direction after its first taps
     z, beta = torch.full_like(z, -30.0), beta.abs() + 8.0
-    got = prefill_triton.kda_prefill_block(q, k, v, z, beta, gate, *params, ut_akk_in_registers=akk_in_registers)
+    got = prefill_triton.kda_prefill_block(q, k, v, z, beta, gate, *params)
     _close(got, naive.kda_prefill_block(q, k, v, z, beta, gate, *params))
 
 
 @triton.jit
 def _inverses_kernel(m, out, C: tl.constexpr, BC: tl.constexpr):
-    x = _diagonal_block_inverses(m, C, BC, "ieee")
-    blocks = tl.arange(0, C // BC)[:, None, None] * BC * BC
-    tl.store(out + blocks + tl.arange(0, BC)[None, :, None] * BC + tl.arange(0, BC)[None, None, :], x)
+    b3 = tl.arange(0, C // BC)[:, None, None]
+    r3 = tl.arange(0, BC)[None, :, None]
+    j3 = tl.arange(0, BC)[None, None, :]
+    x = _diagonal_block_inverses(tl.load(m + (b3 * BC + r3) * C + b3 * BC + j3), C, BC, "ieee")
+    tl.store(out + b3 * BC * BC + r3 * BC + j3, x)
 
 
 def test_diagonal_block_inverses_match_float64(interpreted):
@@ -157,6 +155,30 @@ def test_diagonal_block_inverses_match_float64(interpreted):
         block = m[16 * b:16 * (b + 1), 16 * b:16 * (b + 1)].double()
         want = torch.linalg.inv(torch.eye(16, dtype=torch.float64) + block)
         torch.testing.assert_close(got[b].double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@triton.jit
+def _akk_kernel(parts, bt, m_out, diag_out, C: tl.constexpr, BC: tl.constexpr):
+    rows = tl.arange(0, C)
+    tile = rows[:, None] * BC + tl.arange(0, BC)[None, :]
+    m, diag = _akk_in_registers(tl.load(parts + tile), tl.load(parts + C * BC + tile),
+                                tl.load(parts + 2 * C * BC + tile), tl.load(parts + 3 * C * BC + tile),
+                                tl.load(bt + rows), rows, C, BC)
+    tl.store(m_out + rows[:, None] * C + rows[None, :], m)
+    flat = tl.arange(0, C // BC)[:, None, None] * BC * BC + tl.arange(0, BC)[None, :, None] * BC
+    tl.store(diag_out + flat + tl.arange(0, BC)[None, None, :], diag)
+
+
+def test_akk_assembled_in_registers_matches_torch(interpreted):
+    """The UT pass's beta Akk [64, 64] (i < r) and its four diagonal 16x16 blocks, assembled from the four
+    key sub-blocks' [64, 16] accumulators in registers, against torch's concatenation of the same parts."""
+    gen = torch.Generator().manual_seed(20)
+    parts, bt = torch.randn(4, 64, 16, generator=gen), torch.rand(64, generator=gen)
+    m, diag = torch.empty(64, 64), torch.empty(4, 16, 16)
+    _akk_kernel[(1,)](parts, bt, m, diag, C=64, BC=16)
+    want = (torch.cat(list(parts), dim=1) * bt[:, None]).tril(-1)
+    assert torch.equal(m, want)
+    assert torch.equal(diag, torch.stack([want[16 * b:16 * (b + 1), 16 * b:16 * (b + 1)] for b in range(4)]))
 
 
 def test_softplus_gate_runs_the_reference_and_dispatch_routes_cpu_to_it():
