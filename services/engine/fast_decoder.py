@@ -60,6 +60,7 @@ class FastDecoder:
         # chunk length made new prompt lengths compile new variants (services/engine/fast_prefill.py).
         self.logits_launch: dict = {}
         self.inter_launch: dict = {}
+        self.merge_launch: dict = {}  # of every site's merge + norm (the prefill fast path: no h)
         if config.uses_attn_res:
             layers = model.model.layers
             # Every site in forward order (layer i's attention and MLP sites are 2i and 2i + 1), the final last:
@@ -124,10 +125,10 @@ class FastDecoder:
         def complete(block: torch.Tensor) -> None:  # its logits against the sites after it, once
             nonlocal done
             first = min(2 * done * size, n_sites - 1)
-            stacked[done].copy_(block)
+            # the same launch copies the block into the buffer (at decode sizes: no copy launch)
             dispatch.attnres_block_logits(self.site_queries[first:], block, self.site_key_norms[first:], eps,
                                           out=logits[first:, done], parts=self.site_query_parts[:, first:],
-                                          **self.logits_launch)
+                                          copy_to=stacked[done], **self.logits_launch)
             done += 1
 
         complete(h)
@@ -143,7 +144,8 @@ class FastDecoder:
                 row = inter.row(2 * (i % size) + j)
                 _, normed = dispatch.attnres_merge_norm(
                     row.max, row.denom, row.acc, site.query, partial, norm.weight,
-                    key_norm_weight=site.norm.weight, key_eps=eps, out_eps=norm.eps, out_dtype=h.dtype)
+                    key_norm_weight=site.norm.weight, key_eps=eps, out_eps=norm.eps, out_dtype=h.dtype,
+                    **self.merge_launch)
                 partial = self._sublayer(j, i, normed, partial, *args)
             if (i + 1) % size == 0:
                 complete(partial)
@@ -156,7 +158,7 @@ class FastDecoder:
                                        logits=logits[-1:, :done], **self.inter_launch).row(0)
         _, normed = dispatch.attnres_merge_norm(stats.max, stats.denom, stats.acc, final.query, None, norm.weight,
                                                 key_norm_weight=final.norm.weight, key_eps=eps, out_eps=norm.eps,
-                                                out_dtype=h.dtype)
+                                                out_dtype=h.dtype, **self.merge_launch)
         return normed
 
 

@@ -30,6 +30,7 @@ from services.engine.fast_ffn import MoeDecode
 ENV = "K3_PREFILL_FASTPATH"  # "0": prefill forwards run the reference layers (with the grouped MoE forms)
 LOGITS_LAUNCH = {"rows": 64, "chunks": 1}  # attnres_block_logits: one program per 64 rows and sites tile
 INTER_LAUNCH = {"chunks": (1, 1)}  # attnres_inter: all of D per program
+MERGE_LAUNCH = {"store_h": False}  # attnres_merge_norm: h is never read (a fifth fewer bytes, docs/kernels.md)
 # Row counts a worker's warm-up prefills besides its full-budget chunk and odd tail (services/engine/warmup.py),
 # so that no later chunk length compiles a variant: 12 for the counts that are multiples of 4 but not of 16
 # (float32 row offsets 16-byte aligned, the count itself not divisible by 16), 2 for a variant of its own that
@@ -68,6 +69,7 @@ class FastPrefill:
         # inside the request (~3.5 s on the H200 for a 512- or 4096-token chunk after the warm-up's 8192 + 7).
         self.decoder.logits_launch = dict(LOGITS_LAUNCH)
         self.decoder.inter_launch = dict(INTER_LAUNCH)
+        self.decoder.merge_launch = dict(MERGE_LAUNCH)
 
     @staticmethod
     def applies(decoder: FastDecoder) -> bool:
