@@ -46,7 +46,7 @@ SHAPES = (
 # Session 7's third run (history 31) made three variants the only form, block ms at 32K / 128K / B=8 / varlen:
 # the UT and output passes chunk-major (2.04 -> 2.00, 8.13 -> 7.99, 3.47 -> 3.42, 4.00 -> 3.91), the UT's
 # row scaling in bf16 (-> 1.98, 7.86, 3.36, 3.85), the recurrence longest sequence first (-> 1.97, 7.82, 3.37,
-# 3.55: varlen's recurrence 0.78 -> 0.48 ms). Session 8 (history 32): the UT pass's Akk assembled in
+# 3.55: varlen's recurrence 0.78 -> 0.48 ms). Session 8 (history 33): the UT pass's Akk assembled in
 # registers, not through a float32 scratch tile in global memory, is the only form (1.96 -> 1.84, 7.78 ->
 # 7.34, 3.34 -> 3.12, 3.53 -> 3.31).
 VARIANTS = (

@@ -21,7 +21,9 @@
 # 7's second run returned one (26.5 MB in two parts: ours' four variants, fla's kernels of all three warm-ups
 # up to their cut and its 32K autotuning), kept in .device/ as kda_triton_cache.tgz.00 / .01 for CACHE_IN.
 # Session 7's third run (history 31), carry [".whl", ".device"]: warm-ups 65 s with that cache (none cut), F0
-# (default, fla, three variants) 59 s; its own cache replaced the .device/ parts.
+# (default, fla, three variants) 59 s; its own cache replaced the .device/ parts. Session 8 (history 33), warm
+# machine, the same carry, BUDGET=170 T_WARM=100 SAVE_CACHE=1 F0_PEER=second F0_VARIANTS="ut akk regs":
+# warm-ups 55 s, F0 (default, fla, one variant) 17 s, the cache packed after 77 s; 78 device-seconds.
 set -u
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
