@@ -219,7 +219,7 @@ def _served_rows(shape: str, dim: int, M: int, phases: list[tuple[int, int, int]
     del got
     moved = sum(phase1_bytes(M, dim, N, Q, S, copy=True) for N, Q, S in phases)
     ms, how = time_ms(served)
-    impl = ("fused copy: logits (+ copy) + apply" if fused_copy else "as served: copy + logits + apply") + " per phase"
+    impl = ("as served: logits (+ block copy) + apply" if fused_copy else "copy launch + logits + apply") + " per phase"
     return [Row("attnres_phase1_served", shape, impl, ms, moved, note=how, extra=err)]
 
 
