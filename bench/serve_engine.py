@@ -63,6 +63,17 @@ class GcPauses:
         return f"gc passes by generation {self.passes}, {1e3 * self.seconds:.1f} ms in the timed window"
 
 
+def allocations() -> tuple[int, float, int]:
+    """So far in this process: pinned host blocks torch's host allocator made (`cudaHostAlloc` calls), their
+    microseconds, and device segments its caching allocator made (`cudaMalloc` calls); zeros without CUDA or
+    the statistics. A growth inside a timed window is host time on the step's critical path."""
+    if not torch.cuda.is_available():
+        return 0, 0.0, 0
+    host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    return (int(host.get("num_host_alloc", 0)), float(host.get("host_alloc_time.total", 0.0)),
+            int(torch.cuda.memory_stats().get("num_device_alloc", 0)))
+
+
 def build_engine(rank: Rank, batch: int) -> Engine:
     """An engine over the rank's manager, model and fast path (TP 1, greedy, no tokenizer)."""
     rank.runner.decode_fastpath = lambda manager, tp_size, speculative=False: rank.fast  # the executor takes the rank's fast path
@@ -158,6 +169,7 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
         clock.clear()
         counts = pipeline.counts()
         sync()
+        allocated = allocations()
         started = time.perf_counter()
         with GcPauses() as pauses:
             run(engine._step, steps)
@@ -165,7 +177,9 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
             sync()
         wall = (time.perf_counter() - started) / steps
         clock.pipeline = counts_since(counts, pipeline.counts())
-        print(f"  batch {len(rids)}: {pauses}", flush=True)
+        clock.allocations = [now - before for now, before in zip(allocations(), allocated, strict=True)]
+        print(f"  batch {len(rids)}: {pauses}; allocated in it: {clock.allocations[0]} pinned host blocks "
+              f"({clock.allocations[1]:.0f} us), {clock.allocations[2]} device segments", flush=True)
     finally:
         sampler.SampledTokens.array = result  # type: ignore[method-assign]
         sampler.SampledTokens.device_rows = rows  # type: ignore[method-assign]

@@ -33,6 +33,8 @@ class StepClock:
         self._unlabelled = False  # the last launch made an entry of `steps` that has no mode yet
         # the engine's `PipelineMetrics.counts` differences over the timed steps (`engine_decode`)
         self.pipeline: dict[str, dict[str, int]] = {}
+        # over the timed steps: pinned host blocks made, their microseconds, device segments (`engine_decode`)
+        self.allocations: list[float] = [0, 0.0, 0]
         # events made ahead (4 a step): creating one on the critical path would add to what is measured
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4 * steps)] if self.cuda else []
 
@@ -101,7 +103,7 @@ class StepClock:
         with their steps' modes (`slowest_cycles`: where a mean above the median comes from)."""
         sync()
         parts: dict[str, list[float]] = {"draw": [], "wake": [], "to_launch": [], "launch": [], "cycle": []}
-        cycles: list[tuple[float, int, str]] = []
+        cycles: list[tuple[float, int, str, dict[str, float]]] = []
         for k, (before, this) in enumerate(zip(self.steps, self.steps[1:], strict=False), start=1):
             if len(before) < 4:
                 continue
@@ -111,19 +113,22 @@ class StepClock:
             parts["to_launch"].append(self._elapsed(ready, prelaunch))
             parts["launch"].append(self._elapsed(prelaunch, end) - (0.0 if math.isnan(replay_s) else replay_s))
             parts["cycle"].append(self._elapsed(before[2], end))
-            cycles.append((parts["cycle"][-1], k, self.modes[k]))
+            cycles.append((parts["cycle"][-1], k, self.modes[k], {n: parts[n][-1] for n in PARTS}))
         out: dict = {f"{name}_us": 1e6 * statistics.median(v) for name, v in parts.items() if v}
         if parts["cycle"]:
             out["cycle_mean_us"] = 1e6 * statistics.fmean(parts["cycle"])
         host = {"launch_call": self.launch_host_s, "host_to_launch": self.host_to_launch_s, "waited": self.waited_s}
         out.update({f"{name}_us": 1e6 * statistics.median(v) for name, v in host.items() if v})
         out["pipeline"] = self.pipeline
-        out["slowest_cycles"] = [{"step": k, "cycle_us": 1e6 * cycle, "mode": mode}
-                                 for cycle, k, mode in sorted(cycles, reverse=True)[:SLOWEST]]
+        out["pinned_allocs"], out["pinned_alloc_us"], out["device_allocs"] = self.allocations
+        out["slowest_cycles"] = [{"step": k, "cycle_us": 1e6 * cycle, "mode": mode,
+                                  "parts_us": {n: 1e6 * v for n, v in split.items()}}
+                                 for cycle, k, mode, split in sorted(cycles, reverse=True)[:SLOWEST]]
         return out
 
 
-SLOWEST = 3  # the slowest cycles a row reports
+SLOWEST = 3  # the slowest cycles a row reports, each with its parts (where a long one's time went)
+PARTS = ("draw", "wake", "to_launch", "launch")
 
 
 def critical_path_line(path: dict) -> str:
@@ -134,7 +139,9 @@ def critical_path_line(path: dict) -> str:
     counts = path.get("pipeline", {})
     fallbacks = [f"{stage}/{reason} {n}" for stage in ("lookahead", "overlap")
                  for reason, n in counts.get(stage, {}).items()]
-    slowest = [f"{c['cycle_us']:.0f} ({c['mode']}, step {c['step']})" for c in path.get("slowest_cycles", [])]
+    slowest = [f"{c['cycle_us']:.0f} ({c['mode']}, step {c['step']}: "
+               + " ".join(f"{n} {v:.0f}" for n, v in c.get("parts_us", {}).items()) + ")"
+               for c in path.get("slowest_cycles", [])]
     return (f"{line}\n  steps by mode: {counts.get('steps', {})}; fallbacks: {', '.join(fallbacks) or 'none'}; "
             f"slowest cycles (us): {', '.join(slowest) or 'none'}")
 

@@ -60,7 +60,6 @@ skinny_linear = _dispatcher("kernels.fused.naive", "kernels.fused.skinny_gemm_tr
 greedy_argmax = _dispatcher("kernels.fused.naive", "kernels.fused.greedy_argmax_triton", "greedy_argmax")
 lookahead_prologue = _dispatcher("kernels.fused.naive", "kernels.fused.lookahead_prologue_triton",
                                  "lookahead_prologue")
-l2_prefetch = _dispatcher("kernels.fused.naive", "kernels.fused.l2_prefetch_triton", "l2_prefetch")
 
 
 def kda_verify_replay(*args: Any, **kwargs: Any) -> Any:

@@ -131,8 +131,3 @@ def lookahead_prologue(tokens: torch.Tensor, kda_slots: torch.Tensor, row_base: 
     tokens = torch.where(ahead, drawn[source.clamp(min=0)], tokens)
     stopped = ((stops == tokens[None]).any(0) & ahead)[None]
     return tokens, kda_slots.masked_fill(stopped, scratch_kda), row_base.masked_fill(stopped, scratch_base)
-
-
-def l2_prefetch(t: torch.Tensor) -> None:
-    """An L2 prefetch of `t`'s bytes: a hint that changes no value, so the reference does nothing (a CPU
-    tensor has no device L2 to warm)."""

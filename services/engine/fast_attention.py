@@ -28,7 +28,6 @@ from k3core.layers.mla import GatedMLA
 from k3core.ops.mla import split_kv_b
 from kernels import dispatch
 from services.engine.derived_weights import DerivedWeights
-from services.engine.weight_prefetch import prefetch
 
 L2_EPS = 1e-6  # k3core.ops.kda.l2norm's default, what the reference layer uses
 MLA_SPLITS_ENV = "K3_MLA_SPLITS"  # a fixed split count for the MLA decode kernel (bench.serve --variant); unset:
@@ -124,7 +123,6 @@ class KdaDecode:
         # The step kernel; None: `dispatch.kda_decode_step`, looked up per call. A verify forward sets its
         # window form here for the duration of the forward (services/engine/fast_verify.py).
         self.step: Callable[..., torch.Tensor] | None = None
-        self.prefetch_next: torch.Tensor | None = None  # the next GEMM weight worth an L2 prefetch (weight_prefetch)
 
     @staticmethod
     def projections(c: K3Config, residual: bool) -> list[Projection]:
@@ -146,12 +144,10 @@ class KdaDecode:
             g = attn.g_b_proj(g)
         q, k, v, z, g = (t.view(batch, heads, dim) for t in (q, k, v, z, g))  # row-strided views, no copy
         step = dispatch.kda_decode_step if self.step is None else self.step
-        prefetch(attn.o_proj.weight, "kda-out")
         y = step(q, k, v, z, beta, g, self.conv_w, self.a_log, self.dt_bias,
                                      attn.o_norm.weight, self.state, self.conv, slots,
                                      lower_bound=attn.lower_bound, scale=attn.scale, l2_eps=L2_EPS,
                                      norm_eps=attn.eps)  # [B, H, D]
-        prefetch(self.prefetch_next, "moe-x")
         return linear_add(y.reshape(batch, heads * dim), attn.o_proj.weight, residual)
 
 
@@ -169,7 +165,6 @@ class MlaDecode:
         self.w_uv_t = derived.derive(lambda: kv_b()[1].transpose(1, 2).contiguous())  # [H, R, Dv]
         self.cache = views.mla_cache(attn.mla_index)
         self.rows = views.mla_rows()
-        self.prefetch_next: torch.Tensor | None = None  # the next GEMM weight worth an L2 prefetch (weight_prefetch)
 
     @staticmethod
     def projections(c: K3Config, residual: bool) -> list[Projection]:
@@ -200,8 +195,6 @@ class MlaDecode:
         join(side)
         o_latent = dispatch.mla_decode_paged(absorbed, self.cache, page_table, lengths, attn.scale,
                                              latent_dim=attn.rank, **mla_tuning(absorbed))
-        prefetch(attn.o_proj.weight, "mla-out")
         o = torch.bmm(o_latent.transpose(0, 1).to(x.dtype), self.w_uv_t.to(x.dtype))  # [H, B, Dv]
         o = dispatch.gated_heads(o, parts[2]) if attn.output_gate else o.transpose(0, 1).reshape(batch, -1)
-        prefetch(self.prefetch_next, "moe-x")
         return linear_add(o, attn.o_proj.weight, residual)

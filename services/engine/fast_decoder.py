@@ -18,7 +18,6 @@ from k3core.layers.kda import KimiDeltaAttention
 from k3core.model import K3Model
 from kernels import dispatch
 from kernels.attnres.query_parts import query_parts
-from services.engine import weight_prefetch
 from services.engine.decode_inputs import DecodeInputs
 from services.engine.derived_weights import DerivedWeights
 from services.engine.fast_attention import KdaDecode, MlaDecode, Projection, rms
@@ -51,10 +50,6 @@ class FastDecoder:
                                       op(x, inp.page_table[g], inp.lengths, inp.row_base[g] + s, residual))
             self.ffn.append(MoeDecode(layer.block_sparse_moe, config, grouped, derived) if layer.is_moe
                             else MlpDecode(layer.mlp, config))
-            if isinstance(self.ffn[-1], MoeDecode):  # its x GEMM follows the attention's output GEMM
-                op.prefetch_next = self.ffn[-1].in_weight
-            if len(self.ffn) > 1 and isinstance(self.ffn[-2], MoeDecode):  # this input GEMM follows its output GEMM
-                self.ffn[-2].prefetch_next = op.weight
         # Extra launch arguments of the AttnRes phase-1 kernels. Empty here: each launcher plans for the batch
         # size (the decode buckets' warm-up compiles those); the prefill fast path pins them, since a plan per
         # chunk length made new prompt lengths compile new variants (services/engine/fast_prefill.py).
@@ -95,9 +90,7 @@ class FastDecoder:
         `fast_prefill.PrefillInputs` for the prefill fast path's forms)."""
         backbone = self.model.model
         h = backbone.embed_tokens(tokens)
-        normed = self._attn_res(h, inp) if self.config.uses_attn_res else rms(backbone.norm, self._residual(h, inp))
-        weight_prefetch.join(normed)  # a capture ends with every branch joined
-        return normed
+        return self._attn_res(h, inp) if self.config.uses_attn_res else rms(backbone.norm, self._residual(h, inp))
 
     def _sublayer(self, kind: int, i: int, x: torch.Tensor, residual: torch.Tensor | None,
                   *args: DecodeInputs) -> torch.Tensor:

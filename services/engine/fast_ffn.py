@@ -31,7 +31,6 @@ from k3core.ops.moe import swiglu
 from kernels import dispatch
 from services.engine.derived_weights import DerivedWeights
 from services.engine.fast_attention import Projection, fork, fuse_linears, join, linear_add, on, rms
-from services.engine.weight_prefetch import prefetch
 
 ExpertRows = tuple[torch.Tensor, torch.Tensor, int, int]  # rows, index, index_stride, token_stride (moe_combine)
 RoutedSum = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (z, weights, indices) -> [T, l]
@@ -120,7 +119,6 @@ class MoeDecode:
         # The router kernel accumulates in float32 (MoEGate's float32 logits) from the weight as stored.
         self.router = moe.gate.weight.detach()
         self.activation = "situ" if config.hidden_act == "situ" else "swiglu"
-        self.prefetch_next: torch.Tensor | None = None  # the next GEMM weight worth an L2 prefetch (weight_prefetch)
         # Set by a tensor-parallel rank (fast_tensor_parallel.ShardedMoe): the routed sum goes through it (this
         # rank's experts' share, all-reduced between the sum and the latent norm), so the tail runs unfused.
         self.routed_wrapper: Callable[[RoutedSum, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -190,13 +188,11 @@ class MoeDecode:
         rows, index, index_stride, token_stride = (self._expert_rows_dense if dense else self._expert_rows_grouped)(
             z, indices)
         join(side)
-        prefetch(self.out_weight, "moe-out")  # beside the combine: its GEMM comes next
         norm = moe.routed_expert_norm if moe.latent else None
         tail = dispatch.moe_combine(rows, index, weights, index_stride, token_stride,
                                     None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps,
                                     shared_gate_up, self.activation, self.config.situ_beta,
                                     self.config.situ_linear_beta, out_dtype=x.dtype)
-        prefetch(self.prefetch_next, "attn-in")
         if moe.latent:
             return linear_add(tail, self.out_weight, residual)
         out = tail if self.shared_down is None else \

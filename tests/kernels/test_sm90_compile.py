@@ -36,7 +36,6 @@ from kernels.fused import (
     expert_gemm_triton,
     gated_heads_triton,
     greedy_argmax_triton,
-    l2_prefetch_triton,
     lookahead_prologue_triton,
     mla_latent_write_triton,
     moe_align_triton,
@@ -219,12 +218,6 @@ def lookahead_prologue(batch: int) -> None:
                                                  torch.zeros(batch, dtype=I64), 0, 0)
 
 
-def l2_prefetch() -> None:
-    """services/engine/weight_prefetch: the L2 prefetch of a decode GEMM's weight (mini's MoE out, x and o_proj)."""
-    for n, k in ((HIDDEN, LATENT + 2 * F_MOE), (LATENT + 4 * F_MOE, HIDDEN), (HIDDEN, HIDDEN)):
-        l2_prefetch_triton.l2_prefetch(empty(n, k))
-
-
 def launch_floor() -> None:
     attnres_cases._empty_kernel[(132,)](empty(132, dtype=I32))
 
@@ -240,7 +233,6 @@ CASES = {
     **{f"skinny gemm T={t}": lambda t=t: skinny_gemm(t) for t in DECODE_BATCHES},
     **{f"greedy argmax B={b}": lambda b=b: greedy_draw(b) for b in DECODE_BATCHES},
     **{f"lookahead prologue B={b}": lambda b=b: lookahead_prologue(b) for b in DECODE_BATCHES},
-    "l2 prefetch": l2_prefetch,
     "launch floor": launch_floor,
 }
 
