@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from kernels._triton import next_pow2, require, sm_count, tl, triton
-from kernels.moe import gate_up_gluon
+from kernels.moe import decode_gluon
 from kernels.moe.mxfp4_tile_triton import prepare
 from kernels.moe.tiles import Tile, default_tiles
 
@@ -132,9 +132,13 @@ if triton is not None:
         tl.store(out + t * L + cols, total.to(out.dtype.element_ty), mask=cols < L)
 
 
-# Gluon gate/up stages (session 8, history 32: 16.5 / 45.4 / 125.6 us at T = 1 / 4 / 16 against the Triton
-# kernel's 23.1 / 65.9 / 166.2 in the same run; 2 stages alike, 4 slower at T = 4 / 16).
+# The Gluon kernels' cp.async stages and down tile where the caller names none (session 8, history 32, same
+# run, us at T = 1 / 4 / 16: gate/up 17.1 / 46.9 / 124.7 against the Triton kernel's 23.4 / 66.3 / 164.3, 2
+# stages alike, 4 slower at T = 4 / 16; down at 4 warps 10.1 / 25.8 / 63.8, at 2 warps (the Triton kernel's
+# default) 11.0 / 27.5 / 68.4, Triton 13.5 / 36.5 / 93.9). The gate/up tile stays default_tiles' 64 x 128 at
+# 2 warps: 4 warps or 32 rows were slower at T = 4 / 16.
 GLUON_STAGES = 3
+GLUON_DOWN_TILE = Tile(128, 128, 4, 3)
 
 
 class PreparedExperts(NamedTuple):
@@ -165,7 +169,7 @@ def latent_moe_decode(
     gate_up_packed: torch.Tensor, gate_up_scales: torch.Tensor, down_packed: torch.Tensor,
     down_scales: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None,
     down_tile: Tile | None = None, token_block: int = 16, h_parts: int | None = None,
-    gluon_stages: int | None = None,
+    gluon_stages: int | None = None, gluon_down_stages: int | None = None,
 ) -> torch.Tensor:
     """u = sum_j p_j E_{id_j}(x) per token (eq.11's routed sum, in the latent width l).
 
@@ -184,22 +188,24 @@ def latent_moe_decode(
     require(down_scales.shape == (E, L, F // 32), f"down_scales must be [{E}, {L}, {F // 32}]")
     experts = prepare_experts(gate_up_packed, gate_up_scales, down_packed, down_scales)
     return latent_moe_decode_prepared(x, expert_ids, expert_weights, experts, beta1, beta2, gate_up_tile,
-                                      down_tile, token_block, h_parts, gluon_stages)
+                                      down_tile, token_block, h_parts, gluon_stages, gluon_down_stages)
 
 
 def latent_moe_decode_prepared(
     x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, experts: PreparedExperts,
     beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None, down_tile: Tile | None = None,
     token_block: int = 16, h_parts: int | None = None, gluon_stages: int | None = None,
+    gluon_down_stages: int | None = None,
 ) -> torch.Tensor:
     """latent_moe_decode on `prepare_experts`' layout. Tuning: `gate_up_tile` and `down_tile`
     (kernels.moe.tiles.Tile; default: `default_tiles` by T k and the SM count), `token_block` tokens of one
     expert per product (>= 16; an expert chosen by more tokens takes several passes), `h_parts` bf16 parts
     of the SiTU-GLU output h in the down product (default: as many as x's dtype needs, so h keeps x's
-    precision: 1 for bf16, 2 for fp16, 3 for float32). The gate/up step runs in Gluon
-    (kernels.moe.gate_up_gluon) where it serves the call (CUDA, bf16, T <= 16, 64 x 128 2-warp tiles: every
-    decode batch with the default tiles), with `gluon_stages` cp.async stages (default GLUON_STAGES; 0: the
-    Triton kernel everywhere), else in Triton.
+    precision: 1 for bf16, 2 for fp16, 3 for float32). Each projection runs in Gluon
+    (kernels.moe.decode_gluon) where it serves the call (CUDA, bf16, T <= 16, 128-column tiles: every decode
+    batch with the default tiles; down: GLUON_DOWN_TILE unless `down_tile` is given), with `gluon_stages`
+    (gate/up) and `gluon_down_stages` cp.async stages (default GLUON_STAGES; 0: that projection's Triton
+    kernel), else in Triton.
     """
     T, L = x.shape
     gu_words, gu_mults, d_words, d_mults = experts
@@ -218,8 +224,13 @@ def latent_moe_decode_prepared(
             f"token_block must be a power of two >= 16, got {token_block}")
     hp = h_parts or _parts(x.dtype)
     require(1 <= hp <= 3, f"h_parts must be 1, 2 or 3, got {h_parts}")
+    stages, down_stages = (GLUON_STAGES if s is None else s for s in (gluon_stages, gluon_down_stages))
     default_gu, default_down = default_tiles(T * K, sm_count(x.device, cpu=132))
-    gu_tile, d_tile = gate_up_tile or default_gu, down_tile or default_down
+    gu_tile = gate_up_tile or default_gu
+    gluon_gate_up = bool(stages) and token_block == 16 and decode_gluon.serves_gate_up(x, F, gu_tile)
+    gluon_down = bool(down_stages) and token_block == 16 and decode_gluon.serves_down(
+        x, F, hp, down_tile or GLUON_DOWN_TILE)
+    d_tile = down_tile or (GLUON_DOWN_TILE if gluon_down else default_down)
     require(gu_tile.splits == 1, f"gate/up tiles cannot split the reduction (SiTU-GLU needs whole sums), got "
             f"splits={gu_tile.splits}")
     gu_groups, d_groups = gu_tile.groups(L), d_tile.groups(F)
@@ -228,9 +239,8 @@ def latent_moe_decode_prepared(
     common = {"TP": max(16, next_pow2(T)), "BK": next_pow2(K), "BT": token_block, "HP": hp,
               "USE_ASM": x.is_cuda}
     h = torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device)
-    stages = GLUON_STAGES if gluon_stages is None else gluon_stages
-    if stages and token_block == 16 and gate_up_gluon.serves(x, F, gu_tile):
-        gate_up_gluon.gate_up(x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, beta1, beta2, stages)
+    if gluon_gate_up:
+        decode_gluon.gate_up(x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, beta1, beta2, gu_tile, stages)
     else:
         _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
             x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, T, K, F, beta1, beta2, L=L,
@@ -238,10 +248,15 @@ def latent_moe_decode_prepared(
             **gu_tile.launch_options(),
         )
     partial = torch.empty(d_tile.splits, T * K, L, dtype=torch.float32, device=x.device)
-    _down_kernel[(T * K, triton.cdiv(L, d_tile.rows), d_tile.splits)](
-        h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial, T, K, L, F=F,
-        BR=d_tile.rows, G=d_groups, SPLITS=d_tile.splits, STAGES=d_tile.stages, **common, **d_tile.launch_options(),
-    )
+    if gluon_down:
+        decode_gluon.down(h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial,
+                          d_tile, down_stages)
+    else:
+        _down_kernel[(T * K, triton.cdiv(L, d_tile.rows), d_tile.splits)](
+            h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial, T, K, L,
+            F=F, BR=d_tile.rows, G=d_groups, SPLITS=d_tile.splits, STAGES=d_tile.stages, **common,
+            **d_tile.launch_options(),
+        )
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     _sum_pairs_kernel[(T, triton.cdiv(L, 128))](partial, ids, out, T * K, K, L, SPLITS=d_tile.splits,
                                                   BK=next_pow2(K), BL=128)

@@ -32,15 +32,18 @@ class Variant(NamedTuple):
     down: Tile | None
     batches: tuple[int, ...] = ()
     gluon_stages: int | None = None  # the gate/up step's Gluon stages (None: the launcher's; 0: Triton kernel)
+    gluon_down_stages: int | None = None  # the same for the down step
 
     def label(self) -> str:
         gate_up, down = (t.label() if t else "default" for t in (self.gate_up, self.down))
-        form = {None: "", 0: ",triton"}.get(self.gluon_stages, f",gluon s{self.gluon_stages}")
-        return f"ours(gu={gate_up}{form},down={down})"
+        gu_form, down_form = ({None: "", 0: ",triton"}.get(s, f",gluon s{s}")
+                              for s in (self.gluon_stages, self.gluon_down_stages))
+        return f"ours(gu={gate_up}{gu_form},down={down}{down_form})"
 
     def tuning(self) -> dict:
         """The launcher's keyword arguments for this variant."""
-        return {"gate_up_tile": self.gate_up, "down_tile": self.down, "gluon_stages": self.gluon_stages}
+        return {"gate_up_tile": self.gate_up, "down_tile": self.down, "gluon_stages": self.gluon_stages,
+                "gluon_down_stages": self.gluon_down_stages}
 
     def runs_at(self, T: int) -> bool:
         return not self.batches or T in self.batches
@@ -59,9 +62,10 @@ SWEEP = ((Tile(64, 128, 2, 2), Tile(128, 128, 2, 2)), (Tile(64, 128, 2, 3, 168),
          (Tile(64, 128, 2), Tile(128, 128, 2, splits=2)), (Tile(64, 128, 4, 2), Tile(128, 128, 4, 2)),
          (Tile(32, 128, 2, 2), Tile(64, 128, 2, 2)))
 VARIANTS = (Variant(None, None),)
-# The launcher's defaults, the Triton gate/up kernel at the default tiles (the Gluon one's control, history 32)
+# The launcher's defaults, the Triton kernels at the default tiles (the Gluon ones' control, history 32)
 # and the sweep's pairs (whole-row storage, history 25's control, left the product).
-SWEEP_VARIANTS = (*VARIANTS, Variant(None, None, gluon_stages=0), *(Variant(*pair) for pair in SWEEP))
+SWEEP_VARIANTS = (*VARIANTS, Variant(None, None, gluon_stages=0, gluon_down_stages=0),
+                  *(Variant(*pair) for pair in SWEEP))
 MAX_REL_ERR = 1e-2  # a variant further than this from the float32 oracle is wrong, whatever its time
 
 
@@ -205,7 +209,8 @@ def launch_once(batches: tuple[int, ...], tiles: tuple[Variant, ...]) -> None:
 
 def parse_tiles(text: str) -> tuple[Variant, ...]:
     """"rows,cols,warps,stages[,regs[,splits]]/...[/T...][/G...];..." -> Variants (regs 0: no cap; "T1,4":
-    timed at those batches only; "G3": the Gluon gate/up step with 3 stages, "G0": the Triton one)."""
+    timed at those batches only; "G3": the Gluon gate/up step with 3 stages, "G0": the Triton one; "D3", "D0": the
+    same for the down step)."""
     def tile(spec: str) -> Tile:
         return Tile(*(int(v) for v in spec.split(",")))
 
@@ -213,7 +218,9 @@ def parse_tiles(text: str) -> tuple[Variant, ...]:
         parts = spec.split("/")
         batches = next((tuple(int(t) for t in p[1:].split(",")) for p in parts[2:] if p.startswith("T")), ())
         stages = next((int(p[1:]) for p in parts[2:] if p.startswith("G")), None)
-        return Variant(tile(parts[0]), tile(parts[1]), batches=batches, gluon_stages=stages)
+        down_stages = next((int(p[1:]) for p in parts[2:] if p.startswith("D")), None)
+        return Variant(tile(parts[0]), tile(parts[1]), batches=batches, gluon_stages=stages,
+                       gluon_down_stages=down_stages)
     return tuple(variant(spec) for spec in text.split(";"))
 
 

@@ -35,8 +35,8 @@ def test_tile_pairs_parse_from_the_command_line():
         Variant(Tile(128, 64, 4, 4, 168), Tile(64, 128, 4, 3)),
         Variant(Tile(32, 32, 2, 1), Tile(16, 32, 1, 2, 0, 2)),
         Variant(Tile(16, 128, 2, 2), Tile(32, 128, 2, 2), batches=(1, 2)))
-    assert parse_tiles("64,128,2,2/128,128,2,2/G0;64,128,2,2/128,128,2,2/T4/G2") == (
+    assert parse_tiles("64,128,2,2/128,128,2,2/G0;64,128,2,2/128,128,2,2/T4/G2/D0") == (
         Variant(Tile(64, 128, 2, 2), Tile(128, 128, 2, 2), gluon_stages=0),
-        Variant(Tile(64, 128, 2, 2), Tile(128, 128, 2, 2), batches=(4,), gluon_stages=2))
+        Variant(Tile(64, 128, 2, 2), Tile(128, 128, 2, 2), batches=(4,), gluon_stages=2, gluon_down_stages=0))
     assert Variant(None, None, batches=(1,)).runs_at(1) and not Variant(None, None, batches=(1,)).runs_at(4)
     assert Variant(None, None).runs_at(4)
