@@ -8,11 +8,12 @@ Runs one TP-1 rank in-process on seeded random weights: the paged pool (`k3core.
 layers for prefill (`ModelRunner`), and the decode fast path the executor uses on CUDA (`DecodeFastPath`:
 kernels through `kernels.dispatch` on the pool's pages, one CUDA graph per batch bucket).
 - decode: B requests at `context` tokens (pages reserved and marked computed without a prefill forward:
-  the cost of a decode step does not depend on the cached values), `--steps` timed steps after warm-up of
-  the engine's own loop (`bench.serve_engine`: `Engine._step` with its scheduler, executor, host/device
-  overlap, batched sampling, output processing and streams; it needs grpcio and prometheus-client, from
-  `.device/wheels` on the device), each row fed a pseudo-random token (see there). K3_DECODE_OVERLAP=0
-  measures the plain loop (each step waits for its tokens before the next is planned).
+  the cost of a decode step does not depend on the cached values), `--steps` timed steps after a warm-up of
+  the engine's own loop (3 steps, the heap freeze, 2 more; `bench.serve_engine`: `Engine._step` with its
+  scheduler, executor, host/device overlap, batched sampling, output processing and streams; it needs grpcio
+  and prometheus-client, from `.device/wheels` on the device), each row fed a pseudo-random token (see
+  there). K3_DECODE_OVERLAP=0 measures the plain loop (each step waits for its tokens before the next is
+  planned).
   Roofline of a step = (weights touched + KDA state read and write + MLA latent read) / copy bandwidth
   measured in the same run.
 - TTFT: a fresh `--prefix` + `--increment` prompt (uncached), then the same prefix with a different

@@ -107,7 +107,7 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
     """(wall seconds per engine step, the steps' `StepClock`) of a request per rid at `context` tokens, left
     running in the pool (`Rank.finish`)."""
     prompts = rank.fill(rids, context)
-    streams, clock = StreamLoop(), StepClock(steps + 8)
+    streams, clock = StreamLoop(), StepClock(steps + WARM_STEPS + SETTLE_STEPS + 8)
     engine = build_engine(rank, len(rids))
     admit(engine, rank, rids, prompts, streams)
     fed = [0]
@@ -163,9 +163,13 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
         rank.fast.launch = timed_launch  # type: ignore[method-assign]
     frozen = False
     try:
-        run(engine._step, 3)  # captures this bucket's graph, then warm
+        run(engine._step, WARM_STEPS)  # captures this bucket's graph, then warm
+        freezing = time.perf_counter()
         freeze_startup_heap()  # as `Engine.start` does after a worker's warm-up (no full GC pass mid-run)
-        frozen = True
+        frozen, froze_s = True, time.perf_counter() - freezing
+        # the freeze's full collection leaves the device idle; an engine freezes once, at start: the timed
+        # steps begin after a few steps of the running pipeline, not right after that idle
+        run(engine._step, SETTLE_STEPS)
         clock.clear()
         counts = pipeline.counts()
         sync()
@@ -179,7 +183,8 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
         clock.pipeline = counts_since(counts, pipeline.counts())
         clock.allocations = [now - before for now, before in zip(allocations(), allocated, strict=True)]
         print(f"  batch {len(rids)}: {pauses}; allocated in it: {clock.allocations[0]} pinned host blocks "
-              f"({clock.allocations[1]:.0f} us), {clock.allocations[2]} device segments", flush=True)
+              f"({clock.allocations[1]:.0f} us), {clock.allocations[2]} device segments; the heap freeze before "
+              f"it took {1e3 * froze_s:.0f} ms", flush=True)
     finally:
         sampler.SampledTokens.array = result  # type: ignore[method-assign]
         sampler.SampledTokens.device_rows = rows  # type: ignore[method-assign]
@@ -192,8 +197,13 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
         engine.executor.close()
         if frozen:  # as `Engine.stop` does: this row's engine must not outlive it
             release_startup_heap()
-    assert all(len(engine.requests[r].output) == 4 + steps for r in rids), "a row missed a step"
+    assert all(len(engine.requests[r].output) == 1 + WARM_STEPS + SETTLE_STEPS + steps for r in rids), \
+        "a row missed a step"
     return wall, clock
+
+
+WARM_STEPS = 3  # before the heap freeze: the bucket's graph captured, then warm
+SETTLE_STEPS = 2  # after it, untimed (session 8: a row's first timed cycle after the freeze took 3-10 ms)
 
 
 def run(step: Callable[[], None], count: int) -> None:
