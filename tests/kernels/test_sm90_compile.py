@@ -24,6 +24,8 @@ and set K3_COMPILE_CHECK_TRITON_PATH=DIR.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -45,7 +47,8 @@ from kernels.fused import (
 )
 from kernels.kda import decode_step_triton, decode_triton, prefill_triton, verify_triton
 from kernels.mla import decode_triton as mla_decode
-from kernels.moe import latent_moe_decode_triton, situ_glu_triton
+from kernels.moe import decode_gluon, latent_moe_decode_triton, situ_glu_triton
+from kernels.moe.tiles import default_tiles
 from kernels.perf import attnres_cases, kda_decode_cases, kda_prefill_cases, mla_cases, moe_cases
 from services.engine import fast_ffn
 from services.engine.decode_inputs import DecodeInputs
@@ -196,6 +199,22 @@ def latent_moe(tokens: int, experts: int = E, latent: int = LATENT, width: int =
                                                         empty(tokens, top_k, dtype=F32), experts_, **tuning)
 
 
+def latent_moe_gluon(tokens: int, experts: int = E, latent: int = LATENT, width: int = F_MOE,
+                     top_k: int = TOP_K) -> None:
+    """The Gluon forms of the MXFP4 routed-expert decode (kernels/moe/decode_gluon.py) with the tiles and stages
+    the launcher gives them on CUDA for bf16 activations (it takes them only there, so `latent_moe` cannot
+    reach them from CPU tensors)."""
+    u8, pairs = torch.uint8, tokens * top_k
+    ids, h = torch.zeros(tokens, top_k, dtype=I64), empty(1, pairs, width)
+    gate_up_tile = default_tiles(pairs, compile_check.H200_SMS)[0]
+    decode_gluon.gate_up(empty(tokens, latent), ids, empty(experts, 2 * width, latent // 8, dtype=I32),
+                         empty(experts, 2 * width, latent // 32, dtype=u8), h, 4.0, 25.0, gate_up_tile,
+                         latent_moe_decode_triton.GLUON_STAGES)
+    decode_gluon.down(h, ids, empty(tokens, top_k, dtype=F32), empty(experts, latent, width // 8, dtype=I32),
+                      empty(experts, latent, width // 32, dtype=u8), empty(1, pairs, latent, dtype=F32),
+                      latent_moe_decode_triton.GLUON_DOWN_TILE, latent_moe_decode_triton.GLUON_STAGES)
+
+
 def skinny_gemm(tokens: int, tilings=lambda n, k: [skinny_gemm_triton.default_tiling(n, k)]) -> None:
     """The decode projections (services/engine/fast_*.py through dispatch.skinny_linear: fast_decoder's
     `distinct_projections`): the routed tiling and the launcher's default of every mini projection shape."""
@@ -304,6 +323,13 @@ def test_every_launched_kernel_is_covered(recorded):
 
 def test_every_kernel_compiles_for_sm90(recorded):
     _check(recorded.unique())
+
+
+@pytest.mark.skipif(not os.environ.get(compile_check.TRITON_PATH_ENV),
+                    reason="the Gluon kernels are written for the device's Triton 3.6 (set "
+                    "K3_COMPILE_CHECK_TRITON_PATH); later releases renamed Gluon's cp.async and barrier calls")
+def test_gluon_kernels_compile_for_sm90():
+    _check(_record({f"latent moe gluon T={t}": lambda t=t: latent_moe_gluon(t) for t in (1, 16)}).unique())
 
 
 @pytest.mark.slow
