@@ -8,7 +8,8 @@ weight rows are the MMA's N side, 8 per warp and instruction), so every reshape 
 free; the conversions to the operand layouts are asserted trivial at compile time. What Gluon adds over the
 Triton kernels (docs/kernels.md, history 28 and 32): the activation tile is staged as [32, 64] half rows
 with 16-byte chunks XOR-swizzled by half row and read through a [16, 128] view, without bank conflicts
-(`gl.bank_conflicts` 0 for reads and copies; Triton's unswizzled staging has 4x the wavefronts), and the ring
+(asserted at compile time with `gl.bank_conflicts` for the reads and the copies; Triton's unswizzled staging
+has 4x the wavefronts), and the ring
 is refilled right after one barrier per step, before the step's shared-memory reads.
 """
 
@@ -144,8 +145,10 @@ if gluon is not None:
     def copy_act(ring, buf, rows, used, col0, WARPS: gl.constexpr):
         """cp.async of columns col0 .. col0 + 128 of the slots' rows (`act_rows`) into stage `buf`."""
         cols = gl.arange(0, _COLS, layout=gl.SliceLayout(0, _act_copy_layout(WARPS)))
-        async_copy.async_copy_global_to_shared(_act_view(ring, buf), rows[:, None] + col0 + cols[None, :],
-                                               mask=used[:, None])
+        view = _act_view(ring, buf)
+        gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.bfloat16, [_SLOTS, _COLS], _act_copy_layout(WARPS)),
+                                           view.type) == 0)
+        async_copy.async_copy_global_to_shared(view, rows[:, None] + col0 + cols[None, :], mask=used[:, None])
 
     @gluon.jit
     def copy_tile(words_s, fields_s, buf, words, fields, step):
@@ -179,7 +182,10 @@ if gluon is not None:
     @gluon.jit
     def act_operand(ring, buf, WARPS: gl.constexpr):
         """Stage `buf`'s [16, 128] activation rows -> the A operand, columns in the weights' order."""
-        a = _act_view(ring, buf).load(_act_read_layout(WARPS))
+        view = _act_view(ring, buf)
+        gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.bfloat16, [_SLOTS, _COLS], _act_read_layout(WARPS)),
+                                           view.type) == 0)
+        a = view.load(_act_read_layout(WARPS))
         a = gl.permute(gl.reshape(a, [_SLOTS, 1, 4, 4, 8]), [0, 1, 3, 2, 4])
         a = gl.permute(gl.reshape(a, [_SLOTS, 16, 2, 4]), [0, 1, 3, 2])
         return gl.convert_layout(gl.reshape(a, [_SLOTS, _COLS]), gl.DotOperandLayout(0, mma_layout(WARPS), 8),
