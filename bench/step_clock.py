@@ -102,7 +102,7 @@ class StepClock:
         steps by mode and the fallbacks by stage and reason (`pipeline`), and the slowest device-clock cycles
         with their steps' modes (`slowest_cycles`: where a mean above the median comes from)."""
         sync()
-        parts: dict[str, list[float]] = {"draw": [], "wake": [], "to_launch": [], "launch": [], "cycle": []}
+        parts: dict[str, list[float]] = {name: [] for name in (*PARTS, "cycle")}
         cycles: list[tuple[float, int, str, dict[str, float]]] = []
         for k, (before, this) in enumerate(zip(self.steps, self.steps[1:], strict=False), start=1):
             if len(before) < 4:
@@ -133,7 +133,7 @@ PARTS = ("draw", "wake", "to_launch", "launch")
 
 def critical_path_line(path: dict) -> str:
     """The critical path's medians, then a line of the steps by mode, the fallbacks and the slowest cycles."""
-    names = ("draw", "wake", "to_launch", "launch", "launch_call", "host_to_launch", "waited", "cycle", "cycle_mean")
+    names = (*PARTS, "launch_call", "host_to_launch", "waited", "cycle", "cycle_mean")
     line = "  critical path (median us): " + ", ".join(f"{n} {path[n + '_us']:.1f}" for n in names
                                                          if n + "_us" in path)
     counts = path.get("pipeline", {})
