@@ -52,14 +52,16 @@ def merge_bytes(M: int, dim: int, with_partial: bool) -> int:
     return M * dim * (4 + (2 if with_partial else 0) + 2) + M * 8
 
 
-def _merge_inputs(M: int, dim: int) -> tuple:
-    gen = torch.Generator(device="cuda").manual_seed(M + dim)
-    blocks = torch.randn(3, M, dim, device="cuda", dtype=BF16, generator=gen)
-    queries = torch.randn(4, dim, device="cuda", dtype=BF16, generator=gen) * dim**-0.5
-    key_w = (torch.rand(4, dim, device="cuda", generator=gen) + 0.5).to(BF16)
+def merge_inputs(M: int, dim: int, device: str = "cuda") -> tuple:
+    """One merge's bf16 inputs at M rows: (max, denominator, accumulator, query) of a site's phase-1 stats
+    over 3 blocks, a partial sum, the norm weight, the key-norm weight."""
+    gen = torch.Generator(device=device).manual_seed(M + dim)
+    blocks = torch.randn(3, M, dim, device=device, dtype=BF16, generator=gen)
+    queries = torch.randn(4, dim, device=device, dtype=BF16, generator=gen) * dim**-0.5
+    key_w = (torch.rand(4, dim, device=device, generator=gen) + 0.5).to(BF16)
     stats = attnres_inter(queries, blocks, key_w).row(2)
-    source = torch.randn(M, dim, device="cuda", dtype=BF16, generator=gen)
-    out_w = (torch.rand(dim, device="cuda", generator=gen) + 0.5).to(BF16)
+    source = torch.randn(M, dim, device=device, dtype=BF16, generator=gen)
+    out_w = (torch.rand(dim, device=device, generator=gen) + 0.5).to(BF16)
     return (stats.max, stats.denom, stats.acc.contiguous(), queries[2]), source, out_w, key_w[2]
 
 
@@ -67,7 +69,7 @@ def merge_rows(shapes: tuple[tuple[int, int], ...] = MERGE_SHAPES) -> list[Row]:
     """Each merge form back to back, and at decode after the stand-in sublayer (marginal time)."""
     rows: list[Row] = []
     for M, dim in shapes:
-        stats, source, out_w, key_w = _merge_inputs(M, dim)
+        stats, source, out_w, key_w = merge_inputs(M, dim)
         shape, nbytes = f"M={M},D={dim}", merge_bytes(M, dim, True)
         want = merge_norm_triton.attnres_merge_norm(*stats, source, out_w, key_w)[1]
         for impl, kw in MERGE_FORMS:

@@ -8,25 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3core.ops.attnres import attnres_inter
 from kernels.attnres import merge_norm_triton
 from kernels.attnres import naive as attnres_naive
-
-
-def _case(rows: int, dim: int, dtype: torch.dtype, device: str = "cpu"):
-    gen = torch.Generator(device=device).manual_seed(rows + dim)
-    blocks = torch.randn(3, rows, dim, generator=gen, device=device).to(dtype)
-    queries = torch.randn(4, dim, generator=gen, device=device).to(dtype) * dim**-0.5
-    key_w = (torch.rand(4, dim, generator=gen, device=device) + 0.5).to(dtype)
-    stats = attnres_inter(queries, blocks, key_w).row(2)
-    partial = torch.randn(rows, dim, generator=gen, device=device).to(dtype)
-    out_w = (torch.rand(dim, generator=gen, device=device) + 0.5).to(dtype)
-    return (stats.max, stats.denom, stats.acc.contiguous(), queries[2]), partial, out_w, key_w[2]
+from kernels.perf.attnres_decode_cases import merge_inputs
 
 
 @pytest.mark.parametrize("with_partial", [True, False])
 def test_without_h_the_normed_row_is_unchanged(interpreted, with_partial):
-    stats, partial, out_w, key_w = _case(5, 48, torch.bfloat16)
+    stats, partial, out_w, key_w = merge_inputs(5, 48, "cpu")
     args = (*stats, partial if with_partial else None, out_w, key_w)
     h, normed = merge_norm_triton.attnres_merge_norm(*args, out_dtype=torch.bfloat16)
     none, alone = merge_norm_triton.attnres_merge_norm(*args, out_dtype=torch.bfloat16, store_h=False)
@@ -41,7 +30,7 @@ def test_without_h_the_normed_row_is_unchanged(interpreted, with_partial):
 def test_without_h_the_normed_row_is_unchanged_on_gpu(rows, dim):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    stats, partial, out_w, key_w = _case(rows, dim, torch.bfloat16, "cuda")
+    stats, partial, out_w, key_w = merge_inputs(rows, dim, "cuda")
     for with_partial in (partial, None):
         want = merge_norm_triton.attnres_merge_norm(*stats, with_partial, out_w, key_w, out_dtype=torch.bfloat16)[1]
         none, got = merge_norm_triton.attnres_merge_norm(*stats, with_partial, out_w, key_w, out_dtype=torch.bfloat16,
