@@ -21,8 +21,8 @@ from services.engine.model_runner import ModelRunner
 from tests.workers.oracle import build_reference
 
 
-def _attn_res_specs(decoder, rows: list[int]) -> list[set]:
-    """The specs recorded after each row count's AttnRes pass, cumulative."""
+def _attn_res_specs(decoder, rows: list[int]) -> list[dict]:
+    """The specs recorded after each row count's AttnRes pass (by key), cumulative."""
     from kernels.compile_check import record_launches
 
     hidden = decoder.config.hidden_size
@@ -34,20 +34,26 @@ def _attn_res_specs(decoder, rows: list[int]) -> list[set]:
         patch.setattr(dispatch, "use_triton", lambda *tensors: True)
         for m in rows:
             stub._attn_res(torch.zeros(m, hidden, dtype=torch.bfloat16), None)
-            seen.append(set(recorder.specs))
+            seen.append(dict(recorder.specs))
     return seen
 
 
 @pytest.fixture(scope="module")
-def decoder():
+def decoders():
+    """(the decode fast path's decoder, the prefill fast path's)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("K3_DECODE_FASTPATH", "1")
         model = build_reference("nano", {"hidden_size": 2048}, seed=0).to(torch.bfloat16)  # mini's D
         layout = plan_layout(shape_from_config(model.config, "nano"), 1, hash_block_tokens=16)
         runner = ModelRunner(model, "cpu", max_model_len=64, max_batch=2)
-        runner.decode_fastpath(PrefixCacheManager(layout, 16, device="cpu"), tp_size=1)
-    assert runner.fast_prefill is not None
-    return runner.fast_prefill.decoder
+        fast = runner.decode_fastpath(PrefixCacheManager(layout, 16, device="cpu"), tp_size=1)
+    assert fast is not None and runner.fast_prefill is not None
+    return fast.decoder, runner.fast_prefill.decoder
+
+
+@pytest.fixture(scope="module")
+def decoder(decoders):
+    return decoders[1]
 
 
 def test_every_chunk_length_shares_the_warmed_variants(decoder):
@@ -73,3 +79,23 @@ def test_without_the_pinned_launches_new_lengths_compile_new_variants(decoder):
     warm = [8192, 257, *fast_prefill.WARMUP_ROWS]
     seen = _attn_res_specs(planned, [*warm, 512])
     assert seen[-1] != seen[-2]
+
+
+def _constexprs(specs: dict, kernel: str) -> list[dict]:
+    """The named constexprs of every recorded launch of `kernel` (a function name)."""
+    launches = [spec for spec in specs.values() if spec.kernel.endswith(f":{kernel}")]
+    return [{list(spec.signature)[path[0]]: v for path, v in spec.constexprs.items()} for spec in launches]
+
+
+@pytest.mark.parametrize(("form", "rows", "store_h", "fused_copy"), [("decode", 64, True, True),
+                                                                     ("prefill", 512, False, False)])
+def test_launch_forms_of_each_fast_path(decoders, form, rows, store_h, fused_copy):
+    """What 25d1248 pinned: a prefill forward's merges never write h (`fast_prefill.MERGE_LAUNCH`; nothing reads
+    it) and its block logits leave the block copy to torch (unchunked launches); at decode every merge
+    writes h (the no-h merge was not timed as served) and every completed block is copied into the block
+    buffer by its logits launch (`copy_to`, D-chunked at decode sizes)."""
+    decoder = decoders[form == "prefill"]
+    specs = _attn_res_specs(decoder, [rows])[-1]
+    merges, logits = _constexprs(specs, "_merge_norm_kernel"), _constexprs(specs, "_block_logits_kernel")
+    assert merges and all(c["STORE_H"] is store_h for c in merges)
+    assert logits and all(c["COPY"] is fused_copy for c in logits)
