@@ -191,7 +191,8 @@ if triton is not None:
                     ak3 += part_k
                     aq3 += part_q
         # beta loaded after the loop and again after the inverse: not live across them (sm_90a under the
-        # 168-register cap: 40 instead of 64 B of spills)
+        # 168-register cap, with the scratch tile: 40 instead of 64 B of spills; since Akk is assembled in
+        # registers the kernel spills nothing)
         bt = tl.load(beta + rows * H, mask=valid, other=0.0)
         _store_aqk_block(aqk_st, aq0, 0, rows, scale, io_mask, BC)
         _store_aqk_block(aqk_st, aq1, BC, rows, scale, io_mask, BC)
