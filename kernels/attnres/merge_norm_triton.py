@@ -4,8 +4,8 @@ Per token row: fold the intra-block partial sum into the site's inter-block onli
 (max, denominator, accumulator from phase 1), emit h = acc / denom, and in the same pass the next
 sub-layer's input RMSNorm(h) * w. One read of the statistics and the partial sum, two row writes: the
 kernel is pure memory traffic, so the row is read once into registers and everything else is arithmetic.
-The forwards only consume RMSNorm(h) (a sublayer's output goes into the block's partial sum, not into h),
-so `store_h=False` skips h's write: a fifth of the bytes with a partial sum (prefill: 1.13x, docs/kernels.md).
+The forwards only consume RMSNorm(h) (a sublayer's output goes into the block's partial sum, not into h), so
+`store_h=False` skips h's write: a fifth of the bytes with a partial sum (prefill, an interim build: 1.13x).
 """
 
 from __future__ import annotations
