@@ -9,8 +9,8 @@ free; the conversions to the operand layouts are asserted trivial at compile tim
 Triton kernels (docs/kernels.md, history 28 and 32): the activation tile is staged as [32, 64] half rows
 with 16-byte chunks XOR-swizzled by half row and read through a [16, 128] view, without bank conflicts
 (asserted at compile time with `gl.bank_conflicts` for the reads and the copies; Triton's unswizzled staging
-has 4x the wavefronts), and the ring
-is refilled right after one barrier per step, before the step's shared-memory reads.
+has 4x the wavefronts), and the ring is refilled right after one barrier per step, before the step's
+shared-memory reads.
 """
 
 from __future__ import annotations
