@@ -241,9 +241,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
     partials, counters = out, out  # unused without a split: no scratch (nothing to size before a graph capture)
     if tiling.splits > 1:
         tile_floats = tiling.block_n * block_m
-        partials, counters = split_scratch(tiles * tiling.splits * tile_floats, tiles, x.device)
-        if tiling.atomic:
-            partials = zeroed_sums(tiles * tile_floats, x.device)
+        partials, counters = (zeroed_sums(tiles * tile_floats, tiles, x.device) if tiling.atomic
+                              else split_scratch(tiles * tiling.splits * tile_floats, tiles, x.device))
     _skinny_gemm_kernel[(tiles, tiling.splits)](
         x, weight, out, out, partials, counters, rows, n, depth // tiling.splits, x.stride(0), weight.stride(0),
         out.stride(0), out.stride(0), SPLITS=tiling.splits, ATOMIC=tiling.atomic, HAS_RES=residual is not None,
