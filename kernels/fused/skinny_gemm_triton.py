@@ -201,12 +201,12 @@ def candidate_tilings(n: int, k: int, sms: int = 132) -> list[Tiling]:
 
 
 def atomic_tilings(n: int, k: int, sms: int = 132) -> list[Tiling]:
-    """What bench.serve_glue's `output` group times: the atomic reduction with 64- / 128- / 256-wide N tiles
-    (wider: fewer x re-reads from L2 per weight byte, more splits), each with the K step (128 or 64) that
+    """What bench.serve_glue's `output` group times: the atomic reduction with 64- / 128- (8 or 4 warps) /
+    256-wide N tiles (wider: fewer x re-reads from L2 per weight byte, more splits), each with the K step that
     gives the most programs up to one per SM, then 64-wide tiles at two programs per SM; stages as many as
     fit 200 KiB of shared memory at 64 rows (at most 4)."""
     found = []
-    for block_n, warps, programs in ((64, 4, sms), (128, 8, sms), (256, 8, sms), (64, 4, 2 * sms)):
+    for block_n, warps, programs in ((64, 4, sms), (128, 8, sms), (128, 4, sms), (256, 8, sms), (64, 4, 2 * sms)):
         tiles = triton.cdiv(n, block_n)
         block_k = max((128, 64), key=lambda bk: (tiles * most_splits(n, k, block_n, bk, programs, 16), bk))
         splits = most_splits(n, k, block_n, block_k, programs, 16)
