@@ -4,7 +4,8 @@ warm-up's 8192 + 7 compile new variants inside the request (~3.5 s on the H200, 
 With the pinned launch arguments (`fast_prefill.LOGITS_LAUNCH`, `INTER_LAUNCH`) the variants differ only by
 the row count's divisibility class, which `WARMUP_ROWS` with a full-budget chunk and an odd tail cover.
 Triton's own binder, for sm_90 (kernels.compile_check.record_launches); the layers are stubbed out (they
-are the reference layers', warmed as before), the real `FastDecoder._attn_res` drives the launchers."""
+are the reference layers', warmed as before), the real `FastDecoder._attn_res` drives the launchers. The same
+recording shows each fast path's launch forms: merges without h at prefill, the block copy fused at decode."""
 
 from __future__ import annotations
 
