@@ -74,7 +74,7 @@ def merge_rows(shapes: tuple[tuple[int, int], ...] = MERGE_SHAPES) -> list[Row]:
         want = merge_norm_triton.attnres_merge_norm(*stats, source, out_w, key_w)[1]
         for impl, kw in MERGE_FORMS:
             ms, how = time_ms(partial(merge_norm_triton.attnres_merge_norm, *stats, source, out_w, key_w, **kw))
-            rows.append(Row("attnres_merge_norm", shape, f"{impl}, back to back", ms, nbytes, note=how))
+            rows.append(Row("attnres_merge_forms", shape, f"{impl}, back to back", ms, nbytes, note=how))
         if M > 64:  # the decode pattern
             continue
         written = torch.empty_like(source)
