@@ -181,8 +181,7 @@ def phase1_rows(tokens: tuple[int, ...] = (64, 8192), forwards: tuple[str, ...] 
     return rows
 
 
-def _served_rows(shape: str, dim: int, M: int, phases: list[tuple[int, int, int]],
-                 fused_copy: bool = False) -> list[Row]:
+def _served_rows(shape: str, dim: int, M: int, phases: list[tuple[int, int, int]], fused_copy: bool) -> list[Row]:
     """`phases` ((N, Q, S) each, in forward order: the blocks' and sites' layout of fast_decoder) as served
     (per phase: the newest block copied into the buffer, its logits, the apply); `fused_copy`: the copy done
     by the logits kernel (`copy_to`) instead of a launch of its own."""
