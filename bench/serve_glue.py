@@ -13,7 +13,8 @@ not timed).
 `--groups skinny`: every decode projection (`fast_decoder.distinct_projections`) in the skinny GEMM's
 candidate tilings against cuBLAS as the fast path calls it, weights cycled through enough copies to come from
 HBM; `--groups output`: the GEMMs with the residual add in the atomic-reduction tilings (rows labelled as
-skinny_gemm_triton.label spells a tiling, which K3_SKINNY_OUTPUT takes). `--compile-only --shard I N` launches a share of the cases once (run shards in parallel to fill
+skinny_gemm_triton.label spells a tiling, which K3_SKINNY_OUTPUT takes), and the floor of one launch that
+only copies or sums such a weight. `--compile-only --shard I N` launches a share of the cases once (run shards in parallel to fill
 Triton's cache before a timed run).
 
     python -m bench.serve_glue [--model mini] [--tokens 1 16 64 128 256] [--sweep 64] [--out bench/results/serve_glue.json]
@@ -152,10 +153,10 @@ def skinny_cases(c: K3Config, tokens: int, gen: torch.Generator, sweep: bool, ou
     """Each decode projection of the model (`fast_decoder.distinct_projections`) in the skinny GEMM's
     tilings, against cuBLAS as the fast path calls it (F.linear, or addmm_ into the residual). Enough weight
     copies that every call of a timed graph reads its weight from HBM. `output_only`: the GEMMs with the
-    residual add that ROUTES leaves on cuBLAS, in the atomic tilings, after the default tiling (split order) and the routed one."""
+    residual add, in the atomic tilings, after the default tiling (split order) and the routed one."""
     found: dict[str, Case] = {}
     for name, (n, k, residual) in distinct_projections(c).items():
-        if output_only and (not residual or (n, k, 64) in skinny_gemm_triton.ROUTES):
+        if output_only and not residual:
             continue
         x = torch.randn(tokens, k, device=gen.device, generator=gen).to(torch.bfloat16)
         res = torch.randn(tokens, n, device=gen.device, generator=gen).to(torch.bfloat16) if residual else None
@@ -171,6 +172,21 @@ def skinny_cases(c: K3Config, tokens: int, gen: torch.Generator, sweep: bool, ou
             found[f"skinny {name} {skinny_gemm_triton.label(t)}"] = (
                 each_call(lambda w, x=x, r=mine, t=t: skinny_gemm_triton.skinny_gemm(x, w, r, t), weights),
                 each_call(lambda w, x=x, r=peer: naive.skinny_linear(x, w, r), weights), n * k * 2)
+    return found
+
+
+def read_floor_cases(c: K3Config, gen: torch.Generator) -> dict[str, Case]:
+    """What one launch that only moves an output GEMM's weight takes (HBM-cold, as skinny_cases): a copy into
+    a second buffer (read + write counted) and a float32 sum (a read): the floor a GEMM of that size is up
+    against, launch and tail included."""
+    found: dict[str, Case] = {}
+    for n, k, residual in dict.fromkeys(distinct_projections(c).values()):
+        if not residual:
+            continue
+        weights = weight_copies((n, k), gen, max(WEIGHT_COPIES, min(24, -(-200_000_000 // (n * k * 2)))))
+        target = torch.empty_like(weights[0])
+        found[f"floor copy {n}x{k}"] = (each_call(target.copy_, weights), None, 2 * n * k * 2)
+        found[f"floor sum {n}x{k}"] = (each_call(lambda w: w.sum(dtype=torch.float32), weights), None, n * k * 2)
     return found
 
 
@@ -248,6 +264,7 @@ def main() -> None:
             timed |= skinny_cases(config, tokens, gen, sweep)
         if "output" in groups and tokens <= skinny_gemm_triton.MAX_ROWS:
             timed |= skinny_cases(config, tokens, gen, sweep, output_only=True)
+            timed |= read_floor_cases(config, gen) if tokens == max(args.tokens) else {}
         if "layer" in groups:
             timed |= moe_layer_case(config, tokens, gen)
         for index, (name, (fused, reference, weight_bytes)) in enumerate(timed.items()):
