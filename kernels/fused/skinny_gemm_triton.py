@@ -204,7 +204,7 @@ def atomic_tilings(n: int, k: int, sms: int = 132) -> list[Tiling]:
     """What bench.serve_glue's `output` group times: the atomic reduction with 64- / 128- (8 or 4 warps) /
     256-wide N tiles (wider: fewer x re-reads from L2 per weight byte, more splits), each with the K step that
     gives the most programs up to one per SM, then 64-wide tiles at two programs per SM; stages as many as
-    fit 200 KiB of shared memory at 64 rows (at most 4)."""
+    fit 200 KiB of shared memory at 64 rows (at most 4); last, narrow N tiles."""
     found = []
     for block_n, warps, programs in ((64, 4, sms), (128, 8, sms), (128, 4, sms), (256, 8, sms), (64, 4, 2 * sms)):
         tiles = triton.cdiv(n, block_n)
@@ -214,7 +214,10 @@ def atomic_tilings(n: int, k: int, sms: int = 132) -> list[Tiling]:
         stages = max(2, min(4, (200 << 10) // (stage_bytes * programs // sms)))
         if splits > 1 and k % (splits * block_k) == 0:
             found.append(Tiling(block_n, block_k, splits, warps, stages, atomic=True))
-    return list(dict.fromkeys(found))
+    # narrow N tiles, one program per SM: 32-wide with 2 splits, and 16-wide with none (no reduction at all,
+    # x re-read from L2 at rows / 16 times the weight's bytes)
+    found += [Tiling(32, 128, 2, 4, 4, atomic=True), Tiling(16, 128, 1, 4, 4)]
+    return list(dict.fromkeys(t for t in found if k % (t.splits * t.block_k) == 0))
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
