@@ -12,9 +12,8 @@ branch (`K3_DECODE_BRANCHES`), against `SparseMoE` for the difference (its per-e
 not timed).
 `--groups skinny`: every decode projection (`fast_decoder.distinct_projections`) in the skinny GEMM's
 candidate tilings against cuBLAS as the fast path calls it, weights cycled through enough copies to come from
-HBM; `--groups output`: the GEMMs with the residual add in the atomic-reduction tilings (rows labelled as
-skinny_gemm_triton.label spells a tiling, which K3_SKINNY_OUTPUT takes), and the floor of one launch that
-only copies or sums such a weight. `--compile-only --shard I N` launches a share of the cases once (run shards in parallel to fill
+HBM. `--groups floor`: one launch that only copies or sums each residual-add GEMM's weight (what a GEMM
+of that size is up against). `--compile-only --shard I N` launches a share of the cases once (run shards in parallel to fill
 Triton's cache before a timed run).
 
     python -m bench.serve_glue [--model mini] [--tokens 1 16 64 128 256] [--sweep 64] [--out bench/results/serve_glue.json]
@@ -148,37 +147,28 @@ def max_diff(a: object, b: object) -> float:
     return max(float((x.double() - y.double()).abs().max()) for x, y in pairs)
 
 
-def skinny_cases(c: K3Config, tokens: int, gen: torch.Generator, sweep: bool, output_only: bool = False
-                 ) -> dict[str, Case]:
+def skinny_cases(c: K3Config, tokens: int, gen: torch.Generator, sweep: bool) -> dict[str, Case]:
     """Each decode projection of the model (`fast_decoder.distinct_projections`) in the skinny GEMM's
     tilings, against cuBLAS as the fast path calls it (F.linear, or addmm_ into the residual). Enough weight
-    copies that every call of a timed graph reads its weight from HBM. `output_only`: the GEMMs with the
-    residual add, in the atomic tilings, after the default tiling (split order) and the routed one."""
+    copies that every call of a timed graph reads its weight from HBM."""
     found: dict[str, Case] = {}
     for name, (n, k, residual) in distinct_projections(c).items():
-        if output_only and not residual:
-            continue
         x = torch.randn(tokens, k, device=gen.device, generator=gen).to(torch.bfloat16)
         res = torch.randn(tokens, n, device=gen.device, generator=gen).to(torch.bfloat16) if residual else None
         weights = weight_copies((n, k), gen, max(WEIGHT_COPIES, min(24, -(-200_000_000 // (n * k * 2)))))
-        if output_only:
-            routed = skinny_gemm_triton.routes().get((n, k, skinny_gemm_triton.block_rows(tokens)))
-            tilings = list(dict.fromkeys([skinny_gemm_triton.default_tiling(n, k), *([routed] if routed else []),
-                                          *skinny_gemm_triton.atomic_tilings(n, k)]))
-        else:
-            tilings = skinny_gemm_triton.candidate_tilings(n, k)[: None if sweep else 1]
+        tilings = skinny_gemm_triton.candidate_tilings(n, k)[: None if sweep else 1]
         for t in tilings:
             mine, peer = (None, None) if res is None else (res.clone(), res.clone())
-            found[f"skinny {name} {skinny_gemm_triton.label(t)}"] = (
+            found[f"skinny {name} n{t.block_n} k{t.block_k} s{t.splits} w{t.num_warps} st{t.num_stages}"] = (
                 each_call(lambda w, x=x, r=mine, t=t: skinny_gemm_triton.skinny_gemm(x, w, r, t), weights),
                 each_call(lambda w, x=x, r=peer: naive.skinny_linear(x, w, r), weights), n * k * 2)
     return found
 
 
 def read_floor_cases(c: K3Config, gen: torch.Generator) -> dict[str, Case]:
-    """What one launch that only moves an output GEMM's weight takes (HBM-cold, as skinny_cases): a copy into
-    a second buffer (read + write counted) and a float32 sum (a read): the floor a GEMM of that size is up
-    against, launch and tail included."""
+    """What one launch that only moves a residual-add GEMM's weight takes (HBM-cold, as skinny_cases): a copy
+    into a second buffer (read + write counted) and a float32 sum (torch's reduction: a read, but not a fast
+    one); the floor a GEMM of that size is up against, launch and tail included."""
     found: dict[str, Case] = {}
     for n, k, residual in dict.fromkeys(distinct_projections(c).values()):
         if not residual:
@@ -225,7 +215,7 @@ def cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, tuple[Cal
     }
 
 
-GROUPS = ("glue", "router", "experts", "down", "mla", "layer", "skinny", "output")
+GROUPS = ("glue", "router", "experts", "down", "mla", "layer", "skinny", "floor")
 
 
 def main() -> None:
@@ -262,9 +252,8 @@ def main() -> None:
             timed |= mla_cases(config, tokens, gen, MLA_VARIANTS)
         if "skinny" in groups and tokens <= skinny_gemm_triton.MAX_ROWS:
             timed |= skinny_cases(config, tokens, gen, sweep)
-        if "output" in groups and tokens <= skinny_gemm_triton.MAX_ROWS:
-            timed |= skinny_cases(config, tokens, gen, sweep, output_only=True)
-            timed |= read_floor_cases(config, gen) if tokens == max(args.tokens) else {}
+        if "floor" in groups and tokens == max(args.tokens):  # no rows: once
+            timed |= read_floor_cases(config, gen)
         if "layer" in groups:
             timed |= moe_layer_case(config, tokens, gen)
         for index, (name, (fused, reference, weight_bytes)) in enumerate(timed.items()):

@@ -11,29 +11,23 @@ keeps the loads vectorised along K.
 Splits: each program parks its float32 tile in `split_scratch`; the last to arrive at the tile's counter
 sums the partials in split order (deterministic), adds the residual, rounds once to the output dtype (as
 cuBLAS's beta-add epilogue does) and resets the counter.
-Atomic splits (`Tiling.atomic`, for the output GEMMs): each program adds its float32 tile with relaxed
-vector atomics into a zeroed L2 tile (`split_scratch.zeroed_sums`), so the adds of all splits run at once;
-the last arriver reads the finished tile once, adds the residual, rounds once, and stores zeros and a zero
-counter back (self-cleaning: nothing to clear outside a CUDA graph). The order in which the splits' adds
-land is not fixed, so this form is NOT bitwise deterministic from launch to launch (a float32 sum's last
-bits, then rarely a bf16 rounding); the split-order form and the unsplit one are.
 Measured (docs/serving.md "Measured" item 10): unsplit it streams at 3.1-3.4 TB/s and beats cuBLAS slightly
 on the wide KDA input GEMM; split, the partials and the reduction tail cost more than the split gains, so
 cuBLAS stays faster on the output GEMMs. `skinny_linear` takes this kernel only for the shapes in ROUTES.
+Session 8 (item 15 there) tried the splits summed by float32 atomics into a self-cleaning L2 tile and wider
+or narrower N tiles: 0.2-0.5 us faster than the split-order sum at 48-64 rows, still 0.6-1.4 us behind
+cuBLAS on the output GEMMs (and tied at 16 rows, where the reduction is small), so removed.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-import re
 from typing import NamedTuple
 
 import torch
 
 from kernels._triton import next_pow2, require, tl, triton
 from kernels.fused.naive import skinny_linear as torch_linear
-from kernels.fused.split_scratch import split_scratch, zeroed_sums
+from kernels.fused.split_scratch import split_scratch
 
 MAX_ROWS = 64
 
@@ -48,8 +42,8 @@ if triton is not None:
 
     @triton.jit
     def _skinny_gemm_kernel(x, w, res, out, partials, counters, M, N, K_SPLIT, stride_xm, stride_wn, stride_rm,
-                            stride_om, SPLITS: tl.constexpr, ATOMIC: tl.constexpr, HAS_RES: tl.constexpr,
-                            EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            stride_om, SPLITS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_N: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n, split = tl.program_id(0), tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,21 +61,10 @@ if triton is not None:
             w_at += BLOCK_K
             x_at += BLOCK_K
         tile_ok = row_ok[None, :] & col_ok[:, None]
-        local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rows[None, :]  # a [BLOCK_N, BLOCK_M] scratch tile
         if SPLITS == 1:
             _finish(acc, res, out, rows, cols, tile_ok, stride_rm, stride_om, HAS_RES)
-        elif ATOMIC:
-            tile_sum = partials + pid_n * (BLOCK_N * BLOCK_M)
-            # red.relaxed into L2: every split adds its tile at once (no serial read of every partial after)
-            tl.atomic_add(tile_sum + local, acc, mask=tile_ok, sem="relaxed")
-            tl.debug_barrier()  # every thread's adds are issued before the release below
-            arrived = tl.atomic_add(counters + pid_n, 1)  # acq_rel: the siblings' adds happen before
-            if arrived == SPLITS - 1:  # the last program of the tile reads the finished sum once
-                total = tl.load(tile_sum + local, mask=tile_ok, other=0.0, cache_modifier=".cg")
-                tl.store(tile_sum + local, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), mask=tile_ok)
-                tl.atomic_xchg(counters + pid_n, 0)  # sum and counter zero again: ready for the next launch
-                _finish(total, res, out, rows, cols, tile_ok, stride_rm, stride_om, HAS_RES)
         else:
+            local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rows[None, :]
             tile_partials = partials + pid_n * (SPLITS * BLOCK_N * BLOCK_M)
             tl.store(tile_partials + split * (BLOCK_N * BLOCK_M) + local, acc)
             tl.debug_barrier()  # every thread's partial is written before the release below
@@ -101,14 +84,14 @@ class Tiling(NamedTuple):
     splits: int
     num_warps: int = 4
     num_stages: int = 4
-    atomic: bool = False  # splits summed by float32 atomics into a zeroed L2 tile (not bitwise deterministic)
 
 
 # (N, K, BLOCK_M) of `mini`'s decode projections (services.engine.fast_decoder.distinct_projections) -> the
 # tiling measured faster than cuBLAS on the H200 (bench.serve_glue --groups skinny;
 # bench/results/serve_glue_skinny.json and docs/serving.md "Measured"), at 16 rows for the 16-row tile and
 # at 48 and 64 rows for the 64-row one. Routed only for rows in the upper
-# half of a tile (9-16, 33-64: the measured side); everything else stays on cuBLAS.
+# half of a tile (9-16, 33-64: the measured side); everything else stays on cuBLAS, which won at every other
+# projection (the K-split output GEMMs by 1.2-1.3x: their reduction tail costs more than the split gains).
 # us at 16 / 48 / 64 rows, ours vs cuBLAS: KDA input 10.2 / 10.8 / 10.9 vs 11.3 / 11.7 / 11.1; KDA f_b 2.2 /
 # 2.3 / 2.4 vs 2.6 / 2.7 / 2.6; MLP down + residual 9.3 / 10.6 / 10.7 vs 10.6 / 11.2 / 10.9.
 ROUTES: dict[tuple[int, int, int], Tiling] = {
@@ -116,49 +99,6 @@ ROUTES: dict[tuple[int, int, int], Tiling] = {
     **{(2048, 128, m): Tiling(64, 128, 1, num_stages=3) for m in (16, 64)},
     **{(2048, 5632, m): Tiling(64, 128, 4) for m in (16, 64)},
 }
-# The output GEMMs (attention out, MoE out; N = 2048, 8-10 MB) with the atomic split reduction, switched by
-# K3_SKINNY_OUTPUT: "1" these, "0" none (cuBLAS), or routes spelled "NxKxBLOCK_M:label;..." (labels as
-# Tiling.label writes them) in their place; unset: OUTPUT_DEFAULT.
-OUTPUT_ROUTES: dict[tuple[int, int, int], Tiling] = {
-    **{(2048, 2048, m): Tiling(128, 128, 8, num_warps=8, atomic=True) for m in (16, 64)},
-    **{(2048, 2560, m): Tiling(128, 64, 8, num_warps=8, num_stages=4, atomic=True) for m in (16, 64)},
-}
-OUTPUT_ENV = "K3_SKINNY_OUTPUT"
-OUTPUT_DEFAULT = "0"  # not yet timed in the step
-
-
-def label(t: Tiling) -> str:
-    """"n128k64s8w8st4a": block_n, block_k, splits, warps, stages, and "a" for the atomic reduction."""
-    return f"n{t.block_n}k{t.block_k}s{t.splits}w{t.num_warps}st{t.num_stages}{'a' if t.atomic else ''}"
-
-
-def parse_label(text: str) -> Tiling:
-    found = re.fullmatch(r"n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)(a?)", text)
-    require(found is not None, f"{OUTPUT_ENV}: {text!r} is not a tiling label like n128k64s8w8st4a")
-    *ints, atomic = found.groups()
-    return Tiling(*map(int, ints), atomic=atomic == "a")
-
-
-@functools.lru_cache(maxsize=8)
-def output_routes(setting: str) -> dict[tuple[int, int, int], Tiling]:
-    """The output GEMMs' routes for a K3_SKINNY_OUTPUT value (parsed once per value)."""
-    if setting == "1":
-        return OUTPUT_ROUTES
-    if setting == "0":
-        return {}
-    found = {}
-    for entry in filter(None, setting.split(";")):
-        shape, _, text = entry.partition(":")
-        dims = shape.split("x")
-        require(len(dims) == 3 and all(d.isdigit() for d in dims), f"{OUTPUT_ENV}: {entry!r} is not NxKxBLOCK_M:label")
-        found[tuple(map(int, dims))] = parse_label(text)
-    return found
-
-
-def routes() -> dict[tuple[int, int, int], Tiling]:
-    """ROUTES and the output GEMMs' routes as K3_SKINNY_OUTPUT sets them now (read at each call: a bench variant
-    switches it between graph captures)."""
-    return {**ROUTES, **output_routes(os.environ.get(OUTPUT_ENV) or OUTPUT_DEFAULT)}
 
 
 def block_rows(rows: int) -> int:
@@ -200,26 +140,6 @@ def candidate_tilings(n: int, k: int, sms: int = 132) -> list[Tiling]:
     return list(dict.fromkeys(t for t in found if k % (t.splits * t.block_k) == 0))
 
 
-def atomic_tilings(n: int, k: int, sms: int = 132) -> list[Tiling]:
-    """What bench.serve_glue's `output` group times: the atomic reduction with 64- / 128- (8 or 4 warps) /
-    256-wide N tiles (wider: fewer x re-reads from L2 per weight byte, more splits), each with the K step that
-    gives the most programs up to one per SM, then 64-wide tiles at two programs per SM; stages as many as
-    fit 200 KiB of shared memory at 64 rows (at most 4); last, narrow N tiles."""
-    found = []
-    for block_n, warps, programs in ((64, 4, sms), (128, 8, sms), (128, 4, sms), (256, 8, sms), (64, 4, 2 * sms)):
-        tiles = triton.cdiv(n, block_n)
-        block_k = max((128, 64), key=lambda bk: (tiles * most_splits(n, k, block_n, bk, programs, 16), bk))
-        splits = most_splits(n, k, block_n, block_k, programs, 16)
-        stage_bytes = (block_n + MAX_ROWS) * block_k * 2
-        stages = max(2, min(4, (200 << 10) // (stage_bytes * programs // sms)))
-        if splits > 1 and k % (splits * block_k) == 0:
-            found.append(Tiling(block_n, block_k, splits, warps, stages, atomic=True))
-    # narrow N tiles, one program per SM: 32-wide with 2 splits, and 16-wide with none (no reduction at all,
-    # x re-read from L2 at rows / 16 times the weight's bytes)
-    found += [Tiling(32, 128, 2, 4, 4, atomic=True), Tiling(16, 128, 1, 4, 4)]
-    return list(dict.fromkeys(t for t in found if k % (t.splits * t.block_k) == 0))
-
-
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
                 tiling: Tiling | None = None) -> torch.Tensor:
     """The Triton kernel itself: x [M <= 64, K] (row-strided allowed), weight [N, K] -> x @ weight^T [M, N] in
@@ -243,12 +163,10 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
     block_m, tiles = block_rows(rows), triton.cdiv(n, tiling.block_n)
     partials, counters = out, out  # unused without a split: no scratch (nothing to size before a graph capture)
     if tiling.splits > 1:
-        tile_floats = tiling.block_n * block_m
-        partials, counters = (zeroed_sums(tiles * tile_floats, tiles, x.device) if tiling.atomic
-                              else split_scratch(tiles * tiling.splits * tile_floats, tiles, x.device))
+        partials, counters = split_scratch(tiles * tiling.splits * tiling.block_n * block_m, tiles, x.device)
     _skinny_gemm_kernel[(tiles, tiling.splits)](
         x, weight, out, out, partials, counters, rows, n, depth // tiling.splits, x.stride(0), weight.stride(0),
-        out.stride(0), out.stride(0), SPLITS=tiling.splits, ATOMIC=tiling.atomic, HAS_RES=residual is not None,
+        out.stride(0), out.stride(0), SPLITS=tiling.splits, HAS_RES=residual is not None,
         EVEN_N=n % tiling.block_n == 0, BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     return out
@@ -259,7 +177,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     rows in the tile's upper half, cuBLAS otherwise."""
     rows = x.shape[0]
     routed = rows <= MAX_ROWS and 2 * rows > block_rows(rows)
-    tiling = routes().get((*weight.shape, block_rows(rows))) if routed else None
+    tiling = ROUTES.get((*weight.shape, block_rows(rows))) if routed else None
     if tiling is None or x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype != weight.dtype:
         return torch_linear(x, weight, residual)
     return skinny_gemm(x, weight, residual, tiling)

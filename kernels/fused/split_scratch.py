@@ -4,9 +4,6 @@ last one to arrive at a tile's int32 counter sums the partials and sets the coun
 on one stream run one after another, so every such kernel shares one buffer pair per device; the engine runs
 its forwards on one stream (the graph warm-up's side stream is joined before the capture). Two such kernels
 running at once on two streams would race on the counters.
-`zeroed_sums`: float32 tiles (and their own counters) that split programs add into with atomics
-(`skinny_gemm_triton`'s atomic form); the last program of a tile reads its sum and stores zeros back, so the
-buffer is all zero between launches.
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ import torch
 from kernels._triton import require
 
 _SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_SUMS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _OUTGROWN: list[torch.Tensor] = []  # replaced scratch stays allocated: graphs captured earlier still use it
 MIN_PARTIALS = 1 << 18  # float32 partials (1 MiB) on CUDA: the router's at 512 tokens fit
 MIN_COUNTERS = 4096
@@ -39,22 +35,3 @@ def split_scratch(floats: int, tiles: int, device: torch.device) -> tuple[torch.
         counters = torch.zeros(tiles, dtype=torch.int32, device=device)
         _SCRATCH[device] = (partials, counters)
     return partials, counters
-
-
-def zeroed_sums(floats: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 zeros of at least `floats`, int32 zero counters of at least `tiles`), which every user leaves
-    zero after its launch; its own counters, so no race with a `split_scratch` kernel on a graph's side
-    branch. Grown on demand, only outside CUDA-graph capture (like `split_scratch`)."""
-    sums, counters = _SUMS.get(device, (None, None))
-    if sums is None or counters is None or sums.numel() < floats or counters.numel() < tiles:
-        require(not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()),
-                "split-kernel scratch must be sized by an eager call before a CUDA graph captures it")
-        if sums is not None and counters is not None:
-            _OUTGROWN.extend((sums, counters))
-        floor = MIN_PARTIALS if device.type == "cuda" else 1
-        floats = max(floats, floor, 0 if sums is None else sums.numel())
-        tiles = max(tiles, MIN_COUNTERS, 0 if counters is None else counters.numel())
-        sums = torch.zeros(floats, dtype=torch.float32, device=device)
-        counters = torch.zeros(tiles, dtype=torch.int32, device=device)
-        _SUMS[device] = (sums, counters)
-    return sums, counters

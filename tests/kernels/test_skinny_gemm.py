@@ -9,7 +9,7 @@ import torch
 
 from k3core.presets import preset
 from kernels import dispatch
-from kernels.fused import naive, skinny_gemm_triton, split_scratch
+from kernels.fused import naive, skinny_gemm_triton
 from kernels.fused.skinny_gemm_triton import Tiling
 from services.engine.fast_decoder import distinct_projections
 
@@ -29,9 +29,6 @@ def _case(rows: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     (16, 48, 96, Tiling(32, 16, 3, num_stages=2)),  # N past the last full tile, three splits
     (3, 40, 64, Tiling(16, 32, 1, num_stages=2)),  # no split, ragged N
     (33, 32, 64, Tiling(16, 16, 4, num_stages=2)),  # 33 rows: a 64-row tile with most rows masked
-    (5, 64, 128, Tiling(32, 32, 2, num_stages=2, atomic=True)),  # the atomic reduction, same shapes
-    (16, 48, 96, Tiling(32, 16, 3, num_stages=2, atomic=True)),
-    (33, 32, 64, Tiling(16, 16, 4, num_stages=2, atomic=True)),
 ])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_kernel_matches_float64(interpreted, rows, n, k, tiling, with_residual):
@@ -43,22 +40,9 @@ def test_kernel_matches_float64(interpreted, rows, n, k, tiling, with_residual):
         assert got.data_ptr() == target.data_ptr()  # in place
     # one float16 rounding of the float32 accumulator
     torch.testing.assert_close(got.double(), expected, rtol=2e-3, atol=2e-3)
-    # a second launch (counters, and the atomic form's sums, reset by the first) gives the same result: the
-    # same bits in split order; the atomic form's adds may land in another order on a device (not here)
+    # deterministic: a second launch (counters reset by the first) gives the same bits
     again = skinny_gemm_triton.skinny_gemm(x, weight, residual.clone() if with_residual else None, tiling)
     assert torch.equal(again, got)
-
-
-def test_atomic_form_leaves_its_scratch_zero(interpreted):
-    """The last program of each tile zeroes its float32 sums and counter (nothing to clear outside a graph),
-    also where the buffer held a previous launch's sums of a different shape."""
-    for rows, n, k, tiling in [(7, 96, 64, Tiling(32, 16, 4, num_stages=2, atomic=True)),
-                               (16, 40, 32, Tiling(16, 16, 2, num_stages=2, atomic=True))]:
-        x, weight, residual = _case(rows, n, k, seed=n)
-        skinny_gemm_triton.skinny_gemm(x, weight, residual, tiling)
-        sums, counters = split_scratch.zeroed_sums(1, 1, x.device)
-        assert sums.abs().max() == 0 and counters.abs().max() == 0
-        assert sums.numel() >= -(-n // tiling.block_n) * tiling.block_n * 16
 
 
 def test_reference_is_the_plain_projection():
@@ -81,42 +65,12 @@ def test_bad_shapes_are_refused():
         skinny_gemm_triton.skinny_gemm(x, weight, residual[:, :16], Tiling(32, 32, 1))
 
 
-def test_output_routes_follow_the_switch(monkeypatch):
-    """K3_SKINNY_OUTPUT: the default output routes, none, or a spelled-out set (labels round-trip)."""
-    monkeypatch.setenv(skinny_gemm_triton.OUTPUT_ENV, "1")
-    assert skinny_gemm_triton.routes() == {**skinny_gemm_triton.ROUTES, **skinny_gemm_triton.OUTPUT_ROUTES}
-    monkeypatch.delenv(skinny_gemm_triton.OUTPUT_ENV)
-    assert skinny_gemm_triton.routes() == skinny_gemm_triton.output_routes(skinny_gemm_triton.OUTPUT_DEFAULT) | \
-        skinny_gemm_triton.ROUTES
-    monkeypatch.setenv(skinny_gemm_triton.OUTPUT_ENV, "0")
-    assert skinny_gemm_triton.routes() == skinny_gemm_triton.ROUTES
-    tiling = Tiling(256, 128, 16, 8, 2, atomic=True)
-    assert skinny_gemm_triton.label(tiling) == "n256k128s16w8st2a"
-    monkeypatch.setenv(skinny_gemm_triton.OUTPUT_ENV, "2048x2048x64:n256k128s16w8st2a;2048x2560x16:n64k128s4w4st4")
-    found = skinny_gemm_triton.routes()
-    assert found[(2048, 2048, 64)] == tiling and found[(2048, 2560, 16)] == Tiling(64, 128, 4)
-    assert (2048, 2048, 16) not in found
-    for bad in ("2048x2048:n64k128s4w4st4", "2048x2048x64:n64k128s4"):
-        monkeypatch.setenv(skinny_gemm_triton.OUTPUT_ENV, bad)
-        with pytest.raises(ValueError, match="K3_SKINNY_OUTPUT"):
-            skinny_gemm_triton.routes()
-
-
-def test_atomic_tilings_divide_k_and_fit_the_device():
-    for n, k in [(2048, 2048), (2048, 2560), (2048, 5632)]:
-        found = skinny_gemm_triton.atomic_tilings(n, k)
-        assert found and all(t.atomic == (t.splits > 1) and k % (t.splits * t.block_k) == 0 for t in found)
-        assert all(-(-n // t.block_n) * t.splits <= 2 * 132 for t in found)
-        assert {t.block_n for t in found} == {16, 32, 64, 128, 256}
-
-
 def test_only_routed_shapes_and_rows_reach_the_kernel(monkeypatch):
     """A shape missing from ROUTES, a row count in a tile's lower half or past 64 rows stays on torch."""
     calls = []
     monkeypatch.setattr(skinny_gemm_triton, "skinny_gemm", lambda *a: calls.append(a))
     routes = {(32, 64, 16): Tiling(32, 64, 1), (32, 64, 64): Tiling(32, 64, 1)}
     monkeypatch.setattr(skinny_gemm_triton, "ROUTES", routes)
-    monkeypatch.setenv(skinny_gemm_triton.OUTPUT_ENV, "0")
     x, weight, _ = _case(12, 32, 64, seed=3)
     other = torch.zeros(16, 64, dtype=F16)
     torch.testing.assert_close(skinny_gemm_triton.skinny_linear(x, other), x @ other.t())
@@ -132,7 +86,7 @@ def test_only_routed_shapes_and_rows_reach_the_kernel(monkeypatch):
 def test_routes_are_valid_tilings_of_mini():
     """Every route is a mini projection shape its tiling divides (a typo would silently never match)."""
     shapes = {(n, k) for n, k, _ in distinct_projections(preset("mini")).values()}
-    for (n, k, block_m), t in {**skinny_gemm_triton.ROUTES, **skinny_gemm_triton.OUTPUT_ROUTES}.items():
+    for (n, k, block_m), t in skinny_gemm_triton.ROUTES.items():
         assert (n, k) in shapes and block_m in (16, 32, 64)
         assert k % (t.splits * t.block_k) == 0
 

@@ -219,7 +219,7 @@ def skinny_gemm(tokens: int, tilings=lambda n, k: [skinny_gemm_triton.default_ti
     """The decode projections (services/engine/fast_*.py through dispatch.skinny_linear: fast_decoder's
     `distinct_projections`): the routed tiling and the launcher's default of every mini projection shape."""
     for n, k, residual in distinct_projections(MINI).values():
-        routed = skinny_gemm_triton.routes().get((n, k, skinny_gemm_triton.block_rows(tokens)))
+        routed = skinny_gemm_triton.ROUTES.get((n, k, skinny_gemm_triton.block_rows(tokens)))
         for tiling in dict.fromkeys([*tilings(n, k), *([routed] if routed else [])]):
             skinny_gemm_triton.skinny_gemm(empty(tokens, k), empty(n, k), empty(tokens, n) if residual else None,
                                            tiling)
@@ -272,8 +272,7 @@ def _bench_variants() -> dict:
         cases[f"latent moe {gate_up.label()} | {down.label()}"] = lambda g=gate_up, d=down: [
             latent_moe(n, moe_cases.E, moe_cases.L, moe_cases.F, moe_cases.TOP_K, gate_up_tile=g, down_tile=d)
             for n in DECODE_BATCHES]
-    cases["skinny gemm tilings"] = lambda: skinny_gemm(64, lambda n, k: [*skinny_gemm_triton.candidate_tilings(n, k),
-                                                                          *skinny_gemm_triton.atomic_tilings(n, k)])
+    cases["skinny gemm tilings"] = lambda: skinny_gemm(64, skinny_gemm_triton.candidate_tilings)
     cases["dense experts' tilings"] = lambda: dense_expert_tilings(64)
     return cases
 
