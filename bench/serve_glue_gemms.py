@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from k3core.config import K3Config
-from kernels.fused import expert_gemm_triton
+from kernels.fused import expert_gemm_gluon, expert_gemm_triton
 from kernels.mla import decode_triton
 from kernels.moe import situ_glu_triton
 
@@ -73,6 +73,32 @@ def down_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tup
             act, w, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], tma=t[4]), w2s),
         each_call(lambda w: torch.bmm(act, w.transpose(1, 2)), w2s), experts * latent * ffn * 2)
         for n, k, warps, stages, tma in configs}
+
+
+def gluon_cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, Case]:
+    """The dense experts' Gluon form (`K3_DENSE_EXPERTS=gluon`: gate|up + GLU, down projection) against the Triton
+    TMA form it would replace (`tma-down`, the launchers' default tiles), both on the same weight cycles."""
+    experts, ffn, latent = c.num_experts, c.moe_intermediate_size, c.routed_expert_hidden_size
+    z = torch.randn(tokens, 4 * latent, device=gen.device, generator=gen).to(torch.bfloat16)[:, :latent]
+    act = torch.randn(experts, tokens, ffn, device=gen.device, generator=gen).to(torch.bfloat16)
+    w13s, w2s = weight_copies((experts, 2 * ffn, latent), gen), weight_copies((experts, latent, ffn), gen, 2 * WEIGHT_COPIES)
+    if not (expert_gemm_gluon.serves(z, w13s[0], tokens, ffn, True)
+            and expert_gemm_gluon.serves(act, w2s[0], tokens, latent, False)):
+        raise RuntimeError(f"the Gluon expert GEMMs do not take {tokens} tokens here (expert_gemm_gluon.serves)")
+    beta = (c.situ_beta, c.situ_linear_beta)
+
+    def gate_up(w: torch.Tensor, gluon: bool) -> torch.Tensor:
+        return expert_gemm_triton.expert_gate_up_glu(z, w, "situ", *beta, tma=True, gluon=gluon)
+
+    def down(w: torch.Tensor, gluon: bool) -> torch.Tensor:
+        return expert_gemm_triton.expert_down(act, w, tma=True, gluon=gluon)
+
+    return {
+        "expert_gate_up_glu gluon (peer: tma)": (each_call(lambda w: gate_up(w, True), w13s),
+                                                 each_call(lambda w: gate_up(w, False), w13s),
+                                                 experts * 2 * ffn * latent * 2),
+        "expert_down gluon (peer: tma)": (each_call(lambda w: down(w, True), w2s), each_call(lambda w: down(w, False), w2s),
+                                          experts * latent * ffn * 2)}
 
 
 def mla_cases(c: K3Config, batch: int, gen: torch.Generator, variants: list[dict]) -> dict[str, Case]:

@@ -35,6 +35,7 @@ from k3core.presets import preset
 from kernels import compile_check
 from kernels.attnres import block_logits_triton, inter_triton, merge_norm_triton
 from kernels.fused import (
+    expert_gemm_gluon,
     expert_gemm_triton,
     gated_heads_triton,
     greedy_argmax_triton,
@@ -47,7 +48,7 @@ from kernels.fused import (
 )
 from kernels.kda import decode_step_triton, decode_triton, prefill_triton, verify_triton
 from kernels.mla import decode_triton as mla_decode
-from kernels.moe import decode_gluon, latent_moe_decode_triton, situ_glu_triton
+from kernels.moe import decode_gluon, gate_up_wgmma_gluon, latent_moe_decode_triton, situ_glu_triton
 from kernels.moe.tiles import default_tiles
 from kernels.perf import attnres_cases, kda_decode_cases, kda_prefill_cases, mla_cases, moe_cases
 from services.engine import fast_ffn
@@ -210,9 +211,20 @@ def latent_moe_gluon(tokens: int, experts: int = E, latent: int = LATENT, width:
     decode_gluon.gate_up(empty(tokens, latent), ids, empty(experts, 2 * width, latent // 8, dtype=I32),
                          empty(experts, 2 * width, latent // 32, dtype=u8), h, 4.0, 25.0, gate_up_tile,
                          latent_moe_decode_triton.GLUON_STAGES)
+    gate_up_wgmma_gluon.gate_up_wgmma(empty(tokens, latent), ids, empty(experts, 2 * width, latent // 8, dtype=I32),
+                                      empty(experts, 2 * width, latent // 32, dtype=u8), h, 4.0, 25.0,
+                                      latent_moe_decode_triton.GLUON_STAGES)
     decode_gluon.down(h, ids, empty(tokens, top_k, dtype=F32), empty(experts, latent, width // 8, dtype=I32),
                       empty(experts, latent, width // 32, dtype=u8), empty(1, pairs, latent, dtype=F32),
                       latent_moe_decode_triton.GLUON_DOWN_TILE, latent_moe_decode_triton.GLUON_STAGES)
+
+
+def dense_experts_gluon(tokens: int) -> None:
+    """The Gluon form of the dense experts' gate|up + GLU and down projection (kernels/fused/expert_gemm_gluon.py,
+    `K3_DENSE_EXPERTS=gluon`): its launcher without the CUDA check, on the MoE step's operands (z a row slice)."""
+    z = empty(tokens, LATENT + 2 * 2 * F_MOE)[:, :LATENT]
+    expert_gemm_gluon.launch(z, empty(E, 2 * F_MOE, LATENT), empty(E, tokens, F_MOE), 1, 4.0, 25.0)
+    expert_gemm_gluon.launch(empty(E, tokens, F_MOE), empty(E, LATENT, F_MOE), empty(E, tokens, LATENT), 0, 1.0, 1.0)
 
 
 def skinny_gemm(tokens: int, tilings=lambda n, k: [skinny_gemm_triton.default_tiling(n, k)]) -> None:
@@ -329,7 +341,8 @@ def test_every_kernel_compiles_for_sm90(recorded):
                     reason="the Gluon kernels are written for the device's Triton 3.6 (set "
                     "K3_COMPILE_CHECK_TRITON_PATH); later releases renamed Gluon's cp.async and barrier calls")
 def test_gluon_kernels_compile_for_sm90():
-    _check(_record({f"latent moe gluon T={t}": lambda t=t: latent_moe_gluon(t) for t in (1, 16)}).unique())
+    _check(_record({**{f"latent moe gluon T={t}": lambda t=t: latent_moe_gluon(t) for t in (1, 16)},
+                    **{f"dense experts gluon T={t}": lambda t=t: dense_experts_gluon(t) for t in (16, 48, 64)}}).unique())
 
 
 @pytest.mark.slow
