@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from kernels._triton import next_pow2, require, sm_count, tl, triton
-from kernels.moe import decode_gluon
+from kernels.moe import decode_gluon, gate_up_wgmma_gluon
 from kernels.moe.mxfp4_tile_triton import prepare
 from kernels.moe.tiles import Tile, default_tiles
 
@@ -144,6 +144,8 @@ if triton is not None:
 # 2 warps: 4 warps or 32 rows were slower at T = 4 / 16.
 GLUON_STAGES = 3
 GLUON_DOWN_TILE = Tile(128, 128, 4, 3)
+# Gate/up on warpgroup MMAs (gate_up_wgmma_gluon) where the caller names no gate/up tile.
+GLUON_WGMMA = False
 
 
 class PreparedExperts(NamedTuple):
@@ -200,7 +202,7 @@ def latent_moe_decode_prepared(
     x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, experts: PreparedExperts,
     beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None, down_tile: Tile | None = None,
     token_block: int = 16, h_parts: int | None = None, gluon_stages: int | None = None,
-    gluon_down_stages: int | None = None,
+    gluon_down_stages: int | None = None, gluon_wgmma: bool | None = None,
 ) -> torch.Tensor:
     """latent_moe_decode on `prepare_experts`' layout. Tuning: `gate_up_tile` and `down_tile`
     (kernels.moe.tiles.Tile; default: `default_tiles` by T k and the SM count), `token_block` tokens of one
@@ -210,7 +212,8 @@ def latent_moe_decode_prepared(
     (kernels.moe.decode_gluon) where it serves the call (CUDA, bf16, T <= 16, 128-column tiles: every decode
     batch with the default tiles; down: GLUON_DOWN_TILE unless `down_tile` is given), with `gluon_stages`
     (gate/up) and `gluon_down_stages` cp.async stages (default GLUON_STAGES; 0: that projection's Triton
-    kernel), else in Triton.
+    kernel), else in Triton; with no `gate_up_tile`, gate/up runs on warpgroup MMAs
+    (kernels.moe.gate_up_wgmma_gluon, its own 64-row 4-warp tile) where `gluon_wgmma` (default GLUON_WGMMA).
     """
     T, L = x.shape
     gu_words, gu_mults, d_words, d_mults = experts
@@ -231,7 +234,8 @@ def latent_moe_decode_prepared(
     require(1 <= hp <= 3, f"h_parts must be 1, 2 or 3, got {h_parts}")
     stages, down_stages = (GLUON_STAGES if s is None else s for s in (gluon_stages, gluon_down_stages))
     default_gu, default_down = default_tiles(T * K, sm_count(x.device, cpu=132))
-    gu_tile = gate_up_tile or default_gu
+    wgmma = (GLUON_WGMMA if gluon_wgmma is None else gluon_wgmma) and gate_up_tile is None
+    gu_tile = gate_up_tile or (gate_up_wgmma_gluon.WGMMA_TILE if wgmma else default_gu)
     gluon_gate_up = bool(stages) and token_block == 16 and decode_gluon.serves_gate_up(x, F, gu_tile)
     gluon_down = bool(down_stages) and token_block == 16 and decode_gluon.serves_down(
         x, F, hp, down_tile or GLUON_DOWN_TILE)
@@ -244,7 +248,10 @@ def latent_moe_decode_prepared(
     common = {"TP": max(16, next_pow2(T)), "BK": next_pow2(K), "BT": token_block, "HP": hp,
               "USE_ASM": x.is_cuda}
     h = torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device)
-    if gluon_gate_up:
+    if gluon_gate_up and wgmma:
+        gate_up_wgmma_gluon.gate_up_wgmma(x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, beta1, beta2,
+                                          stages)
+    elif gluon_gate_up:
         decode_gluon.gate_up(x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, beta1, beta2, gu_tile, stages)
     else:
         _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
