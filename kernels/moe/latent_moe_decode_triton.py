@@ -17,8 +17,9 @@ dtype, in a fixed order.
 
 On CUDA with bf16 activations and T <= 16 (every decode batch), kernels 1 and 2 run as their Gluon forms
 (kernels.moe.decode_gluon: the same computation with conflict-free activation staging and a deeper cp.async
-ring, 1.37-1.39x at T = 1 / 4 / 16; docs/kernels.md, history 32); these Triton kernels serve the rest and are
-the form the CPU interpreter tests.
+ring, 1.37-1.39x at T = 1 / 4 / 16; docs/kernels.md, history 32), gate/up from as many (token, expert) pairs
+as SMs on warpgroup MMAs (kernels.moe.gate_up_wgmma_gluon, history 35); these Triton kernels serve the rest and
+are the form the CPU interpreter tests.
 """
 
 from __future__ import annotations
@@ -144,8 +145,9 @@ if triton is not None:
 # 2 warps: 4 warps or 32 rows were slower at T = 4 / 16.
 GLUON_STAGES = 3
 GLUON_DOWN_TILE = Tile(128, 128, 4, 3)
-# Gate/up on warpgroup MMAs (gate_up_wgmma_gluon) where the caller names no gate/up tile.
-GLUON_WGMMA = False
+# Gate/up on warpgroup MMAs (gate_up_wgmma_gluon) by default from as many (token, expert) pairs as SMs (session
+# 8, history 35, same run, us at T = 1 / 4 / 16: gate/up 16.9 / 46.8 / 120.0 against mma.sync's 17.0 / 47.0 /
+# 128.6; whole call 31.7 / 77.8 / 183.2 against 30.0 / 77.9 / 193.2: faster at T = 16, alike at 4, slower at 1).
 
 
 class PreparedExperts(NamedTuple):
@@ -213,7 +215,8 @@ def latent_moe_decode_prepared(
     batch with the default tiles; down: GLUON_DOWN_TILE unless `down_tile` is given), with `gluon_stages`
     (gate/up) and `gluon_down_stages` cp.async stages (default GLUON_STAGES; 0: that projection's Triton
     kernel), else in Triton; with no `gate_up_tile`, gate/up runs on warpgroup MMAs
-    (kernels.moe.gate_up_wgmma_gluon, its own 64-row 4-warp tile) where `gluon_wgmma` (default GLUON_WGMMA).
+    (kernels.moe.gate_up_wgmma_gluon, its own 64-row 4-warp tile) where `gluon_wgmma` (default: from as many
+    (token, expert) pairs as SMs).
     """
     T, L = x.shape
     gu_words, gu_mults, d_words, d_mults = experts
@@ -233,8 +236,9 @@ def latent_moe_decode_prepared(
     hp = h_parts or _parts(x.dtype)
     require(1 <= hp <= 3, f"h_parts must be 1, 2 or 3, got {h_parts}")
     stages, down_stages = (GLUON_STAGES if s is None else s for s in (gluon_stages, gluon_down_stages))
-    default_gu, default_down = default_tiles(T * K, sm_count(x.device, cpu=132))
-    wgmma = (GLUON_WGMMA if gluon_wgmma is None else gluon_wgmma) and gate_up_tile is None
+    sms = sm_count(x.device, cpu=132)
+    default_gu, default_down = default_tiles(T * K, sms)
+    wgmma = (T * K >= sms if gluon_wgmma is None else gluon_wgmma) and gate_up_tile is None
     gu_tile = gate_up_tile or (gate_up_wgmma_gluon.WGMMA_TILE if wgmma else default_gu)
     gluon_gate_up = bool(stages) and token_block == 16 and decode_gluon.serves_gate_up(x, F, gu_tile)
     gluon_down = bool(down_stages) and token_block == 16 and decode_gluon.serves_down(

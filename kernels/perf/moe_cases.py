@@ -33,7 +33,7 @@ class Variant(NamedTuple):
     batches: tuple[int, ...] = ()
     gluon_stages: int | None = None  # the gate/up step's Gluon stages (None: the launcher's; 0: Triton kernel)
     gluon_down_stages: int | None = None  # the same for the down step
-    gluon_wgmma: bool | None = None  # gate/up on warpgroup MMAs (None: the launcher's GLUON_WGMMA)
+    gluon_wgmma: bool | None = None  # gate/up on warpgroup MMAs (None: the launcher's choice by T k)
 
     def label(self) -> str:
         gate_up, down = (t.label() if t else "default" for t in (self.gate_up, self.down))
