@@ -26,6 +26,8 @@ MLA_VARIANTS = [  # mla_decode_paged tuning at the serve pool's 1024-token pages
     {}, {"num_splits": 2}, {"num_splits": 8}, {"num_splits": 16}, {"block_n": 32, "num_stages": 3},
     {"block_n": 32, "num_stages": 3, "num_splits": 8}, {"num_warps": 8}, {"tokens_major": True}]
 MLA_CONTEXTS = (1024, 4096)
+# The Gluon expert GEMMs' (64-wide K boxes a stage, tokens resident in shared memory) timed; the first: the default
+GLUON_VARIANTS = [(1, False), (2, False), (4, False), (1, True), (2, True)]
 WEIGHT_COPIES = 3  # distinct weight sets cycled through the timed calls: 300 MB, far past the 50 MB L2
 Case = tuple[Callable[[], object], Callable[[], object] | None, int]  # fused, peer, weight bytes read per call
 
@@ -77,7 +79,8 @@ def down_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tup
 
 def gluon_cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, Case]:
     """The dense experts' Gluon form (`K3_DENSE_EXPERTS=gluon`: gate|up + GLU, down projection) against the Triton
-    TMA form it would replace (`tma-down`, the launchers' default tiles), both on the same weight cycles."""
+    TMA form it would replace (`tma-down`, the launchers' default tiles), both on the same weight cycles; the
+    Gluon rows in GLUON_VARIANTS (the first: the launcher's default), each with the deepest ring that fits."""
     experts, ffn, latent = c.num_experts, c.moe_intermediate_size, c.routed_expert_hidden_size
     z = torch.randn(tokens, 4 * latent, device=gen.device, generator=gen).to(torch.bfloat16)[:, :latent]
     act = torch.randn(experts, tokens, ffn, device=gen.device, generator=gen).to(torch.bfloat16)
@@ -87,18 +90,34 @@ def gluon_cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, Cas
         raise RuntimeError(f"the Gluon expert GEMMs do not take {tokens} tokens here (expert_gemm_gluon.serves)")
     beta = (c.situ_beta, c.situ_linear_beta)
 
-    def gate_up(w: torch.Tensor, gluon: bool) -> torch.Tensor:
-        return expert_gemm_triton.expert_gate_up_glu(z, w, "situ", *beta, tma=True, gluon=gluon)
+    def gate_up(w: torch.Tensor, boxes: int, resident: bool, ring: int | None = None, per_sm: int = 1) -> torch.Tensor:
+        return expert_gemm_gluon.expert_gemm(z, w, torch.empty(experts, tokens, ffn, device=z.device, dtype=z.dtype),
+                                             1, *beta, ring, boxes, resident, per_sm)
 
-    def down(w: torch.Tensor, gluon: bool) -> torch.Tensor:
-        return expert_gemm_triton.expert_down(act, w, tma=True, gluon=gluon)
+    def down(w: torch.Tensor, boxes: int, ring: int | None = None, per_sm: int = 1) -> torch.Tensor:
+        return expert_gemm_gluon.expert_gemm(act, w, torch.empty(experts, tokens, latent, device=z.device,
+                                                                 dtype=z.dtype), 0, 1.0, 1.0, ring, boxes, False, per_sm)
 
-    return {
-        "expert_gate_up_glu gluon (peer: tma)": (each_call(lambda w: gate_up(w, True), w13s),
-                                                 each_call(lambda w: gate_up(w, False), w13s),
-                                                 experts * 2 * ffn * latent * 2),
-        "expert_down gluon (peer: tma)": (each_call(lambda w: down(w, True), w2s), each_call(lambda w: down(w, False), w2s),
-                                          experts * latent * ffn * 2)}
+    def tma_gate_up(w: torch.Tensor) -> torch.Tensor:
+        return expert_gemm_triton.expert_gate_up_glu(z, w, "situ", *beta, tma=True)
+
+    found: dict[str, Case] = {}
+    for boxes, resident in GLUON_VARIANTS:
+        ring = expert_gemm_gluon.stages(tokens, latent, boxes, resident)
+        found[f"expert_gate_up_glu gluon b{boxes} ring {ring}{' resident' if resident else ''} (peer: tma)"] = (
+            each_call(lambda w, v=(boxes, resident): gate_up(w, *v), w13s), each_call(tma_gate_up, w13s),
+            experts * 2 * ffn * latent * 2)
+        if not resident:
+            found[f"expert_down gluon b{boxes} ring {expert_gemm_gluon.stages(tokens, ffn, boxes)} (peer: tma)"] = (
+                each_call(lambda w, v=boxes: down(w, v), w2s),
+                each_call(lambda w: expert_gemm_triton.expert_down(act, w, tma=True), w2s), experts * latent * ffn * 2)
+    # two programs an SM, each with a 3-stage ring (both fit in its shared memory)
+    found["expert_gate_up_glu gluon b1 ring 3 x2/SM (peer: tma)"] = (
+        each_call(lambda w: gate_up(w, 1, False, 3, 2), w13s), each_call(tma_gate_up, w13s), experts * 2 * ffn * latent * 2)
+    found["expert_down gluon b1 ring 3 x2/SM (peer: tma)"] = (
+        each_call(lambda w: down(w, 1, 3, 2), w2s),
+        each_call(lambda w: expert_gemm_triton.expert_down(act, w, tma=True), w2s), experts * latent * ffn * 2)
+    return found
 
 
 def mla_cases(c: K3Config, batch: int, gen: torch.Generator, variants: list[dict]) -> dict[str, Case]:

@@ -55,18 +55,24 @@ if gluon is not None:
 
     @gluon.jit
     def _issue(step, x_desc, w_desc, x_s, a_s, b_s, ready, first, nprog, tiles_per_expert, x_rows_per_expert,
-               w_rows_per_expert, second, KSTEPS: gl.constexpr, COLS: gl.constexpr, STAGES: gl.constexpr):
-        """TMA copies of this program's K step `step` (tile first + (step // KSTEPS) * nprog) into its stage."""
+               w_rows_per_expert, second, KSTEPS: gl.constexpr, COLS: gl.constexpr, STAGES: gl.constexpr,
+               BOXES: gl.constexpr, RESIDENT: gl.constexpr):
+        """TMA copies of this program's K step `step` (tile first + (step // KSTEPS) * nprog: BOXES 64-wide K
+        boxes of both weight blocks, and of the tokens unless RESIDENT) into its stage."""
+        BK: gl.constexpr = x_desc.block_type.shape[1]
         tile = first + (step // KSTEPS) * nprog
-        k = (step % KSTEPS) * x_desc.block_type.shape[1]
         expert = tile // tiles_per_expert
         w_row = expert * w_rows_per_expert + (tile % tiles_per_expert) * COLS
         s = step % STAGES
         bar = ready.index(s)
-        mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [expert * x_rows_per_expert, k], bar, x_s.index(s))
-        tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, a_s.index(s))
-        tma.async_copy_global_to_shared(w_desc, [w_row + second, k], bar, b_s.index(s))
+        x_bytes: gl.constexpr = 0 if RESIDENT else x_desc.block_type.nbytes
+        mbarrier.expect(bar, BOXES * (x_bytes + 2 * w_desc.block_type.nbytes))
+        for b in gl.static_range(BOXES):
+            k = ((step % KSTEPS) * BOXES + b) * BK
+            if not RESIDENT:
+                tma.async_copy_global_to_shared(x_desc, [expert * x_rows_per_expert, k], bar, x_s.index(s * BOXES + b))
+            tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, a_s.index(s * BOXES + b))
+            tma.async_copy_global_to_shared(w_desc, [w_row + second, k], bar, b_s.index(s * BOXES + b))
 
     @gluon.jit
     def _store(values, out, expert, col0, T, width, stride_oe, stride_ot, BT: gl.constexpr):
@@ -81,29 +87,38 @@ if gluon is not None:
     @gluon.jit
     def _expert_gemm_kernel(x_desc, w_desc, out, T, width, tiles, tiles_per_expert, x_rows_per_expert,
                             w_rows_per_expert, second, stride_oe, stride_ot, beta1, beta2, K: gl.constexpr,
-                            ACT: gl.constexpr, STAGES: gl.constexpr):
+                            ACT: gl.constexpr, STAGES: gl.constexpr, BOXES: gl.constexpr, RESIDENT: gl.constexpr):
         """x [E*x_rows_per_expert or T, K] and w [E*w_rows_per_expert, K] (2-D TMA views) -> out [E, T, width].
         Tile = (expert, COLS output columns): weight blocks at rows n0 and n0 + second of the expert. ACT 1
-        SiTU / 2 SwiGLU: GLU of the two blocks (second = F, COLS 64); ACT 0: both stored (second = COLS / 2)."""
+        SiTU / 2 SwiGLU: GLU of the two blocks (second = F, COLS 64); ACT 0: both stored (second = COLS / 2).
+        A step = BOXES 64-wide K boxes (contiguous 128 * BOXES bytes of each weight row). RESIDENT (x shared by
+        every expert): the token tile is read once into shared memory, the ring holds weights only."""
         BT: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
-        KSTEPS: gl.constexpr = K // BK
+        KBOXES: gl.constexpr = K // BK
+        KSTEPS: gl.constexpr = KBOXES // BOXES
         COLS: gl.constexpr = _ROWS if ACT != 0 else 2 * _ROWS
         first = gl.program_id(0)
         nprog = gl.num_programs(0)
         total = (tiles - first + nprog - 1) // nprog * KSTEPS  # this program's K steps over all its tiles
 
-        x_s = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BT, BK], x_desc.layout)
-        a_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, _ROWS, BK], w_desc.layout)
-        b_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, _ROWS, BK], w_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
+        x_s = gl.allocate_shared_memory(x_desc.dtype, [KBOXES if RESIDENT else STAGES * BOXES, BT, BK], x_desc.layout)
+        a_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES * BOXES, _ROWS, BK], w_desc.layout)
+        b_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES * BOXES, _ROWS, BK], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES + 1, 1], mbarrier.MBarrierLayout())  # + the tokens'
+        for i in gl.static_range(STAGES + 1):
             mbarrier.init(ready.index(i), count=1)
         fence_async_shared()
+        if RESIDENT:
+            mbarrier.expect(ready.index(STAGES), KBOXES * x_desc.block_type.nbytes)
+            for i in gl.static_range(KBOXES):
+                tma.async_copy_global_to_shared(x_desc, [0, i * BK], ready.index(STAGES), x_s.index(i))
         for i in gl.static_range(STAGES - 1):
             if i < total:
                 _issue(i, x_desc, w_desc, x_s, a_s, b_s, ready, first, nprog, tiles_per_expert, x_rows_per_expert,
-                       w_rows_per_expert, second, KSTEPS, COLS, STAGES)
+                       w_rows_per_expert, second, KSTEPS, COLS, STAGES, BOXES, RESIDENT)
+        if RESIDENT:
+            mbarrier.wait(ready.index(STAGES), 0)
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_WARPS, 1],
                                                       instr_shape=[16, BT, 16])
@@ -113,17 +128,25 @@ if gluon is not None:
             s = step % STAGES
             k = step % KSTEPS
             mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-            xt = x_s.index(s).permute((1, 0))  # [BK, BT]: tokens on the MMA's N side
-            g = warpgroup_mma(a_s.index(s), xt, g, use_acc=k > 0, is_async=True)
-            u = warpgroup_mma(b_s.index(s), xt, u, use_acc=k > 0, is_async=True)
-            # This step's two MMAs may still run; the previous step's are done, so its stage can be refilled
-            # (after every warp's wait: each warp's share of an MMA reads the stage).
-            g, u, _a, _b, _x = warpgroup_mma_wait(num_outstanding=2, deps=(g, u, a_s.index(s), b_s.index(s), x_s.index(s)))
+            for b in gl.static_range(BOXES):
+                if RESIDENT:
+                    xt = x_s.index(k * BOXES + b).permute((1, 0))  # [BK, BT]: the tokens on the MMA's N side
+                else:
+                    xt = x_s.index(s * BOXES + b).permute((1, 0))
+                if b == 0:
+                    g = warpgroup_mma(a_s.index(s * BOXES), xt, g, use_acc=k > 0, is_async=True)
+                    u = warpgroup_mma(b_s.index(s * BOXES), xt, u, use_acc=k > 0, is_async=True)
+                else:
+                    g = warpgroup_mma(a_s.index(s * BOXES + b), xt, g, is_async=True)
+                    u = warpgroup_mma(b_s.index(s * BOXES + b), xt, u, is_async=True)
+            # This step's MMAs may still run; the previous step's are done, so its stage can be refilled (after
+            # every warp's wait: each warp's share of an MMA reads the stage).
+            g, u = warpgroup_mma_wait(num_outstanding=2 * BOXES, deps=(g, u))
             gl.thread_barrier()
             nxt = step + STAGES - 1
             if nxt < total:
                 _issue(nxt, x_desc, w_desc, x_s, a_s, b_s, ready, first, nprog, tiles_per_expert,
-                       x_rows_per_expert, w_rows_per_expert, second, KSTEPS, COLS, STAGES)
+                       x_rows_per_expert, w_rows_per_expert, second, KSTEPS, COLS, STAGES, BOXES, RESIDENT)
             if k == KSTEPS - 1:  # the tile's last step: its epilogue runs while the ring keeps loading
                 g, u = warpgroup_mma_wait(num_outstanding=0, deps=(g, u))
                 tile = first + (step // KSTEPS) * nprog
@@ -134,7 +157,7 @@ if gluon is not None:
                 else:
                     _store(g, out, expert, col0, T, width, stride_oe, stride_ot, BT)
                     _store(u, out, expert, col0 + _ROWS, T, width, stride_oe, stride_ot, BT)
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(STAGES + 1):
             mbarrier.invalidate(ready.index(i))
 
 
@@ -142,12 +165,13 @@ def _token_block(tokens: int) -> int:
     return max(16, next_pow2(tokens))
 
 
-def stages(tokens: int) -> int:
-    """Ring depth: as many (2 weight blocks + token tile) stages as fit beside the epilogue's layout change."""
+def stages(tokens: int, depth: int, boxes: int = 1, resident: bool = False) -> int:
+    """Ring depth: as many stages (boxes x (2 weight blocks + the token tile unless resident)) as fit beside the
+    resident tokens and the epilogue's layout change."""
     block_t = _token_block(tokens)
-    stage = (2 * ROWS + block_t) * BLOCK_K * 2
-    scratch = ROWS * block_t * 4 + 1024  # the float32 [ROWS, BT] tile convert_layout stages, and barriers
-    return min(MAX_STAGES, (SHARED_BYTES - scratch) // stage)
+    stage = boxes * (2 * ROWS + (0 if resident else block_t)) * BLOCK_K * 2
+    fixed = ROWS * block_t * 4 + 1024 + (block_t * depth * 2 if resident else 0)  # convert_layout tile, barriers
+    return min(MAX_STAGES, (SHARED_BYTES - fixed) // stage)
 
 
 def shape_rules(x: torch.Tensor, w: torch.Tensor, tokens: int, width: int, glu: bool) -> bool:
@@ -171,21 +195,28 @@ def _layout(x: torch.Tensor):
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 * x.element_size(), rank=2)
 
 
-def expert_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act: int, beta1: float,
-                beta2: float) -> torch.Tensor:
+def expert_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act: int, beta1: float, beta2: float,
+                ring: int | None = None, boxes: int = 1, resident: bool = False, per_sm: int = 1) -> torch.Tensor:
     """x [T, K] shared by every expert, or [E, T, K]; w [E, rows, K] -> out [E, T, width] (`serves` must hold).
     act 0: the plain GEMM (width = rows); 1 SiTU / 2 SwiGLU: the GLU of gate rows and the up rows `width`
-    below them (rows = 2 width)."""
+    below them (rows = 2 width). ring: the stages of the TMA ring (default: the most that fit, `stages`); boxes:
+    64-wide K boxes a stage; resident: x [T, K] read into shared memory once (shared x only); per_sm: programs
+    an SM (more than 1 needs a ring small enough for them to share its shared memory)."""
     require(serves(x, w, out.shape[1], out.shape[2], act != 0),
             "the Gluon expert GEMM does not take this call (see serves)")
-    return launch(x, w, out, act, beta1, beta2)
+    return launch(x, w, out, act, beta1, beta2, ring, boxes, resident, per_sm)
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act: int, beta1: float, beta2: float) -> torch.Tensor:
+def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act: int, beta1: float, beta2: float,
+           ring: int | None = None, boxes: int = 1, resident: bool = False, per_sm: int = 1) -> torch.Tensor:
     """`expert_gemm` without `serves`' device check (tests/kernels/test_sm90_compile.py records it on CPU)."""
     experts, tokens, width = out.shape
     depth = x.shape[-1]
     block_t = _token_block(tokens)
+    require(depth % (BLOCK_K * boxes) == 0, f"{boxes} boxes a step must divide K = {depth} in 64-wide boxes")
+    require(not resident or x.dim() == 2, "resident tokens need x shared by every expert ([T, K])")
+    ring = ring or stages(tokens, depth, boxes, resident)
+    require(ring >= 2, f"the TMA ring needs >= 2 stages, got {ring}")
     x2 = x if x.dim() == 2 else x.view(experts * tokens, depth)
     w2 = w.view(experts * w.shape[1], depth)
     layout = _layout(x)
@@ -194,9 +225,9 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act: int, beta1:
     cols = ROWS if act != 0 else 2 * ROWS
     tiles_per_expert = width // cols
     tiles = experts * tiles_per_expert
-    grid = (min(tiles, sm_count(x.device, cpu=132)),)
+    grid = (min(tiles, per_sm * sm_count(x.device, cpu=132)),)
     _expert_gemm_kernel[grid](x_desc, w_desc, out, tokens, width, tiles, tiles_per_expert,
                               0 if x.dim() == 2 else tokens, w.shape[1], width if act != 0 else ROWS,
                               out.stride(0), out.stride(1), float(beta1), float(beta2), K=depth, ACT=act,
-                              STAGES=stages(tokens), num_warps=WARPS)
+                              STAGES=ring, BOXES=boxes, RESIDENT=resident, num_warps=WARPS)
     return out

@@ -84,3 +84,22 @@ def test_gluon_expert_gemms_match_float32_reference_on_gpu(tokens, activation):
     got_down = expert_gemm_triton.expert_down(act, w2, tma=True, gluon=True)
     torch.testing.assert_close(got_down.float(), want_down, rtol=1e-2, atol=1e-2)
     assert torch.equal(got_down, expert_gemm_gluon.expert_gemm(act, w2, torch.empty_like(got_down), 0, 1.0, 1.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("boxes", "resident"), [(2, False), (4, False), (1, True), (2, True)])
+@pytest.mark.parametrize("tokens", [16, 48])
+def test_gluon_tuning_variants_match_float32_reference_on_gpu(tokens, boxes, resident):
+    """The launcher's other tunings (bench.serve_glue's GLUON_VARIANTS): 2 or 4 K boxes a ring stage, the tokens
+    resident in shared memory (gate|up only: z is shared by every expert)."""
+    dev = _cuda()
+    z, w13, act, w2 = _operands(tokens, dev, seed=1)
+    want = fused_naive.expert_gate_up_glu(z.float(), w13.float(), "situ", 4.0, 25.0)
+    got = expert_gemm_gluon.expert_gemm(z, w13, torch.empty(E, tokens, F, device=dev, dtype=z.dtype), 1, 4.0, 25.0,
+                                        boxes=boxes, resident=resident)
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+    if not resident:
+        got_down = expert_gemm_gluon.expert_gemm(act, w2, torch.empty(E, tokens, L, device=dev, dtype=z.dtype), 0,
+                                                 1.0, 1.0, boxes=boxes)
+        torch.testing.assert_close(got_down.float(), fused_naive.expert_down(act.float(), w2.float()),
+                                   rtol=1e-2, atol=1e-2)
