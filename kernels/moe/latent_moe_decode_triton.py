@@ -18,7 +18,7 @@ dtype, in a fixed order.
 On CUDA with bf16 activations and T <= 16 (every decode batch), kernels 1 and 2 run as their Gluon forms
 (kernels.moe.decode_gluon: the same computation with conflict-free activation staging and a deeper cp.async
 ring, 1.37-1.39x at T = 1 / 4 / 16; docs/kernels.md, history 32), gate/up from as many (token, expert) pairs
-as SMs on warpgroup MMAs (kernels.moe.gate_up_wgmma_gluon, history 35); these Triton kernels serve the rest and
+as SMs on warpgroup MMAs (kernels.moe.decode_wgmma_gluon, history 35); these Triton kernels serve the rest and
 are the form the CPU interpreter tests.
 """
 
@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from kernels._triton import next_pow2, require, sm_count, tl, triton
-from kernels.moe import decode_gluon, gate_up_wgmma_gluon
+from kernels.moe import decode_gluon, decode_wgmma_gluon
 from kernels.moe.mxfp4_tile_triton import prepare
 from kernels.moe.tiles import Tile, default_tiles
 
@@ -145,7 +145,7 @@ if triton is not None:
 # 2 warps: 4 warps or 32 rows were slower at T = 4 / 16.
 GLUON_STAGES = 3
 GLUON_DOWN_TILE = Tile(128, 128, 4, 3)
-# Gate/up on warpgroup MMAs (gate_up_wgmma_gluon) by default from as many (token, expert) pairs as SMs (session
+# Gate/up on warpgroup MMAs (decode_wgmma_gluon) by default from as many (token, expert) pairs as SMs (session
 # 8, history 35, same run, us at T = 1 / 4 / 16: gate/up 16.9 / 46.8 / 120.0 against mma.sync's 17.0 / 47.0 /
 # 128.6; whole call 31.7 / 77.8 / 183.2 against 30.0 / 77.9 / 193.2: faster at T = 16, alike at 4, slower at 1).
 
@@ -204,7 +204,7 @@ def latent_moe_decode_prepared(
     x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, experts: PreparedExperts,
     beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None, down_tile: Tile | None = None,
     token_block: int = 16, h_parts: int | None = None, gluon_stages: int | None = None,
-    gluon_down_stages: int | None = None, gluon_wgmma: bool | None = None,
+    gluon_down_stages: int | None = None, gluon_wgmma: bool | None = None, gluon_down_wgmma: bool = False,
 ) -> torch.Tensor:
     """latent_moe_decode on `prepare_experts`' layout. Tuning: `gate_up_tile` and `down_tile`
     (kernels.moe.tiles.Tile; default: `default_tiles` by T k and the SM count), `token_block` tokens of one
@@ -215,8 +215,9 @@ def latent_moe_decode_prepared(
     batch with the default tiles; down: GLUON_DOWN_TILE unless `down_tile` is given), with `gluon_stages`
     (gate/up) and `gluon_down_stages` cp.async stages (default GLUON_STAGES; 0: that projection's Triton
     kernel), else in Triton; with no `gate_up_tile`, gate/up runs on warpgroup MMAs
-    (kernels.moe.gate_up_wgmma_gluon, its own 64-row 4-warp tile) where `gluon_wgmma` (default: from as many
-    (token, expert) pairs as SMs).
+    (kernels.moe.decode_wgmma_gluon, its own 64-row 4-warp tile) where `gluon_wgmma` (default: from as many
+    (token, expert) pairs as SMs); down on warpgroup MMAs (`decode_wgmma_gluon.DOWN_TILE` unless `down_tile`
+    is given) where `gluon_down_wgmma` (not yet timed: off).
     """
     T, L = x.shape
     gu_words, gu_mults, d_words, d_mults = experts
@@ -239,11 +240,12 @@ def latent_moe_decode_prepared(
     sms = sm_count(x.device, cpu=132)
     default_gu, default_down = default_tiles(T * K, sms)
     wgmma = (T * K >= sms if gluon_wgmma is None else gluon_wgmma) and gate_up_tile is None
-    gu_tile = gate_up_tile or (gate_up_wgmma_gluon.WGMMA_TILE if wgmma else default_gu)
+    gu_tile = gate_up_tile or (decode_wgmma_gluon.GATE_UP_TILE if wgmma else default_gu)
     gluon_gate_up = bool(stages) and token_block == 16 and decode_gluon.serves_gate_up(x, F, gu_tile)
-    gluon_down = bool(down_stages) and token_block == 16 and decode_gluon.serves_down(
-        x, F, hp, down_tile or GLUON_DOWN_TILE)
-    d_tile = down_tile or (GLUON_DOWN_TILE if gluon_down else default_down)
+    gluon_tile = down_tile or (decode_wgmma_gluon.DOWN_TILE if gluon_down_wgmma else GLUON_DOWN_TILE)
+    down_wgmma = gluon_down_wgmma and decode_wgmma_gluon.serves_down_tile(gluon_tile)
+    gluon_down = bool(down_stages) and token_block == 16 and decode_gluon.serves_down(x, F, hp, gluon_tile)
+    d_tile = gluon_tile if gluon_down else (down_tile or default_down)
     require(gu_tile.splits == 1, f"gate/up tiles cannot split the reduction (SiTU-GLU needs whole sums), got "
             f"splits={gu_tile.splits}")
     gu_groups, d_groups = gu_tile.groups(L), d_tile.groups(F)
@@ -253,8 +255,7 @@ def latent_moe_decode_prepared(
               "USE_ASM": x.is_cuda}
     h = torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device)
     if gluon_gate_up and wgmma:
-        gate_up_wgmma_gluon.gate_up_wgmma(x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, beta1, beta2,
-                                          stages)
+        decode_wgmma_gluon.gate_up(x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, beta1, beta2, stages)
     elif gluon_gate_up:
         decode_gluon.gate_up(x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, beta1, beta2, gu_tile, stages)
     else:
@@ -264,7 +265,10 @@ def latent_moe_decode_prepared(
             **gu_tile.launch_options(),
         )
     partial = torch.empty(d_tile.splits, T * K, L, dtype=torch.float32, device=x.device)
-    if gluon_down:
+    if gluon_down and down_wgmma:
+        decode_wgmma_gluon.down(h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial,
+                                d_tile, down_stages)
+    elif gluon_down:
         decode_gluon.down(h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial,
                           d_tile, down_stages)
     else:

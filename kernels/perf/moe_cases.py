@@ -34,18 +34,21 @@ class Variant(NamedTuple):
     gluon_stages: int | None = None  # the gate/up step's Gluon stages (None: the launcher's; 0: Triton kernel)
     gluon_down_stages: int | None = None  # the same for the down step
     gluon_wgmma: bool | None = None  # gate/up on warpgroup MMAs (None: the launcher's choice by T k)
+    gluon_down_wgmma: bool = False  # down on warpgroup MMAs
 
     def label(self) -> str:
         gate_up, down = (t.label() if t else "default" for t in (self.gate_up, self.down))
         gu_form, down_form = ({None: "", 0: ",triton"}.get(s, f",gluon s{s}")
                               for s in (self.gluon_stages, self.gluon_down_stages))
         wgmma = {None: "", True: ",wgmma", False: ",mma"}[self.gluon_wgmma]
-        return f"ours(gu={gate_up}{gu_form}{wgmma},down={down}{down_form})"
+        down_wgmma = ",wgmma" if self.gluon_down_wgmma else ""
+        return f"ours(gu={gate_up}{gu_form}{wgmma},down={down}{down_form}{down_wgmma})"
 
     def tuning(self) -> dict:
         """The launcher's keyword arguments for this variant."""
         return {"gate_up_tile": self.gate_up, "down_tile": self.down, "gluon_stages": self.gluon_stages,
-                "gluon_down_stages": self.gluon_down_stages, "gluon_wgmma": self.gluon_wgmma}
+                "gluon_down_stages": self.gluon_down_stages, "gluon_wgmma": self.gluon_wgmma,
+                "gluon_down_wgmma": self.gluon_down_wgmma}
 
     def runs_at(self, T: int) -> bool:
         return not self.batches or T in self.batches

@@ -74,12 +74,13 @@ def test_gluon_kernels_match_the_oracle_on_gpu(tokens, stages, gate_up, down):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("tokens", "stages"), [(1, 3), (5, 2), (16, 4)])
-def test_warpgroup_gate_up_matches_the_oracle_on_gpu(tokens, stages):
-    """Gate/up on warpgroup MMAs (kernels/moe/gate_up_wgmma_gluon.py: weights as the M side, decoded into the
-    A fragments; activations permuted into the MMA's K order in shared memory): E=12, k=4, l=512, F=512 (4
-    steps, 8 row blocks of 64), 1-16 tokens, 2-4 stages, the default down step; the whole call against the
-    float32 oracle and against the Triton kernels."""
+@pytest.mark.parametrize(("tokens", "stages", "down_wgmma", "down"), [
+    (1, 3, False, None), (5, 2, True, None), (16, 4, True, None), (3, 3, True, Tile(64, 128, 4, 3, splits=2))])
+def test_warpgroup_kernels_match_the_oracle_on_gpu(tokens, stages, down_wgmma, down):
+    """Gate/up, and down where `down_wgmma`, on warpgroup MMAs (kernels/moe/decode_wgmma_gluon.py: weights as
+    the M side, decoded into the A fragments; activations permuted into the MMA's K order in shared memory):
+    E=12, k=4, l=512, F=512 (4 steps; 2 in a down split in two), 1-16 tokens, 2-4 stages, 128- and 64-row
+    down programs; the whole call against the float32 oracle and against the Triton kernels."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     gen = torch.Generator(device="cuda").manual_seed(100 + tokens)
@@ -89,8 +90,9 @@ def test_warpgroup_gate_up_matches_the_oracle_on_gpu(tokens, stages):
     x = torch.randn(tokens, L, generator=gen, device="cuda").to(torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=gen, device="cuda")[:K] for _ in range(tokens)]).int()
     w = torch.rand(tokens, K, generator=gen, device="cuda")
-    got = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, gluon_stages=stages,
-                                                             gluon_wgmma=True)
+    got = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, down_tile=down, gluon_stages=stages,
+                                                             gluon_down_stages=stages, gluon_wgmma=True,
+                                                             gluon_down_wgmma=down_wgmma)
     triton_form = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, gluon_stages=0,
                                                                      gluon_down_stages=0)
     ref = naive.latent_moe_decode(x.float(), ids, w, *packs)

@@ -48,7 +48,7 @@ from kernels.fused import (
 )
 from kernels.kda import decode_step_triton, decode_triton, prefill_triton, verify_triton
 from kernels.mla import decode_triton as mla_decode
-from kernels.moe import decode_gluon, gate_up_wgmma_gluon, latent_moe_decode_triton, situ_glu_triton
+from kernels.moe import decode_gluon, decode_wgmma_gluon, latent_moe_decode_triton, situ_glu_triton
 from kernels.moe.tiles import default_tiles
 from kernels.perf import attnres_cases, kda_decode_cases, kda_prefill_cases, mla_cases, moe_cases
 from services.engine import fast_ffn
@@ -211,9 +211,12 @@ def latent_moe_gluon(tokens: int, experts: int = E, latent: int = LATENT, width:
     decode_gluon.gate_up(empty(tokens, latent), ids, empty(experts, 2 * width, latent // 8, dtype=I32),
                          empty(experts, 2 * width, latent // 32, dtype=u8), h, 4.0, 25.0, gate_up_tile,
                          latent_moe_decode_triton.GLUON_STAGES)
-    gate_up_wgmma_gluon.gate_up_wgmma(empty(tokens, latent), ids, empty(experts, 2 * width, latent // 8, dtype=I32),
-                                      empty(experts, 2 * width, latent // 32, dtype=u8), h, 4.0, 25.0,
-                                      latent_moe_decode_triton.GLUON_STAGES)
+    decode_wgmma_gluon.gate_up(empty(tokens, latent), ids, empty(experts, 2 * width, latent // 8, dtype=I32),
+                               empty(experts, 2 * width, latent // 32, dtype=u8), h, 4.0, 25.0,
+                               latent_moe_decode_triton.GLUON_STAGES)
+    decode_wgmma_gluon.down(h, ids, empty(tokens, top_k, dtype=F32), empty(experts, latent, width // 8, dtype=I32),
+                            empty(experts, latent, width // 32, dtype=u8), empty(1, pairs, latent, dtype=F32),
+                            decode_wgmma_gluon.DOWN_TILE, latent_moe_decode_triton.GLUON_STAGES)
     decode_gluon.down(h, ids, empty(tokens, top_k, dtype=F32), empty(experts, latent, width // 8, dtype=I32),
                       empty(experts, latent, width // 32, dtype=u8), empty(1, pairs, latent, dtype=F32),
                       latent_moe_decode_triton.GLUON_DOWN_TILE, latent_moe_decode_triton.GLUON_STAGES)
