@@ -87,12 +87,14 @@ if gluon is not None:
     @gluon.jit
     def _expert_gemm_kernel(x_desc, w_desc, out, T, width, tiles, tiles_per_expert, x_rows_per_expert,
                             w_rows_per_expert, second, stride_oe, stride_ot, beta1, beta2, K: gl.constexpr,
-                            ACT: gl.constexpr, STAGES: gl.constexpr, BOXES: gl.constexpr, RESIDENT: gl.constexpr):
+                            ACT: gl.constexpr, STAGES: gl.constexpr, BOXES: gl.constexpr, RESIDENT: gl.constexpr,
+                            READ_ONLY: gl.constexpr):
         """x [E*x_rows_per_expert or T, K] and w [E*w_rows_per_expert, K] (2-D TMA views) -> out [E, T, width].
         Tile = (expert, COLS output columns): weight blocks at rows n0 and n0 + second of the expert. ACT 1
         SiTU / 2 SwiGLU: GLU of the two blocks (second = F, COLS 64); ACT 0: both stored (second = COLS / 2).
         A step = BOXES 64-wide K boxes (contiguous 128 * BOXES bytes of each weight row). RESIDENT (x shared by
-        every expert): the token tile is read once into shared memory, the ring holds weights only."""
+        every expert): the token tile is read once into shared memory, the ring holds weights only. READ_ONLY: the
+        loads alone, no MMA and no output (bench.serve_glue's floor of this read order)."""
         BT: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         KBOXES: gl.constexpr = K // BK
@@ -128,35 +130,37 @@ if gluon is not None:
             s = step % STAGES
             k = step % KSTEPS
             mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-            for b in gl.static_range(BOXES):
-                if RESIDENT:
-                    xt = x_s.index(k * BOXES + b).permute((1, 0))  # [BK, BT]: the tokens on the MMA's N side
-                else:
-                    xt = x_s.index(s * BOXES + b).permute((1, 0))
-                if b == 0:
-                    g = warpgroup_mma(a_s.index(s * BOXES), xt, g, use_acc=k > 0, is_async=True)
-                    u = warpgroup_mma(b_s.index(s * BOXES), xt, u, use_acc=k > 0, is_async=True)
-                else:
-                    g = warpgroup_mma(a_s.index(s * BOXES + b), xt, g, is_async=True)
-                    u = warpgroup_mma(b_s.index(s * BOXES + b), xt, u, is_async=True)
-            # This step's MMAs may still run; the previous step's are done, so its stage can be refilled (after
-            # every warp's wait: each warp's share of an MMA reads the stage).
-            g, u = warpgroup_mma_wait(num_outstanding=2 * BOXES, deps=(g, u))
+            if not READ_ONLY:
+                for b in gl.static_range(BOXES):
+                    if RESIDENT:
+                        xt = x_s.index(k * BOXES + b).permute((1, 0))  # [BK, BT]: the tokens on the MMA's N side
+                    else:
+                        xt = x_s.index(s * BOXES + b).permute((1, 0))
+                    if b == 0:
+                        g = warpgroup_mma(a_s.index(s * BOXES), xt, g, use_acc=k > 0, is_async=True)
+                        u = warpgroup_mma(b_s.index(s * BOXES), xt, u, use_acc=k > 0, is_async=True)
+                    else:
+                        g = warpgroup_mma(a_s.index(s * BOXES + b), xt, g, is_async=True)
+                        u = warpgroup_mma(b_s.index(s * BOXES + b), xt, u, is_async=True)
+                # This step's MMAs may still run; the previous step's are done, so its stage can be refilled (after
+                # every warp's wait: each warp's share of an MMA reads the stage).
+                g, u = warpgroup_mma_wait(num_outstanding=2 * BOXES, deps=(g, u))
             gl.thread_barrier()
             nxt = step + STAGES - 1
             if nxt < total:
                 _issue(nxt, x_desc, w_desc, x_s, a_s, b_s, ready, first, nprog, tiles_per_expert,
                        x_rows_per_expert, w_rows_per_expert, second, KSTEPS, COLS, STAGES, BOXES, RESIDENT)
-            if k == KSTEPS - 1:  # the tile's last step: its epilogue runs while the ring keeps loading
-                g, u = warpgroup_mma_wait(num_outstanding=0, deps=(g, u))
-                tile = first + (step // KSTEPS) * nprog
-                expert = tile // tiles_per_expert
-                col0 = (tile % tiles_per_expert) * COLS
-                if ACT != 0:
-                    _store(_glu(g, u, beta1, beta2, ACT == 1), out, expert, col0, T, width, stride_oe, stride_ot, BT)
-                else:
-                    _store(g, out, expert, col0, T, width, stride_oe, stride_ot, BT)
-                    _store(u, out, expert, col0 + _ROWS, T, width, stride_oe, stride_ot, BT)
+            if not READ_ONLY:
+                if k == KSTEPS - 1:  # the tile's last step: its epilogue runs while the ring keeps loading
+                    g, u = warpgroup_mma_wait(num_outstanding=0, deps=(g, u))
+                    tile = first + (step // KSTEPS) * nprog
+                    expert = tile // tiles_per_expert
+                    col0 = (tile % tiles_per_expert) * COLS
+                    if ACT != 0:
+                        _store(_glu(g, u, beta1, beta2, ACT == 1), out, expert, col0, T, width, stride_oe, stride_ot, BT)
+                    else:
+                        _store(g, out, expert, col0, T, width, stride_oe, stride_ot, BT)
+                        _store(u, out, expert, col0 + _ROWS, T, width, stride_oe, stride_ot, BT)
         for i in gl.static_range(STAGES + 1):
             mbarrier.invalidate(ready.index(i))
 
@@ -208,8 +212,10 @@ def expert_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act: int, b
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act: int, beta1: float, beta2: float,
-           ring: int | None = None, boxes: int = 1, resident: bool = False, per_sm: int = 1) -> torch.Tensor:
-    """`expert_gemm` without `serves`' device check (tests/kernels/test_sm90_compile.py records it on CPU)."""
+           ring: int | None = None, boxes: int = 1, resident: bool = False, per_sm: int = 1,
+           read_only: bool = False) -> torch.Tensor:
+    """`expert_gemm` without `serves`' device check (tests/kernels/test_sm90_compile.py records it on CPU);
+    `read_only`: the kernel's loads alone, `out` left as it was (bench.serve_glue's read floor)."""
     experts, tokens, width = out.shape
     depth = x.shape[-1]
     block_t = _token_block(tokens)
@@ -229,5 +235,6 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, act: int, beta1:
     _expert_gemm_kernel[grid](x_desc, w_desc, out, tokens, width, tiles, tiles_per_expert,
                               0 if x.dim() == 2 else tokens, w.shape[1], width if act != 0 else ROWS,
                               out.stride(0), out.stride(1), float(beta1), float(beta2), K=depth, ACT=act,
-                              STAGES=ring, BOXES=boxes, RESIDENT=resident, num_warps=WARPS)
+                              STAGES=ring, BOXES=boxes, RESIDENT=resident, READ_ONLY=read_only,
+                              num_warps=WARPS)
     return out
