@@ -21,6 +21,11 @@ from kernels.moe.mxfp4_stream_gluon import SLOTS, gluon
 from kernels.moe.tiles import Tile
 
 ROWS, WARPS = 64, 4  # one warpgroup, one wgmma M tile (gate/up: 64 rows of each)
+# Axis orders (after a leading row / token axis) that put a step's 128 columns in the MMA's K order, big-endian
+# bits k = (b1 b0 j1 j0 t1 t0 e): WEIGHT_K_ORDER from the decoded words [word (t1 t0 b1 b0), e, j0, j1],
+# ACT_K_ORDER from the activation columns c = 32 t + 8 b + 4 e + j, bits (t1 t0 b1 b0 e j1 j0).
+WEIGHT_K_ORDER = (0, 3, 4, 7, 6, 1, 2, 5)
+ACT_K_ORDER = (0, 3, 4, 6, 7, 1, 2, 5)
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -48,6 +53,7 @@ if gluon is not None:
     )
 
     _ROWS, _SLOTS = gl.constexpr(ROWS), gl.constexpr(SLOTS)
+    _WEIGHT_K_ORDER, _ACT_K_ORDER = gl.constexpr(WEIGHT_K_ORDER), gl.constexpr(ACT_K_ORDER)
     _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
     _B_SHARED = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     @gluon.constexpr_function
@@ -91,10 +97,9 @@ if gluon is not None:
         m = gl.convert_layout(m, _words_layout(R), assert_trivial=True)
         e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
             _DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, m], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
-        # [R, word (t1 t0 b1 b0), e, j0, j1] -> k bits (b1 b0 j1 j0 t1 t0 e)
         t = gl.join(gl.join(gl.join(e0, e4), gl.join(e1, e5)), gl.join(gl.join(e2, e6), gl.join(e3, e7)))
         t = gl.reshape(t, [R, 2, 2, 2, 2, 2, 2, 2])
-        t = gl.reshape(gl.permute(t, [0, 3, 4, 7, 6, 1, 2, 5]), [R, 128])
+        t = gl.reshape(gl.permute(t, _WEIGHT_K_ORDER.value), [R, 128])
         return gl.convert_layout(t, gl.DotOperandLayout(0, _MMA, 2), assert_trivial=True)
 
     @gluon.jit
@@ -102,8 +107,8 @@ if gluon is not None:
         """Stage `buf`'s [16, 128] activation rows (column c = 32 t + 8 b + 4 e + j) -> b_s in the MMA's K
         order (k = 32 b + 16 (j // 2) + 8 (j % 2) + 2 t + e), as [16 tokens, 128 k]."""
         a = ring.index(buf).reshape([_SLOTS, 128]).load(_RAW)
-        a = gl.reshape(a, [_SLOTS, 2, 2, 2, 2, 2, 2, 2])  # c bits: t1 t0 b1 b0 e j1 j0
-        a = gl.reshape(gl.permute(a, [0, 3, 4, 6, 7, 1, 2, 5]), [_SLOTS, 128])  # k bits: b1 b0 j1 j0 t1 t0 e
+        a = gl.reshape(a, [_SLOTS, 2, 2, 2, 2, 2, 2, 2])
+        a = gl.reshape(gl.permute(a, _ACT_K_ORDER.value), [_SLOTS, 128])
         b_s.store(a)
 
     @gluon.jit(do_not_specialize=["T"])

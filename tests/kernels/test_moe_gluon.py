@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k3core.quant.mxfp4 import quantize
-from kernels.moe import decode_gluon, latent_moe_decode_triton, naive
+from kernels.moe import decode_gluon, decode_wgmma_gluon, latent_moe_decode_triton, naive
 from kernels.moe.tiles import Tile
 
 GLUON_TILE = Tile(64, 128, 2, 2)
@@ -71,6 +71,34 @@ def test_gluon_kernels_match_the_oracle_on_gpu(tokens, stages, gate_up, down):
     err = ((got.float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, err
     torch.testing.assert_close(got.float(), triton_form.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def _to_k(columns: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """A step's columns as 7 bit axes (after a leading axis of 1), in `order`, flattened: what the kernels'
+    reshape + permute do to a [rows, 128] tile."""
+    return columns.reshape(1, *[2] * 7).permute(order).reshape(128)
+
+
+def test_warpgroup_k_order_pairs_each_weight_with_its_activation():
+    """The warpgroup kernels' two permutations into the MMA's K order agree: each k holds the same step
+    column on the weight side (decoded word w = 4 t + b, its 8 outputs in the asm's order: output i is code
+    i of the word, codes j and j + 4 sharing a register, joined as the kernel joins them) and on the
+    activation side (columns in storage order); and a lane t's k slots (2t, 2t + 1, 2t + 8, 2t + 9 of each
+    16) hold the 32 columns of its scale group t only."""
+    column = torch.arange(16)[:, None] * 8 + torch.arange(8)[None, :]  # [word, code]: the step column
+    e = [column[:, i] for i in range(8)]
+
+    def join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.stack([a, b], -1)
+
+    decoded = join(join(join(e[0], e[4]), join(e[1], e[5])), join(join(e[2], e[6]), join(e[3], e[7])))
+    weights = _to_k(decoded, decode_wgmma_gluon.WEIGHT_K_ORDER)
+    acts = _to_k(torch.arange(128), decode_wgmma_gluon.ACT_K_ORDER)
+    assert sorted(weights.tolist()) == list(range(128))
+    assert torch.equal(weights, acts)
+    k = torch.arange(128)
+    lane = (k % 8) // 2  # the thread of a quad that holds slot k % 16 of a wgmma / mma A fragment
+    assert torch.equal(weights // 32, lane)
 
 
 @pytest.mark.gpu
