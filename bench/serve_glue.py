@@ -3,8 +3,7 @@ against its peer: max |difference| and device time of both. The peer is the plai
 composition, except for the experts' gate|up GEMM, whose peer is the form the fast path ran before it
 (cuBLAS over the stacked [E*2F, l] weights + the Triton SiTU kernel). The experts' rows also give the rate at
 which the weights stream against the device's copy bandwidth measured in the same run (a decode GEMM's
-roofline). `down`: the experts' down projection in Triton against cuBLAS's batched GEMM; `gluon`: both
-dense-expert GEMMs in their Gluon form against the Triton TMA form (CUDA only); `mla`: the paged
+roofline). `down`: the experts' down projection in Triton against cuBLAS's batched GEMM; `mla`: the paged
 MLA decode at the serve pool's pages per tiling, against the launcher's rule (bench/serve_glue_gemms.py). At
 the sweep's token counts, the router and these kernels run in a few tilings each (the launchers' defaults
 first; elsewhere the default tile in both load forms). Last, one whole latent-MoE layer of the fast path
@@ -47,7 +46,6 @@ from bench.serve_glue_gemms import (
     down_cases,
     each_call,
     expert_cases,
-    gluon_cases,
     mla_cases,
     weight_copies,
 )
@@ -56,7 +54,6 @@ from k3core.config import K3Config
 from k3core.layers.moe import SparseMoE
 from k3core.presets import preset
 from kernels.fused import (
-    expert_gemm_gluon,
     gated_heads_triton,
     mla_latent_write_triton,
     moe_align_triton,
@@ -218,7 +215,7 @@ def cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, tuple[Cal
     }
 
 
-GROUPS = ("glue", "router", "experts", "down", "gluon", "mla", "layer", "skinny", "floor")
+GROUPS = ("glue", "router", "experts", "down", "mla", "layer", "skinny", "floor")
 
 
 def main() -> None:
@@ -251,8 +248,6 @@ def main() -> None:
             timed |= expert_cases(config, tokens, gen, EXPERT_CONFIGS if sweep else default_tiles(EXPERT_CONFIGS))
         if tokens <= 128 and "down" in groups:
             timed |= down_cases(config, tokens, gen, DOWN_CONFIGS if sweep else default_tiles(DOWN_CONFIGS))
-        if tokens <= expert_gemm_gluon.MAX_TOKENS and "gluon" in groups and torch.cuda.is_available():
-            timed |= gluon_cases(config, tokens, gen)
         if "mla" in groups and sweep:
             timed |= mla_cases(config, tokens, gen, MLA_VARIANTS)
         if "skinny" in groups and tokens <= skinny_gemm_triton.MAX_ROWS:

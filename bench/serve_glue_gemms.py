@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from k3core.config import K3Config
-from kernels.fused import expert_gemm_gluon, expert_gemm_triton
+from kernels.fused import expert_gemm_triton
 from kernels.mla import decode_triton
 from kernels.moe import situ_glu_triton
 
@@ -26,10 +26,6 @@ MLA_VARIANTS = [  # mla_decode_paged tuning at the serve pool's 1024-token pages
     {}, {"num_splits": 2}, {"num_splits": 8}, {"num_splits": 16}, {"block_n": 32, "num_stages": 3},
     {"block_n": 32, "num_stages": 3, "num_splits": 8}, {"num_warps": 8}, {"tokens_major": True}]
 MLA_CONTEXTS = (1024, 4096)
-# The Gluon expert GEMMs' tunings timed (64-wide K boxes a ring stage, tokens resident in shared memory); the first:
-# the launcher's default
-GLUON_GATE_UP = [(1, False), (2, False), (1, True), (2, True)]
-GLUON_DOWN = [1, 2, 4]
 WEIGHT_COPIES = 3  # distinct weight sets cycled through the timed calls: 300 MB, far past the 50 MB L2
 Case = tuple[Callable[[], object], Callable[[], object] | None, int]  # fused, peer, weight bytes read per call
 
@@ -77,53 +73,6 @@ def down_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tup
             act, w, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], tma=t[4]), w2s),
         each_call(lambda w: torch.bmm(act, w.transpose(1, 2)), w2s), experts * latent * ffn * 2)
         for n, k, warps, stages, tma in configs}
-
-
-def gluon_cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, Case]:
-    """The dense experts' Gluon form (`K3_DENSE_EXPERTS=gluon`: gate|up + GLU, down projection) against the Triton
-    TMA form it would replace (`tma-down`, the launchers' default tiles), both on the same weight cycles: the
-    tunings of GLUON_GATE_UP / GLUON_DOWN (the first: the launcher's default; the deepest ring that fits), two
-    programs an SM with 3-stage rings, and the default's loads alone (no MMA, no output: its read floor)."""
-    experts, ffn, latent = c.num_experts, c.moe_intermediate_size, c.routed_expert_hidden_size
-    z = torch.randn(tokens, 4 * latent, device=gen.device, generator=gen).to(torch.bfloat16)[:, :latent]
-    act = torch.randn(experts, tokens, ffn, device=gen.device, generator=gen).to(torch.bfloat16)
-    w13s, w2s = weight_copies((experts, 2 * ffn, latent), gen), weight_copies((experts, latent, ffn), gen, 2 * WEIGHT_COPIES)
-    if not (expert_gemm_gluon.serves(z, w13s[0], tokens, ffn, True)
-            and expert_gemm_gluon.serves(act, w2s[0], tokens, latent, False)):
-        raise RuntimeError(f"the Gluon expert GEMMs do not take {tokens} tokens here (expert_gemm_gluon.serves)")
-    beta = (c.situ_beta, c.situ_linear_beta)
-    gate_up_bytes, down_bytes = experts * 2 * ffn * latent * 2, experts * latent * ffn * 2
-
-    def gate_up(w: torch.Tensor, **tuning) -> torch.Tensor:
-        return expert_gemm_gluon.launch(z, w, torch.empty(experts, tokens, ffn, device=z.device, dtype=z.dtype),
-                                        1, *beta, **tuning)
-
-    def down(w: torch.Tensor, **tuning) -> torch.Tensor:
-        return expert_gemm_gluon.launch(act, w, torch.empty(experts, tokens, latent, device=z.device, dtype=z.dtype),
-                                        0, 1.0, 1.0, **tuning)
-
-    tma_gate_up = each_call(lambda w: expert_gemm_triton.expert_gate_up_glu(z, w, "situ", *beta, tma=True), w13s)
-    tma_down = each_call(lambda w: expert_gemm_triton.expert_down(act, w, tma=True), w2s)
-    found: dict[str, Case] = {}
-    for boxes, resident in GLUON_GATE_UP:
-        ring = expert_gemm_gluon.stages(tokens, latent, boxes, resident)
-        found[f"expert_gate_up_glu gluon b{boxes} ring {ring}{' resident' if resident else ''} (peer: tma)"] = (
-            each_call(lambda w, t=dict(boxes=boxes, resident=resident): gate_up(w, **t), w13s), tma_gate_up,
-            gate_up_bytes)
-    for boxes in GLUON_DOWN:
-        found[f"expert_down gluon b{boxes} ring {expert_gemm_gluon.stages(tokens, ffn, boxes)} (peer: tma)"] = (
-            each_call(lambda w, b=boxes: down(w, boxes=b), w2s), tma_down, down_bytes)
-    found["expert_gate_up_glu gluon b1 ring 3 x2/SM (peer: tma)"] = (
-        each_call(lambda w: gate_up(w, ring=3, per_sm=2), w13s), tma_gate_up, gate_up_bytes)
-    found["expert_down gluon b1 ring 3 x2/SM (peer: tma)"] = (
-        each_call(lambda w: down(w, ring=3, per_sm=2), w2s), tma_down, down_bytes)
-    found["expert_gate_up_glu gluon b1 loads only (no output; peer: tma)"] = (
-        each_call(lambda w: gate_up(w, read_only=True), w13s), tma_gate_up, gate_up_bytes)
-    found["expert_gate_up_glu gluon b1 resident loads only (no output; peer: tma)"] = (
-        each_call(lambda w: gate_up(w, resident=True, read_only=True), w13s), tma_gate_up, gate_up_bytes)
-    found["expert_down gluon b1 loads only (no output; peer: tma)"] = (
-        each_call(lambda w: down(w, read_only=True), w2s), tma_down, down_bytes)
-    return found
 
 
 def mla_cases(c: K3Config, batch: int, gen: torch.Generator, variants: list[dict]) -> dict[str, Case]:

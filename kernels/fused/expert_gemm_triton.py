@@ -17,7 +17,6 @@ columns zero-filled by the copy engine, so no masks in the loop). On the H200 TM
 for the gate|up and 16.3 vs 17.1 us (cuBLAS) for the down projection at 64 rows (docs/serving.md item 11).
 Triton's warp-specialised K loop on the TMA form was wrong on the H200 with 64-row token tiles and is gone
 (docs/serving.md item 12).
-`gluon=True`: kernels/fused/expert_gemm_gluon.py's persistent TMA + wgmma form where it takes the call.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import next_pow2, require, tl, triton
-from kernels.fused import expert_gemm_gluon
 from kernels.fused.naive import require_activation
 
 ACTIVATIONS = {"none": 0, "situ": 1, "swiglu": 2}
@@ -103,14 +101,11 @@ def _tma_ready(*views: torch.Tensor) -> bool:
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, shared_x: bool, act: int, width: int,
             beta1: float, beta2: float, block_n: int, block_k: int, num_warps: int, num_stages: int,
-            tma: bool, gluon: bool) -> torch.Tensor:
-    """x [E, T, K] (or [T, K] shared by every expert), w [E, rows, K] -> out [E, T, width]. `gluon`: the
-    Gluon form where it takes the call (CUDA, 16-bit, <= 64 tokens; expert_gemm_gluon.serves), else this one."""
+            tma: bool) -> torch.Tensor:
+    """x [E, T, K] (or [T, K] shared by every expert), w [E, rows, K] -> out [E, T, width]."""
     experts, tokens, depth = out.shape[0], out.shape[1], x.shape[-1]
     if tokens == 0:
         return out
-    if gluon and expert_gemm_gluon.serves(x, w, tokens, width, act != 0):
-        return expert_gemm_gluon.expert_gemm(x, w, out, act, beta1, beta2)
     block_t = min(64, max(16, next_pow2(tokens)))
     block_k = min(block_k, max(16, next_pow2(depth)))
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(width, block_n), experts)
@@ -134,7 +129,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, shared_x: bool,
 
 def expert_gate_up_glu(z: torch.Tensor, w13: torch.Tensor, activation: str = "situ", beta1: float = 4.0,
                        beta2: float = 25.0, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
-                       num_stages: int = 3, tma: bool = False, gluon: bool = False) -> torch.Tensor:
+                       num_stages: int = 3, tma: bool = False) -> torch.Tensor:
     """Same contract as kernels.fused.naive.expert_gate_up_glu: z [T, l] (row-strided allowed), w13 [E, 2F, l]
     -> act [E, T, F] in z's dtype, the GLU computed from float32 accumulators."""
     require_activation(activation)
@@ -145,11 +140,11 @@ def expert_gate_up_glu(z: torch.Tensor, w13: torch.Tensor, activation: str = "si
     width = w13.shape[1] // 2
     out = torch.empty(w13.shape[0], z.shape[0], width, dtype=z.dtype, device=z.device)
     return _launch(z, w13, out, True, ACTIVATIONS[activation], width, beta1, beta2, block_n, block_k, num_warps,
-                   num_stages, tma, gluon)
+                   num_stages, tma)
 
 
 def expert_down(act: torch.Tensor, w2: torch.Tensor, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
-                num_stages: int = 3, tma: bool = False, gluon: bool = False) -> torch.Tensor:
+                num_stages: int = 3, tma: bool = False) -> torch.Tensor:
     """Same contract as kernels.fused.naive.expert_down: act [E, T, F] @ w2 [E, l, F]^T -> [E, T, l] in act's
     dtype (float32 accumulators)."""
     require(act.dim() == 3 and w2.dim() == 3 and act.shape[0] == w2.shape[0] and act.shape[2] == w2.shape[2],
@@ -158,5 +153,4 @@ def expert_down(act: torch.Tensor, w2: torch.Tensor, block_n: int = 64, block_k:
     require(act.stride(2) == 1 and w2.stride(2) == 1, "act and w2 need a unit stride along F")
     experts, tokens, _ = act.shape
     out = torch.empty(experts, tokens, w2.shape[1], dtype=act.dtype, device=act.device)
-    return _launch(act, w2, out, False, 0, w2.shape[1], 1.0, 1.0, block_n, block_k, num_warps, num_stages, tma,
-                   gluon)
+    return _launch(act, w2, out, False, 0, w2.shape[1], 1.0, 1.0, block_n, block_k, num_warps, num_stages, tma)

@@ -41,8 +41,6 @@ DENSE_FORMS: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
     "pointer": ({}, None),
     "tma": ({"tma": True}, None),
     "tma-down": ({"tma": True}, {"tma": True}),
-    # kernels/fused/expert_gemm_gluon.py (persistent TMA + wgmma) where it takes the call, tma-down elsewhere
-    "gluon": ({"tma": True, "gluon": True}, {"tma": True, "gluon": True}),
 }
 DENSE_FORM_ENV, DEFAULT_DENSE_FORM = "K3_DENSE_EXPERTS", "tma-down"
 # Above this many rows every form runs as "pointer": there the Triton down projection lost to cuBLAS (H200,

@@ -35,7 +35,6 @@ from k3core.presets import preset
 from kernels import compile_check
 from kernels.attnres import block_logits_triton, inter_triton, merge_norm_triton
 from kernels.fused import (
-    expert_gemm_gluon,
     expert_gemm_triton,
     gated_heads_triton,
     greedy_argmax_triton,
@@ -222,14 +221,6 @@ def latent_moe_gluon(tokens: int, experts: int = E, latent: int = LATENT, width:
                       latent_moe_decode_triton.GLUON_DOWN_TILE, latent_moe_decode_triton.GLUON_STAGES)
 
 
-def dense_experts_gluon(tokens: int) -> None:
-    """The Gluon form of the dense experts' gate|up + GLU and down projection (kernels/fused/expert_gemm_gluon.py,
-    `K3_DENSE_EXPERTS=gluon`): its launcher without the CUDA check, on the MoE step's operands (z a row slice)."""
-    z = empty(tokens, LATENT + 2 * 2 * F_MOE)[:, :LATENT]
-    expert_gemm_gluon.launch(z, empty(E, 2 * F_MOE, LATENT), empty(E, tokens, F_MOE), 1, 4.0, 25.0)
-    expert_gemm_gluon.launch(empty(E, tokens, F_MOE), empty(E, LATENT, F_MOE), empty(E, tokens, LATENT), 0, 1.0, 1.0)
-
-
 def skinny_gemm(tokens: int, tilings=lambda n, k: [skinny_gemm_triton.default_tiling(n, k)]) -> None:
     """The decode projections (services/engine/fast_*.py through dispatch.skinny_linear: fast_decoder's
     `distinct_projections`): the routed tiling and the launcher's default of every mini projection shape."""
@@ -344,8 +335,7 @@ def test_every_kernel_compiles_for_sm90(recorded):
                     reason="the Gluon kernels are written for the device's Triton 3.6 (set "
                     "K3_COMPILE_CHECK_TRITON_PATH); later releases renamed Gluon's cp.async and barrier calls")
 def test_gluon_kernels_compile_for_sm90():
-    _check(_record({**{f"latent moe gluon T={t}": lambda t=t: latent_moe_gluon(t) for t in (1, 16)},
-                    **{f"dense experts gluon T={t}": lambda t=t: dense_experts_gluon(t) for t in (16, 48, 64)}}).unique())
+    _check(_record({f"latent moe gluon T={t}": lambda t=t: latent_moe_gluon(t) for t in (1, 16)}).unique())
 
 
 @pytest.mark.slow
