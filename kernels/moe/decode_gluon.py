@@ -41,8 +41,8 @@ if gluon is not None:
         return 1.0 / (1.0 + gl.exp(-v))
 
     @gluon.jit
-    def _situ_glu(g, u, beta1, beta2):
-        """kernels.moe.situ_glu_triton.situ_glu_values, in Gluon."""
+    def situ_glu(g, u, beta1, beta2):
+        """kernels.moe.situ_glu_triton.situ_glu_values, in Gluon (both gate/up kernels' epilogue)."""
         gate = beta1 * (2 * _sigmoid(2 * g / beta1) - 1) * _sigmoid(g)
         return gate * (beta2 * (2 * _sigmoid(2 * u / beta2) - 1))
 
@@ -86,7 +86,7 @@ if gluon is not None:
                 xt = act_operand(act_s, buf, WARPS)
                 g = mma_v2(xt, weight_operand(gate_s, gate_f, buf, WARPS), g)
                 u = mma_v2(xt, weight_operand(up_s, up_f, buf, WARPS), u)
-            rest = _situ_glu(g * UNSHIFT, u * UNSHIFT, beta1, beta2)
+            rest = situ_glu(g * UNSHIFT, u * UNSHIFT, beta1, beta2)
             pair = gl.convert_layout(slot_pair, gl.SliceLayout(1, mma_layout(WARPS)))
             ok = gl.convert_layout(used, gl.SliceLayout(1, mma_layout(WARPS)))
             rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma_layout(WARPS)))

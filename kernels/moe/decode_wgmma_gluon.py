@@ -36,6 +36,7 @@ if gluon is not None:
         warpgroup_mma_wait,
     )
 
+    from kernels.moe.decode_gluon import situ_glu
     from kernels.moe.mxfp4_stream_gluon import (
         _DECODE,
         _FIELDS,
@@ -75,16 +76,6 @@ if gluon is not None:
             warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[rows, 4, 4])
     # Raw activation rows [16, 128] read from the ring: 8 columns a thread (2 x 16 B).
     _RAW = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
-
-    @gluon.jit
-    def _sigmoid(v):
-        return 1.0 / (1.0 + gl.exp(-v))
-
-    @gluon.jit
-    def _situ_glu(g, u, beta1, beta2):
-        """kernels.moe.situ_glu_triton.situ_glu_values, in Gluon."""
-        gate = beta1 * (2 * _sigmoid(2 * g / beta1) - 1) * _sigmoid(g)
-        return gate * (beta2 * (2 * _sigmoid(2 * u / beta2) - 1))
 
     @gluon.jit
     def _weights(words_s, fields_s, buf):
@@ -157,7 +148,7 @@ if gluon is not None:
                 uw = _weights(up_s, up_f, buf)  # decoded while the gate MMAs run
                 u = warpgroup_mma(uw, xt, u, is_async=True)
                 g, u, gw, uw = warpgroup_mma_wait(0, deps=[g, u, gw, uw])
-            rest = _situ_glu(g * UNSHIFT, u * UNSHIFT, beta1, beta2)
+            rest = situ_glu(g * UNSHIFT, u * UNSHIFT, beta1, beta2)
             pair = gl.convert_layout(slot_pair, gl.SliceLayout(0, _MMA))
             ok = gl.convert_layout(used, gl.SliceLayout(0, _MMA))
             rows = row0 + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, _MMA))
