@@ -3,9 +3,11 @@
 The canonical pack (k3core.quant.mxfp4) stays the storage and checkpoint format; this is an additive,
 invertible re-arrangement of each 32-bit word of 8 codes (same bytes, same size). A decoder wants, per
 word, four registers of two bf16 bit patterns: register j holds code j in its low half and code j + 4 in
-its high half (the decoder permutes the other operand to match: cheaper in Triton's register assignment
-than codes 2j, 2j + 1, which cost the tensor-core operand copies; see docs/kernels.md), each with the sign at bit 15 and e1 e0 m0 at bits 8..6 of its half (the code's value x
-2^-126; see kernels.moe.mxfp4_tile_triton). From a canonical word that takes two shifts, two masks and an
+its high half (the decoder permutes the other operand to match; codes 2j, 2j + 1 took more instructions
+offline in every form tried, Triton and Gluon, weights as either MMA operand: the moves that assemble the
+tensor-core operands cost more than the activations' permutes; docs/kernels.md history 35), each with the
+sign at bit 15 and e1 e0 m0 at bits 8..6 of its half (the code's value x 2^-126; see
+kernels.moe.mxfp4_tile_triton). From a canonical word that takes two shifts, two masks and an
 or per register. Here each register is one `lop3` of one or two rotations of the stored word:
 
     reg_j = (rot(w, a_j) ^ rot(w, b_j)) & PAIR_MASK          (rot: rotate right; rot(w, 0) = w)
