@@ -147,6 +147,12 @@ def max_diff(a: object, b: object) -> float:
     return max(float((x.double() - y.double()).abs().max()) for x, y in pairs)
 
 
+def cold_weights(n: int, k: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Copies of an [n, k] bf16 weight to cycle through: ~200 MB (3 to 24 copies), so that every call of a
+    timed graph reads its weight from HBM, not from the 50 MB L2."""
+    return weight_copies((n, k), gen, max(WEIGHT_COPIES, min(24, -(-200_000_000 // (n * k * 2)))))
+
+
 def skinny_cases(c: K3Config, tokens: int, gen: torch.Generator, sweep: bool) -> dict[str, Case]:
     """Each decode projection of the model (`fast_decoder.distinct_projections`) in the skinny GEMM's
     tilings, against cuBLAS as the fast path calls it (F.linear, or addmm_ into the residual). Enough weight
@@ -155,7 +161,7 @@ def skinny_cases(c: K3Config, tokens: int, gen: torch.Generator, sweep: bool) ->
     for name, (n, k, residual) in distinct_projections(c).items():
         x = torch.randn(tokens, k, device=gen.device, generator=gen).to(torch.bfloat16)
         res = torch.randn(tokens, n, device=gen.device, generator=gen).to(torch.bfloat16) if residual else None
-        weights = weight_copies((n, k), gen, max(WEIGHT_COPIES, min(24, -(-200_000_000 // (n * k * 2)))))
+        weights = cold_weights(n, k, gen)
         tilings = skinny_gemm_triton.candidate_tilings(n, k)[: None if sweep else 1]
         for t in tilings:
             mine, peer = (None, None) if res is None else (res.clone(), res.clone())
@@ -173,7 +179,7 @@ def read_floor_cases(c: K3Config, gen: torch.Generator) -> dict[str, Case]:
     for n, k, residual in dict.fromkeys(distinct_projections(c).values()):
         if not residual:
             continue
-        weights = weight_copies((n, k), gen, max(WEIGHT_COPIES, min(24, -(-200_000_000 // (n * k * 2)))))
+        weights = cold_weights(n, k, gen)
         target = torch.empty_like(weights[0])
         found[f"floor copy {n}x{k}"] = (each_call(target.copy_, weights), None, 2 * n * k * 2)
         found[f"floor sum {n}x{k}"] = (each_call(lambda w: w.sum(dtype=torch.float32), weights), None, n * k * 2)
