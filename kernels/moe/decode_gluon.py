@@ -12,7 +12,6 @@ import torch
 
 from kernels._triton import next_pow2, require
 from kernels.moe.mxfp4_stream_gluon import COLS, SLOTS, gluon
-from kernels.moe.mxfp4_tile_triton import block_words
 from kernels.moe.tiles import Tile
 
 if gluon is not None:
@@ -141,24 +140,29 @@ if gluon is not None:
                      acc * UNSHIFT * scale[:, None], mask=ok[:, None] & (rows < L)[None, :])
 
 
+def fits(tokens: int, dtype: torch.dtype, rows: int, depth: int, tile: Tile) -> bool:
+    """Whether the kernels compute a call, its device aside: bf16 activations of at most 16 tokens, tiles of
+    128 columns and >= 16 rows whose MMAs give each warp 8 rows per instruction, `rows` weight rows and a
+    reduction of `depth` columns that the tile divides into at least 2 steps a program (Triton 3.6 fails to
+    lower these kernels with a single step: an LLVM assertion; 128-column steps also mean 16-word storage
+    blocks). A register cap is the Triton kernels': these need far fewer."""
+    return (dtype == torch.bfloat16 and tokens <= SLOTS and tile.cols == COLS and tile.rows >= 16
+            and tile.rows >= 8 * tile.warps and rows % tile.rows == 0 and depth % (COLS * tile.splits) == 0
+            and depth // (COLS * tile.splits) >= 2)
+
+
 def _served(x: torch.Tensor, rows: int, depth: int, tile: Tile) -> bool:
-    """bf16 activations of at most 16 tokens on CUDA, tiles of 128 columns and >= 16 rows whose MMAs give each
-    warp 8 rows per instruction, `rows` weight rows and a reduction of `depth` columns that the tile divides
-    into at least 2 steps a program (Triton 3.6 fails to lower these kernels with a single step: an LLVM
-    assertion), stored in 16-word blocks (a register cap is the Triton kernels': these need far fewer)."""
-    return (gluon is not None and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= SLOTS
-            and tile.cols == COLS and tile.rows >= 16 and tile.rows >= 8 * tile.warps and rows % tile.rows == 0
-            and depth % (COLS * tile.splits) == 0 and depth // (COLS * tile.splits) >= 2
-            and block_words(depth // 8) == 16)
+    """`fits`, on CUDA where Gluon is present."""
+    return gluon is not None and x.is_cuda and fits(x.shape[0], x.dtype, rows, depth, tile)
 
 
 def serves_gate_up(x: torch.Tensor, F: int, tile: Tile) -> bool:
-    """Whether `gate_up` computes this call (see `_served`)."""
+    """Whether `gate_up` computes this call (see `fits`)."""
     return _served(x, F, x.shape[1], tile)
 
 
 def serves_down(x: torch.Tensor, F: int, h_parts: int, tile: Tile) -> bool:
-    """Whether `down` computes this call: h in one bf16 part, and see `_served`."""
+    """Whether `down` computes this call: h in one bf16 part, and see `fits`."""
     return h_parts == 1 and _served(x, x.shape[1], F, tile)
 
 

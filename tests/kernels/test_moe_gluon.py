@@ -20,24 +20,28 @@ def _experts(gen: torch.Generator, experts: int, latent: int, width: int, device
 
 
 def test_cpu_calls_never_take_the_gluon_kernels():
+    """Calls the kernels would compute (`fits`) are not served from CPU tensors."""
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    down_tile = Tile(128, 128, 2, 2)
+    assert decode_gluon.fits(1, x.dtype, 128, 256, GLUON_TILE) and decode_gluon.fits(1, x.dtype, 256, 256, down_tile)
     assert not decode_gluon.serves_gate_up(x, 128, GLUON_TILE)
-    assert not decode_gluon.serves_down(x, 128, 1, Tile(128, 128, 2, 2))
+    assert not decode_gluon.serves_down(x, 256, 1, down_tile)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize(("tokens", "width", "dtype", "tile"), [
-    (17, 128, torch.bfloat16, GLUON_TILE), (1, 128, torch.float16, GLUON_TILE),
-    (1, 128, torch.bfloat16, Tile(64, 64, 2, 2)), (1, 128, torch.bfloat16, Tile(16, 128, 4, 2)),
-    (1, 96, torch.bfloat16, GLUON_TILE), (1, 128, torch.bfloat16, Tile(64, 128, 2, 2, splits=2))])
-def test_calls_outside_the_kernels_keep_the_triton_ones(tokens, width, dtype, tile):
-    """More than 16 tokens, fp16 activations, 64-column steps, fewer than 8 rows a warp, widths the tile
-    does not divide (96 rows of 64 or columns of 128), or a single step a program are not served."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    x = torch.zeros(tokens, 256 if width == 128 else width, dtype=dtype, device="cuda")
-    assert not decode_gluon.serves_gate_up(x, width, tile)
-    assert not decode_gluon.serves_down(x, width, 1, tile)
+FITTING = {"tokens": 16, "dtype": torch.bfloat16, "rows": 128, "depth": 256, "tile": GLUON_TILE}
+
+
+@pytest.mark.parametrize("change", [
+    {"tokens": 17}, {"dtype": torch.float16}, {"tile": Tile(64, 64, 2, 2)}, {"tile": Tile(8, 128, 1, 2)},
+    {"tile": Tile(16, 128, 4, 2)}, {"rows": 96}, {"depth": 320}, {"depth": 128},
+    {"tile": Tile(64, 128, 2, 2, splits=2)}])
+def test_calls_outside_the_kernels_keep_the_triton_ones(change):
+    """A call of 16 bf16 tokens, 128 weight rows and 256 columns of reduction in 64 x 128 tiles at 2 warps
+    fits the Gluon kernels; changed in one thing it does not (so the launcher keeps the Triton kernels): more
+    than 16 tokens, fp16 activations, 64-column steps, fewer than 16 rows or 8 rows a warp, rows the tile does
+    not divide, a reduction not in 128-column steps, or a single step a program (alone or split in two)."""
+    assert decode_gluon.fits(**FITTING)
+    assert not decode_gluon.fits(**(FITTING | change))
 
 
 @pytest.mark.gpu
