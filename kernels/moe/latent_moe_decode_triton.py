@@ -240,8 +240,9 @@ def latent_moe_decode_prepared(
     sms = sm_count(x.device, cpu=132)
     default_gu, default_down = default_tiles(T * K, sms)
     wgmma = (T * K >= sms if gluon_wgmma is None else gluon_wgmma) and gate_up_tile is None
-    gu_tile = gate_up_tile or (decode_wgmma_gluon.GATE_UP_TILE if wgmma else default_gu)
-    gluon_gate_up = bool(stages) and token_block == 16 and decode_gluon.serves_gate_up(x, F, gu_tile)
+    gluon_gu_tile = gate_up_tile or (decode_wgmma_gluon.GATE_UP_TILE if wgmma else default_gu)
+    gluon_gate_up = bool(stages) and token_block == 16 and decode_gluon.serves_gate_up(x, F, gluon_gu_tile)
+    gu_tile = gluon_gu_tile if gluon_gate_up else (gate_up_tile or default_gu)
     gluon_tile = down_tile or (decode_wgmma_gluon.DOWN_TILE if gluon_down_wgmma else GLUON_DOWN_TILE)
     down_wgmma = gluon_down_wgmma and decode_wgmma_gluon.serves_down_tile(gluon_tile)
     gluon_down = bool(down_stages) and token_block == 16 and decode_gluon.serves_down(x, F, hp, gluon_tile)

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k3core.quant.mxfp4 import quantize
+from kernels import compile_check
 from kernels.moe import latent_moe_decode_triton, naive
 from kernels.moe.tiles import Tile, default_tiles
 
@@ -102,3 +103,23 @@ def test_default_tiles_follow_the_measured_choice(pairs, stages, cap):
     assert gate_up == Tile(64, 128, 2, stages, cap) and down == Tile(128, 128, 2, stages, cap)
     assert gate_up.groups(2048) >= 1 and down.groups(1024) >= 1
 
+
+
+def test_calls_gluon_does_not_take_run_triton_at_the_default_tiles():
+    """From as many (token, expert) pairs as SMs the launcher offers gate/up to the warpgroup Gluon kernel at
+    its own 64-row 4-warp tile; a call no Gluon kernel takes (here CPU tensors, launches recorded as the H200
+    would compile them) runs both Triton kernels at `default_tiles`' tiles, that tile not carried over."""
+    T, K, E, L, F = 16, 16, 16, 256, 128
+    experts = latent_moe_decode_triton.PreparedExperts(
+        torch.zeros(E, 2 * F, L // 8, dtype=torch.int32), torch.zeros(E, 2 * F, L // 32, dtype=torch.uint8),
+        torch.zeros(E, L, F // 8, dtype=torch.int32), torch.zeros(E, L, F // 32, dtype=torch.uint8))
+    with compile_check.record_launches({"USE_ASM": True}) as recorder:
+        latent_moe_decode_triton.latent_moe_decode_prepared(
+            torch.zeros(T, L, dtype=torch.bfloat16), torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K), experts)
+    launched = {spec.kernel.split(":")[1]: spec for spec in recorder.unique()}
+    for name, tile in zip(("_gate_up_kernel", "_down_kernel"), default_tiles(T * K, compile_check.H200_SMS),
+                          strict=True):
+        spec = launched[name]
+        constexprs = {list(spec.signature)[path[0]]: v for path, v in spec.constexprs.items()}
+        assert (spec.options["num_warps"], spec.options.get("maxnreg"), constexprs["BR"], constexprs["STAGES"]) == (
+            tile.warps, tile.max_registers, tile.rows, tile.stages), name
