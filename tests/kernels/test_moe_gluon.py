@@ -1,6 +1,6 @@
-"""The Gluon kernels of the latent-MoE decode (kernels/moe/decode_gluon.py): on the GPU against the float32
-oracle and the Triton kernels; on the CPU, that they never take a call (Gluon has no interpreter, so CPU
-callers keep the Triton kernels)."""
+"""The Gluon kernels of the latent-MoE decode (kernels/moe/decode_gluon.py, decode_wgmma_gluon.py): on the GPU
+against the float32 oracle and the Triton kernels; on the CPU, which calls they fit, that CPU calls never take
+them (Gluon has no interpreter, so CPU callers keep the Triton kernels) and the warpgroup kernels' K order."""
 
 from __future__ import annotations
 
@@ -44,20 +44,14 @@ def test_calls_outside_the_kernels_keep_the_triton_ones(change):
     assert not decode_gluon.fits(**(FITTING | change))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize(("tokens", "stages", "gate_up", "down"), [
-    (1, 3, GLUON_TILE, Tile(128, 128, 2, 2)), (3, 4, GLUON_TILE, Tile(128, 128, 2, 2)),
-    (16, 4, Tile(64, 128, 4, 3), Tile(128, 128, 4, 3, splits=2)), (3, 2, Tile(32, 128, 2, 3), Tile(64, 128, 2, 3))])
-def test_gluon_kernels_match_the_oracle_on_gpu(tokens, stages, gate_up, down):
-    """E=12, k=4, l=512, F=512 (4 steps a program; 2 in a down split in two, under a 4-stage ring whose
-    prologue has a step to skip), 2 and 4 warps, tokens that share experts (token 1 names token 0's first
-    expert; at 16 tokens some expert serves several): the whole call with both projections in Gluon against
-    the float32 oracle (the bench's 1e-2 bar) and against the Triton kernels (bf16 h may differ by a
-    rounding)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    gen = torch.Generator(device="cuda").manual_seed(tokens * 10 + stages)
-    E, K, L, F = 12, 4, 512, 512
+E, K, L, F = 12, 4, 512, 512  # the GPU cases' experts: 4 steps of 128 columns a program
+
+
+def _call_matches_oracle_and_triton(tokens: int, seed: int, tiles: dict, **gluon) -> None:
+    """The whole call at `tiles` with the `gluon` forms and stages against the float32 oracle (the bench's 1e-2
+    bar) and against the Triton kernels at the same tiles (bf16 h may differ by a rounding); tokens share
+    experts (token 1 names token 0's first expert; at 16 tokens some expert serves several)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     packs = _experts(gen, E, L, F, "cuda")
     experts = latent_moe_decode_triton.prepare_experts(*packs)
     x = torch.randn(tokens, L, generator=gen, device="cuda").to(torch.bfloat16)
@@ -65,16 +59,29 @@ def test_gluon_kernels_match_the_oracle_on_gpu(tokens, stages, gate_up, down):
     if tokens > 1 and not (ids[1] == ids[0, 0]).any():
         ids[1, 2] = ids[0, 0]
     w = torch.rand(tokens, K, generator=gen, device="cuda")
-    assert decode_gluon.serves_gate_up(x, F, gate_up) and decode_gluon.serves_down(x, F, 1, down)
-    tiles = {"gate_up_tile": gate_up, "down_tile": down}
-    got = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, **tiles, gluon_stages=stages,
-                                                             gluon_down_stages=stages)
+    got = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, **tiles, **gluon)
     triton_form = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, **tiles, gluon_stages=0,
                                                                      gluon_down_stages=0)
     ref = naive.latent_moe_decode(x.float(), ids, w, *packs)
     err = ((got.float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, err
     torch.testing.assert_close(got.float(), triton_form.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tokens", "stages", "gate_up", "down"), [
+    (1, 3, GLUON_TILE, Tile(128, 128, 2, 2)), (3, 4, GLUON_TILE, Tile(128, 128, 2, 2)),
+    (16, 4, Tile(64, 128, 4, 3), Tile(128, 128, 4, 3, splits=2)), (3, 2, Tile(32, 128, 2, 3), Tile(64, 128, 2, 3))])
+def test_gluon_kernels_match_the_oracle_on_gpu(tokens, stages, gate_up, down):
+    """Both projections on the mma.sync Gluon kernels (4 steps a program; 2 in a down split in two, under a
+    4-stage ring whose prologue has a step to skip), 2 and 4 warps, 1-16 tokens: see
+    `_call_matches_oracle_and_triton`."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    x = torch.empty(tokens, L, dtype=torch.bfloat16, device="cuda")
+    assert decode_gluon.serves_gate_up(x, F, gate_up) and decode_gluon.serves_down(x, F, 1, down)
+    _call_matches_oracle_and_triton(tokens, tokens * 10 + stages, {"gate_up_tile": gate_up, "down_tile": down},
+                                    gluon_stages=stages, gluon_down_stages=stages)
 
 
 def _to_k(columns: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
@@ -111,23 +118,13 @@ def test_warpgroup_k_order_pairs_each_weight_with_its_activation():
 def test_warpgroup_kernels_match_the_oracle_on_gpu(tokens, stages, down_wgmma, down):
     """Gate/up, and down where `down_wgmma`, on warpgroup MMAs (kernels/moe/decode_wgmma_gluon.py: weights as
     the M side, decoded into the A fragments; activations permuted into the MMA's K order in shared memory):
-    E=12, k=4, l=512, F=512 (4 steps; 2 in a down split in two), 1-16 tokens, 2-4 stages, 128- and 64-row
-    down programs; the whole call against the float32 oracle and against the Triton kernels."""
+    4 steps (2 in a down split in two), 1-16 tokens, 2-4 stages, 128- and 64-row down programs; see
+    `_call_matches_oracle_and_triton`."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    gen = torch.Generator(device="cuda").manual_seed(100 + tokens)
-    E, K, L, F = 12, 4, 512, 512
-    packs = _experts(gen, E, L, F, "cuda")
-    experts = latent_moe_decode_triton.prepare_experts(*packs)
-    x = torch.randn(tokens, L, generator=gen, device="cuda").to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=gen, device="cuda")[:K] for _ in range(tokens)]).int()
-    w = torch.rand(tokens, K, generator=gen, device="cuda")
-    got = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, down_tile=down, gluon_stages=stages,
-                                                             gluon_down_stages=stages, gluon_wgmma=True,
-                                                             gluon_down_wgmma=down_wgmma)
-    triton_form = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, gluon_stages=0,
-                                                                     gluon_down_stages=0)
-    ref = naive.latent_moe_decode(x.float(), ids, w, *packs)
-    err = ((got.float() - ref).norm() / ref.norm()).item()
-    assert err < 1e-2, err
-    torch.testing.assert_close(got.float(), triton_form.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    x = torch.empty(tokens, L, dtype=torch.bfloat16, device="cuda")
+    down_tile = down or (decode_wgmma_gluon.DOWN_TILE if down_wgmma else latent_moe_decode_triton.GLUON_DOWN_TILE)
+    assert decode_gluon.serves_gate_up(x, F, decode_wgmma_gluon.GATE_UP_TILE)
+    assert decode_gluon.serves_down(x, F, 1, down_tile) and (not down_wgmma or decode_wgmma_gluon.serves_down_tile(down_tile))
+    _call_matches_oracle_and_triton(tokens, 100 + tokens, {"down_tile": down}, gluon_stages=stages,
+                                    gluon_down_stages=stages, gluon_wgmma=True, gluon_down_wgmma=down_wgmma)
