@@ -41,6 +41,8 @@ if gluon is not None:
         _DECODE,
         _FIELDS,
         UNSHIFT,
+        _act_copy_layout,
+        _act_view,
         act_ring,
         act_rows,
         block_tile,
@@ -74,8 +76,6 @@ if gluon is not None:
             reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]] + [[64 << b, 0, 0] for b in range(rows.bit_length() - 7)],
             lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
             warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[rows, 4, 4])
-    # Raw activation rows [16, 128] read from the ring: 8 columns a thread (2 x 16 B).
-    _RAW = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 
     @gluon.jit
     def _weights(words_s, fields_s, buf):
@@ -97,7 +97,7 @@ if gluon is not None:
     def _stage_b(ring, buf, b_s):
         """Stage `buf`'s [16, 128] activation rows (column c = 32 t + 8 b + 4 e + j) -> b_s in the MMA's K
         order (k = 32 b + 16 (j // 2) + 8 (j % 2) + 2 t + e), as [16 tokens, 128 k]."""
-        a = ring.index(buf).reshape([_SLOTS, 128]).load(_RAW)
+        a = _act_view(ring, buf).load(_act_copy_layout(4))  # read as copied: 8 columns (16 B) a thread
         a = gl.reshape(a, [_SLOTS, 2, 2, 2, 2, 2, 2, 2])
         a = gl.reshape(gl.permute(a, _ACT_K_ORDER.value), [_SLOTS, 128])
         b_s.store(a)
