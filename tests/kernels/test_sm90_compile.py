@@ -204,21 +204,15 @@ def latent_moe_gluon(tokens: int, experts: int = E, latent: int = LATENT, width:
     """The Gluon forms of the MXFP4 routed-expert decode (kernels/moe/decode_gluon.py) with the tiles and stages
     the launcher gives them on CUDA for bf16 activations (it takes them only there, so `latent_moe` cannot
     reach them from CPU tensors)."""
-    u8, pairs = torch.uint8, tokens * top_k
-    ids, h = torch.zeros(tokens, top_k, dtype=I64), empty(1, pairs, width)
-    gate_up_tile = default_tiles(pairs, compile_check.H200_SMS)[0]
-    decode_gluon.gate_up(empty(tokens, latent), ids, empty(experts, 2 * width, latent // 8, dtype=I32),
-                         empty(experts, 2 * width, latent // 32, dtype=u8), h, 4.0, 25.0, gate_up_tile,
-                         latent_moe_decode_triton.GLUON_STAGES)
-    decode_wgmma_gluon.gate_up(empty(tokens, latent), ids, empty(experts, 2 * width, latent // 8, dtype=I32),
-                               empty(experts, 2 * width, latent // 32, dtype=u8), h, 4.0, 25.0,
-                               latent_moe_decode_triton.GLUON_STAGES)
-    decode_wgmma_gluon.down(h, ids, empty(tokens, top_k, dtype=F32), empty(experts, latent, width // 8, dtype=I32),
-                            empty(experts, latent, width // 32, dtype=u8), empty(1, pairs, latent, dtype=F32),
-                            decode_wgmma_gluon.DOWN_TILE, latent_moe_decode_triton.GLUON_STAGES)
-    decode_gluon.down(h, ids, empty(tokens, top_k, dtype=F32), empty(experts, latent, width // 8, dtype=I32),
-                      empty(experts, latent, width // 32, dtype=u8), empty(1, pairs, latent, dtype=F32),
-                      latent_moe_decode_triton.GLUON_DOWN_TILE, latent_moe_decode_triton.GLUON_STAGES)
+    u8, pairs, stages = torch.uint8, tokens * top_k, latent_moe_decode_triton.GLUON_STAGES
+    x, ids, h = empty(tokens, latent), torch.zeros(tokens, top_k, dtype=I64), empty(1, pairs, width)
+    gate_up = (empty(experts, 2 * width, latent // 8, dtype=I32), empty(experts, 2 * width, latent // 32, dtype=u8))
+    down = (empty(tokens, top_k, dtype=F32), empty(experts, latent, width // 8, dtype=I32),
+            empty(experts, latent, width // 32, dtype=u8), empty(1, pairs, latent, dtype=F32))
+    decode_gluon.gate_up(x, ids, *gate_up, h, 4.0, 25.0, default_tiles(pairs, compile_check.H200_SMS)[0], stages)
+    decode_wgmma_gluon.gate_up(x, ids, *gate_up, h, 4.0, 25.0, stages)
+    decode_wgmma_gluon.down(h, ids, *down, decode_wgmma_gluon.DOWN_TILE, stages)
+    decode_gluon.down(h, ids, *down, latent_moe_decode_triton.GLUON_DOWN_TILE, stages)
 
 
 def skinny_gemm(tokens: int, tilings=lambda n, k: [skinny_gemm_triton.default_tiling(n, k)]) -> None:
