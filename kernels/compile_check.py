@@ -13,8 +13,8 @@ the device. Triton's CUDA backend and ptxas run without a GPU; this module drive
 2. `compile_specs()`: compiles each unique spec in worker processes without TRITON_INTERPRET. It cannot run
    in an interpreting process: there triton.language's own jitted helpers (tl.sigmoid, ...) are
    interpreter objects, which the code generator cannot call.
-3. `launched_kernels()`: every @triton.jit function under kernels/ that some module launches, read from
-   the source, so that a test can require each one to be covered.
+3. `launched_kernels()`: every @triton.jit / @gluon.jit function under kernels/ that some module launches,
+   read from the source, so that a test can require each one to be covered.
 
 Run by hand: record launches in a script, then `compile_specs(recorder.unique())`.
 """
@@ -250,9 +250,9 @@ def _module_name(path: Path, root: Path = KERNELS_DIR) -> str:
     return ".".join(path.relative_to(root.parent).with_suffix("").parts)
 
 
-def _is_triton_jit(decorator: ast.expr) -> bool:
+def _is_kernel_jit(decorator: ast.expr) -> bool:
     target = decorator.func if isinstance(decorator, ast.Call) else decorator
-    return ast.unparse(target) == "triton.jit"
+    return ast.unparse(target) in ("triton.jit", "gluon.jit")
 
 
 def _names(tree: ast.Module, module: str) -> dict[str, str]:
@@ -269,8 +269,9 @@ def _names(tree: ast.Module, module: str) -> dict[str, str]:
 
 
 def launched_kernels(root: Path = KERNELS_DIR) -> set[str]:
-    """"module:function" of every @triton.jit function under `root` that some module there launches as
-    `name[grid](...)` or `module.name[grid](...)` (device functions that are only called are left out)."""
+    """"module:function" of every @triton.jit or @gluon.jit function under `root` that some module there
+    launches as `name[grid](...)` or `module.name[grid](...)` (device functions that are only called are left
+    out)."""
     defined: set[str] = set()
     launched: set[str] = set()
     for path in sorted(root.rglob("*.py")):
@@ -278,7 +279,7 @@ def launched_kernels(root: Path = KERNELS_DIR) -> set[str]:
         tree = ast.parse(path.read_text(), str(path))
         names = _names(tree, module)
         for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and any(_is_triton_jit(d) for d in node.decorator_list):
+            if isinstance(node, ast.FunctionDef) and any(_is_kernel_jit(d) for d in node.decorator_list):
                 defined.add(f"{module}.{node.name}")
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
                 callee = node.func.value

@@ -53,8 +53,8 @@ def test_a_loop_carried_shape_change_is_reported_with_the_kernel_name(interprete
 
 
 def test_discovery_lists_launched_kernels_not_device_functions(tmp_path):
-    """Kernels launched by name, through an imported name or a module attribute count; jit functions never
-    launched with a grid (device helpers) do not."""
+    """Kernels (Triton or Gluon) launched by name, through an imported name or a module attribute count; jit
+    functions never launched with a grid (device helpers) do not."""
     package = tmp_path / "kernels"
     (package / "sub").mkdir(parents=True)
     jit = "@triton.jit\ndef {}(x):\n    pass\n\n\n"
@@ -63,11 +63,15 @@ def test_discovery_lists_launched_kernels_not_device_functions(tmp_path):
         + "def launch(x):\n    _own[(1,)](x)\n")
     (package / "b.py").write_text("from kernels.sub import a\nfrom kernels.sub.a import _imported\n\n"
                                   "def launch(x):\n    _imported[(1,)](x)\n    a._via_module[(2,)](x)\n")
+    (package / "c.py").write_text("if gluon is not None:\n    @gluon.jit(do_not_specialize=['x'])\n    def _gluon(x):\n"
+                                  "        pass\n\n    @gluon.jit\n    def _gluon_helper(x):\n        pass\n\n"
+                                  "def launch(x):\n    _gluon[(1,)](x)\n")
     found = compile_check.launched_kernels(package)
-    assert found == {"kernels.sub.a:_own", "kernels.sub.a:_imported", "kernels.sub.a:_via_module"}
+    assert found == {"kernels.sub.a:_own", "kernels.sub.a:_imported", "kernels.sub.a:_via_module", "kernels.c:_gluon"}
     real = compile_check.launched_kernels()
     assert "kernels.kda.prefill_chunk_triton:_kda_chunk_ut_kernel" in real  # launched from prefill_triton
-    assert not {k for k in real if k.endswith((":mxfp4_tile", ":unshift", ":situ_glu_values"))}
+    assert "kernels.moe.decode_wgmma_gluon:down_kernel" in real  # a Gluon kernel, launched in its own module
+    assert not {k for k in real if k.endswith((":mxfp4_tile", ":unshift", ":situ_glu_values", ":situ_glu"))}
 
 
 def test_specialization_follows_triton():
