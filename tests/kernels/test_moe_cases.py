@@ -1,11 +1,14 @@
-"""The latent-MoE benchmark's own logic (kernels/perf/moe_cases.py, no GPU): its L2-fair routings and its
-command-line tile variants."""
+"""The latent-MoE benchmark's own logic (kernels/perf/moe_cases.py, no GPU): its L2-fair routings, its
+command-line tile variants and their labels and launcher arguments."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
 
+from kernels.moe import latent_moe_decode_triton
 from kernels.moe.tiles import Tile
 from kernels.perf import moe_cases
 from kernels.perf.moe_cases import Variant, parse_tiles
@@ -40,3 +43,20 @@ def test_tile_pairs_parse_from_the_command_line():
         Variant(Tile(64, 128, 2, 2), Tile(128, 128, 2, 2), batches=(4,), gluon_stages=2, gluon_down_stages=0))
     assert Variant(None, None, batches=(1,)).runs_at(1) and not Variant(None, None, batches=(1,)).runs_at(4)
     assert Variant(None, None).runs_at(4)
+
+
+def test_variant_labels_and_launcher_arguments():
+    """The labels docs/kernels.md and the results JSON cite for the Gluon forms, and `tuning()` naming only the
+    launcher's own keyword arguments (a renamed launcher knob fails here, not in a device run)."""
+    assert Variant(None, None).label() == "ours(gu=default,down=default)"
+    assert Variant(None, None, gluon_stages=0, gluon_down_stages=0).label() == (
+        "ours(gu=default,triton,down=default,triton)")
+    assert Variant(None, None, gluon_stages=2, gluon_wgmma=True).label() == "ours(gu=default,gluon s2,wgmma,down=default)"
+    assert Variant(Tile(64, 128, 2, 2), None, gluon_wgmma=False, gluon_down_stages=4,
+                   gluon_down_wgmma=True).label() == "ours(gu=64x128,w2,s2,mma,down=default,gluon s4,wgmma)"
+    launcher = inspect.signature(latent_moe_decode_triton.latent_moe_decode_prepared).parameters
+    tuning = Variant(Tile(64, 128, 2, 2), Tile(128, 128, 4, 3), gluon_stages=3, gluon_down_stages=0,
+                     gluon_wgmma=True, gluon_down_wgmma=True).tuning()
+    assert set(tuning) <= set(launcher) and tuning["gate_up_tile"] == Tile(64, 128, 2, 2)
+    assert (tuning["gluon_stages"], tuning["gluon_down_stages"], tuning["gluon_wgmma"], tuning["gluon_down_wgmma"]) == (
+        3, 0, True, True)
