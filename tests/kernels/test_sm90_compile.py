@@ -201,9 +201,9 @@ def latent_moe(tokens: int, experts: int = E, latent: int = LATENT, width: int =
 
 def latent_moe_gluon(tokens: int, experts: int = E, latent: int = LATENT, width: int = F_MOE,
                      top_k: int = TOP_K) -> None:
-    """The Gluon forms of the MXFP4 routed-expert decode (kernels/moe/decode_gluon.py) with the tiles and stages
-    the launcher gives them on CUDA for bf16 activations (it takes them only there, so `latent_moe` cannot
-    reach them from CPU tensors)."""
+    """The Gluon forms of the MXFP4 routed-expert decode (kernels/moe/decode_gluon.py, decode_wgmma_gluon.py)
+    with the tiles and stages the launcher gives them on CUDA for bf16 activations (it takes them only there,
+    so `latent_moe` cannot reach them from CPU tensors)."""
     u8, pairs, stages = torch.uint8, tokens * top_k, latent_moe_decode_triton.GLUON_STAGES
     x, ids, h = empty(tokens, latent), torch.zeros(tokens, top_k, dtype=I64), empty(1, pairs, width)
     gate_up = (empty(experts, 2 * width, latent // 8, dtype=I32), empty(experts, 2 * width, latent // 32, dtype=u8))
