@@ -19,7 +19,7 @@ The front end checks (types, shapes, loop-carried values, constexpr use) agree, 
 version accepts, or a backend bug of one, is missed, and shared memory can differ (twice as much for one
 KDA kernel under 3.6). Specs are always computed by 3.9's binder (the specialization rules are 3.6's).
 For the device's own compiler: `pip install --no-deps --target DIR triton==3.6.0` (its wheel ships ptxas)
-and set K3_COMPILE_CHECK_TRITON_PATH=DIR.
+and set K3_COMPILE_CHECK_TRITON_PATH=DIR (CI does: .ci/setup installs it, .ci/test sets the variable).
 """
 
 from __future__ import annotations
