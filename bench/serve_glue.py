@@ -12,7 +12,7 @@ branch (`K3_DECODE_BRANCHES`), against `SparseMoE` for the difference (its per-e
 not timed).
 `--groups skinny`: every decode projection (`fast_decoder.distinct_projections`) in the skinny GEMM's
 candidate tilings against cuBLAS as the fast path calls it, weights cycled through enough copies to come from
-HBM. `--groups floor`: one launch that only copies or sums each residual-add GEMM's weight (what a GEMM
+HBM. `--groups floor`: one launch that only copies each residual-add GEMM's weight (what a GEMM
 of that size is up against). `--compile-only --shard I N` launches a share of the cases once (run shards in parallel to fill
 Triton's cache before a timed run).
 
@@ -173,8 +173,8 @@ def skinny_cases(c: K3Config, tokens: int, gen: torch.Generator, sweep: bool) ->
 
 def read_floor_cases(c: K3Config, gen: torch.Generator) -> dict[str, Case]:
     """What one launch that only moves a residual-add GEMM's weight takes (HBM-cold, as skinny_cases): a copy
-    into a second buffer (read + write counted) and a float32 sum (torch's reduction: a read, but not a fast
-    one); the floor a GEMM of that size is up against, launch and tail included."""
+    into a second buffer (read + write counted), the floor a GEMM of that size is up against, launch and tail
+    included (a float32 sum was timed too in session 8: its reduction is slower than the copy, no floor)."""
     found: dict[str, Case] = {}
     for n, k, residual in dict.fromkeys(distinct_projections(c).values()):
         if not residual:
@@ -182,7 +182,6 @@ def read_floor_cases(c: K3Config, gen: torch.Generator) -> dict[str, Case]:
         weights = cold_weights(n, k, gen)
         target = torch.empty_like(weights[0])
         found[f"floor copy {n}x{k}"] = (each_call(target.copy_, weights), None, 2 * n * k * 2)
-        found[f"floor sum {n}x{k}"] = (each_call(lambda w: w.sum(dtype=torch.float32), weights), None, n * k * 2)
     return found
 
 

@@ -50,3 +50,24 @@ def test_mini_lists_the_routed_shapes_and_block_starts_without_a_residual():
     starts = [p for p in FastDecoder.projections(mini) if p.name.endswith("out") and not p.residual]
     assert [p.name for p in starts] == ["kda out", "kda out", "mla out"]
     assert len(FastDecoder.projections(mini)) == 3 * len(mini.kda_layers) + len(mini.mla_layers) + 17
+
+
+def test_read_floor_group_copies_each_residual_shape_once():
+    """bench.serve_glue --groups floor: one copy case per distinct residual-add shape of `nano` (shapes without
+    a residual are no output GEMM), counting read + write, and each call copies the next cold weight."""
+    import torch
+
+    from bench.serve_glue import read_floor_cases
+    from k3core.presets import preset
+
+    nano = preset("nano")
+    residual = {(n, k) for n, k, res in distinct_projections(nano).values() if res}
+    found = read_floor_cases(nano, torch.Generator().manual_seed(0))
+    assert set(found) == {f"floor copy {n}x{k}" for n, k in residual}
+    for name, (fused, peer, moved) in found.items():
+        n, k = map(int, name.split()[-1].split("x"))
+        assert peer is None and moved == 2 * n * k * 2
+        first = fused().clone()  # Tensor.copy_ returns its target: the weight just copied
+        second = fused()
+        assert first.shape == (n, k) and first.abs().sum() > 0
+        assert not torch.equal(first, second)  # the next call copies the next weight of the cycle
