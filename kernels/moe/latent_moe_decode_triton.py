@@ -145,9 +145,6 @@ if triton is not None:
 # 2 warps: 4 warps or 32 rows were slower at T = 4 / 16.
 GLUON_STAGES = 3
 GLUON_DOWN_TILE = Tile(128, 128, 4, 3)
-# Gate/up on warpgroup MMAs (decode_wgmma_gluon) by default from as many (token, expert) pairs as SMs (session
-# 8, history 35, same run, us at T = 1 / 4 / 16: gate/up 16.9 / 46.8 / 120.0 against mma.sync's 17.0 / 47.0 /
-# 128.6; whole call 31.7 / 77.8 / 183.2 against 30.0 / 77.9 / 193.2: faster at T = 16, alike at 4, slower at 1).
 
 
 class PreparedExperts(NamedTuple):
@@ -239,6 +236,9 @@ def latent_moe_decode_prepared(
     stages, down_stages = (GLUON_STAGES if s is None else s for s in (gluon_stages, gluon_down_stages))
     sms = sm_count(x.device, cpu=132)
     default_gu, default_down = default_tiles(T * K, sms)
+    # Gate/up on warpgroup MMAs by default from as many (token, expert) pairs as SMs (session 8, history 35,
+    # same run, us at T = 1 / 4 / 16: gate/up 16.9 / 46.8 / 120.0 against mma.sync's 17.0 / 47.0 / 128.6;
+    # whole call 31.7 / 77.8 / 183.2 against 30.0 / 77.9 / 193.2: faster at T = 16, alike at 4, slower at 1).
     wgmma = (T * K >= sms if gluon_wgmma is None else gluon_wgmma) and gate_up_tile is None
     gluon_gu_tile = gate_up_tile or (decode_wgmma_gluon.GATE_UP_TILE if wgmma else default_gu)
     gluon_gate_up = bool(stages) and token_block == 16 and decode_gluon.serves_gate_up(x, F, gluon_gu_tile)
