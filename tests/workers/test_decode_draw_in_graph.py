@@ -96,6 +96,17 @@ def test_the_switch_is_off_by_default_and_on_only_where_the_overlap_draws(monkey
     assert not draw_in_graph_wanted(sharded=False)
 
 
+def test_rebuild_reads_the_switch_again(nano, monkeypatch):
+    # bench.serve's variants flip the switch in one process (`apply_variant` -> `rebuild`): the forward and the
+    # graphs' warm-up protection follow it.
+    monkeypatch.setenv(DRAW_ENV, "0")
+    fast = ScriptedEngine(nano, True, lookahead=True).engine.executor.fastpath
+    assert not fast.draw_in_graph and fast.graph_outputs() == ()
+    monkeypatch.setenv(DRAW_ENV, "1")
+    fast.rebuild()
+    assert fast.draw_in_graph and fast.graph_outputs() == (fast.drawn,)
+
+
 def test_the_forwards_argmax_gives_todays_tokens_states_and_pipeline(nano, monkeypatch):
     today, in_graph = _run(nano, monkeypatch, False), _run(nano, monkeypatch, True)
     _assert_same(today, in_graph)
