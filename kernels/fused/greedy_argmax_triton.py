@@ -47,7 +47,8 @@ def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None) -> torc
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     elif out.shape != (rows,) or out.dtype != torch.int64 or not out.is_contiguous():
-        raise ValueError(f"out: expected a contiguous int64 tensor of shape ({rows},), got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(f"out: expected a contiguous int64 tensor of shape ({rows},), "
+                         f"got {out.dtype} {tuple(out.shape)}")
     _combine[(rows,)](values, indices, out, parts, PARTS=next_pow2(parts), num_warps=1)
     return out
 

@@ -110,8 +110,9 @@ class DecodeFastPath:
         return forward
 
     def rebuild(self) -> None:
-        """Read K3_DECODE_LOOKAHEAD and K3_DECODE_DRAW_IN_GRAPH again and drop the captured graphs and their staging images (made again on
-        first use, in the setting's image layout): the benches' variants change the setting within one process."""
+        """Read K3_DECODE_LOOKAHEAD and K3_DECODE_DRAW_IN_GRAPH again and drop the captured graphs and their
+        staging images (made again on first use, in the setting's image layout and forward): the benches'
+        variants change the settings within one process."""
         # the image's look-ahead parts too
         self.lookahead = self.builder.lookahead = lookahead_wanted(self.sharded, self.speculative)
         self.draw_in_graph = draw_in_graph_wanted(self.sharded, self.speculative)
