@@ -25,24 +25,30 @@ BLOCK = 2048  # columns per load
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [R, V] -> int64 [R]: `logits.argmax(-1)`, through `argmax_triton` (the reference for a layout or
-    dtype it does not take, or under K3_GREEDY_ARGMAX=torch)."""
+    dtype it does not take, or under K3_GREEDY_ARGMAX=torch); written into `out` (int64 [R], contiguous) if
+    given."""
     if (os.environ.get(ENV, "") != "torch" and logits.dim() == 2 and logits.dtype in _DTYPES
             and logits.stride(-1) == 1 and logits.shape[0] > 0):
-        return argmax_triton(logits)
-    return naive.greedy_argmax(logits)
+        return argmax_triton(logits, out=out)
+    return naive.greedy_argmax(logits, out=out)
 
 
-def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] (unit column stride) -> int64 [R], in two launches (any device Triton runs on)."""
+def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [R, V] (unit column stride) -> int64 [R] (into `out` if given), in two launches (any device
+    Triton runs on)."""
     rows, cols = logits.shape
     parts = triton.cdiv(cols, CHUNK)
     values = torch.empty(rows, parts, dtype=torch.float32, device=logits.device)
     indices = torch.empty(rows, parts, dtype=torch.int32, device=logits.device)
     _chunk_argmax[(rows, parts)](logits, logits.stride(0), cols, values, indices, parts,
                                  CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    elif out.shape != (rows,) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous int64 tensor of shape ({rows},), "
+                         f"got {out.dtype} {tuple(out.shape)}")
     _combine[(rows,)](values, indices, out, parts, PARTS=next_pow2(parts), num_warps=1)
     return out
 

@@ -113,10 +113,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     return residual.addmm_(x, weight.t())
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The greedy draw: logits [R, V] -> int64 [R], the lowest index of each row's maximum (NaN beats every
-    number: the first NaN), i.e. `torch.argmax`."""
-    return logits.argmax(-1)
+    number: the first NaN), i.e. `torch.argmax`; written into `out` if given."""
+    return logits.argmax(-1) if out is None else torch.argmax(logits, -1, out=out)
 
 
 def lookahead_prologue(tokens: torch.Tensor, kda_slots: torch.Tensor, row_base: torch.Tensor, source: torch.Tensor,

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,8 +54,12 @@ def copies_inside(image_bytes: int, setting: str) -> bool:
 
 class DecodeGraphs:
     def __init__(self, forward: Callable[[DecodeInputs], torch.Tensor], builder: DecodeInputBuilder,
-                 device: torch.device, max_batch: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+                 device: torch.device, max_batch: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+                 preserve: tuple[torch.Tensor, ...] = ()) -> None:
         self.forward = forward
+        # what the forward writes and the next launch reads (the fast path's `drawn` with the draw in the graph):
+        # a bucket's warm-up runs the forward for real, first used between a draw and the launch that reads it
+        self.preserve = preserve
         self.builder = builder
         self.device = device
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
@@ -89,16 +94,25 @@ class DecodeGraphs:
         self.builder.build([], [], size, out=host.numpy())  # every row on the scratch pages
         device_inputs = host.to(self.device)
         inputs = self.builder.view(device_inputs, size)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.forward(inputs)
-        torch.cuda.current_stream().wait_stream(side)
+        with self.preserving():
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.forward(inputs)
+            torch.cuda.current_stream().wait_stream(side)
         captured = self._capture(inputs, host, copies_inside(host.nbytes, self.copy_setting))
         captured.copied.record()
         self._graphs[size] = captured
         return captured
+
+    @contextmanager
+    def preserving(self) -> Iterator[None]:
+        """`preserve`'s values after the block as before it (copies queued on the current stream)."""
+        saved = [t.clone() for t in self.preserve]
+        yield
+        for tensor, values in zip(self.preserve, saved, strict=True):
+            tensor.copy_(values)
 
     def _capture(self, inputs: DecodeInputs, host: torch.Tensor, copy_in_graph: bool) -> _Captured:
         graph = torch.cuda.CUDAGraph()

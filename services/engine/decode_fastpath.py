@@ -6,6 +6,12 @@ It owns two scratch pages of the pool (taken once, never released) for the paddi
 the decode look-ahead on (decode_lookahead.py; the default at TP 1) it also owns `drawn`, the last draw's
 tokens on the device, which a look-ahead step's forward reads its tokens from (`DecodeInputs.resolve_on_device`,
 in the graph).
+
+With K3_DECODE_DRAW_IN_GRAPH=1 (off by default until timed; docs/serving.md item 18) the step's forward ends with
+the greedy argmax of its logits written into `drawn` (`kernels.dispatch.greedy_argmax`): on CUDA two more nodes of
+the captured graph, eagerly the same call on the CPU. A draw of the step's rows that are all greedy then takes those
+tokens as they are (`drawn_argmax`): no argmax launches after the replay, and with the look-ahead no publish copy
+(the graph wrote the buffer the next step reads). Sampled rows are drawn after the replay as before.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from k3core.cache.pool import PageKind
 from k3core.cache.pool_views import PoolViews
 from k3core.cache.request import CachedRequest
 from k3core.model import K3Model
+from kernels import dispatch
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.decode_inputs import DecodeInputBuilder, DecodeInputs
 from services.engine.fast_tensor_parallel import graph_capturable, rank_decoder
@@ -30,6 +37,7 @@ ENV = "K3_DECODE_FASTPATH"  # "0": never; "1": also on CPU (eager); unset: on CU
 LOOKAHEAD_ENV = "K3_DECODE_LOOKAHEAD"  # "0": no decode step launched before the previous one's tokens are in
 OVERLAP_ENV = "K3_DECODE_OVERLAP"  # "0": every step waits for its tokens before the next is planned (decode_overlap)
 GRAPHS_ENV = "K3_DECODE_CUDA_GRAPHS"  # "0": eager fast path on CUDA too; "1": graphs at TP > 1 (NCCL) too
+DRAW_ENV = "K3_DECODE_DRAW_IN_GRAPH"  # "1": the greedy argmax into `drawn` at the forward's end (in the graph)
 
 
 def overlap_wanted() -> bool:
@@ -44,6 +52,12 @@ def lookahead_wanted(sharded: bool, speculative: bool = False) -> bool:
     return os.environ.get(LOOKAHEAD_ENV, "1") != "0" and overlap_wanted() and not sharded and not speculative
 
 
+def draw_in_graph_wanted(sharded: bool, speculative: bool = False) -> bool:
+    """K3_DECODE_DRAW_IN_GRAPH=1, where the decode overlap draws (`DecodeOverlap.draw`: TP 1, no draft model):
+    elsewhere nothing takes the forward's argmax and it would run for nothing."""
+    return os.environ.get(DRAW_ENV, "0") == "1" and overlap_wanted() and not sharded and not speculative
+
+
 def fastpath_wanted(device: torch.device, tp_size: int) -> bool:
     """On CUDA by default, at any TP degree (`tp_size` > 1: the sharded form of `fast_tensor_parallel` runs
     the reference TP forward's all-reduces); K3_DECODE_FASTPATH overrides (1: also on CPU, 0: never)."""
@@ -56,7 +70,7 @@ def fastpath_wanted(device: torch.device, tp_size: int) -> bool:
 class DecodeFastPath:
     def __init__(self, model: K3Model, manager: PrefixCacheManager, *, max_model_len: int = 32768,
                  max_batch: int = 256, graphs: bool | None = None, lookahead: bool | None = None,
-                 speculative: bool = False) -> None:
+                 speculative: bool = False, draw_in_graph: bool | None = None) -> None:
         if manager.store is None:
             raise ValueError("the decode fast path needs a manager with a page store")
         layout = manager.layout
@@ -70,29 +84,50 @@ class DecodeFastPath:
         self.builder = DecodeInputBuilder(layout, math.ceil(max_model_len / layout.tokens_per_block),
                                           scratch_kda, scratch_mla, lookahead=self.lookahead)
         self.drawn = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # the last draw, row order
+        self.draw_in_graph = draw_in_graph_wanted(self.sharded, speculative) if draw_in_graph is None \
+            else draw_in_graph
+        self._launched: torch.Tensor | None = None  # the last launch's logits (`drawn_argmax`)
         self._forward = self._step_forward()
         setting = os.environ.get(GRAPHS_ENV, "")
         use_graphs = self.device.type == "cuda" and setting != "0" \
             and graph_capturable(model, opted_in=setting == "1") if graphs is None else graphs
-        self.graphs = DecodeGraphs(self._forward, self.builder, self.device, max_batch) if use_graphs \
-            else None
+        self.graphs = self._graphs(max_batch) if use_graphs else None
         self.max_batch = max_batch
 
     def _step_forward(self) -> Callable[[DecodeInputs], torch.Tensor]:
-        """The forward a step runs (and a graph captures): with the look-ahead, its tokens resolved first."""
-        if not self.lookahead:
+        """The forward a step runs (and a graph captures): with the look-ahead, its tokens resolved first; with
+        the draw in the graph, the greedy argmax of its logits into `drawn` last (after the prologue read it)."""
+        lookahead, draw = self.lookahead, self.draw_in_graph
+        if not lookahead and not draw:
             return self.decoder.forward
         kda, base = self.builder.scratch_kda, self.builder.scratch_base
-        return lambda inp: self.decoder.forward(inp.resolve_on_device(self.drawn, kda, base))
+
+        def forward(inp: DecodeInputs) -> torch.Tensor:
+            logits = self.decoder.forward(inp.resolve_on_device(self.drawn, kda, base) if lookahead else inp)
+            if draw:
+                dispatch.greedy_argmax(logits, out=self.drawn[: logits.shape[0]])
+            return logits
+        return forward
 
     def rebuild(self) -> None:
-        """Read K3_DECODE_LOOKAHEAD again and drop the captured graphs and their staging images (made again on
-        first use, in the setting's image layout): the benches' variants change the setting within one process."""
+        """Read K3_DECODE_LOOKAHEAD and K3_DECODE_DRAW_IN_GRAPH again and drop the captured graphs and their
+        staging images (made again on first use, in the setting's image layout and forward): the benches'
+        variants change the settings within one process."""
         # the image's look-ahead parts too
         self.lookahead = self.builder.lookahead = lookahead_wanted(self.sharded, self.speculative)
+        self.draw_in_graph = draw_in_graph_wanted(self.sharded, self.speculative)
         self._forward = self._step_forward()
         if self.graphs is not None:
-            self.graphs = DecodeGraphs(self._forward, self.builder, self.device, self.max_batch)
+            self.graphs = self._graphs(self.max_batch)
+
+    def _graphs(self, max_batch: int) -> DecodeGraphs:
+        """Graphs of `_forward`, whose warm-ups leave `graph_outputs` as they were."""
+        return DecodeGraphs(self._forward, self.builder, self.device, max_batch, preserve=self.graph_outputs())
+
+    def graph_outputs(self) -> tuple[torch.Tensor, ...]:
+        """What the step's forward writes besides its logits that a later launch reads: `drawn`, with the draw
+        in the graph (a bucket first used between a draw and the look-ahead launch reading it warms up there)."""
+        return (self.drawn,) if self.draw_in_graph else ()
 
     def reload_weights(self) -> None:
         """After the model's weights were loaded in place: recompute every tensor derived from them, into the
@@ -132,8 +167,21 @@ class DecodeFastPath:
     def launch(self, image: np.ndarray, batch: int) -> torch.Tensor:
         """Run the prepared (and completed) image of `batch` rows: logits [batch, V] as `forward` returns."""
         if self.graphs is not None:
-            return self.graphs.launch(batch)  # `image` is the bucket's staging buffer
-        return self._forward(self.builder.view(torch.from_numpy(image).to(self.device), batch))
+            logits = self.graphs.launch(batch)  # `image` is the bucket's staging buffer
+        else:
+            logits = self._forward(self.builder.view(torch.from_numpy(image).to(self.device), batch))
+        self._launched = logits
+        return logits
+
+    def drawn_argmax(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The greedy argmax of `logits` [B, V] computed by the forward itself (in `drawn[:B]`, valid until the
+        next launch), or None: the draw is not in the graph, or `logits` is not the last launch's output. Off
+        CUDA a copy: a CPU tensor's host copy is the tensor itself (`HostCopy`), which the next launch would
+        overwrite before the tokens are read."""
+        if not self.draw_in_graph or logits is not self._launched:
+            return None
+        drawn = self.drawn[: logits.shape[0]]
+        return drawn if drawn.is_cuda else drawn.clone()
 
     def publish(self, tokens: torch.Tensor) -> None:
         """A draw's per-row tokens (device) into `drawn`, queued behind it: the next launch may read them."""

@@ -155,10 +155,14 @@ class DecodeOverlap:
         self.inflight = self._prepare(requests, self.draw(result.logits, drawn))
 
     def draw(self, logits, drawn: list) -> SampledTokens:
-        """The draw of a decode step's rows (`sample_rows_async`), published on the device for a look-ahead."""
-        tokens = sample_rows_async(logits, drawn)
-        if self.lookahead is not None:
-            self.engine.executor.fastpath.publish(tokens.device_rows())
+        """The draw of a decode step's rows (`sample_rows_async`), published on the device for a look-ahead. With
+        the draw in the graph (`DecodeFastPath.drawn_argmax`) the greedy rows take the forward's own argmax, and
+        a draw of greedy rows alone is already in `drawn`, where the graph wrote it: nothing to publish."""
+        fast = self.engine.executor.fastpath
+        greedy = fast.drawn_argmax(logits)
+        tokens = sample_rows_async(logits, drawn, greedy)
+        if self.lookahead is not None and (greedy is None or not tokens.all_greedy):
+            fast.publish(tokens.device_rows())
         return tokens
 
     def _prepare(self, requests: list[EngineRequest], tokens: SampledTokens,

@@ -79,6 +79,11 @@ class SampledTokens:
         self._device = device_tokens
         self._copy = None if device_tokens is None else HostCopy(device_tokens)
 
+    @property
+    def all_greedy(self) -> bool:
+        """No row is sampled: the tokens are the argmax of the logits' rows."""
+        return not self._sampled
+
     def device_rows(self) -> torch.Tensor:
         """The tokens in row order, on the device (queued, no wait), for a draw whose rows are the logits'
         rows 0..n-1 in order (a decode step's)."""
@@ -111,13 +116,20 @@ class SampledTokens:
         return np.array([drawn[i] if i in drawn else host[row] for i, (row, _, _) in enumerate(rows)], dtype=np.int64)
 
 
-def sample_rows_async(logits: torch.Tensor, rows: Sequence[tuple[int, GenerationOptions, int]]) -> SampledTokens:
+def sample_rows_async(logits: torch.Tensor, rows: Sequence[tuple[int, GenerationOptions, int]],
+                      greedy: torch.Tensor | None = None) -> SampledTokens:
     """`sample_rows` without waiting: the draw is queued on the logits' device and its tokens copied to
-    pinned host memory behind it (no sync), so the host can work on while the device computes."""
+    pinned host memory behind it (no sync), so the host can work on while the device computes. `greedy`: the
+    argmax of every logits row (`dispatch.greedy_argmax(logits)`) already on the device (the decode graph's,
+    `DecodeFastPath.drawn_argmax`), taken instead of launching it; with every row greedy and in order, the
+    tokens' device tensor is that one (read it before it is overwritten: the copy to the host is queued here)."""
     if not rows:
         return SampledTokens(None, rows, [])
     sampled = [i for i, (_, options, _) in enumerate(rows) if options.temperature != 0]
-    parts = [dispatch.greedy_argmax(logits)] if len(sampled) < len(rows) else []  # on the critical path
+    if len(sampled) == len(rows):
+        parts = []
+    else:  # on the critical path
+        parts = [dispatch.greedy_argmax(logits) if greedy is None else greedy]
     if sampled:
         at = [rows[i][0] for i in sampled]
         chosen = logits if at == list(range(len(logits))) else logits[_to_device(at, logits.device)]

@@ -54,10 +54,23 @@ def test_row_strided_rows_of_a_larger_buffer():
 
 def test_the_cpu_path_is_torch_argmax(monkeypatch):
     called = []
-    monkeypatch.setattr(ga, "argmax_triton", lambda x: called.append(x) or x.argmax(-1))
+    monkeypatch.setattr(ga, "argmax_triton", lambda x, out=None: called.append(x) or x.argmax(-1))
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
     assert torch.equal(dispatch.greedy_argmax(logits), logits.argmax(-1)) and not called
     assert torch.equal(ga.greedy_argmax(logits), logits.argmax(-1)) and len(called) == 1  # the launcher's own path
     monkeypatch.setenv(ga.ENV, "torch")  # and the switch that keeps torch's on CUDA
     assert torch.equal(dispatch.greedy_argmax(logits.to(DEVICE)), logits.to(DEVICE).argmax(-1)) and len(called) == 1
     assert torch.equal(ga.greedy_argmax(logits), logits.argmax(-1)) and len(called) == 1
+
+
+def test_out_takes_the_rows_of_a_larger_buffer_and_leaves_the_rest():
+    # The decode graph's in-graph draw writes its argmax into the first rows of the fast path's `drawn` buffer.
+    logits = torch.randn(5, ga.CHUNK + 11, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEVICE)
+    drawn = torch.full((8,), -5, dtype=torch.int64, device=DEVICE)
+    assert ga.argmax_triton(logits, out=drawn[:5]).data_ptr() == drawn.data_ptr()
+    assert torch.equal(drawn[:5], logits.argmax(-1)) and (drawn[5:] == -5).all()
+    reference = torch.full((8,), -5, dtype=torch.int64)
+    dispatch.greedy_argmax(logits.cpu(), out=reference[:5])  # the CPU path (naive.py) into the same kind of view
+    assert torch.equal(reference, drawn.cpu())
+    with pytest.raises(ValueError, match="out"):
+        ga.argmax_triton(logits, out=drawn[:4])
