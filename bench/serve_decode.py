@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from bench.serve_rank import Rank, set_environ, sync
 from k3core.model import K3Model
 from kernels.perf import harness
-from services.engine import fast_ffn
+from services.engine import decode_fastpath, fast_ffn
 
 
 def step_bytes(model: K3Model, batch: int, context: int) -> int:
@@ -112,9 +113,27 @@ def apply_variant(rank: Rank, settings: dict[str, str], base: dict[str, str | No
         rank.fast.rebuild()
 
 
+def routes_by_tokens(rank: Rank, batch: int) -> bool:
+    """Whether a row's expert bytes follow its tokens: a grouped MoE form (not the dense one) at batch > 1."""
+    fast = rank.fast
+    moe = [ffn for ffn in fast.decoder.ffn if isinstance(ffn, fast_ffn.MoeDecode)] if fast is not None else []
+    return batch > 1 and any(not ffn.dense(batch) for ffn in moe)
+
+
 def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps: int, bandwidth: float,
                      variant: str = "") -> dict:
-    """One row of the sweep (printed as it is measured): step and forward time against the roofline."""
+    """One row of the sweep (printed as it is measured): step and forward time against the roofline.
+    With the draw in the graph the device reads the greedy argmax, one token for every row on random weights,
+    not the bench's feed: where the experts read follow the tokens (`routes_by_tokens`) the row would read
+    fewer experts than the roofline counts, so such a row draws after the graph (and says so)."""
+    if rank.fast is not None and rank.fast.draw_in_graph and routes_by_tokens(rank, batch):
+        base = {decode_fastpath.DRAW_ENV: os.environ.get(decode_fastpath.DRAW_ENV)}
+        apply_variant(rank, {decode_fastpath.DRAW_ENV: "0"}, base)
+        try:
+            return decode_sweep_row(rank, model, batch, context, steps, bandwidth,
+                                    f"{variant} (draw after the graph: grouped experts)".strip())
+        finally:
+            apply_variant(rank, {}, base)
     wall, forward, replay, path = decode_row(rank, batch, context, steps, "d")
     roof = step_bytes(model, batch, context) / bandwidth
     print(f"{batch:>6} {context:>8} {1e3 * wall:>9.2f} {1e3 * forward:>8.2f} {batch / wall:>9.1f} "

@@ -10,10 +10,11 @@ device and is waited for as always, then its values are replaced (the argmax of 
 for every row, which would route the whole batch to four experts). With the decode look-ahead (on by
 default at TP 1; K3_DECODE_LOOKAHEAD=0 turns it off) a step reads its tokens on the device: there the draw's
 device rows are the same feed, uploaded before the run (`SampledTokens.device_rows`), so the device and the
-host see one token. Except with the draw in the graph (K3_DECODE_DRAW_IN_GRAPH=1): an all-greedy draw is
-published by the graph itself, so the device reads the argmax (one token for every row) while the host sees
-the feed; the rows ignore the EOS and have no stop ids, so nothing the device does depends on the values but
-the MoE routing, which the dense experts' form (batch 64 on mini: 64 x top-k >= 2 x experts) does not read.
+host see one token. Except with the draw in the graph (the default; K3_DECODE_DRAW_IN_GRAPH=0 turns it off): an
+all-greedy draw is published by the graph itself, so the device reads the argmax (one token for every row) while
+the host sees the feed; the rows ignore the EOS and have no stop ids, so nothing the device does depends on the
+values but the MoE routing, which the dense experts' form (batch 64 on mini: 64 x top-k >= 2 x experts) does not
+read (rows whose experts follow the tokens draw after the graph: `serve_decode.decode_sweep_row`).
 """
 
 from __future__ import annotations

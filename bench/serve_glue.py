@@ -123,7 +123,7 @@ def moe_layer_case(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, 
     fast = MoeDecode(moe, c, grouped_mm_available(gen.device, torch.bfloat16))
     x = torch.randn(tokens, c.hidden_size, device=gen.device, generator=gen).to(torch.bfloat16)
     residual = torch.zeros_like(x)
-    if not fast._dense(tokens):
+    if not fast.dense(tokens):
         with torch.no_grad():
             diff = float((fast(x) - moe(x)).abs().max())
         return {f"MoeDecode layer (grouped), diff {diff:.3g}": (torch.no_grad()(lambda: fast(x, residual)), None, 0)}

@@ -7,7 +7,8 @@ the decode look-ahead on (decode_lookahead.py; the default at TP 1) it also owns
 tokens on the device, which a look-ahead step's forward reads its tokens from (`DecodeInputs.resolve_on_device`,
 in the graph).
 
-With K3_DECODE_DRAW_IN_GRAPH=1 (off by default until timed; docs/serving.md item 18) the step's forward ends with
+Where the overlap draws (TP 1, no draft model) the step's forward ends by default (K3_DECODE_DRAW_IN_GRAPH=0 turns it
+off; docs/serving.md item 18: 13-14 us a step at batch 64 on the H200) with
 the greedy argmax of its logits written into `drawn` (`kernels.dispatch.greedy_argmax`): on CUDA two more nodes of
 the captured graph, eagerly the same call on the CPU. A draw of the step's rows that are all greedy then takes those
 tokens as they are (`drawn_argmax`): no argmax launches after the replay, and with the look-ahead no publish copy
@@ -37,7 +38,7 @@ ENV = "K3_DECODE_FASTPATH"  # "0": never; "1": also on CPU (eager); unset: on CU
 LOOKAHEAD_ENV = "K3_DECODE_LOOKAHEAD"  # "0": no decode step launched before the previous one's tokens are in
 OVERLAP_ENV = "K3_DECODE_OVERLAP"  # "0": every step waits for its tokens before the next is planned (decode_overlap)
 GRAPHS_ENV = "K3_DECODE_CUDA_GRAPHS"  # "0": eager fast path on CUDA too; "1": graphs at TP > 1 (NCCL) too
-DRAW_ENV = "K3_DECODE_DRAW_IN_GRAPH"  # "1": the greedy argmax into `drawn` at the forward's end (in the graph)
+DRAW_ENV = "K3_DECODE_DRAW_IN_GRAPH"  # "0": no greedy argmax into `drawn` at the forward's end (in the graph)
 
 
 def overlap_wanted() -> bool:
@@ -53,9 +54,9 @@ def lookahead_wanted(sharded: bool, speculative: bool = False) -> bool:
 
 
 def draw_in_graph_wanted(sharded: bool, speculative: bool = False) -> bool:
-    """K3_DECODE_DRAW_IN_GRAPH=1, where the decode overlap draws (`DecodeOverlap.draw`: TP 1, no draft model):
-    elsewhere nothing takes the forward's argmax and it would run for nothing."""
-    return os.environ.get(DRAW_ENV, "0") == "1" and overlap_wanted() and not sharded and not speculative
+    """On (K3_DECODE_DRAW_IN_GRAPH=0 turns it off) where the decode overlap draws (`DecodeOverlap.draw`: TP 1, no
+    draft model): elsewhere nothing takes the forward's argmax and it would run for nothing."""
+    return os.environ.get(DRAW_ENV, "1") != "0" and overlap_wanted() and not sharded and not speculative
 
 
 def fastpath_wanted(device: torch.device, tp_size: int) -> bool:

@@ -161,7 +161,7 @@ class MoeDecode:
         return dispatch.moe_route(x.to(self.router.dtype), self.router, moe.gate.e_score_correction_bias,
                                   moe.top_k, moe.renormalize, moe.scaling)
 
-    def _dense(self, tokens: int) -> bool:
+    def dense(self, tokens: int) -> bool:
         """Dense over all experts when every expert is likely touched anyway and the extra FLOPs stay under
         the weight reads (fewer, larger kernels); grouped for few tokens (few experts read) or many tokens."""
         experts = self.w13.shape[0]
@@ -177,7 +177,7 @@ class MoeDecode:
         h = F.linear(x, self.in_weight) if self.in_weight is not None else None
         z = h[:, : self.width] if moe.latent else x
         shared_gate_up = h[:, self.width if moe.latent else 0 :] if self.shared_down is not None else None
-        dense = self._dense(x.shape[0])
+        dense = self.dense(x.shape[0])
         if self.routed_wrapper is not None:
             routed = self.routed_wrapper(partial(self._routed, dense=dense), z, weights, indices)
             out = self._unfused_tail(routed.to(x.dtype), shared_gate_up)

@@ -85,12 +85,13 @@ def _assert_same(today, in_graph) -> None:
     assert counts_b == counts_a and (a.overlapped, a.ahead) == (b.overlapped, b.ahead)
 
 
-def test_the_switch_is_off_by_default_and_on_only_where_the_overlap_draws(monkeypatch):
+def test_the_switch_is_on_by_default_and_only_where_the_overlap_draws(monkeypatch):
     monkeypatch.delenv(DRAW_ENV, raising=False)
     monkeypatch.delenv(OVERLAP_ENV, raising=False)
+    assert draw_in_graph_wanted(sharded=False)
+    monkeypatch.setenv(DRAW_ENV, "0")
     assert not draw_in_graph_wanted(sharded=False)
     monkeypatch.setenv(DRAW_ENV, "1")
-    assert draw_in_graph_wanted(sharded=False)
     assert not draw_in_graph_wanted(sharded=True) and not draw_in_graph_wanted(sharded=False, speculative=True)
     monkeypatch.setenv(OVERLAP_ENV, "0")
     assert not draw_in_graph_wanted(sharded=False)

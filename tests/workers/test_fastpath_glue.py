@@ -67,7 +67,7 @@ def test_moe_variants_equal_the_reference(overrides, tokens, with_residual):
     with torch.no_grad():
         want = moe(x) + (residual if with_residual else 0)
         fast = MoeDecode(moe, model.config, grouped)
-        assert fast._dense(tokens) == (tokens == 9 or not grouped)
+        assert fast.dense(tokens) == (tokens == 9 or not grouped)
         got = fast(x, residual.clone() if with_residual else None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

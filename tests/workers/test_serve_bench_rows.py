@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from bench import serve, serve_engine
+from bench import serve, serve_decode, serve_engine
 from services.engine import heap
 
 
@@ -92,3 +92,29 @@ def test_step_clock_parts_add_up_to_the_cycle():
     assert all(path[f"{name}_us"] >= 1e6 * seconds for name, seconds in pause.items())
     assert path["cycle_us"] < 1e6 * (sum(pause.values()) + 0.05)
     assert abs(clock.critical_path(0.001)["launch_us"] - (path["launch_us"] - 1e3)) < 1e-6
+
+
+def test_rows_whose_experts_follow_the_tokens_draw_after_the_graph(tmp_path, monkeypatch):
+    """With the draw in the graph (the default) the device reads the greedy argmax, not the bench's feed: a row
+    whose grouped MoE form reads the experts its tokens route to (nano: batch 2; batch 1 reads top-k experts
+    whatever its token, batch 8 is dense over all 16) must run with the draw after the graph, labelled, and
+    the switch must come back for the next row."""
+    monkeypatch.setenv("K3_DECODE_FASTPATH", "1")  # the fast path owns the switch (on the CPU: eager)
+    monkeypatch.delenv("K3_DECODE_DRAW_IN_GRAPH", raising=False)
+    out = tmp_path / "serve.json"
+    monkeypatch.setattr(sys, "argv", ["serve", "--model", "nano", "--device", "cpu", "--batches", "1", "2", "8",
+                                      "--contexts", "64", "--steps", "2", "--prefix", "0", "--peer-batches",
+                                      "--num-pages", "300", "--out", str(out)])
+    seen = []
+    row = serve_decode.decode_row
+
+    def spied_row(rank, batch, *args):
+        seen.append((batch, rank.fast.draw_in_graph))
+        return row(rank, batch, *args)
+
+    monkeypatch.setattr(serve_decode, "decode_row", spied_row)
+    serve.main()
+    assert seen == [(1, True), (2, False), (8, True)]
+    labels = [(r["batch"], r["variant"]) for r in json.loads(out.read_text())["decode"]]
+    assert labels == [(1, ""), (2, "(draw after the graph: grouped experts)"), (8, "")]
+    assert "K3_DECODE_DRAW_IN_GRAPH" not in os.environ
