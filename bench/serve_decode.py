@@ -114,10 +114,11 @@ def apply_variant(rank: Rank, settings: dict[str, str], base: dict[str, str | No
 
 
 def routes_by_tokens(rank: Rank, batch: int) -> bool:
-    """Whether a row's expert bytes follow its tokens: a grouped MoE form (not the dense one) at batch > 1."""
+    """Whether a row's expert bytes follow its tokens: a grouped MoE form (not the dense one), or the routed
+    form (the grouped form's rows from its own kernels: an expert no token picked is not read), at batch > 1."""
     fast = rank.fast
     moe = [ffn for ffn in fast.decoder.ffn if isinstance(ffn, fast_ffn.MoeDecode)] if fast is not None else []
-    return batch > 1 and any(not ffn.dense(batch) for ffn in moe)
+    return batch > 1 and any(not ffn.dense(batch) or ffn.routed(batch) for ffn in moe)
 
 
 def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps: int, bandwidth: float,

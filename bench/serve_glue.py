@@ -3,12 +3,14 @@ against its peer: max |difference| and device time of both. The peer is the plai
 composition, except for the experts' gate|up GEMM, whose peer is the form the fast path ran before it
 (cuBLAS over the stacked [E*2F, l] weights + the Triton SiTU kernel). The experts' rows also give the rate at
 which the weights stream against the device's copy bandwidth measured in the same run (a decode GEMM's
-roofline). `down`: the experts' down projection in Triton against cuBLAS's batched GEMM; `mla`: the paged
+roofline); the routed form's gate|up (each expert over its routed rows) against torch._grouped_mm + the SiTU
+kernel on the same rows. `down`: the experts' down projection in Triton against cuBLAS's batched GEMM (the
+routed form's against torch._grouped_mm); `mla`: the paged
 MLA decode at the serve pool's pages per tiling, against the launcher's rule (bench/serve_glue_gemms.py). At
 the sweep's token counts, the router and these kernels run in a few tilings each (the launchers' defaults
 first; elsewhere the default tile in both load forms). Last, one whole latent-MoE layer of the fast path
-(`MoeDecode`) per token count, in each dense form (`K3_DENSE_EXPERTS`) with and without the router's side
-branch (`K3_DECODE_BRANCHES`), against `SparseMoE` for the difference (its per-expert loop syncs the host:
+(`MoeDecode`) per token count, in each dense form and the routed form (`K3_DENSE_EXPERTS`) with and without
+the router's side branch (`K3_DECODE_BRANCHES`), and in the grouped form, against `SparseMoE` for the difference (its per-expert loop syncs the host:
 not timed).
 `--groups skinny`: every decode projection (`fast_decoder.distinct_projections`) in the skinny GEMM's
 candidate tilings against cuBLAS as the fast path calls it, weights cycled through enough copies to come from
@@ -40,6 +42,8 @@ from bench.serve_glue_gemms import (
     DOWN_CONFIGS,
     EXPERT_CONFIGS,
     MLA_VARIANTS,
+    ROUTED_CONFIGS,
+    ROUTED_DOWN_CONFIGS,
     WEIGHT_COPIES,
     Case,
     default_tiles,
@@ -47,6 +51,7 @@ from bench.serve_glue_gemms import (
     each_call,
     expert_cases,
     mla_cases,
+    routed_expert_cases,
     weight_copies,
 )
 from bench.serve_rank import copy_bandwidth, set_environ
@@ -128,9 +133,16 @@ def moe_layer_case(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, 
             diff = float((fast(x) - moe(x)).abs().max())
         return {f"MoeDecode layer (grouped), diff {diff:.3g}": (torch.no_grad()(lambda: fast(x, residual)), None, 0)}
     found: dict[str, Case] = {}
-    # Each dense form (K3_DENSE_EXPERTS), with the router on a side branch or in the chain (K3_DECODE_BRANCHES),
-    # set while its calls are captured.
-    for form, branches in itertools.product(fast_ffn.DENSE_FORMS, ("1", "0")):
+    if fast.grouped:  # the grouped form in the dense range too (a peer of the routed form: the same rows)
+        grouped = MoeDecode(moe, c, True)
+        grouped.dense = lambda tokens: False
+        with torch.no_grad():
+            diff = float((grouped(x) - moe(x)).abs().max())
+        found[f"MoeDecode layer (grouped, branches 1), diff {diff:.3g}"] = (
+            torch.no_grad()(lambda: grouped(x, residual)), None, 0)
+    # Each dense form (K3_DENSE_EXPERTS) and the routed one, with the router on a side branch or in the chain
+    # (K3_DECODE_BRANCHES), set while its calls are captured.
+    for form, branches in itertools.product((*fast_ffn.DENSE_FORMS, fast_ffn.ROUTED_FORM), ("1", "0")):
         settings = {fast_ffn.DENSE_FORM_ENV: form, BRANCHES_ENV: branches}
 
         def call(settings=settings):
@@ -138,7 +150,8 @@ def moe_layer_case(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, 
                 return fast(x, residual)
         with harness_env(settings), torch.no_grad():
             diff = float((fast(x) - moe(x)).abs().max())
-        found[f"MoeDecode layer (dense {form}, branches {branches}), diff {diff:.3g}"] = (call, None, 0)
+        kind = form if form == fast_ffn.ROUTED_FORM else f"dense {form}"
+        found[f"MoeDecode layer ({kind}, branches {branches}), diff {diff:.3g}"] = (call, None, 0)
     return found
 
 
@@ -253,6 +266,10 @@ def main() -> None:
             timed |= expert_cases(config, tokens, gen, EXPERT_CONFIGS if sweep else default_tiles(EXPERT_CONFIGS))
         if tokens <= 128 and "down" in groups:
             timed |= down_cases(config, tokens, gen, DOWN_CONFIGS if sweep else default_tiles(DOWN_CONFIGS))
+        if tokens <= 128 and {"experts", "down"} & groups:  # the routed form's (sweep: every tiling, else default)
+            timed |= routed_expert_cases(
+                config, tokens, gen, (ROUTED_CONFIGS if sweep else ROUTED_CONFIGS[:1]) if "experts" in groups else [],
+                (ROUTED_DOWN_CONFIGS if sweep else ROUTED_DOWN_CONFIGS[:1]) if "down" in groups else [])
         if "mla" in groups and sweep:
             timed |= mla_cases(config, tokens, gen, MLA_VARIANTS)
         if "skinny" in groups and tokens <= skinny_gemm_triton.MAX_ROWS:

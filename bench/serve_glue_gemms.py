@@ -1,5 +1,5 @@
-"""bench.serve_glue's cases for the decode forward's dense-expert GEMMs (gate|up + GLU, down projection) and the
-paged MLA decode, per tiling, against what the fast path ran before them; and the helpers every case shares
+"""bench.serve_glue's cases for the decode forward's dense-expert GEMMs (gate|up + GLU, down projection), the
+routed experts' GEMMs (each expert over its routed rows only) and the paged MLA decode, per tiling, against what the fast path ran before them; and the helpers every case shares
 (weight copies cycled so each timed call reads its weight from HBM)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from k3core.config import K3Config
-from kernels.fused import expert_gemm_triton
+from kernels.fused import expert_gemm_triton, naive, routed_expert_gemm_triton
 from kernels.mla import decode_triton
 from kernels.moe import situ_glu_triton
 
@@ -22,6 +22,13 @@ EXPERT_CONFIGS = [
 DOWN_CONFIGS = [  # the experts' down projection in Triton, against cuBLAS's batched GEMM
     (64, 64, 4, 3, False), (128, 64, 4, 3, False), (128, 64, 8, 3, False), (64, 64, 4, 3, True),
     (128, 64, 4, 3, True), (128, 64, 8, 3, True), (128, 64, 8, 4, True), (256, 64, 8, 3, True)]
+# The routed form's tilings (block_n, block_t, block_k, num_warps, num_stages, TMA weights); the first is the default
+ROUTED_CONFIGS = [
+    (64, 16, 64, 4, 4, True), (64, 32, 64, 4, 4, True), (128, 16, 64, 4, 3, True), (64, 16, 128, 4, 3, True),
+    (64, 16, 64, 4, 6, True), (64, 16, 64, 4, 4, False)]
+ROUTED_DOWN_CONFIGS = [
+    (64, 16, 64, 4, 4, True), (64, 32, 64, 4, 4, True), (128, 16, 64, 4, 3, True), (64, 16, 128, 4, 3, True),
+    (64, 16, 64, 4, 4, False)]
 MLA_VARIANTS = [  # mla_decode_paged tuning at the serve pool's 1024-token pages; {} = the launcher's rule
     {}, {"num_splits": 2}, {"num_splits": 8}, {"num_splits": 16}, {"block_n": 32, "num_stages": 3},
     {"block_n": 32, "num_stages": 3, "num_splits": 8}, {"num_warps": 8}, {"tokens_major": True}]
@@ -73,6 +80,50 @@ def down_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tup
             act, w, block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], tma=t[4]), w2s),
         each_call(lambda w: torch.bmm(act, w.transpose(1, 2)), w2s), experts * latent * ffn * 2)
         for n, k, warps, stages, tma in configs}
+
+
+def routed_rows(c: K3Config, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """moe_align's (token of each sorted row, offsets) for the routing of `tokens` random tokens through a
+    random router (a spread like the bench's feed, never one token for every row)."""
+    x = torch.randn(tokens, c.hidden_size, device=gen.device, generator=gen).to(torch.bfloat16)
+    router = (torch.randn(c.num_experts, c.hidden_size, device=gen.device, generator=gen)
+              / c.hidden_size ** 0.5).to(torch.bfloat16)
+    _, indices = naive.moe_route(x, router, None, c.num_experts_per_token)
+    rows_token, offsets, _ = naive.moe_align(indices, c.num_experts)
+    return rows_token, offsets
+
+
+def routed_expert_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tuple],
+                        down_configs: list[tuple]) -> dict[str, Case]:
+    """The routed experts' gate|up + GLU and down projection per tiling, each against torch._grouped_mm over the
+    same rows (+ the SiTU kernel for the gate|up); weight bytes: every expert's (what the dense form reads)."""
+    experts, ffn, latent = c.num_experts, c.moe_intermediate_size, c.routed_expert_hidden_size
+    rows_token, offsets = routed_rows(c, tokens, gen)
+    z = torch.randn(tokens, 4 * latent, device=gen.device, generator=gen).to(torch.bfloat16)[:, :latent]
+    act = torch.randn(rows_token.shape[0], ffn, device=gen.device, generator=gen).to(torch.bfloat16)
+    w13s, beta = weight_copies((experts, 2 * ffn, latent), gen), (c.situ_beta, c.situ_linear_beta)
+    w2s = weight_copies((experts, latent, ffn), gen, 2 * WEIGHT_COPIES)
+
+    def grouped_gate_up(w13: torch.Tensor) -> torch.Tensor:
+        gate_up = torch._grouped_mm(z[rows_token], w13.transpose(1, 2), offs=offsets)
+        return situ_glu_triton.situ_glu_fused(gate_up, *beta)
+
+    found: dict[str, Case] = {}
+    for n, t, k, warps, stages, tma in configs:
+        tiling = dict(block_n=n, block_t=t, block_k=k, num_warps=warps, num_stages=stages, tma=tma)
+        label = f"n{n} t{t} k{k} w{warps} s{stages}{' tma' if tma else ''}"
+        found[f"routed_gate_up_glu {label}"] = (
+            each_call(lambda w, tiling=tiling: routed_expert_gemm_triton.routed_expert_gate_up_glu(
+                z, w, rows_token, offsets, "situ", *beta, **tiling), w13s),
+            each_call(grouped_gate_up, w13s), experts * 2 * ffn * latent * 2)
+    for n, t, k, warps, stages, tma in down_configs:
+        tiling = dict(block_n=n, block_t=t, block_k=k, num_warps=warps, num_stages=stages, tma=tma)
+        found[f"routed_down n{n} t{t} k{k} w{warps} s{stages}{' tma' if tma else ''}"] = (
+            each_call(lambda w, tiling=tiling: routed_expert_gemm_triton.routed_expert_down(
+                act, w, offsets, **tiling), w2s),
+            each_call(lambda w: torch._grouped_mm(act, w.transpose(1, 2), offs=offsets), w2s),
+            experts * latent * ffn * 2)
+    return found
 
 
 def mla_cases(c: K3Config, batch: int, gen: torch.Generator, variants: list[dict]) -> dict[str, Case]:

@@ -48,6 +48,29 @@ def moe_align(indices: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.
     return order // indices.shape[1], torch.cumsum(counts, 0, dtype=torch.int32), position.view(indices.shape)
 
 
+def expert_of_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """The expert of each of `rows` expert-sorted rows, from the inclusive row counts offsets [E] (no host sync)."""
+    return torch.searchsorted(offsets, torch.arange(rows, dtype=offsets.dtype, device=offsets.device), right=True)
+
+
+def routed_expert_gate_up_glu(z: torch.Tensor, w13: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor,
+                              activation: str = "situ", beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+    """Each routed pair's gate|up GEMM and GLU: row r (sorted by expert, `moe_align`'s tokens [R] and offsets
+    [E]) is the GLU of w13[e] @ z[tokens[r]] for its expert e -> act [R, F]."""
+    experts, two_f, width = w13.shape
+    gate_up = F.linear(z[tokens], w13.reshape(experts * two_f, width)).view(tokens.shape[0], experts, two_f)
+    rows = torch.arange(tokens.shape[0], device=z.device)
+    return glu(gate_up[rows, expert_of_rows(offsets, tokens.shape[0])], activation, beta1, beta2)
+
+
+def routed_expert_down(act: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Each routed pair's down projection: row r of act [R, F] (sorted by expert) times its expert's w2[e]^T
+    -> [R, l]."""
+    experts, width, ffn = w2.shape
+    out = F.linear(act, w2.reshape(experts * width, ffn)).view(act.shape[0], experts, width)
+    return out[torch.arange(act.shape[0], device=act.device), expert_of_rows(offsets, act.shape[0])]
+
+
 def picked_rows(index: torch.Tensor, index_stride: int, token_stride: int) -> torch.Tensor:
     """Row ids [T, K] of `rows` that `moe_combine` reads: index * index_stride + token * token_stride."""
     tokens = torch.arange(index.shape[0], device=index.device).unsqueeze(1)

@@ -11,7 +11,10 @@ Routed experts: the weights are stacked once into [E, 2F, l] and [E, l, F] (the 
 views of them). Few tokens (few experts read) or many: pairs sorted by expert and `torch._grouped_mm` over
 each expert's run of rows. Mid-size batches where every expert is read anyway: one kernel for every
 expert's gate|up GEMM with the activation in its epilogue (`dispatch.expert_gate_up_glu`), one batched
-GEMM for the down projections; the combine then reads only the picked (expert, token) rows.
+GEMM for the down projections; the combine then reads only the picked (expert, token) rows. Or, in the same
+range with `K3_DENSE_EXPERTS=routed`, each expert only with its routed tokens (`dispatch.routed_expert_*`:
+the grouped form's rows, the weights streamed once by one Triton launch each), the routing then aligned on
+the router's branch and joined before the expert GEMMs.
 """
 
 from __future__ import annotations
@@ -43,17 +46,30 @@ DENSE_FORMS: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
     "tma-down": ({"tma": True}, {"tma": True}),
 }
 DENSE_FORM_ENV, DEFAULT_DENSE_FORM = "K3_DENSE_EXPERTS", "tma-down"
+# Not a dense form: in the dense range, each expert's GEMMs over its routed tokens only (a tensor-parallel rank,
+# whose sentinel expert takes the other ranks' pairs, keeps the dense form, as "tma-down").
+ROUTED_FORM = "routed"
 # Above this many rows every form runs as "pointer": there the Triton down projection lost to cuBLAS (H200,
 # bench.serve_glue, session 7: 14.8 / 16.3 vs 15.1 / 17.1 us at 16 / 64 tokens, 20.7 vs 18.3 at 96, 21.8 vs
 # 19.8 at 128) and the TMA gate|up did not win (40.6 vs 38.6 us at 96, 37.9 vs 39.3 at 128).
 FORM_MAX_TOKENS = 64
 
 
-def dense_form(tokens: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def expert_form_name() -> str:
+    """`K3_DENSE_EXPERTS`: a name of DENSE_FORMS or ROUTED_FORM."""
     name = os.environ.get(DENSE_FORM_ENV, DEFAULT_DENSE_FORM)
-    if name not in DENSE_FORMS:
-        raise ValueError(f"{DENSE_FORM_ENV}={name!r}: expected one of {sorted(DENSE_FORMS)}")
-    return DENSE_FORMS[name if tokens <= FORM_MAX_TOKENS else "pointer"]
+    if name not in DENSE_FORMS and name != ROUTED_FORM:
+        raise ValueError(f"{DENSE_FORM_ENV}={name!r}: expected one of {sorted([*DENSE_FORMS, ROUTED_FORM])}")
+    return name
+
+
+def dense_form(tokens: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    name = expert_form_name()
+    if tokens > FORM_MAX_TOKENS:
+        name = "pointer"
+    elif name == ROUTED_FORM:  # where a routed setting meets the dense form (a tensor-parallel rank)
+        name = "tma-down"
+    return DENSE_FORMS[name]
 
 
 def glu_activation(config: K3Config, gate_up: torch.Tensor) -> torch.Tensor:
@@ -148,6 +164,13 @@ class MoeDecode:
         out = torch._grouped_mm(glu_activation(self.config, gate_up), self.w2.transpose(1, 2), offs=offsets)
         return out, position, 1, 0
 
+    def _expert_rows_routed(self, z: torch.Tensor, aligned: tuple[torch.Tensor, ...]) -> ExpertRows:
+        """The grouped form's rows (each pair once, sorted by expert) from one launch per projection."""
+        tokens, offsets, position = aligned
+        act = dispatch.routed_expert_gate_up_glu(z, self.w13, tokens, offsets, self.activation,
+                                                 self.config.situ_beta, self.config.situ_linear_beta)
+        return dispatch.routed_expert_down(act, self.w2, offsets), position, 1, 0
+
     def _routed(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dense: bool) -> torch.Tensor:
         """The routed sum [T, l] in float32 (the tensor a tensor-parallel rank all-reduces)."""
         rows, index, index_stride, token_stride = (self._expert_rows_dense if dense else self._expert_rows_grouped)(
@@ -167,13 +190,19 @@ class MoeDecode:
         experts = self.w13.shape[0]
         return not self.grouped or (tokens * self.moe.top_k >= 2 * experts and tokens <= 128)
 
+    def routed(self, tokens: int) -> bool:
+        """Whether the routed form runs at `tokens` rows (`K3_DENSE_EXPERTS=routed`, in the dense range, unsharded)."""
+        return self.routed_wrapper is None and self.dense(tokens) and expert_form_name() == ROUTED_FORM
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         moe = self.moe
         # The router (latency-bound) beside the expert GEMMs: only the combine reads its output (a tensor-parallel
         # rank's routed wrapper needs it first).
         side = fork(x) if self.routed_wrapper is None else None
+        by_route = self.routed(x.shape[0])
         with on(side):
             weights, indices = self._route(x)
+            aligned = dispatch.moe_align(indices, self.w13.shape[0]) if by_route else None
         h = F.linear(x, self.in_weight) if self.in_weight is not None else None
         z = h[:, : self.width] if moe.latent else x
         shared_gate_up = h[:, self.width if moe.latent else 0 :] if self.shared_down is not None else None
@@ -182,11 +211,14 @@ class MoeDecode:
             routed = self.routed_wrapper(partial(self._routed, dense=dense), z, weights, indices)
             out = self._unfused_tail(routed.to(x.dtype), shared_gate_up)
             return out if residual is None else residual + out
-        if not dense:  # the grouped form sorts its rows by the routing
+        if not dense or by_route:  # the grouped and routed forms sort their rows by the routing
             join(side)
             side = None
-        rows, index, index_stride, token_stride = (self._expert_rows_dense if dense else self._expert_rows_grouped)(
-            z, indices)
+        if by_route:
+            rows, index, index_stride, token_stride = self._expert_rows_routed(z, aligned)
+        else:
+            rows, index, index_stride, token_stride = (
+                self._expert_rows_dense if dense else self._expert_rows_grouped)(z, indices)
         join(side)
         norm = moe.routed_expert_norm if moe.latent else None
         tail = dispatch.moe_combine(rows, index, weights, index_stride, token_stride,

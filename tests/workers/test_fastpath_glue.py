@@ -14,6 +14,7 @@ from services.engine.fast_ffn import (
     DENSE_FORM_ENV,
     DENSE_FORMS,
     FORM_MAX_TOKENS,
+    ROUTED_FORM,
     MoeDecode,
     dense_form,
     grouped_mm_available,
@@ -122,3 +123,46 @@ def test_one_moe_layer_launches_within_budget(monkeypatch, tokens, budget):
     if tokens == 9:
         assert log.ops.count("expert_gate_up_glu") == 1 and "situ_glu_fused" not in log.ops
     assert len(log.ops) <= budget, log.ops
+
+
+@pytest.mark.parametrize(("overrides", "tokens"), [(None, 9), ({"routed_expert_hidden_size": None}, 9),
+                                                   ({"hidden_act": "silu"}, 12)])
+def test_routed_form_equals_the_reference(monkeypatch, overrides, tokens):
+    """K3_DENSE_EXPERTS=routed in the dense range: each expert over its routed rows (dispatch.routed_expert_*,
+    the CPU references), the same MoE output as SparseMoE; the form is what runs, and it launches no dense
+    expert GEMM."""
+    monkeypatch.setenv(DENSE_FORM_ENV, ROUTED_FORM)
+    model, moe = _moe(overrides)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, model.config.hidden_size, generator=gen)
+    residual = torch.randn(tokens, model.config.hidden_size, generator=gen)
+    log = LaunchLog()
+    for name in (*FUSED, "routed_expert_gate_up_glu", "routed_expert_down"):
+        monkeypatch.setattr(dispatch, name, log.opaque(name))
+    with torch.no_grad():
+        want = moe(x) + residual
+        fast = MoeDecode(moe, model.config, grouped=True)
+        assert fast.dense(tokens) and fast.routed(tokens)
+        with log:
+            got = fast(x, residual.clone())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert [op for op in log.ops if op in (*FUSED, "routed_expert_gate_up_glu", "routed_expert_down")] == [
+        "moe_route", "moe_align", "routed_expert_gate_up_glu", "routed_expert_down", "moe_combine"]
+
+
+def test_routed_form_only_in_the_dense_range_and_unsharded(monkeypatch):
+    """Outside the dense range the grouped form runs whatever the setting; a tensor-parallel rank (a routed
+    wrapper: its sentinel expert takes the other ranks' pairs) keeps the dense form, as 'tma-down'."""
+    model, moe = _moe()
+    fast = MoeDecode(moe, model.config, grouped=True)
+    monkeypatch.delenv(DENSE_FORM_ENV, raising=False)
+    assert not fast.routed(9)  # the default is the dense form
+    monkeypatch.setenv(DENSE_FORM_ENV, ROUTED_FORM)
+    assert fast.routed(9) and not fast.routed(3) and not fast.routed(200)
+    assert dense_form(9) == DENSE_FORMS["tma-down"] and dense_form(FORM_MAX_TOKENS + 1) == DENSE_FORMS["pointer"]
+    monkeypatch.setenv(DENSE_FORM_ENV, "routed-ws")
+    with pytest.raises(ValueError, match="routed"):
+        fast.routed(9)
+    monkeypatch.setenv(DENSE_FORM_ENV, ROUTED_FORM)
+    fast.routed_wrapper = lambda routed, z, weights, indices: routed(z, weights, indices)
+    assert not fast.routed(9)

@@ -118,3 +118,25 @@ def test_rows_whose_experts_follow_the_tokens_draw_after_the_graph(tmp_path, mon
     labels = [(r["batch"], r["variant"]) for r in json.loads(out.read_text())["decode"]]
     assert labels == [(1, ""), (2, "(draw after the graph: grouped experts)"), (8, "")]
     assert "K3_DECODE_DRAW_IN_GRAPH" not in os.environ
+
+
+def test_routed_expert_rows_draw_after_the_graph(tmp_path, monkeypatch):
+    """The routed form (K3_DENSE_EXPERTS=routed) reads only the experts its tokens route to, in the dense range
+    too (nano: batch 8): that row must draw after the graph as well."""
+    monkeypatch.setenv("K3_DECODE_FASTPATH", "1")
+    monkeypatch.setenv("K3_DENSE_EXPERTS", "routed")
+    monkeypatch.delenv("K3_DECODE_DRAW_IN_GRAPH", raising=False)
+    monkeypatch.setattr(sys, "argv", ["serve", "--model", "nano", "--device", "cpu", "--batches", "1", "8",
+                                      "--contexts", "64", "--steps", "2", "--prefix", "0", "--peer-batches",
+                                      "--num-pages", "300", "--out", str(tmp_path / "serve.json")])
+    seen = []
+    row = serve_decode.decode_row
+
+    def spied_row(rank, batch, *args):
+        seen.append((batch, rank.fast.draw_in_graph))
+        return row(rank, batch, *args)
+
+    monkeypatch.setattr(serve_decode, "decode_row", spied_row)
+    serve.main()
+    assert seen == [(1, True), (8, False)]
+    assert "K3_DECODE_DRAW_IN_GRAPH" not in os.environ

@@ -1,0 +1,135 @@
+"""The routed experts' GEMMs of one decode step, each expert multiplied only with the tokens routed to it (the
+routed MoE form; the dense form in expert_gemm_triton.py multiplies every expert with every token and
+`moe_combine` throws 1 - k/E of it away: 7/8 at mini's top-4 of 32).
+
+Rows are the (token, expert) pairs sorted by expert (`moe_align`: `tokens` is the token of each sorted row,
+`offsets` the inclusive row count per expert), the layout `moe_combine` reads for the grouped form.
+gate|up: act[r] = GLU(w13[e] @ z[tokens[r]]) for the rows r of expert e -> act [R, F]; down: out[r] =
+w2[e] @ act[r] -> [R, l]. Swap A/B: the weight block is the MMA's M side (BLOCK_N rows), the expert's rows the
+N side (BLOCK_T, 16 or 32): a decode expert sees ~T*k/E tokens (8 at 64 tokens), so its tensor work and its
+output stores shrink with the routing while the weight stream (what a decode GEMM is bound by) stays one
+read per weight block. Program = (BLOCK_N weight rows, one expert); it walks its expert's rows BLOCK_T at a
+time (a second pass re-reads the weight block, then from L2), and an expert no token picked reads nothing.
+Weights through TMA descriptors of the stacked 2-D views (rows past a block's expert belong to the next
+expert: the store is masked), or pointer tiles (`tma=False`); the activations rows by pointers (gathered).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import next_pow2, require, tl, triton
+from kernels.fused.expert_gemm_triton import ACTIVATIONS, _tma_ready
+from kernels.fused.naive import require_activation
+
+if triton is not None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from kernels.moe.situ_glu_triton import glu_values
+
+    @triton.jit
+    def _weight_block(w, w_desc, row, cols_ok, k0, stride_wn, ks, K, TMA: tl.constexpr, EVEN_K: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+        """[BLOCK_N, BLOCK_K] weight rows row.. at depth k0 (TMA: out-of-range zeros; pointers: masked)."""
+        if TMA:
+            return w_desc.load([row, k0])
+        ok = cols_ok[:, None]
+        if not EVEN_K:
+            ok = ok & (k0 + ks < K)[None, :]
+        rows = row + tl.arange(0, BLOCK_N)
+        return tl.load(w + rows.to(tl.int64)[:, None] * stride_wn + (k0 + ks)[None, :], mask=ok, other=0.0)
+
+    @triton.jit
+    def _routed_gemm_kernel(x, rows_of, offsets, w, w_desc, out, N, K, stride_x, stride_wn, stride_o,
+                            w_rows_per_expert, beta1, beta2, ACT: tl.constexpr, GATHER: tl.constexpr,
+                            TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        """x rows [*, K] (GATHER: row r reads x[rows_of[r]], else x[r]); w [E*w_rows_per_expert, K]; with a GLU
+        (ACT > 0) the up rows sit N rows after the gate rows. out [R, N]: row r of expert e = its GEMM."""
+        n0 = tl.program_id(0) * BLOCK_N
+        expert = tl.program_id(1)
+        start = tl.load(offsets + expert - 1, mask=expert > 0, other=0)
+        end = tl.load(offsets + expert)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        cols_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        w_row = expert * w_rows_per_expert + n0
+        for t0 in range(start, end, BLOCK_T):
+            rows = t0 + tl.arange(0, BLOCK_T)
+            rows_ok = rows < end
+            src = rows
+            if GATHER:
+                src = tl.load(rows_of + rows, mask=rows_ok, other=0)
+            x_at = x + src.to(tl.int64)[:, None] * stride_x + ks[None, :]
+            acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+            up = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                x_ok = rows_ok[:, None]
+                if not EVEN_K:
+                    x_ok = x_ok & (k0 + ks < K)[None, :]
+                xt = tl.trans(tl.load(x_at + k0, mask=x_ok, other=0.0))  # [BLOCK_K, BLOCK_T]
+                gate = _weight_block(w, w_desc, w_row, cols_ok, k0, stride_wn, ks, K, TMA, EVEN_K, BLOCK_N)
+                acc = tl.dot(gate, xt, acc, input_precision="ieee")
+                if ACT != 0:
+                    up_w = _weight_block(w, w_desc, w_row + N, cols_ok, k0, stride_wn, ks, K, TMA, EVEN_K, BLOCK_N)
+                    up = tl.dot(up_w, xt, up, input_precision="ieee")
+            if ACT != 0:
+                acc = glu_values(acc, up, beta1, beta2, ACT == 1)
+            target = out + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
+            tl.store(target, tl.trans(acc).to(out.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+def _launch(x: torch.Tensor, rows_of: torch.Tensor, gather: bool, offsets: torch.Tensor, w: torch.Tensor,
+            out: torch.Tensor, act: int, width: int, beta1: float, beta2: float, block_n: int, block_t: int,
+            block_k: int, num_warps: int, num_stages: int, tma: bool) -> torch.Tensor:
+    """x [*, K] rows, w [E, rows, K] -> out [R, width] (R = rows_of's length: every routed pair)."""
+    experts, depth = w.shape[0], x.shape[1]
+    require(offsets.dim() == 1 and offsets.shape[0] == experts and offsets.dtype == torch.int32,
+            f"offsets must be int32 [E={experts}] (moe_align's), got {offsets.dtype} {tuple(offsets.shape)}")
+    if out.shape[0] == 0:
+        return out
+    block_k = min(block_k, max(16, next_pow2(depth)))
+    w2d = w.view(experts * w.shape[1], depth) if w.is_contiguous() else None
+    if tma:
+        require(w2d is not None and _tma_ready(w2d), "tma=True needs contiguous, 16-byte aligned weight rows")
+        w_desc = TensorDescriptor.from_tensor(w2d, [block_n, block_k])
+    else:
+        require(w.stride(0) == w.shape[1] * w.stride(1), "the pointer form needs the experts' rows evenly strided")
+        w_desc = None
+    _routed_gemm_kernel[(triton.cdiv(width, block_n), experts)](
+        x, rows_of, offsets, w, w_desc, out, width, depth, x.stride(0), w.stride(1), out.stride(0), w.shape[1],
+        float(beta1), float(beta2), ACT=act, GATHER=gather, TMA=tma, EVEN_K=depth % block_k == 0, BLOCK_T=block_t,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def routed_expert_gate_up_glu(z: torch.Tensor, w13: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor,
+                              activation: str = "situ", beta1: float = 4.0, beta2: float = 25.0, block_n: int = 64,
+                              block_t: int = 16, block_k: int = 64, num_warps: int = 4, num_stages: int = 4,
+                              tma: bool = True) -> torch.Tensor:
+    """Same contract as kernels.fused.naive.routed_expert_gate_up_glu: z [T, l] (row-strided allowed), w13
+    [E, 2F, l], tokens [R] (token of each expert-sorted row), offsets [E] int32 -> act [R, F] in z's dtype."""
+    require_activation(activation)
+    require(z.dim() == 2 and w13.dim() == 3 and w13.shape[2] == z.shape[1] and w13.shape[1] % 2 == 0,
+            f"z must be [T, l] and w13 [E, 2F, l], got {tuple(z.shape)} and {tuple(w13.shape)}")
+    require(z.dtype == w13.dtype, f"z and w13 must share a dtype, got {z.dtype} and {w13.dtype}")
+    require(z.stride(1) == 1 and w13.stride(2) == 1, "z and w13 need a unit stride along l")
+    require(tokens.dim() == 1, f"tokens must be [R], got {tuple(tokens.shape)}")
+    width = w13.shape[1] // 2
+    out = torch.empty(tokens.shape[0], width, dtype=z.dtype, device=z.device)
+    return _launch(z, tokens, True, offsets, w13, out, ACTIVATIONS[activation], width, beta1, beta2, block_n,
+                   block_t, block_k, num_warps, num_stages, tma)
+
+
+def routed_expert_down(act: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor, block_n: int = 64,
+                       block_t: int = 16, block_k: int = 64, num_warps: int = 4, num_stages: int = 4,
+                       tma: bool = True) -> torch.Tensor:
+    """Same contract as kernels.fused.naive.routed_expert_down: act [R, F] (rows sorted by expert), w2
+    [E, l, F], offsets [E] int32 -> [R, l] in act's dtype (float32 accumulators)."""
+    require(act.dim() == 2 and w2.dim() == 3 and act.shape[1] == w2.shape[2],
+            f"act must be [R, F] and w2 [E, l, F], got {tuple(act.shape)} and {tuple(w2.shape)}")
+    require(act.dtype == w2.dtype, f"act and w2 must share a dtype, got {act.dtype} and {w2.dtype}")
+    require(act.stride(1) == 1 and w2.stride(2) == 1, "act and w2 need a unit stride along F")
+    out = torch.empty(act.shape[0], w2.shape[1], dtype=act.dtype, device=act.device)
+    return _launch(act, offsets, False, offsets, w2, out, ACTIVATIONS["none"], w2.shape[1], 1.0, 1.0, block_n,
+                   block_t, block_k, num_warps, num_stages, tma)
