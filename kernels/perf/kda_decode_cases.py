@@ -6,6 +6,7 @@ strided launch over all heads against the per-head launches the fast path ran be
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -67,33 +68,45 @@ def _fla_decode(params, x, pool, conv_dense, slots):
 class DecodeVariant:
     """One build of the decode-step kernel (decode_step_triton.py): block_v value columns per program (128:
     the whole state; fewer: D // block_v programs per head, the last to arrive normalises), warps, the cache
-    hints on the state's load (evict_first) and store (.cs), and the grid order (heads first: (H, B))."""
+    hints on the state's load (evict_first) and store (.cs), the grid order (heads first: (H, B)), the
+    state's loads pinned ahead of every other read (a barrier after them), and column tiles per program."""
 
     warps: int = 4
     block_v: int = 128
     evict_first: bool = True
     stream_store: bool = True
-    heads_first: bool = False
+    heads_first: bool = True
+    pin_state_load: bool = False
+    tiles: int = 1
 
     @property
     def label(self) -> str:
-        flags = (("evict_first", self.evict_first), (".cs", self.stream_store), ("heads first", self.heads_first))
+        flags = (("evict_first", self.evict_first), (".cs", self.stream_store), ("heads first", self.heads_first),
+                 ("pinned", self.pin_state_load), (f"tiles={self.tiles}", self.tiles > 1))
         hints = ",".join(h for h, on in flags if on)
         return f"ours(block_v={self.block_v},w={self.warps}{',' + hints if hints else ''})"
 
     def launch(self, x, params, pool, conv, slots) -> torch.Tensor:
         return decode_step_triton.kda_decode_split(*x, *params, pool, conv, slots, -5.0, None, 1e-6, 1e-6,
                                                    self.block_v, self.warps, self.evict_first, self.stream_store,
-                                                   self.heads_first)
+                                                   self.heads_first, self.pin_state_load, self.tiles)
 
 
 # Measured and dropped from the sweep (docs/kernels.md history 14; B=64 / 256, % copy): value splits 64 / 32 / 16
 # (4 and 8 warps)
 # 41-72 / 39-71, 8 warps 43 / 42, persistent programs (2 per SM, next slot prefetched) 81 / 78, with
-# Triton-staged states (2-3 stages in shared memory) 34-54 / 35-56.
-DECODE_VARIANTS = (DecodeVariant(), DecodeVariant(evict_first=False, stream_store=False),
-                   DecodeVariant(stream_store=False), DecodeVariant(evict_first=False), DecodeVariant(heads_first=True),
-                   DecodeVariant(heads_first=True, evict_first=False, stream_store=False))
+# Triton-staged states (2-3 stages in shared memory) 34-54 / 35-56; the two hints apart (history 14 (d)).
+# Each row's control is the launcher's default (`launcher_step`), timed in the same process.
+DECODE_VARIANTS = (
+    DecodeVariant(pin_state_load=True), DecodeVariant(pin_state_load=True, evict_first=False, stream_store=False),
+    DecodeVariant(pin_state_load=True, tiles=2), DecodeVariant(pin_state_load=True, tiles=4),
+    DecodeVariant(pin_state_load=True, heads_first=False), DecodeVariant(pin_state_load=True, block_v=64),
+)
+
+
+def launcher_step(x, params, pool, conv, slots) -> torch.Tensor:
+    """The step as the serving path launches it (decode_triton.kda_decode_step's defaults)."""
+    return decode_triton.kda_decode_step(*x, *params, pool, conv, slots)
 
 
 def _full_state_step(x, params, pool, conv, slots):
@@ -113,8 +126,22 @@ def _step_errors(step, x, params, pool, conv, slots, check_n: int) -> dict:
             "conv_max_abs": max_err(c[sel], ref_pools[1][sel])}
 
 
-def decode_rows(batches: tuple[int, ...] = (1, 64, 256),
-                variants: tuple[DecodeVariant, ...] = DECODE_VARIANTS) -> list[Row]:
+def _timed_row(kernel: str, shape: str, label: str, nbytes: float, errors: Callable[[], dict],
+               call: Callable[[], object]) -> Row:
+    """One row: the check (`errors`, a dict into extra), then the time of `call`; a build or run failure
+    becomes the row's note (NaN time) instead of hiding the other rows."""
+    try:
+        err = errors()
+        ms, how = time_ms(call)
+    except Exception as e:  # noqa: BLE001 - a variant that does not build must not hide the others
+        ms, how, err = float("nan"), repr(e)[:200], {}
+    return Row(kernel, shape, label, ms, nbytes, note=how, extra=err)
+
+
+def decode_rows(batches: tuple[int, ...] = (1, 64, 256), variants: tuple[DecodeVariant, ...] = DECODE_VARIANTS,
+                peers: bool = True, pool_batches: tuple[int, ...] = (16, 64, 256)) -> list[Row]:
+    """The step at H=32 per batch: the launcher's default, then each variant; with `peers` also v1 and the
+    fla-core composition. Then the same on the serving pool's view (`pool_view_rows`)."""
     rows: list[Row] = []
     params = _params("cuda")
     for B in batches:
@@ -123,21 +150,16 @@ def decode_rows(batches: tuple[int, ...] = (1, 64, 256),
         pool, conv = _pools(2 * B, "cuda")
         check_n = min(B, 16)  # the reference loops over sequences in Python; 16 of them suffice
         shape = f"B={B},H={H},K=V={D}"
-        full = partial(_full_state_step, x, params)
-        err = _step_errors(partial(full, slots=slots), x, params, pool, conv, slots, check_n)
-        ms, how = time_ms(partial(full, pool, conv, slots))
-        rows.append(Row("kda_decode_step", shape, "ours v1 (full state per program, w=4)", ms, decode_bytes(B),
-                        note=how, extra=err))
-        for variant in variants:
-            try:
-                err = _step_errors(partial(variant.launch, x, params, slots=slots), x, params, pool, conv, slots,
-                                   check_n)
-                ms, how = time_ms(partial(variant.launch, x, params, pool, conv, slots))
-            except Exception as e:  # noqa: BLE001 - a variant that does not build must not hide the others
-                ms, how, err = float("nan"), repr(e)[:200], {}
-            label = variant.label
-            rows.append(Row("kda_decode_step", shape, label, ms, decode_bytes(B),
-                            note=how, extra=err))
+        steps = {"ours: launcher default": launcher_step, **{v.label: v.launch for v in variants}}
+        if peers:
+            steps = {"ours v1 (full state per program, w=4)": _full_state_step, **steps}
+        for label, step in steps.items():
+            errors = partial(_step_errors, partial(step, x, params, slots=slots), x, params, pool, conv, slots,
+                             check_n)
+            rows.append(_timed_row("kda_decode_step", shape, label, decode_bytes(B), errors,
+                                   partial(step, x, params, pool, conv, slots)))
+        if not peers:
+            continue
         try:
             conv_dense = [torch.randn(B, H * D, W, device="cuda", dtype=BF16) for _ in range(3)]
             ms, how = time_ms(partial(_fla_decode, params, x, pool, conv_dense, slots))
@@ -145,7 +167,7 @@ def decode_rows(batches: tuple[int, ...] = (1, 64, 256),
         except Exception as e:  # noqa: BLE001 - report, do not abort the whole benchmark
             rows.append(Row("kda_decode_step", shape, "fla-core composition", float("nan"), note=repr(e)[:200]))
     try:
-        rows += pool_view_rows()
+        rows += pool_view_rows(pool_batches, variants=variants)
     except Exception as e:  # noqa: BLE001 - the rows above stay
         rows.append(Row("kda_decode_pool_view", "mini pool view", "ours: one strided launch, all heads",
                         float("nan"), note=repr(e)[:200]))
@@ -253,13 +275,14 @@ def per_head_step(case: PoolViewCase, state: torch.Tensor, conv: torch.Tensor) -
     return torch.cat(outs, dim=1)
 
 
-def pool_view_errors(case: PoolViewCase, check_n: int) -> dict:
-    """One strided launch against (a) the reference on dense copies of the first `check_n` addressed states
+def pool_view_errors(case: PoolViewCase, check_n: int,
+                     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict:
+    """One strided launch (`step(state, conv)`, default `strided_step`) against (a) the reference on dense copies of the first `check_n` addressed states
     and (b) the per-head launches on a copy of the buffer; `outside_unchanged`: no byte of the buffer that
     the addressed slots' views do not cover was written. The case's buffer is left as it was."""
     before = case.data.clone()
     state, conv = case.views()
-    y = strided_step(case, state, conv)
+    y = strided_step(case, state, conv) if step is None else step(state, conv)
     ref_state, ref_conv = (t[case.slots[:check_n].long()].clone() for t in case.views(before))
     y_ref = naive.kda_decode_step(*(t[:check_n] for t in case.x), *case.params, ref_state, ref_conv,
                                   torch.arange(check_n, device=y.device))
@@ -282,8 +305,10 @@ def pool_view_errors(case: PoolViewCase, check_n: int) -> dict:
     return result
 
 
-def pool_view_rows(batches: tuple[int, ...] = (64, 256), model: str = "mini") -> list[Row]:
-    """Decode step on the serving pool's pages: one strided launch vs per-head launches, same buffer."""
+def pool_view_rows(batches: tuple[int, ...] = (16, 64, 256), model: str = "mini",
+                   variants: tuple[DecodeVariant, ...] = DECODE_VARIANTS) -> list[Row]:
+    """Decode step on the serving pool's pages: one strided launch (the launcher's default, then each
+    variant) vs per-head launches, same buffer."""
     rows: list[Row] = []
     for B in batches:
         case = pool_view_case(model, B, "cuda")
@@ -291,13 +316,11 @@ def pool_view_rows(batches: tuple[int, ...] = (64, 256), model: str = "mini") ->
         shape = f"B={B},H={heads},K=V={dim},{model} pool view"
         nbytes = decode_bytes(B, heads, dim)
         state, conv = case.views()
-        try:
-            err = pool_view_errors(case, min(B, 16))
-            ms, how = time_ms(partial(strided_step, case, state, conv))
-        except Exception as e:  # noqa: BLE001 - the per-head row is still worth having
-            ms, how, err = float("nan"), repr(e)[:200], {}
-        rows.append(Row("kda_decode_pool_view", shape, "ours: one strided launch, all heads", ms, nbytes,
-                        note=how, extra=err))
+        steps = {"ours: one strided launch, all heads": partial(strided_step, case),
+                 **{v.label: partial(v.launch, case.x, case.params, slots=case.slots) for v in variants}}
+        for label, step in steps.items():
+            rows.append(_timed_row("kda_decode_pool_view", shape, label, nbytes,
+                                   partial(pool_view_errors, case, min(B, 16), step), partial(step, state, conv)))
         ms, how = time_ms(partial(per_head_step, case, state, conv))
         rows.append(Row("kda_decode_pool_view", shape, f"baseline: {heads} per-head launches + concat", ms, nbytes,
                         note=how))
