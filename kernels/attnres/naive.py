@@ -4,23 +4,34 @@ from __future__ import annotations
 
 import torch
 
+from k3core.ops._common import acc_dtype
 from k3core.ops.attnres import OnlineSoftmax, attnres_inter_from_logits, attnres_logits, attnres_merge
 from k3core.ops.attnres import attnres_inter as _inter
 from k3core.ops.norm import rms_norm
 
 
 def attnres_merge_norm(
-    stat_max: torch.Tensor, stat_denom: torch.Tensor, stat_acc: torch.Tensor, query: torch.Tensor,
-    partial: torch.Tensor | None, out_norm_weight: torch.Tensor, key_norm_weight: torch.Tensor | None = None,
-    key_eps: float = 1e-6, out_eps: float = 1e-6, out_dtype: torch.dtype | None = None,
-    num_warps: int = 4, store_h: bool = True,
+    stat_max: torch.Tensor | None, stat_denom: torch.Tensor | None, stat_acc: torch.Tensor | None,
+    query: torch.Tensor, partial: torch.Tensor | None, out_norm_weight: torch.Tensor,
+    key_norm_weight: torch.Tensor | None = None, key_eps: float = 1e-6, out_eps: float = 1e-6,
+    out_dtype: torch.dtype | None = None, num_warps: int | None = None, store_h: bool = True,
+    newest: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Reference of kernels.attnres.merge_norm_triton.attnres_merge_norm (num_warps ignored)."""
     del num_warps
-    stats = OnlineSoftmax(stat_max.float(), stat_denom.float(), stat_acc)
+    if stat_acc is None:  # nothing folded yet: the newest block is the first source
+        dtype = acc_dtype(newest, query)
+        stats = OnlineSoftmax(torch.full(newest.shape[:-1], float("-inf"), dtype=dtype, device=newest.device),
+                              newest.new_zeros(newest.shape[:-1], dtype=dtype), newest.new_zeros(newest.shape, dtype=dtype))
+    else:
+        stats = OnlineSoftmax(stat_max.float(), stat_denom.float(), stat_acc)
+    if newest is not None:
+        logits = attnres_logits(query[None], newest[None], None if key_norm_weight is None else key_norm_weight[None],
+                                key_eps)[0, 0]
+        stats = stats.add(logits.to(stats.acc.dtype), newest.to(stats.acc.dtype))
     h = attnres_merge(stats, query, partial, key_norm_weight, key_eps)
-    if partial is None and out_dtype is not None:
-        h = h.to(out_dtype)
+    if partial is None:
+        h = h.to(out_dtype or (stat_acc if stat_acc is not None else newest).dtype)
     return (h if store_h else None), rms_norm(h, out_norm_weight, out_eps)
 
 

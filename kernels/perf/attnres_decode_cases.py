@@ -16,6 +16,7 @@ phase 1 as `attnres_cases.phase1_bytes(..., copy=True)`.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -39,10 +40,14 @@ class Form:
     name: str
     fused_copy: bool = False  # the completed block copied into the block buffer by its logits kernel
     store_h: bool = True  # the merges write h as well as RMSNorm(h)
+    branched: bool = False  # the merges fold in the newest block; phase 1 a block early, on a side branch
 
 
 BASELINE = Form("baseline: session-7 form")  # copy launch, logits, apply; merges store h
-FORMS = (BASELINE, Form("fused copy", True), Form("fused copy, no h", True, False))
+SERVED_S8 = Form("fused copy (served in session 8)", True)
+FORMS = (BASELINE, SERVED_S8, Form("fused copy, no h", True, False),
+         Form("branched: newest block in the merges, phase 1 on a side branch", True, True, True),
+         Form("branched, no h", True, False, True))
 # Programmatic dependent launch of the merges and of the apply (session 8) measured slower: removed.
 MERGE_FORMS = (("baseline: h stored", {}), ("no h", {"store_h": False}))
 
@@ -66,12 +71,18 @@ def merge_inputs(M: int, dim: int, device: str = "cuda") -> tuple:
 
 
 def merge_rows(shapes: tuple[tuple[int, int], ...] = MERGE_SHAPES) -> list[Row]:
-    """Each merge form back to back, and at decode after the stand-in sublayer (marginal time)."""
+    """Each merge form back to back, and at decode after the stand-in sublayer (marginal time); at decode
+    also with the newest block folded in (the branched form: its bytes count the block read, and its normed
+    row is another sum than the others')."""
     rows: list[Row] = []
     for M, dim in shapes:
         stats, source, out_w, key_w = merge_inputs(M, dim)
         shape, nbytes = f"M={M},D={dim}", merge_bytes(M, dim, True)
         want = merge_norm_triton.attnres_merge_norm(*stats, source, out_w, key_w)[1]
+        forms = MERGE_FORMS
+        if M <= 64:
+            newest = source.flip(0).contiguous()
+            forms += tuple((f"{impl}, newest block folded in", {**kw, "newest": newest}) for impl, kw in MERGE_FORMS)
         for impl, kw in MERGE_FORMS:
             ms, how = time_ms(partial(merge_norm_triton.attnres_merge_norm, *stats, source, out_w, key_w, **kw))
             rows.append(Row("attnres_merge_forms", shape, f"{impl}, back to back", ms, nbytes, note=how))
@@ -82,12 +93,13 @@ def merge_rows(shapes: tuple[tuple[int, int], ...] = MERGE_SHAPES) -> list[Row]:
         alone, how = time_ms(standin)
         rows.append(Row("attnres_standin", shape, "torch.mul writing the partial sum", alone, 2 * M * dim * 2,
                         note=how))
-        for impl, kw in MERGE_FORMS:
+        for impl, kw in forms:
             run = partial(merge_norm_triton.attnres_merge_norm, *stats, written, out_w, key_w, **kw)
             standin()
             equal = torch.equal(run()[1], want)
             pair, how = time_ms(lambda run=run, standin=standin: (standin(), run()))
-            rows.append(Row("attnres_merge_after_sublayer", shape, impl, pair - alone, nbytes, note=how,
+            moved = nbytes + (M * dim * 2 if "newest" in kw else 0)
+            rows.append(Row("attnres_merge_after_sublayer", shape, impl, pair - alone, moved, note=how,
                             extra={"pair_ms": pair, "standin_ms": alone, "normed_equal": equal}))
     return rows
 
@@ -120,6 +132,14 @@ class ServedForward:
         self.stacked = torch.zeros(self.n_blocks, batch, dim, device=device, dtype=BF16)
         self.sums = torch.zeros(self.n_blocks, batch, dim, device=device, dtype=BF16)  # each block's partial sum
         self.bytes = forward_bytes(name, batch)
+        self.side = torch.cuda.Stream(device) if device == "cuda" else None
+
+    def _fork(self) -> torch.cuda.Stream | None:
+        """services/engine/fast_decoder's AttnRes branch: a side stream while a graph is captured."""
+        if self.side is None or not torch.cuda.is_current_stream_capturing():
+            return None
+        self.side.wait_stream(torch.cuda.current_stream())
+        return self.side
 
     def _sublayer(self, normed: torch.Tensor, block: int, first: bool) -> torch.Tensor:
         return torch.mul(normed, 1, out=self.sums[block]) if first else self.sums[block].add_(normed)
@@ -132,6 +152,8 @@ class ServedForward:
                 self._sublayer(normed, i // self.size, i % self.size == 0 and j == 0)
 
     def run(self, form: Form) -> torch.Tensor:
+        if form.branched:
+            return self.run_branched(form)
         done, partial_sum, inter = 0, None, None
 
         def complete(block: torch.Tensor) -> None:
@@ -170,6 +192,46 @@ class ServedForward:
                                                     self.key_w[-1], out_dtype=BF16, store_h=form.store_h)[1]
 
 
+    def run_branched(self, form: Form) -> torch.Tensor:
+        """fast_decoder._attn_res_branched's order: at each layer block k, block k's logits (and copy) and the
+        phase 1 of layer block k + 1 over blocks 0 .. k on the side branch, the merges folding in block k."""
+
+        def ahead(k: int, block: torch.Tensor) -> object:
+            first = min(2 * (k + 1) * self.size, self.n_sites - 1)
+            block_logits_triton.attnres_block_logits(
+                self.q[first:], block, self.key_w[first:], out=self.cache[first:, k], parts=self.parts[:, first:],
+                copy_to=self.stacked[k])
+            here = slice(first, 2 * min((k + 2) * self.size, self.layers) if first < self.n_sites - 1
+                         else self.n_sites)
+            stats = inter_triton.attnres_inter(self.q[here], self.stacked[: k + 1], self.key_w[here],
+                                               logits=self.cache[here, : k + 1])
+            stats.acc = stats.acc.contiguous()
+            return stats
+
+        newest, partial_sum, inter, side, pending = self.embed, None, None, None, None
+        for i in range(self.layers):
+            if i % self.size == 0:
+                inter, side = pending, self._fork()
+                with torch.cuda.stream(side) if side is not None else nullcontext():
+                    pending = ahead(i // self.size, newest)
+            for j in range(2):
+                site = 2 * i + j
+                row = inter.row(2 * (i % self.size) + j) if inter is not None else None
+                _, normed = merge_norm_triton.attnres_merge_norm(
+                    *((row.max, row.denom, row.acc) if row is not None else (None, None, None)), self.q[site],
+                    partial_sum, self.out_w[site], self.key_w[site], out_dtype=BF16, store_h=form.store_h,
+                    newest=newest)
+                partial_sum = self._sublayer(normed, i // self.size, partial_sum is None)
+            if (i + 1) % self.size == 0 or i == self.layers - 1:
+                if side is not None:
+                    torch.cuda.current_stream().wait_stream(side)
+                side, newest, partial_sum = None, partial_sum, None
+        stats = pending.row(0)
+        return merge_norm_triton.attnres_merge_norm(stats.max, stats.denom, stats.acc, self.q[-1], None,
+                                                    self.out_w[-1], self.key_w[-1], out_dtype=BF16,
+                                                    store_h=form.store_h, newest=newest)[1]
+
+
 def forward_rows(names: tuple[str, ...] = ("k3", "mini"), batch: int = 64, forms: tuple[Form, ...] = FORMS) -> list[Row]:
     """A whole decode forward's AttnRes per form, minus the stand-in sublayers timed alone."""
     rows: list[Row] = []
@@ -180,10 +242,12 @@ def forward_rows(names: tuple[str, ...] = ("k3", "mini"), batch: int = 64, forms
         rows.append(Row("attnres_standin", shape, "the stand-in sublayers alone", alone, note=how))
         want = served.run(BASELINE)
         for form in forms:
-            equal = torch.equal(served.run(form), want)
+            got = served.run(form)
+            equal, err = torch.equal(got, want), (got.float() - want.float()).abs().max().item()
             total, how = time_ms(partial(served.run, form), inner=2, reps=10)
             rows.append(Row("attnres_decode_forward", shape, form.name, total - alone, served.bytes, note=how,
-                            extra={"total_ms": total, "standins_ms": alone, "normed_equal": equal}))
+                            extra={"total_ms": total, "standins_ms": alone, "normed_equal": equal,
+                                   "max_abs_vs_baseline": err}))
     return rows
 
 

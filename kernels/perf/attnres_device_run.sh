@@ -18,6 +18,12 @@ for f in ${TESTS:-block_logits inter merge_norm}; do
   ( timeout -k 3 "${T_WARM:-35}" python3 -m pytest -p no:cacheprovider -q -m gpu "tests/kernels/test_attnres_$f.py" \
     > "$OUT/test_$f.log" 2>&1; stamp "test $f" $? ) &
 done
+# EXTRA_TESTS: more GPU tests (pytest ids) run beside the warm-ups, not gating the bench (e.g. the decode engine's
+# captured graphs, whose forward runs the AttnRes side branch).
+for t in ${EXTRA_TESTS:-}; do
+  ( timeout -k 3 "${T_WARM:-35}" python3 -m pytest -p no:cacheprovider -q -m gpu "$t" > "$OUT/extra_$(basename "${t%%.py*}").log" 2>&1
+    stamp "extra $t" $? ) &
+done
 UNTIMED='import sys, kernels.perf.attnres_cases as c
 c.time_ms = lambda fn, *a, **k: (fn(), (0.0, "untimed"))[1]
 tokens, forwards = (tuple(x for x in arg.split(",") if x) for arg in sys.argv[1:3])
@@ -43,4 +49,4 @@ if ! grep -LZ " passed" "$OUT"/test_*.log | grep -q . && ! grep -qE "failed|erro
     --merge-from /nonexistent --out "$OUT/attnres.json" > "$OUT/bench.log" 2>&1
   stamp bench $?
 fi
-cat "$OUT/env.txt"; tail -n 3 "$OUT"/test_*.log "$OUT"/warm_*.log; grep -v "^ \|^\[\|^{\|^}\|^\]" "$OUT/bench.log" | head -90
+cat "$OUT/env.txt"; tail -n 3 "$OUT"/test_*.log "$OUT"/warm_*.log "$OUT"/extra_*.log 2>/dev/null; grep -v "^ \|^\[\|^{\|^}\|^\]" "$OUT/bench.log" | head -90

@@ -4,11 +4,15 @@ Same wiring as `K3Model.forward` (embedding, Block AttnRes or a plain residual, 
 attention through `fast_attention`, feed-forward through `fast_ffn`, AttnRes phase 1 per block through
 `dispatch.attnres_inter`, and each AttnRes site's phase 2 fused with the sublayer's input RMSNorm
 (`dispatch.attnres_merge_norm`); the final site is the same pair of kernels, merged with the final norm.
+At decode sizes (`BRANCH_ROWS`) each merge also folds in the newest completed block, so a block's phase 1
+covers only the blocks before it and runs on a side branch beside the previous block's sublayers.
 Inputs are a `DecodeInputs` whose shapes depend on the batch size only, so one forward can be captured in a
 CUDA graph.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -20,8 +24,24 @@ from kernels import dispatch
 from kernels.attnres.query_parts import query_parts
 from services.engine.decode_inputs import DecodeInputs
 from services.engine.derived_weights import DerivedWeights
-from services.engine.fast_attention import KdaDecode, MlaDecode, Projection, rms
+from services.engine.fast_attention import BRANCHES_ENV, KdaDecode, MlaDecode, Projection, join, on, rms
 from services.engine.fast_ffn import MlpDecode, MoeDecode, grouped_mm_available
+
+BRANCH_ROWS = 1024  # fewer rows: AttnRes phase 1 on a side branch, the newest block folded in by the merges
+ATTN_RES_BRANCH_ENV = "K3_ATTNRES_BRANCH"  # "0": phase 1 over every completed block on the main chain
+_ATTN_RES_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _fork(x: torch.Tensor) -> torch.cuda.Stream | None:
+    """`fast_attention.fork` on a stream of AttnRes's own: its branch spans a whole layer block, across the
+    sublayers' own short branches (on the shared stream it would be joined by the first of them)."""
+    if not x.is_cuda or os.environ.get(BRANCHES_ENV, "1") == "0" or not torch.cuda.is_current_stream_capturing():
+        return None
+    side = _ATTN_RES_STREAMS.get(x.device)
+    if side is None:
+        side = _ATTN_RES_STREAMS[x.device] = torch.cuda.Stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    return side
 
 
 class FastDecoder:
@@ -107,6 +127,8 @@ class FastDecoder:
 
     def _attn_res(self, h: torch.Tensor, inp: DecodeInputs) -> torch.Tensor:
         """Block AttnRes over the layers -> the final site's output after the final RMSNorm (normed [B, D])."""
+        if h.shape[0] < BRANCH_ROWS and os.environ.get(ATTN_RES_BRANCH_ENV, "1") != "0":
+            return self._attn_res_branched(h, inp)
         config, layers = self.config, self.model.model.layers
         size, eps = config.attn_res_block_size, config.rms_norm_eps
         n_sites = len(self.site_queries)
@@ -152,6 +174,55 @@ class FastDecoder:
         _, normed = dispatch.attnres_merge_norm(stats.max, stats.denom, stats.acc, final.query, None, norm.weight,
                                                 key_norm_weight=final.norm.weight, key_eps=eps, out_eps=norm.eps,
                                                 out_dtype=h.dtype, **self.merge_launch)
+        return normed
+
+
+    def _attn_res_branched(self, h: torch.Tensor, inp: DecodeInputs) -> torch.Tensor:
+        """`_attn_res` with each site's merge folding in the newest completed block (`newest=`): the phase 1 of
+        layer block k covers blocks 0 .. k-1 only, so it (and block k-1's logits, with its copy into the block
+        buffer) can run as soon as block k-1 completes, on a side branch beside layer block k-1's sublayers;
+        the main chain waits for it at layer block k's first merge. Layer block 0 has no phase 1."""
+        config, layers = self.config, self.model.model.layers
+        size, eps, n_layers = config.attn_res_block_size, config.rms_norm_eps, len(layers)
+        n_sites, n_blocks = len(self.site_queries), -(-n_layers // size)
+        logits = h.new_empty(n_sites, n_blocks, h.shape[0], dtype=torch.float32)  # block k's for sites past its
+        stacked = h.new_empty(n_blocks, *h.shape)  # layer block's; the last block is only ever the newest
+
+        def ahead(k: int, block: torch.Tensor):  # block k's logits, then the phase 1 of the sites after it
+            first = min(2 * (k + 1) * size, n_sites - 1)  # layer block k + 1's first site, or the final one
+            dispatch.attnres_block_logits(self.site_queries[first:], block, self.site_key_norms[first:], eps,
+                                          out=logits[first:, k], parts=self.site_query_parts[:, first:],
+                                          copy_to=stacked[k], **self.logits_launch)
+            here = slice(first, 2 * min((k + 2) * size, n_layers) if first < n_sites - 1 else n_sites)
+            inter = dispatch.attnres_inter(self.site_queries[here], stacked[: k + 1], self.site_key_norms[here],
+                                           eps, logits=logits[here, : k + 1], **self.inter_launch)
+            inter.acc = inter.acc.contiguous()  # the merge kernel reads each site's rows densely
+            return inter
+
+        newest, partial, inter, side, pending = h, None, None, None, None
+        for i, layer in enumerate(layers):
+            if i % size == 0:
+                join(side)
+                inter, side = pending, _fork(newest)  # the branch reads `newest` until the next join
+                with on(side):
+                    pending = ahead(i // size, newest)
+            sublayers = ((layer.attn_res["attn"], layer.input_layernorm, (inp,)),
+                         (layer.attn_res["mlp"], layer.post_attention_layernorm, ()))
+            for j, (site, norm, args) in enumerate(sublayers):
+                row = inter.row(2 * (i % size) + j) if inter is not None else None
+                _, normed = dispatch.attnres_merge_norm(
+                    *((row.max, row.denom, row.acc) if row is not None else (None, None, None)), site.query,
+                    partial, norm.weight, key_norm_weight=site.norm.weight, key_eps=eps, out_eps=norm.eps,
+                    out_dtype=h.dtype, newest=newest, **self.merge_launch)
+                partial = self._sublayer(j, i, normed, partial, *args)
+            if (i + 1) % size == 0 or i == n_layers - 1:
+                join(side)  # the branch's reads of the old newest block end before it can be freed
+                side, newest, partial = None, partial, None
+        final, norm = self.model.model.attn_res_final, self.model.model.norm
+        stats = pending.row(0)
+        _, normed = dispatch.attnres_merge_norm(stats.max, stats.denom, stats.acc, final.query, None, norm.weight,
+                                                key_norm_weight=final.norm.weight, key_eps=eps, out_eps=norm.eps,
+                                                out_dtype=h.dtype, newest=newest, **self.merge_launch)
         return normed
 
 

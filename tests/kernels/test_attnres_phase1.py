@@ -38,7 +38,8 @@ def test_decode_bench_counts_a_forwards_merges():
 
 def test_decode_bench_forms_compute_the_same_forward(interpreted):
     """Every form of the decode bench's served forward (the block copy fused into its logits kernel, merges
-    without h) gives the baseline's final normed output bit for bit, on nano's layout."""
+    without h) gives the baseline's final normed output bit for bit, on nano's layout; the branched forms (the
+    newest block folded in by the merges: other float32 sums) to within bf16 rounding."""
     import torch
 
     from kernels.perf.attnres_decode_cases import BASELINE, FORMS, ServedForward
@@ -48,4 +49,8 @@ def test_decode_bench_forms_compute_the_same_forward(interpreted):
     assert want.isfinite().all() and want.abs().sum() > 0
     for form in FORMS[1:]:
         served.stacked.fill_(float("nan"))  # the fused copy must refill every completed block's slot
-        assert torch.equal(served.run(form), want), form.name
+        if form.branched:
+            torch.testing.assert_close(served.run(form), want, rtol=2e-2, atol=2e-2, msg=form.name)
+        else:
+            assert torch.equal(served.run(form), want), form.name
+    assert any(form.branched for form in FORMS)
