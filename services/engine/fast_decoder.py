@@ -75,6 +75,7 @@ class FastDecoder:
         # chunk length made new prompt lengths compile new variants (services/engine/fast_prefill.py).
         self.logits_launch: dict = {}
         self.inter_launch: dict = {}
+        self.branch_rows = BRANCH_ROWS  # `_attn_res_branched` below this many rows (the prefill fast path: never)
         self.merge_launch: dict = {}  # of every site's merge + norm (the prefill fast path: no h)
         if config.uses_attn_res:
             layers = model.model.layers
@@ -127,7 +128,7 @@ class FastDecoder:
 
     def _attn_res(self, h: torch.Tensor, inp: DecodeInputs) -> torch.Tensor:
         """Block AttnRes over the layers -> the final site's output after the final RMSNorm (normed [B, D])."""
-        if h.shape[0] < BRANCH_ROWS and os.environ.get(ATTN_RES_BRANCH_ENV, "1") != "0":
+        if h.shape[0] < self.branch_rows and os.environ.get(ATTN_RES_BRANCH_ENV, "1") != "0":
             return self._attn_res_branched(h, inp)
         config, layers = self.config, self.model.model.layers
         size, eps = config.attn_res_block_size, config.rms_norm_eps

@@ -70,6 +70,7 @@ class FastPrefill:
         self.decoder.logits_launch = dict(LOGITS_LAUNCH)
         self.decoder.inter_launch = dict(INTER_LAUNCH)
         self.decoder.merge_launch = dict(MERGE_LAUNCH)
+        self.decoder.branch_rows = 0  # phase 1 on the main chain at every chunk length: the warmed variants
 
     @staticmethod
     def applies(decoder: FastDecoder) -> bool:
