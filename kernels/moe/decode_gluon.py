@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import next_pow2, require
-from kernels.fused.split_scratch import split_scratch
 from kernels.moe.mxfp4_stream_gluon import COLS, SLOTS, gluon
 from kernels.moe.tiles import Tile
 
@@ -32,7 +31,6 @@ if gluon is not None:
         mma_layout,
         slots,
         small_layout,
-        step_of,
         weight_operand,
         words_ring,
     )
@@ -50,8 +48,8 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["T"])
     def gate_up_kernel(x, ids, wgu, mgu, h, T, K, F, beta1, beta2, L: gl.constexpr, TP: gl.constexpr,
                        BK: gl.constexpr, HP: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
-                       STAGES: gl.constexpr, SKEW: gl.constexpr = False):
-        """Grid (T k, F / ROWS): as _gate_up_kernel (x bf16 [T, l], h [HP, T k, F] bf16 parts); SKEW: `step_of`."""
+                       STAGES: gl.constexpr):
+        """Grid (T k, F / ROWS): as _gate_up_kernel (x bf16 [T, l], h [HP, T k, F] bf16 parts)."""
         WORDS: gl.constexpr = L // 8
         STEPS: gl.constexpr = L // 128
         e, leader, first, _match, _index = expert_tokens(ids, gl.program_id(0), T, K, TP, BK, WARPS)
@@ -66,13 +64,11 @@ if gluon is not None:
             act_s = act_ring(STAGES)
             gate_s, gate_f = words_ring(STAGES, ROWS), fields_ring(STAGES, ROWS)
             up_s, up_f = words_ring(STAGES, ROWS), fields_ring(STAGES, ROWS)
-            rot = (gl.program_id(0) + gl.program_id(1)) % STEPS
             for s in gl.static_range(STAGES - 1):
                 if s < STEPS:
-                    st = step_of(s, rot, STEPS, SKEW)
-                    copy_act(act_s, s, x_rows, x_used, st * 128, WARPS)
-                    copy_tile(gate_s, gate_f, s, words, fields, st)
-                    copy_tile(up_s, up_f, s, up_words, up_fields, st)
+                    copy_act(act_s, s, x_rows, x_used, s * 128, WARPS)
+                    copy_tile(gate_s, gate_f, s, words, fields, s)
+                    copy_tile(up_s, up_f, s, up_words, up_fields, s)
                 async_copy.commit_group()  # empty past the last step: wait_group counts groups
             g = gl.zeros([16, ROWS], gl.float32, mma_layout(WARPS))
             u = gl.zeros([16, ROWS], gl.float32, mma_layout(WARPS))
@@ -81,10 +77,9 @@ if gluon is not None:
                 gl.thread_barrier()  # everyone's have, and everyone is done reading the stage refilled next
                 nxt = i + STAGES - 1
                 if nxt < STEPS:
-                    st = step_of(nxt, rot, STEPS, SKEW)
-                    copy_act(act_s, nxt % STAGES, x_rows, x_used, st * 128, WARPS)
-                    copy_tile(gate_s, gate_f, nxt % STAGES, words, fields, st)
-                    copy_tile(up_s, up_f, nxt % STAGES, up_words, up_fields, st)
+                    copy_act(act_s, nxt % STAGES, x_rows, x_used, nxt * 128, WARPS)
+                    copy_tile(gate_s, gate_f, nxt % STAGES, words, fields, nxt)
+                    copy_tile(up_s, up_f, nxt % STAGES, up_words, up_fields, nxt)
                 async_copy.commit_group()
                 buf = i % STAGES
                 xt = act_operand(act_s, buf, WARPS)
@@ -100,43 +95,11 @@ if gluon is not None:
                          mask=ok[:, None] & (rows < F)[None, :])
                 rest = rest - part.to(gl.float32)
 
-    @gluon.jit
-    def sum_if_last(partial, out, counters, first, T, K, L, ROWS: gl.constexpr, SPLITS: gl.constexpr,
-                    BK: gl.constexpr, TP: gl.constexpr, WARPS: gl.constexpr):
-        """latent_moe_decode_triton._sum_pairs_kernel for this program's row block (columns of u), done by the
-        last of the block's T k SPLITS programs to count in, which leaves the counter zeroed for the next
-        launch. A pair whose token names its expert in an earlier slot too has no row from its expert's leader
-        (`first`: expert_tokens'): its own program writes zeros there, so the sum takes every slot, in a fixed
-        order (split, slot) whatever finished first; 4 tokens a round, so their loads overlap."""
-        pair = gl.program_id(0)
-        block = gl.program_id(1)
-        layout: gl.constexpr = gl.BlockedLayout([BK, 1], [1, 32], [1, WARPS], [0, 1])  # a column a thread
-        cols = block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, layout))
-        tok = gl.arange(0, TP, layout=gl.SliceLayout(1, small_layout(WARPS)))
-        if gl.max(gl.where(tok == pair // K, first, -1), 0) < pair:
-            gl.store(partial + (gl.program_id(2) * T * K + pair) * L + cols, gl.zeros([ROWS], gl.float32,
-                                                                                     gl.SliceLayout(0, layout)))
-        gl.thread_barrier()  # every thread's partial stores precede the (single-thread) release
-        last = gl.atomic_add(counters + block, 1, sem="acq_rel", scope="gpu") == T * K * SPLITS - 1
-        if last:
-            slot = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
-            for t0 in range(0, T, 4):
-                for i in gl.static_range(4):
-                    t = t0 + i
-                    total = gl.zeros([ROWS], gl.float32, gl.SliceLayout(0, layout))
-                    for split in gl.static_range(SPLITS):
-                        rows = gl.load(partial + (split * T * K + t * K + slot[:, None]) * L + cols[None, :],
-                                       mask=(slot < K)[:, None] & (t < T), other=0.0, cache_modifier=".cg")
-                        total += gl.sum(rows, 0)
-                    gl.store(out + t * L + cols, total.to(out.dtype.element_ty), mask=(cols < L) & (t < T))
-            gl.atomic_xchg(counters + block, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-
     @gluon.jit(do_not_specialize=["T"])
-    def down_kernel(h, ids, weights, wd, md, partial, out, counters, T, K, L, F: gl.constexpr, TP: gl.constexpr,
+    def down_kernel(h, ids, weights, wd, md, partial, T, K, L, F: gl.constexpr, TP: gl.constexpr,
                     BK: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, SPLITS: gl.constexpr,
-                    STAGES: gl.constexpr, SKEW: gl.constexpr = False, SUM: gl.constexpr = False):
-        """Grid (T k, l / ROWS, SPLITS): as _down_kernel with h in one bf16 part [1, T k, F]; SKEW: `step_of`;
-        SUM: the last program of a row block (by `counters`, left zeroed) sums its rows into out [T, l]."""
+                    STAGES: gl.constexpr):
+        """Grid (T k, l / ROWS, SPLITS): as _down_kernel with h in one bf16 part [1, T k, F]."""
         WORDS: gl.constexpr = F // 8
         STEPS: gl.constexpr = F // 128 // SPLITS
         e, leader, first, match, index = expert_tokens(ids, gl.program_id(0), T, K, TP, BK, WARPS)
@@ -154,12 +117,10 @@ if gluon is not None:
             h_rows, h_used = act_rows(h, slot_pair, used, 1, F, WARPS)
             act_s = act_ring(STAGES)
             w_s, f_s = words_ring(STAGES, ROWS), fields_ring(STAGES, ROWS)
-            rot = (gl.program_id(0) + gl.program_id(1)) % STEPS
             for s in gl.static_range(STAGES - 1):
                 if s < STEPS:
-                    st = step0 + step_of(s, rot, STEPS, SKEW)
-                    copy_act(act_s, s, h_rows, h_used, st * 128, WARPS)
-                    copy_tile(w_s, f_s, s, words, fields, st)
+                    copy_act(act_s, s, h_rows, h_used, (step0 + s) * 128, WARPS)
+                    copy_tile(w_s, f_s, s, words, fields, step0 + s)
                 async_copy.commit_group()
             acc = gl.zeros([16, ROWS], gl.float32, mma_layout(WARPS))
             for i in range(STEPS):
@@ -167,9 +128,8 @@ if gluon is not None:
                 gl.thread_barrier()
                 nxt = i + STAGES - 1
                 if nxt < STEPS:
-                    st = step0 + step_of(nxt, rot, STEPS, SKEW)
-                    copy_act(act_s, nxt % STAGES, h_rows, h_used, st * 128, WARPS)
-                    copy_tile(w_s, f_s, nxt % STAGES, words, fields, st)
+                    copy_act(act_s, nxt % STAGES, h_rows, h_used, (step0 + nxt) * 128, WARPS)
+                    copy_tile(w_s, f_s, nxt % STAGES, words, fields, step0 + nxt)
                 async_copy.commit_group()
                 acc = mma_v2(act_operand(act_s, i % STAGES, WARPS), weight_operand(w_s, f_s, i % STAGES, WARPS), acc)
             pair = gl.convert_layout(slot_pair, gl.SliceLayout(1, mma_layout(WARPS)))
@@ -178,8 +138,6 @@ if gluon is not None:
             rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma_layout(WARPS)))
             gl.store(partial + (split * T * K + pair[:, None]) * L + rows[None, :],
                      acc * UNSHIFT * scale[:, None], mask=ok[:, None] & (rows < L)[None, :])
-        if SUM:
-            sum_if_last(partial, out, counters, first, T, K, L, ROWS, SPLITS, BK, TP, WARPS)
 
 
 def fits(tokens: int, dtype: torch.dtype, rows: int, depth: int, tile: Tile) -> bool:
@@ -209,30 +167,25 @@ def serves_down(x: torch.Tensor, F: int, h_parts: int, tile: Tile) -> bool:
 
 
 def gate_up(x: torch.Tensor, ids: torch.Tensor, words: torch.Tensor, mults: torch.Tensor, h: torch.Tensor,
-            beta1: float, beta2: float, tile: Tile, stages: int, skew: bool = False) -> None:
+            beta1: float, beta2: float, tile: Tile, stages: int) -> None:
     """h [parts, T k, F] <- the SiTU-GLU of the routed experts' gate and up rows for x [T, l]
-    (`serves_gate_up` must hold; words / mults: PreparedExperts.gate_up_*; skew: each program starts its
-    reduction at its own step)."""
+    (`serves_gate_up` must hold; words / mults: PreparedExperts.gate_up_*)."""
     T, L = x.shape
     K = ids.shape[1]
     F = words.shape[1] // 2
     require(stages >= 2, f"the Gluon pipelines need >= 2 stages, got {stages}")
     gate_up_kernel[(T * K, F // tile.rows)](x, ids, words, mults, h, T, K, F, beta1, beta2, L=L, TP=SLOTS,
                                             BK=next_pow2(K), HP=h.shape[0], ROWS=tile.rows, WARPS=tile.warps,
-                                            STAGES=stages, SKEW=skew, num_warps=tile.warps)
+                                            STAGES=stages, num_warps=tile.warps)
 
 
 def down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, words: torch.Tensor, mults: torch.Tensor,
-         partial: torch.Tensor, tile: Tile, stages: int, skew: bool = False, out: torch.Tensor | None = None) -> None:
+         partial: torch.Tensor, tile: Tile, stages: int) -> None:
     """partial [splits, T k, l] <- router-weighted down rows of h [1, T k, F] (`serves_down` must hold;
-    words / mults: PreparedExperts.down_*; skew: as `gate_up`); with `out` [T, l] also each token's sum of its
-    rows into out (the last program of each row block sums it: no third launch)."""
+    words / mults: PreparedExperts.down_*)."""
     T, K = ids.shape
     L, F = words.shape[1], h.shape[2]
     require(stages >= 2, f"the Gluon pipelines need >= 2 stages, got {stages}")
-    counters = split_scratch(0, L // tile.rows, h.device)[1] if out is not None else partial
-    down_kernel[(T * K, L // tile.rows, tile.splits)](h, ids, weights, words, mults, partial,
-                                                      partial if out is None else out, counters, T, K, L, F=F,
+    down_kernel[(T * K, L // tile.rows, tile.splits)](h, ids, weights, words, mults, partial, T, K, L, F=F,
                                                       TP=SLOTS, BK=next_pow2(K), ROWS=tile.rows, WARPS=tile.warps,
-                                                      SPLITS=tile.splits, STAGES=stages, SKEW=skew,
-                                                      SUM=out is not None, num_warps=tile.warps)
+                                                      SPLITS=tile.splits, STAGES=stages, num_warps=tile.warps)

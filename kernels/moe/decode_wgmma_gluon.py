@@ -52,7 +52,6 @@ if gluon is not None:
         fields_ring,
         slots,
         small_layout,
-        step_of,
         words_ring,
     )
 
@@ -105,7 +104,7 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["T"])
     def gate_up_kernel(x, ids, wgu, mgu, h, T, K, F, beta1, beta2, L: gl.constexpr, TP: gl.constexpr,
-                             BK: gl.constexpr, HP: gl.constexpr, STAGES: gl.constexpr, SKEW: gl.constexpr = False):
+                             BK: gl.constexpr, HP: gl.constexpr, STAGES: gl.constexpr):
         """Grid (T k, F / 64), 4 warps: as decode_gluon.gate_up_kernel (h in x's precision: HP bf16 parts)."""
         WORDS: gl.constexpr = L // 8
         STEPS: gl.constexpr = L // 128
@@ -122,13 +121,11 @@ if gluon is not None:
             gate_s, gate_f = words_ring(STAGES, _ROWS), fields_ring(STAGES, _ROWS)
             up_s, up_f = words_ring(STAGES, _ROWS), fields_ring(STAGES, _ROWS)
             b_s = gl.allocate_shared_memory(gl.bfloat16, [_SLOTS, 128], _B_SHARED)
-            rot = (gl.program_id(0) + gl.program_id(1)) % STEPS
             for s in gl.static_range(STAGES - 1):
                 if s < STEPS:
-                    st = step_of(s, rot, STEPS, SKEW)
-                    copy_act(act_s, s, x_rows, x_used, st * 128, 4)
-                    copy_tile(gate_s, gate_f, s, words, fields, st)
-                    copy_tile(up_s, up_f, s, up_words, up_fields, st)
+                    copy_act(act_s, s, x_rows, x_used, s * 128, 4)
+                    copy_tile(gate_s, gate_f, s, words, fields, s)
+                    copy_tile(up_s, up_f, s, up_words, up_fields, s)
                 async_copy.commit_group()
             g = gl.zeros([_ROWS, _SLOTS], gl.float32, _MMA)
             u = gl.zeros([_ROWS, _SLOTS], gl.float32, _MMA)
@@ -137,10 +134,9 @@ if gluon is not None:
                 gl.thread_barrier()  # step i landed everywhere; the previous step's MMAs and reads are done
                 nxt = i + STAGES - 1
                 if nxt < STEPS:
-                    st = step_of(nxt, rot, STEPS, SKEW)
-                    copy_act(act_s, nxt % STAGES, x_rows, x_used, st * 128, 4)
-                    copy_tile(gate_s, gate_f, nxt % STAGES, words, fields, st)
-                    copy_tile(up_s, up_f, nxt % STAGES, up_words, up_fields, st)
+                    copy_act(act_s, nxt % STAGES, x_rows, x_used, nxt * 128, 4)
+                    copy_tile(gate_s, gate_f, nxt % STAGES, words, fields, nxt)
+                    copy_tile(up_s, up_f, nxt % STAGES, up_words, up_fields, nxt)
                 async_copy.commit_group()
                 buf = i % STAGES
                 _stage_b(act_s, buf, b_s)
@@ -223,15 +219,15 @@ def serves_down_tile(tile: Tile) -> bool:
 
 
 def gate_up(x: torch.Tensor, ids: torch.Tensor, words: torch.Tensor, mults: torch.Tensor, h: torch.Tensor,
-            beta1: float, beta2: float, stages: int, skew: bool = False) -> None:
+            beta1: float, beta2: float, stages: int) -> None:
     """decode_gluon.gate_up on 64-row warpgroup programs (`decode_gluon.serves_gate_up` with GATE_UP_TILE must
-    hold; skew: as there)."""
+    hold)."""
     T, L = x.shape
     K = ids.shape[1]
     F = words.shape[1] // 2
     require(stages >= 2, f"the Gluon pipelines need >= 2 stages, got {stages}")
     gate_up_kernel[(T * K, F // ROWS)](x, ids, words, mults, h, T, K, F, beta1, beta2, L=L, TP=SLOTS, BK=next_pow2(K),
-                                       HP=h.shape[0], STAGES=stages, SKEW=skew, num_warps=WARPS)
+                                       HP=h.shape[0], STAGES=stages, num_warps=WARPS)
 
 
 def down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, words: torch.Tensor, mults: torch.Tensor,

@@ -202,7 +202,6 @@ def latent_moe_decode_prepared(
     beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None, down_tile: Tile | None = None,
     token_block: int = 16, h_parts: int | None = None, gluon_stages: int | None = None,
     gluon_down_stages: int | None = None, gluon_wgmma: bool | None = None, gluon_down_wgmma: bool = False,
-    gluon_skew: bool = False, gluon_fused_sum: bool = False,
 ) -> torch.Tensor:
     """latent_moe_decode on `prepare_experts`' layout. Tuning: `gate_up_tile` and `down_tile`
     (kernels.moe.tiles.Tile; default: `default_tiles` by T k and the SM count), `token_block` tokens of one
@@ -216,8 +215,6 @@ def latent_moe_decode_prepared(
     (kernels.moe.decode_wgmma_gluon, its own 64-row 4-warp tile) where `gluon_wgmma` (default: from as many
     (token, expert) pairs as SMs); down on warpgroup MMAs (`decode_wgmma_gluon.DOWN_TILE` unless `down_tile`
     is given) where `gluon_down_wgmma` (off: no gain at T = 16 in session 8's final run, history 35).
-    `gluon_skew`: the Gluon programs start their reductions at different steps; `gluon_fused_sum`: the
-    mma.sync Gluon down step also sums each token's rows into u (no third launch).
     """
     T, L = x.shape
     gu_words, gu_mults, d_words, d_mults = experts
@@ -259,11 +256,9 @@ def latent_moe_decode_prepared(
               "USE_ASM": x.is_cuda}
     h = torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device)
     if gluon_gate_up and wgmma:
-        decode_wgmma_gluon.gate_up(x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, beta1, beta2, stages,
-                                   gluon_skew)
+        decode_wgmma_gluon.gate_up(x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, beta1, beta2, stages)
     elif gluon_gate_up:
-        decode_gluon.gate_up(x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, beta1, beta2, gu_tile, stages,
-                             gluon_skew)
+        decode_gluon.gate_up(x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, beta1, beta2, gu_tile, stages)
     else:
         _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
             x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, T, K, F, beta1, beta2, L=L,
@@ -271,23 +266,19 @@ def latent_moe_decode_prepared(
             **gu_tile.launch_options(),
         )
     partial = torch.empty(d_tile.splits, T * K, L, dtype=torch.float32, device=x.device)
-    out = torch.empty(T, L, dtype=x.dtype, device=x.device)
-    if gluon_down and not down_wgmma and gluon_fused_sum:
-        decode_gluon.down(h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial,
-                          d_tile, down_stages, gluon_skew, out)
-        return out
     if gluon_down and down_wgmma:
         decode_wgmma_gluon.down(h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial,
                                 d_tile, down_stages)
     elif gluon_down:
         decode_gluon.down(h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial,
-                          d_tile, down_stages, gluon_skew)
+                          d_tile, down_stages)
     else:
         _down_kernel[(T * K, triton.cdiv(L, d_tile.rows), d_tile.splits)](
             h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial, T, K, L,
             F=F, BR=d_tile.rows, G=d_groups, SPLITS=d_tile.splits, STAGES=d_tile.stages, **common,
             **d_tile.launch_options(),
         )
+    out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     _sum_pairs_kernel[(T, triton.cdiv(L, 128))](partial, ids, out, T * K, K, L, SPLITS=d_tile.splits,
                                                   BK=next_pow2(K), BL=128)
     return out

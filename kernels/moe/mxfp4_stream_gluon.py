@@ -121,14 +121,6 @@ if gluon is not None:
         fields = ((rf // _BLOCK_ROWS) * (_BLOCK_ROWS * WORDS // 4) + (rf % _BLOCK_ROWS) * 4)[:, None] + cf[None, :]
         return words, fields
 
-    @gluon.jit
-    def step_of(n, rot, STEPS: gl.constexpr, SKEW: gl.constexpr):
-        """The reduction step a program reads n-th: n, or with SKEW n + rot (mod STEPS), so that programs with
-        different `rot` read different column ranges at the same time."""
-        if SKEW:
-            return (n + rot) % STEPS
-        return n
-
     STEP_WORDS = gl.constexpr(BLOCK_ROWS * BLOCK_WORDS)
     STEP_FIELDS = gl.constexpr(BLOCK_ROWS * BLOCK_WORDS // 4)
 

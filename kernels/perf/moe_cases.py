@@ -35,8 +35,6 @@ class Variant(NamedTuple):
     gluon_down_stages: int | None = None  # the same for the down step
     gluon_wgmma: bool | None = None  # gate/up on warpgroup MMAs (None: the launcher's choice by T k)
     gluon_down_wgmma: bool = False  # down on warpgroup MMAs
-    gluon_skew: bool = False  # each Gluon program starts its reduction at its own step
-    gluon_fused_sum: bool = False  # the Gluon down step sums the tokens' rows (no third launch)
 
     def label(self) -> str:
         gate_up, down = (t.label() if t else "default" for t in (self.gate_up, self.down))
@@ -44,15 +42,13 @@ class Variant(NamedTuple):
                               for s in (self.gluon_stages, self.gluon_down_stages))
         wgmma = {None: "", True: ",wgmma", False: ",mma"}[self.gluon_wgmma]
         down_wgmma = ",wgmma" if self.gluon_down_wgmma else ""
-        extra = (",skew" if self.gluon_skew else "") + (",fused sum" if self.gluon_fused_sum else "")
-        return f"ours(gu={gate_up}{gu_form}{wgmma},down={down}{down_form}{down_wgmma}{extra})"
+        return f"ours(gu={gate_up}{gu_form}{wgmma},down={down}{down_form}{down_wgmma})"
 
     def tuning(self) -> dict:
         """The launcher's keyword arguments for this variant."""
         return {"gate_up_tile": self.gate_up, "down_tile": self.down, "gluon_stages": self.gluon_stages,
                 "gluon_down_stages": self.gluon_down_stages, "gluon_wgmma": self.gluon_wgmma,
-                "gluon_down_wgmma": self.gluon_down_wgmma, "gluon_skew": self.gluon_skew,
-                "gluon_fused_sum": self.gluon_fused_sum}
+                "gluon_down_wgmma": self.gluon_down_wgmma}
 
     def runs_at(self, T: int) -> bool:
         return not self.batches or T in self.batches

@@ -47,11 +47,10 @@ def test_calls_outside_the_kernels_keep_the_triton_ones(change):
 E, K, L, F = 12, 4, 512, 512  # the GPU cases' experts: 4 steps of 128 columns a program
 
 
-def _call_matches_oracle_and_triton(tokens: int, seed: int, tiles: dict, repeat: bool = False, **gluon) -> None:
+def _call_matches_oracle_and_triton(tokens: int, seed: int, tiles: dict, **gluon) -> None:
     """The whole call at `tiles` with the `gluon` forms and stages against the float32 oracle (the bench's 1e-2
     bar) and against the Triton kernels at the same tiles (bf16 h may differ by a rounding); tokens share
-    experts (token 1 names token 0's first expert; at 16 tokens some expert serves several); with `repeat`
-    token 0 names one expert in two slots."""
+    experts (token 1 names token 0's first expert; at 16 tokens some expert serves several)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     packs = _experts(gen, E, L, F, "cuda")
     experts = latent_moe_decode_triton.prepare_experts(*packs)
@@ -59,8 +58,6 @@ def _call_matches_oracle_and_triton(tokens: int, seed: int, tiles: dict, repeat:
     ids = torch.stack([torch.randperm(E, generator=gen, device="cuda")[:K] for _ in range(tokens)]).int()
     if tokens > 1 and not (ids[1] == ids[0, 0]).any():
         ids[1, 2] = ids[0, 0]
-    if repeat:
-        ids[0, 3] = ids[0, 1]
     w = torch.rand(tokens, K, generator=gen, device="cuda")
     got = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, **tiles, **gluon)
     triton_form = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, **tiles, gluon_stages=0,
@@ -131,16 +128,3 @@ def test_warpgroup_kernels_match_the_oracle_on_gpu(tokens, stages, down_wgmma, d
     assert decode_gluon.serves_down(x, F, 1, down_tile) and (not down_wgmma or decode_wgmma_gluon.serves_down_tile(down_tile))
     _call_matches_oracle_and_triton(tokens, 100 + tokens, {"down_tile": down}, gluon_stages=stages,
                                     gluon_down_stages=stages, gluon_wgmma=True, gluon_down_wgmma=down_wgmma)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("tokens", "wgmma", "down"), [(1, False, None), (6, True, Tile(128, 128, 4, 3, splits=2))])
-def test_skewed_fused_sum_kernels_match_the_oracle_on_gpu(tokens, wgmma, down):
-    """Each program's reduction started at its own step (`gluon_skew`) and the tokens' sum done by the down
-    step's last program per row block (`gluon_fused_sum`), with a token naming one expert twice (its second
-    slot's row written as zeros), 1 and 6 tokens (two rounds of the sum's 4 tokens), mma.sync and warpgroup
-    gate/up, a down split in two: see `_call_matches_oracle_and_triton`."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    _call_matches_oracle_and_triton(tokens, 200 + tokens, {"down_tile": down}, repeat=True, gluon_wgmma=wgmma,
-                                    gluon_skew=True, gluon_fused_sum=True)
