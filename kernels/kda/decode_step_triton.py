@@ -54,29 +54,12 @@ if triton is not None:
         tl.store(ptrs + 2 * conv_tap, x0.to(hist.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _v_conv(v, hv, taps, conv_ch, conv_tap, r, h, offs_t, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr):
-        """Swish(ShortConv) of the value channels offs_t; their new conv window is stored at once (this
-        program owns these channels and has read the history it replaces)."""
-        v3, v2, v1, v0 = _stream_inputs(v, hv, conv_ch, conv_tap, r, h, offs_t, H, D, W)
-        vw0, vw1, vw2, vw3 = _taps(taps + 2 * H * D * W, offs_t, W)
-        _store_window(hv, conv_ch, conv_tap, v2, v1, v0, offs_t, D)
-        return _conv_silu(v3, v2, v1, v0, vw0, vw1, vw2, vw3)
+    def _output_gate(gate_row, norm_w, offs):
+        """The output gate's row and the norm weight (float32) of the channels offs."""
+        return tl.load(gate_row + offs).to(tl.float32), tl.load(norm_w + offs).to(tl.float32)
 
     @triton.jit
-    def _delta_rule_tile(S, s_ptrs, decay, kt, qs, bt, vt, STREAM_STORE: tl.constexpr):
-        """One [K, columns] tile of the state: decay, delta rule, the new state stored; returns o's columns
-        (before the norm). The rule acts on every value column on its own."""
-        S = S * decay[:, None]
-        u = bt * (vt - tl.sum(S * kt[:, None], 0))
-        S = S + kt[:, None] * u[None, :]
-        if STREAM_STORE:
-            tl.store(s_ptrs, S, cache_modifier=".cs")
-        else:
-            tl.store(s_ptrs, S)
-        return tl.sum(S * qs[:, None], 0)
-
-    @triton.jit
-    def _load_tile(s_ptrs, EVICT_FIRST: tl.constexpr):
+    def _load_state(s_ptrs, EVICT_FIRST: tl.constexpr):
         if EVICT_FIRST:  # touched once per step: keep it from evicting the inputs and taps
             return tl.load(s_ptrs, eviction_policy="evict_first")
         else:
@@ -92,37 +75,26 @@ if triton is not None:
         STATE_ROW: tl.constexpr, STATE_COL: tl.constexpr,
         H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr,
         BOUNDED: tl.constexpr, EVICT_FIRST: tl.constexpr, STREAM_STORE: tl.constexpr, HEADS_FIRST: tl.constexpr,
-        PIN_STATE_LOAD: tl.constexpr, TILES: tl.constexpr,
+        STATE_AFTER_INPUTS: tl.constexpr,
     ):
         """Grid (B, H, D // BV), or (H, B, D // BV) with HEADS_FIRST (the programs of one sequence launched
-        together): program (b, h, j) owns value columns j*BV.. of head h's state, as TILES column tiles
-        (TILES > 1 only for the whole state, BV = D: every tile's load is issued first, then each tile is
-        updated and stored in turn, so the first tiles' stores go out while the last ones still arrive).
+        together): program (b, h, j) owns value columns j*BV.. of head h's state.
 
         Inputs [B, H, D] (viewed as L = 1 token), beta [B, H], each with its own row stride (x_row: slices
         of one projection GEMM's output need no copy). The pools are addressed by element strides only
         (state: slot, head, then the constant row / column strides; conv: slot, stream, head, channel, tap),
         so a head-interleaved pool page is as good as a dense [slots, H, D, D] tensor."""
         tl.static_assert(W == 4, "the conv window is kept as three registers (4-tap ShortConv)")
-        tl.static_assert(TILES == 1 or BV == D, "column tiles within a program: the whole state only")
-        tl.static_assert(TILES == 1 or TILES == 2 or TILES == 4, "1, 2 or 4 column tiles")
         b = tl.program_id(1 if HEADS_FIRST else 0).to(tl.int64)
         h = tl.program_id(0 if HEADS_FIRST else 1).to(tl.int64)
         NV: tl.constexpr = D // BV
-        BT: tl.constexpr = BV // TILES
         offs = tl.arange(0, D)
-        offs_t = tl.program_id(2) * BV + tl.arange(0, BT)  # the first tile's value columns
+        offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
         slot = tl.load(slots + b).to(tl.int64)
         s_ptrs = (state + slot * state_slot + h * state_head
-                  + offs[:, None] * STATE_ROW + offs_t[None, :] * STATE_COL)
-        S0 = _load_tile(s_ptrs, EVICT_FIRST)
-        if TILES > 1:
-            S1 = _load_tile(s_ptrs + BT * STATE_COL, EVICT_FIRST)
-        if TILES > 2:
-            S2 = _load_tile(s_ptrs + 2 * BT * STATE_COL, EVICT_FIRST)
-            S3 = _load_tile(s_ptrs + 3 * BT * STATE_COL, EVICT_FIRST)
-        if PIN_STATE_LOAD:  # ptxas moves no global load across a barrier: the state's loads stay first
-            tl.debug_barrier()
+                  + offs[:, None] * STATE_ROW + offs_v[None, :] * STATE_COL)
+        if not STATE_AFTER_INPUTS:
+            S = _load_state(s_ptrs, EVICT_FIRST)
         # Everything else the step reads is loaded now, while the state is in flight, so that nothing after
         # the state's arrival waits on memory again (the program's registers are freed sooner).
         r = b * 0  # no replay: a tensor zero keeps _raw_input's masks tensors under the interpreter
@@ -134,71 +106,51 @@ if triton is not None:
         taps = conv_w + h * D * W
         q3, q2, q1, q0 = _stream_inputs(q, hist, conv_ch, conv_tap, r, h, offs, H, D, W)
         k3, k2, k1, k0 = _stream_inputs(k, hk, conv_ch, conv_tap, r, h, offs, H, D, W)
-        v3, v2, v1, v0 = _stream_inputs(v, hv, conv_ch, conv_tap, r, h, offs_t, H, D, W)
-        if TILES > 1:  # (the first tile's v window is stored with the rest, after the update)
-            vt1 = _v_conv(v, hv, taps, conv_ch, conv_tap, r, h, offs_t + BT, H, D, W)
-        if TILES > 2:
-            vt2 = _v_conv(v, hv, taps, conv_ch, conv_tap, r, h, offs_t + 2 * BT, H, D, W)
-            vt3 = _v_conv(v, hv, taps, conv_ch, conv_tap, r, h, offs_t + 3 * BT, H, D, W)
+        v3, v2, v1, v0 = _stream_inputs(v, hv, conv_ch, conv_tap, r, h, offs_v, H, D, W)
         qw0, qw1, qw2, qw3 = _taps(taps, offs, W)
         kw0, kw1, kw2, kw3 = _taps(taps + H * D * W, offs, W)
-        vw0, vw1, vw2, vw3 = _taps(taps + 2 * H * D * W, offs_t, W)
+        vw0, vw1, vw2, vw3 = _taps(taps + 2 * H * D * W, offs_v, W)
         zt = tl.load(z + b * z_row + h * D + offs).to(tl.float32)
         zt += tl.load(dt_bias + h * D + offs).to(tl.float32)
         a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
         bt = tl.sigmoid(tl.load(beta + b * beta_row + h).to(tl.float32))
         row = (b * H + h) * D  # out's (dense) row; gate_rows + row is this row of gate (its own row stride)
         gate_rows = gate + b * (gate_row - H * D)
-        if NV == 1:
-            offs_y = offs_t
-            if TILES == 1:  # the whole row
-                offs_y = offs
-            g_out = tl.load(gate_rows + row + offs_y).to(tl.float32)
-            w_out = tl.load(norm_w + offs_y).to(tl.float32)
-            if TILES > 1:
-                g_out1 = tl.load(gate_rows + row + offs_t + BT).to(tl.float32)
-                w_out1 = tl.load(norm_w + offs_t + BT).to(tl.float32)
-            if TILES > 2:
-                g_out2 = tl.load(gate_rows + row + offs_t + 2 * BT).to(tl.float32)
-                w_out2 = tl.load(norm_w + offs_t + 2 * BT).to(tl.float32)
-                g_out3 = tl.load(gate_rows + row + offs_t + 3 * BT).to(tl.float32)
-                w_out3 = tl.load(norm_w + offs_t + 3 * BT).to(tl.float32)
+        if NV == 1 and not STATE_AFTER_INPUTS:
+            g_out, w_out = _output_gate(gate_rows + row, norm_w, offs)
+        if STATE_AFTER_INPUTS:
+            # The inputs' few loads went out first (so they come back first), the state's right behind them;
+            # the barrier keeps ptxas from sinking the state's loads below the prologue's arithmetic (which
+            # waits on the inputs), where it puts them otherwise. The output gate and norm weight are read
+            # after it: their layout change for the output's columns would wait on them before the barrier.
+            S = _load_state(s_ptrs, EVICT_FIRST)
+            tl.debug_barrier()
+            if NV == 1:
+                g_out, w_out = _output_gate(gate_rows + row, norm_w, offs)
         qt = _conv_silu(q3, q2, q1, q0, qw0, qw1, qw2, qw3)
         kt = _conv_silu(k3, k2, k1, k0, kw0, kw1, kw2, kw3)
-        vt0 = _conv_silu(v3, v2, v1, v0, vw0, vw1, vw2, vw3)
+        vt = _conv_silu(v3, v2, v1, v0, vw0, vw1, vw2, vw3)
         qs = qt * (tl.rsqrt(tl.sum(qt * qt, 0) + l2_eps) * scale)
         kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + l2_eps)
         if BOUNDED:
             gt = lower_bound * tl.sigmoid(a_scale * zt)
         else:  # Kimi Linear: -exp(A) softplus(z), torch's threshold of 20 kept
             gt = -a_scale * tl.where(zt > 20.0, zt, tl.log(1.0 + tl.exp(zt)))
-        decay = tl.exp(gt)
-        o = _delta_rule_tile(S0, s_ptrs, decay, kt, qs, bt, vt0, STREAM_STORE)
-        if TILES > 1:
-            o1 = _delta_rule_tile(S1, s_ptrs + BT * STATE_COL, decay, kt, qs, bt, vt1, STREAM_STORE)
-        if TILES > 2:
-            o2 = _delta_rule_tile(S2, s_ptrs + 2 * BT * STATE_COL, decay, kt, qs, bt, vt2, STREAM_STORE)
-            o3 = _delta_rule_tile(S3, s_ptrs + 3 * BT * STATE_COL, decay, kt, qs, bt, vt3, STREAM_STORE)
-        _store_window(hv, conv_ch, conv_tap, v2, v1, v0, offs_t, D)
+        S = S * tl.exp(gt)[:, None]
+        u = bt * (vt - tl.sum(S * kt[:, None], 0))
+        S = S + kt[:, None] * u[None, :]
+        if STREAM_STORE:
+            tl.store(s_ptrs, S, cache_modifier=".cs")
+        else:
+            tl.store(s_ptrs, S)
+        o = tl.sum(S * qs[:, None], 0)
+        _store_window(hv, conv_ch, conv_tap, v2, v1, v0, offs_v, D)
         lim = D  # the q/k windows: written by the one program that has seen every sibling read them
         if NV == 1:
-            ss = tl.sum(o * o, 0)
-            if TILES > 1:
-                ss += tl.sum(o1 * o1, 0)
-            if TILES > 2:
-                ss += tl.sum(o2 * o2, 0) + tl.sum(o3 * o3, 0)
-            rs = tl.rsqrt(ss / D + norm_eps)
-            tl.store(out + row + offs_y, (o * rs * w_out * tl.sigmoid(g_out)).to(out.dtype.element_ty))
-            if TILES > 1:
-                y1 = o1 * rs * w_out1 * tl.sigmoid(g_out1)
-                tl.store(out + row + offs_t + BT, y1.to(out.dtype.element_ty))
-            if TILES > 2:
-                y2 = o2 * rs * w_out2 * tl.sigmoid(g_out2)
-                tl.store(out + row + offs_t + 2 * BT, y2.to(out.dtype.element_ty))
-                y3 = o3 * rs * w_out3 * tl.sigmoid(g_out3)
-                tl.store(out + row + offs_t + 3 * BT, y3.to(out.dtype.element_ty))
+            y = o * tl.rsqrt(tl.sum(o * o, 0) / D + norm_eps) * w_out * tl.sigmoid(g_out)
+            tl.store(out + row + offs, y.to(out.dtype.element_ty))
         else:
-            tl.store(o_scratch + row + offs_t, o)
+            tl.store(o_scratch + row + offs_v, o)
             # acq_rel: the siblings' o slices (and their reads of the q/k history) happen before.
             arrived = tl.atomic_add(counters + b * H + h, 1)
             lim = tl.where(arrived == NV - 1, D, 0)
@@ -215,7 +167,7 @@ def kda_decode_split(
     norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
     lower_bound: float | None, scale: float | None, l2_eps: float, norm_eps: float, block_v: int,
     num_warps: int, evict_first: bool = True, stream_store: bool = True, heads_first: bool = False,
-    pin_state_load: bool = False, tiles: int = 1,
+    state_after_inputs: bool = False, maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Launch on inputs already checked by decode_triton: [B, H, D] (beta [B, H]) with dense rows (any row
     stride); the pools may be any strided views ([slots, H, D, D] and [slots, 3, H, D, W-1]). All strides
@@ -236,6 +188,7 @@ def kda_decode_split(
         -5.0 if lower_bound is None else lower_bound, l2_eps, norm_eps,
         STATE_ROW=row_stride, STATE_COL=col_stride, H=H, D=D, W=W, BV=block_v, BOUNDED=lower_bound is not None,
         EVICT_FIRST=evict_first, STREAM_STORE=stream_store, HEADS_FIRST=heads_first,
-        PIN_STATE_LOAD=pin_state_load, TILES=tiles, num_warps=num_warps,
+        STATE_AFTER_INPUTS=state_after_inputs, num_warps=num_warps,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     return out

@@ -68,40 +68,44 @@ def _fla_decode(params, x, pool, conv_dense, slots):
 class DecodeVariant:
     """One build of the decode-step kernel (decode_step_triton.py): block_v value columns per program (128:
     the whole state; fewer: D // block_v programs per head, the last to arrive normalises), warps, the cache
-    hints on the state's load (evict_first) and store (.cs), the grid order (heads first: (H, B)), the
-    state's loads pinned ahead of every other read (a barrier after them), and column tiles per program."""
+    hints on the state's load (evict_first) and store (.cs) (None: the launcher's rule by size), the grid
+    order (heads first: (H, B)), the state's loads issued right after the inputs' (pinned there by a
+    barrier), and a register cap (168 at 4 warps: three programs per SM instead of two)."""
 
     warps: int = 4
     block_v: int = 128
-    evict_first: bool = True
-    stream_store: bool = True
+    evict_first: bool | None = None
+    stream_store: bool | None = None
     heads_first: bool = True
-    pin_state_load: bool = False
-    tiles: int = 1
+    state_after_inputs: bool = False
+    maxnreg: int | None = None
 
     @property
     def label(self) -> str:
         flags = (("evict_first", self.evict_first), (".cs", self.stream_store), ("heads first", self.heads_first),
-                 ("pinned", self.pin_state_load), (f"tiles={self.tiles}", self.tiles > 1))
+                 ("state after inputs", self.state_after_inputs), (f"maxnreg={self.maxnreg}", self.maxnreg))
         hints = ",".join(h for h, on in flags if on)
+        if self.evict_first is None and self.stream_store is None:
+            hints = "hints by size" + ("," + hints if hints else "")
         return f"ours(block_v={self.block_v},w={self.warps}{',' + hints if hints else ''})"
 
     def launch(self, x, params, pool, conv, slots) -> torch.Tensor:
-        return decode_step_triton.kda_decode_split(*x, *params, pool, conv, slots, -5.0, None, 1e-6, 1e-6,
-                                                   self.block_v, self.warps, self.evict_first, self.stream_store,
-                                                   self.heads_first, self.pin_state_load, self.tiles)
+        hinted = x[0].shape[0] * x[0].shape[1] < decode_triton.DECODE_UNHINTED_TILES  # the launcher's rule
+        return decode_step_triton.kda_decode_split(
+            *x, *params, pool, conv, slots, -5.0, None, 1e-6, 1e-6, self.block_v, self.warps,
+            hinted if self.evict_first is None else self.evict_first,
+            hinted if self.stream_store is None else self.stream_store, self.heads_first, self.state_after_inputs,
+            self.maxnreg)
 
 
-# Measured and dropped from the sweep (docs/kernels.md history 14; B=64 / 256, % copy): value splits 64 / 32 / 16
-# (4 and 8 warps)
-# 41-72 / 39-71, 8 warps 43 / 42, persistent programs (2 per SM, next slot prefetched) 81 / 78, with
-# Triton-staged states (2-3 stages in shared memory) 34-54 / 35-56; the two hints apart (history 14 (d)).
-# Each row's control is the launcher's default (`launcher_step`), timed in the same process.
-DECODE_VARIANTS = (
-    DecodeVariant(pin_state_load=True), DecodeVariant(pin_state_load=True, evict_first=False, stream_store=False),
-    DecodeVariant(pin_state_load=True, tiles=2), DecodeVariant(pin_state_load=True, tiles=4),
-    DecodeVariant(pin_state_load=True, heads_first=False), DecodeVariant(pin_state_load=True, block_v=64),
-)
+# Measured and dropped from the sweep (docs/kernels.md history 14 and 36; B=64 / 256 at H=32, % copy): value
+# splits 64 / 32 / 16 (4 and 8 warps) 41-72 / 39-71, 8 warps 43 / 42, persistent programs (2 per SM, next slot
+# prefetched) 81 / 78, with Triton-staged states (2-3 stages in shared memory) 34-54 / 35-56; the two hints
+# apart; the state's loads pinned first (before the inputs') 85.6 / 87.4 (hints) and 82.5 / 91.8 (none), 2 or
+# 4 column tiles per program (all loads first) 79.8 / 78.3 and 69.2 / 65.4, sequences first 83.4 / 84.2.
+# Each shape's control is the launcher's default (`launcher_step`), timed in the same process.
+DECODE_VARIANTS = (DecodeVariant(maxnreg=168), DecodeVariant(state_after_inputs=True, maxnreg=168),
+                   DecodeVariant(state_after_inputs=True))
 
 
 def launcher_step(x, params, pool, conv, slots) -> torch.Tensor:

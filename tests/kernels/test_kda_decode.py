@@ -100,11 +100,10 @@ def test_split_decode_steps_in_a_row_match_reference(interpreted):
         torch.testing.assert_close(pools[1], ref_pools[1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("heads_first", "pin", "tiles"), [(False, False, 1), (True, False, 1), (True, True, 1),
-                                                          (True, True, 2), (False, True, 4)])
-def test_decode_kernel_grid_orders_and_cache_hints_match_reference(interpreted, heads_first, pin, tiles):
-    """The launch's tuning switches (grid order, no cache hints, the state's loads pinned first, column
-    tiles within a program) change nothing in the results."""
+@pytest.mark.parametrize(("heads_first", "state_after_inputs"), [(False, False), (True, False), (True, True)])
+def test_decode_kernel_grid_orders_and_cache_hints_match_reference(interpreted, heads_first, state_after_inputs):
+    """The launch's tuning switches (grid order, no cache hints, the state's loads after the inputs') change
+    nothing in the results."""
     gen = torch.Generator().manual_seed(9)
     params = CASE.params(gen)
     pools = CASE.pools(gen)
@@ -113,7 +112,7 @@ def test_decode_kernel_grid_orders_and_cache_hints_match_reference(interpreted, 
     x = [t[:, 0] for t in CASE.tokens(gen, 2, 1)]
     y = decode_step_triton.kda_decode_split(*x, *params, *pools, slots, -5.0, None, 1e-6, 1e-6, CASE.dim, 4,
                                             evict_first=False, stream_store=False, heads_first=heads_first,
-                                            pin_state_load=pin, tiles=tiles)
+                                            state_after_inputs=state_after_inputs)
     y_ref = naive.kda_decode_step(*x, *params, *ref_pools, slots)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pools[0], ref_pools[0], rtol=1e-5, atol=1e-6)
