@@ -48,9 +48,8 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["T"])
     def gate_up_kernel(x, ids, wgu, mgu, h, T, K, F, beta1, beta2, L: gl.constexpr, TP: gl.constexpr,
                        BK: gl.constexpr, HP: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
-                       STAGES: gl.constexpr, PAIR: gl.constexpr = False, PROBE: gl.constexpr = 0):
-        """Grid (T k, F / ROWS): as _gate_up_kernel (x bf16 [T, l], h [HP, T k, F] bf16 parts). PAIR: two steps
-        per barrier (STAGES >= 4). PROBE (bench only, wrong results): 1 no MMA, 2 no decode."""
+                       STAGES: gl.constexpr):
+        """Grid (T k, F / ROWS): as _gate_up_kernel (x bf16 [T, l], h [HP, T k, F] bf16 parts)."""
         WORDS: gl.constexpr = L // 8
         STEPS: gl.constexpr = L // 128
         e, leader, first, _match, _index = expert_tokens(ids, gl.program_id(0), T, K, TP, BK, WARPS)
@@ -65,8 +64,7 @@ if gluon is not None:
             act_s = act_ring(STAGES)
             gate_s, gate_f = words_ring(STAGES, ROWS), fields_ring(STAGES, ROWS)
             up_s, up_f = words_ring(STAGES, ROWS), fields_ring(STAGES, ROWS)
-            AHEAD: gl.constexpr = STAGES - 2 if PAIR else STAGES - 1  # steps in flight ahead of the loop
-            for s in gl.static_range(AHEAD):
+            for s in gl.static_range(STAGES - 1):
                 if s < STEPS:
                     copy_act(act_s, s, x_rows, x_used, s * 128, WARPS)
                     copy_tile(gate_s, gate_f, s, words, fields, s)
@@ -74,29 +72,19 @@ if gluon is not None:
                 async_copy.commit_group()  # empty past the last step: wait_group counts groups
             g = gl.zeros([16, ROWS], gl.float32, mma_layout(WARPS))
             u = gl.zeros([16, ROWS], gl.float32, mma_layout(WARPS))
-            probe = gl.zeros([128, ROWS], gl.int16, gl.DotOperandLayout(1, mma_layout(WARPS), 8))
-            PER: gl.constexpr = 2 if PAIR else 1  # steps per barrier
-            for i0 in range(0, STEPS, PER):
-                async_copy.wait_group(AHEAD - PER)  # this thread's copies of steps i0 .. i0 + PER have landed
-                gl.thread_barrier()  # everyone's have, and everyone is done reading the stages refilled next
-                for j in gl.static_range(PER):
-                    nxt = i0 + j + AHEAD
-                    if nxt < STEPS:
-                        copy_act(act_s, nxt % STAGES, x_rows, x_used, nxt * 128, WARPS)
-                        copy_tile(gate_s, gate_f, nxt % STAGES, words, fields, nxt)
-                        copy_tile(up_s, up_f, nxt % STAGES, up_words, up_fields, nxt)
-                    async_copy.commit_group()
-                for j in gl.static_range(PER):
-                    buf = (i0 + j) % STAGES
-                    if PROBE == 1:
-                        probe = probe ^ weight_operand(gate_s, gate_f, buf, WARPS).to(gl.int16, bitcast=True)
-                        probe = probe ^ weight_operand(up_s, up_f, buf, WARPS).to(gl.int16, bitcast=True)
-                    else:
-                        xt = act_operand(act_s, buf, WARPS)
-                        g = mma_v2(xt, weight_operand(gate_s, gate_f, buf, WARPS, PROBE == 2), g)
-                        u = mma_v2(xt, weight_operand(up_s, up_f, buf, WARPS, PROBE == 2), u)
-            if PROBE == 1:
-                g = g + gl.sum(gl.sum(probe.to(gl.int32), 1), 0).to(gl.float32)
+            for i in range(STEPS):
+                async_copy.wait_group(STAGES - 2)  # this thread's copies of step i have landed
+                gl.thread_barrier()  # everyone's have, and everyone is done reading the stage refilled next
+                nxt = i + STAGES - 1
+                if nxt < STEPS:
+                    copy_act(act_s, nxt % STAGES, x_rows, x_used, nxt * 128, WARPS)
+                    copy_tile(gate_s, gate_f, nxt % STAGES, words, fields, nxt)
+                    copy_tile(up_s, up_f, nxt % STAGES, up_words, up_fields, nxt)
+                async_copy.commit_group()
+                buf = i % STAGES
+                xt = act_operand(act_s, buf, WARPS)
+                g = mma_v2(xt, weight_operand(gate_s, gate_f, buf, WARPS), g)
+                u = mma_v2(xt, weight_operand(up_s, up_f, buf, WARPS), u)
             rest = situ_glu(g * UNSHIFT, u * UNSHIFT, beta1, beta2)
             pair = gl.convert_layout(slot_pair, gl.SliceLayout(1, mma_layout(WARPS)))
             ok = gl.convert_layout(used, gl.SliceLayout(1, mma_layout(WARPS)))
@@ -179,7 +167,7 @@ def serves_down(x: torch.Tensor, F: int, h_parts: int, tile: Tile) -> bool:
 
 
 def gate_up(x: torch.Tensor, ids: torch.Tensor, words: torch.Tensor, mults: torch.Tensor, h: torch.Tensor,
-            beta1: float, beta2: float, tile: Tile, stages: int, pair: bool = False, probe: int = 0) -> None:
+            beta1: float, beta2: float, tile: Tile, stages: int) -> None:
     """h [parts, T k, F] <- the SiTU-GLU of the routed experts' gate and up rows for x [T, l]
     (`serves_gate_up` must hold; words / mults: PreparedExperts.gate_up_*)."""
     T, L = x.shape
@@ -188,7 +176,7 @@ def gate_up(x: torch.Tensor, ids: torch.Tensor, words: torch.Tensor, mults: torc
     require(stages >= 2, f"the Gluon pipelines need >= 2 stages, got {stages}")
     gate_up_kernel[(T * K, F // tile.rows)](x, ids, words, mults, h, T, K, F, beta1, beta2, L=L, TP=SLOTS,
                                             BK=next_pow2(K), HP=h.shape[0], ROWS=tile.rows, WARPS=tile.warps,
-                                            STAGES=stages, PAIR=pair, PROBE=probe, num_warps=tile.warps)
+                                            STAGES=stages, num_warps=tile.warps)
 
 
 def down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, words: torch.Tensor, mults: torch.Tensor,

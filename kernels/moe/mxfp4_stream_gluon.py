@@ -29,8 +29,6 @@ COLS, SLOTS, BLOCK_WORDS = 128, 16, 16  # columns a step, token slots, words a r
 if gluon is not None:
     _COLS, _SLOTS, _BW, _BLOCK_ROWS = (gl.constexpr(v) for v in (COLS, SLOTS, BLOCK_WORDS, BLOCK_ROWS))
     _DECODE = gl.constexpr(_decode_asm())
-    # Probe only (bench): a word's halves moved to the 8 outputs undecoded, so a kernel keeps its loads and MMAs.
-    _RAW = gl.constexpr("mov.b32 {$0, $4}, $8; mov.b32 {$1, $5}, $8; mov.b32 {$2, $6}, $8; mov.b32 {$3, $7}, $8;")
     _FIELDS = gl.constexpr(_FIELD_TO_BF16X2)
     UNSHIFT = gl.constexpr(2.0**SHIFT)
     _PLAIN = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
@@ -165,9 +163,9 @@ if gluon is not None:
         return gl.reshape(t, [t.shape[0], 16])
 
     @gluon.jit
-    def weight_operand(words_s, fields_s, buf, WARPS: gl.constexpr, RAW: gl.constexpr = False):
+    def weight_operand(words_s, fields_s, buf, WARPS: gl.constexpr):
         """Stage `buf`'s [R, 16] words and [R, 4] fields -> the bf16 [128, R] B operand (weights x 2^-SHIFT,
-        columns in mxfp4_tile_triton's order); RAW (a probe): the words' bits, not decoded."""
+        columns in mxfp4_tile_triton's order)."""
         ROWS: gl.constexpr = words_s.shape[1]
         w = words_s.index(buf).load(_words_layout(WARPS)).to(gl.uint32, bitcast=True)
         w = _lane_groups(gl.reshape(w, [ROWS, 4, 4]))
@@ -175,8 +173,7 @@ if gluon is not None:
         m = _lane_groups(f[:, :, None] + gl.full([ROWS, 4, 4], 0, gl.uint32, _fields_layout(ROWS, WARPS)))
         m = gl.convert_layout(m, w.type.layout, assert_trivial=True)
         e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
-            _RAW if RAW else _DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, m], dtype=(gl.bfloat16,) * 8,
-            is_pure=True, pack=1)
+            _DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, m], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
         low = gl.join(gl.join(e0, e2), gl.join(e1, e3))
         high = gl.join(gl.join(e4, e6), gl.join(e5, e7))
         tile = gl.permute(gl.reshape(gl.join(low, high), [ROWS, _COLS]), [1, 0])
