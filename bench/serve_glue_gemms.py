@@ -22,12 +22,13 @@ EXPERT_CONFIGS = [
 DOWN_CONFIGS = [  # the experts' down projection in Triton, against cuBLAS's batched GEMM
     (64, 64, 4, 3, False), (128, 64, 4, 3, False), (128, 64, 8, 3, False), (64, 64, 4, 3, True),
     (128, 64, 4, 3, True), (128, 64, 8, 3, True), (128, 64, 8, 4, True), (256, 64, 8, 3, True)]
-# The routed form's tilings (block_n, block_t, block_k, num_warps, num_stages, TMA weights); the first is the default
+# The routed form's tilings (block_n, block_t, block_k, num_warps, num_stages, TMA weights); the first is the
+# launchers' default (block_t 0: their rule, 16 rows up to 8 an expert on average, else 32)
 ROUTED_CONFIGS = [
-    (64, 16, 64, 4, 4, True), (64, 32, 64, 4, 4, True), (128, 16, 64, 4, 3, True), (64, 16, 128, 4, 3, True),
+    (64, 0, 64, 4, 4, True), (64, 32, 64, 4, 4, True), (128, 16, 64, 4, 3, True), (64, 16, 128, 4, 3, True),
     (64, 16, 64, 4, 6, True), (64, 16, 64, 4, 4, False)]
 ROUTED_DOWN_CONFIGS = [
-    (64, 16, 64, 4, 4, True), (64, 32, 64, 4, 4, True), (128, 16, 64, 4, 3, True), (64, 16, 128, 4, 3, True),
+    (64, 0, 64, 4, 4, True), (64, 32, 64, 4, 4, True), (128, 16, 64, 4, 3, True), (64, 16, 128, 4, 3, True),
     (64, 16, 64, 4, 4, False)]
 MLA_VARIANTS = [  # mla_decode_paged tuning at the serve pool's 1024-token pages; {} = the launcher's rule
     {}, {"num_splits": 2}, {"num_splits": 8}, {"num_splits": 16}, {"block_n": 32, "num_stages": 3},
@@ -82,15 +83,13 @@ def down_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tup
         for n, k, warps, stages, tma in configs}
 
 
-def routed_rows(c: K3Config, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """moe_align's (token of each sorted row, offsets) for the routing of `tokens` random tokens through a
-    random router (a spread like the bench's feed, never one token for every row)."""
+def routing(c: K3Config, tokens: int, gen: torch.Generator) -> torch.Tensor:
+    """The routing [T, k] of `tokens` random tokens through a random router (a spread like the bench's feed,
+    never one token for every row)."""
     x = torch.randn(tokens, c.hidden_size, device=gen.device, generator=gen).to(torch.bfloat16)
     router = (torch.randn(c.num_experts, c.hidden_size, device=gen.device, generator=gen)
               / c.hidden_size ** 0.5).to(torch.bfloat16)
-    _, indices = naive.moe_route(x, router, None, c.num_experts_per_token)
-    rows_token, offsets, _ = naive.moe_align(indices, c.num_experts)
-    return rows_token, offsets
+    return naive.moe_route(x, router, None, c.num_experts_per_token)[1]
 
 
 def routed_expert_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[tuple],
@@ -98,7 +97,8 @@ def routed_expert_cases(c: K3Config, tokens: int, gen: torch.Generator, configs:
     """The routed experts' gate|up + GLU and down projection per tiling, each against torch._grouped_mm over the
     same rows (+ the SiTU kernel for the gate|up); weight bytes: every expert's (what the dense form reads)."""
     experts, ffn, latent = c.num_experts, c.moe_intermediate_size, c.routed_expert_hidden_size
-    rows_token, offsets = routed_rows(c, tokens, gen)
+    indices = routing(c, tokens, gen)
+    rows_token, offsets, _ = naive.moe_align(indices, experts)  # the grouped GEMM's rows (the peer)
     z = torch.randn(tokens, 4 * latent, device=gen.device, generator=gen).to(torch.bfloat16)[:, :latent]
     act = torch.randn(rows_token.shape[0], ffn, device=gen.device, generator=gen).to(torch.bfloat16)
     w13s, beta = weight_copies((experts, 2 * ffn, latent), gen), (c.situ_beta, c.situ_linear_beta)
@@ -111,16 +111,16 @@ def routed_expert_cases(c: K3Config, tokens: int, gen: torch.Generator, configs:
     found: dict[str, Case] = {}
     for n, t, k, warps, stages, tma in configs:
         tiling = dict(block_n=n, block_t=t, block_k=k, num_warps=warps, num_stages=stages, tma=tma)
-        label = f"n{n} t{t} k{k} w{warps} s{stages}{' tma' if tma else ''}"
+        label = f"n{n} t{t or 'auto'} k{k} w{warps} s{stages}{' tma' if tma else ''}"
         found[f"routed_gate_up_glu {label}"] = (
             each_call(lambda w, tiling=tiling: routed_expert_gemm_triton.routed_expert_gate_up_glu(
-                z, w, rows_token, offsets, "situ", *beta, **tiling), w13s),
+                z, w, indices, "situ", *beta, **tiling)[0], w13s),
             each_call(grouped_gate_up, w13s), experts * 2 * ffn * latent * 2)
     for n, t, k, warps, stages, tma in down_configs:
         tiling = dict(block_n=n, block_t=t, block_k=k, num_warps=warps, num_stages=stages, tma=tma)
-        found[f"routed_down n{n} t{t} k{k} w{warps} s{stages}{' tma' if tma else ''}"] = (
+        found[f"routed_down n{n} t{t or 'auto'} k{k} w{warps} s{stages}{' tma' if tma else ''}"] = (
             each_call(lambda w, tiling=tiling: routed_expert_gemm_triton.routed_expert_down(
-                act, w, offsets, **tiling), w2s),
+                act, w, indices, **tiling), w2s),
             each_call(lambda w: torch._grouped_mm(act, w.transpose(1, 2), offs=offsets), w2s),
             experts * latent * ffn * 2)
     return found

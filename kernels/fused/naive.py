@@ -48,27 +48,25 @@ def moe_align(indices: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.
     return order // indices.shape[1], torch.cumsum(counts, 0, dtype=torch.int32), position.view(indices.shape)
 
 
-def expert_of_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
-    """The expert of each of `rows` expert-sorted rows, from the inclusive row counts offsets [E] (no host sync)."""
-    return torch.searchsorted(offsets, torch.arange(rows, dtype=offsets.dtype, device=offsets.device), right=True)
-
-
-def routed_expert_gate_up_glu(z: torch.Tensor, w13: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor,
-                              activation: str = "situ", beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
-    """Each routed pair's gate|up GEMM and GLU: row r (sorted by expert, `moe_align`'s tokens [R] and offsets
-    [E]) is the GLU of w13[e] @ z[tokens[r]] for its expert e -> act [R, F]."""
+def routed_expert_gate_up_glu(z: torch.Tensor, w13: torch.Tensor, indices: torch.Tensor, activation: str = "situ",
+                              beta1: float = 4.0, beta2: float = 25.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each routed pair's gate|up GEMM and GLU, rows sorted by expert (moe_align's order): row r, the pair
+    (t, j) of expert e, is the GLU of w13[e] @ z[t] -> (act [T*k, F], the row of each pair [T, k])."""
     experts, two_f, width = w13.shape
-    gate_up = F.linear(z[tokens], w13.reshape(experts * two_f, width)).view(tokens.shape[0], experts, two_f)
-    rows = torch.arange(tokens.shape[0], device=z.device)
-    return glu(gate_up[rows, expert_of_rows(offsets, tokens.shape[0])], activation, beta1, beta2)
+    rows_token, _, position = moe_align(indices, experts)
+    gate_up = F.linear(z[rows_token], w13.reshape(experts * two_f, width)).view(rows_token.shape[0], experts, two_f)
+    rows_expert = torch.empty_like(rows_token).scatter_(0, position.reshape(-1), indices.reshape(-1).to(torch.int64))
+    rows = torch.arange(rows_token.shape[0], device=z.device)
+    return glu(gate_up[rows, rows_expert], activation, beta1, beta2), position
 
 
-def routed_expert_down(act: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Each routed pair's down projection: row r of act [R, F] (sorted by expert) times its expert's w2[e]^T
-    -> [R, l]."""
+def routed_expert_down(act: torch.Tensor, w2: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Each routed pair's down projection: row r of act [T*k, F] (sorted by expert, as
+    routed_expert_gate_up_glu gives them) times its expert's w2[e]^T -> [T*k, l]."""
     experts, width, ffn = w2.shape
+    rows_expert = torch.sort(indices.reshape(-1).to(torch.int64)).values  # the expert of each sorted row
     out = F.linear(act, w2.reshape(experts * width, ffn)).view(act.shape[0], experts, width)
-    return out[torch.arange(act.shape[0], device=act.device), expert_of_rows(offsets, act.shape[0])]
+    return out[torch.arange(act.shape[0], device=act.device), rows_expert]
 
 
 def picked_rows(index: torch.Tensor, index_stride: int, token_stride: int) -> torch.Tensor:

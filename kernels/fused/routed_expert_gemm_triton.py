@@ -2,10 +2,12 @@
 routed MoE form; the dense form in expert_gemm_triton.py multiplies every expert with every token and
 `moe_combine` throws 1 - k/E of it away: 7/8 at mini's top-4 of 32).
 
-Rows are the (token, expert) pairs sorted by expert (`moe_align`: `tokens` is the token of each sorted row,
-`offsets` the inclusive row count per expert), the layout `moe_combine` reads for the grouped form.
-gate|up: act[r] = GLU(w13[e] @ z[tokens[r]]) for the rows r of expert e -> act [R, F]; down: out[r] =
-w2[e] @ act[r] -> [R, l]. Swap A/B: the weight block is the MMA's M side (BLOCK_N rows), the expert's rows the
+Rows are the (token, expert) pairs sorted by expert, ties by pair id: `moe_align`'s layout, which `moe_combine`
+reads for the grouped form. Each program finds its expert's rows from the router's indices [T, k] itself (its
+first row: the pairs of lower experts; its tokens: those that picked it, in order; a few hundred ids from L2),
+so no alignment launch stands between the router and the GEMMs; the gate|up's first column tile writes each
+pair's row (moe_align's `position`) for the combine. gate|up: act[r] = GLU(w13[e] @ z[token of r]) -> act
+[R, F]; down: out[r] = w2[e] @ act[r] -> [R, l]. Swap A/B: the weight block is the MMA's M side (BLOCK_N rows), the expert's rows the
 N side (BLOCK_T, 16 or 32): a decode expert sees ~T*k/E tokens (8 at 64 tokens), so its tensor work and its
 output stores shrink with the routing while the weight stream (what a decode GEMM is bound by) stays one
 read per weight block. Program = (BLOCK_N weight rows, one expert); it walks its expert's rows BLOCK_T at a
@@ -40,26 +42,51 @@ if triton is not None:
         return tl.load(w + rows.to(tl.int64)[:, None] * stride_wn + (k0 + ks)[None, :], mask=ok, other=0.0)
 
     @triton.jit
-    def _routed_gemm_kernel(x, rows_of, offsets, w, w_desc, out, N, K, stride_x, stride_wn, stride_o,
+    def _expert_rows(indices, expert, T, TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, TOP_K_P2: tl.constexpr):
+        """The expert's place in the expert-sorted rows, from the routing [T, TOP_K] alone: (its first row, its row
+        count, per token whether it picked the expert, its rank among those tokens, the [BLOCK_P, TOP_K_P2] mask
+        of the picking pairs). An expert appears once per token at most, so its pairs in pair order are its
+        tokens in order (moe_align's ties by pair id)."""
+        tokens = tl.arange(0, BLOCK_P)
+        slots = tl.arange(0, TOP_K_P2)
+        ok = (tokens < T)[:, None] & (slots < TOP_K)[None, :]
+        ids = tl.load(indices + tokens[:, None] * TOP_K + slots[None, :], mask=ok, other=-1)
+        picks = ids == expert
+        first = tl.sum(tl.sum(((ids < expert) & ok).to(tl.int32), axis=1), axis=0)
+        has = tl.max(picks.to(tl.int32), axis=1)
+        return first, tl.sum(has, axis=0), has, tl.cumsum(has, axis=0) - 1, picks
+
+    @triton.jit
+    def _routed_gemm_kernel(x, indices, position, w, w_desc, out, T, N, K, stride_x, stride_wn, stride_o,
                             w_rows_per_expert, beta1, beta2, ACT: tl.constexpr, GATHER: tl.constexpr,
-                            TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                            TMA: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr,
+                            BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr):
-        """x rows [*, K] (GATHER: row r reads x[rows_of[r]], else x[r]); w [E*w_rows_per_expert, K]; with a GLU
-        (ACT > 0) the up rows sit N rows after the gate rows. out [R, N]: row r of expert e = its GEMM."""
+        """Rows of expert e: the routing's pairs that picked it, sorted by expert (`_expert_rows`). GATHER
+        (gate|up): row r reads x[its token] and the column tile 0's programs write each pair's row into
+        position [T, TOP_K]; else (down) row r reads x[r]. w [E*w_rows_per_expert, K]; with a GLU (ACT > 0) the
+        up rows sit N rows after the gate rows. out [R, N]."""
         n0 = tl.program_id(0) * BLOCK_N
         expert = tl.program_id(1)
-        start = tl.load(offsets + expert - 1, mask=expert > 0, other=0)
-        end = tl.load(offsets + expert)
+        first, count, has, rank, picks = _expert_rows(indices, expert, T, TOP_K, BLOCK_P, TOP_K_P2)
+        token_ids = tl.arange(0, BLOCK_P)
+        if GATHER:
+            if tl.program_id(0) == 0:
+                slots = tl.arange(0, TOP_K_P2)
+                row = (first + rank)[:, None] + tl.zeros([BLOCK_P, TOP_K_P2], dtype=tl.int32)
+                tl.store(position + token_ids[:, None] * TOP_K + slots[None, :], row.to(tl.int64), mask=picks)
         cols = n0 + tl.arange(0, BLOCK_N)
         cols_ok = cols < N
         ks = tl.arange(0, BLOCK_K)
         w_row = expert * w_rows_per_expert + n0
-        for t0 in range(start, end, BLOCK_T):
-            rows = t0 + tl.arange(0, BLOCK_T)
-            rows_ok = rows < end
+        for t0 in range(0, count, BLOCK_T):
+            here = t0 + tl.arange(0, BLOCK_T)
+            rows_ok = here < count
+            rows = first + here
             src = rows
-            if GATHER:
-                src = tl.load(rows_of + rows, mask=rows_ok, other=0)
+            if GATHER:  # the token of the expert's here-th pair
+                match = (rank[None, :] == here[:, None]) & (has[None, :] > 0)
+                src = tl.sum(tl.where(match, token_ids[None, :], 0), axis=1)
             x_at = x + src.to(tl.int64)[:, None] * stride_x + ks[None, :]
             acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
             up = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
@@ -79,16 +106,18 @@ if triton is not None:
             tl.store(target, tl.trans(acc).to(out.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-def _launch(x: torch.Tensor, rows_of: torch.Tensor, gather: bool, offsets: torch.Tensor, w: torch.Tensor,
-            out: torch.Tensor, act: int, width: int, beta1: float, beta2: float, block_n: int, block_t: int,
+def _launch(x: torch.Tensor, indices: torch.Tensor, position: torch.Tensor | None, w: torch.Tensor,
+            out: torch.Tensor, act: int, width: int, beta1: float, beta2: float, block_n: int, block_t: int | None,
             block_k: int, num_warps: int, num_stages: int, tma: bool) -> torch.Tensor:
-    """x [*, K] rows, w [E, rows, K] -> out [R, width] (R = rows_of's length: every routed pair)."""
+    """x rows [*, K], routing indices [T, k], w [E, rows, K] -> out [R = T*k, width]. block_t None: 16 rows up
+    to 8 rows an expert on average, else 32 (one pass for most experts)."""
     experts, depth = w.shape[0], x.shape[1]
-    require(offsets.dim() == 1 and offsets.shape[0] == experts and offsets.dtype == torch.int32,
-            f"offsets must be int32 [E={experts}] (moe_align's), got {offsets.dtype} {tuple(offsets.shape)}")
+    require(indices.dim() == 2 and indices.shape[0] * indices.shape[1] == out.shape[0] and indices.is_contiguous(),
+            f"indices must be the contiguous routing [T, k] of the {out.shape[0]} rows, got {tuple(indices.shape)}")
     if out.shape[0] == 0:
         return out
     block_k = min(block_k, max(16, next_pow2(depth)))
+    block_t = block_t or (16 if out.shape[0] <= 8 * experts else 32)
     w2d = w.view(experts * w.shape[1], depth) if w.is_contiguous() else None
     if tma:
         require(w2d is not None and _tma_ready(w2d), "tma=True needs contiguous, 16-byte aligned weight rows")
@@ -96,40 +125,47 @@ def _launch(x: torch.Tensor, rows_of: torch.Tensor, gather: bool, offsets: torch
     else:
         require(w.stride(0) == w.shape[1] * w.stride(1), "the pointer form needs the experts' rows evenly strided")
         w_desc = None
+    tokens, top_k = indices.shape
     _routed_gemm_kernel[(triton.cdiv(width, block_n), experts)](
-        x, rows_of, offsets, w, w_desc, out, width, depth, x.stride(0), w.stride(1), out.stride(0), w.shape[1],
-        float(beta1), float(beta2), ACT=act, GATHER=gather, TMA=tma, EVEN_K=depth % block_k == 0, BLOCK_T=block_t,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+        x, indices, position, w, w_desc, out, tokens, width, depth, x.stride(0), w.stride(1), out.stride(0),
+        w.shape[1], float(beta1), float(beta2), ACT=act, GATHER=position is not None, TMA=tma,
+        EVEN_K=depth % block_k == 0, TOP_K=top_k, TOP_K_P2=next_pow2(top_k), BLOCK_P=max(16, next_pow2(tokens)),
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
-def routed_expert_gate_up_glu(z: torch.Tensor, w13: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor,
-                              activation: str = "situ", beta1: float = 4.0, beta2: float = 25.0, block_n: int = 64,
-                              block_t: int = 16, block_k: int = 64, num_warps: int = 4, num_stages: int = 4,
-                              tma: bool = True) -> torch.Tensor:
+def routed_expert_gate_up_glu(z: torch.Tensor, w13: torch.Tensor, indices: torch.Tensor, activation: str = "situ",
+                              beta1: float = 4.0, beta2: float = 25.0, block_n: int = 64,
+                              block_t: int | None = None, block_k: int = 64, num_warps: int = 4, num_stages: int = 4,
+                              tma: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as kernels.fused.naive.routed_expert_gate_up_glu: z [T, l] (row-strided allowed), w13
-    [E, 2F, l], tokens [R] (token of each expert-sorted row), offsets [E] int32 -> act [R, F] in z's dtype."""
+    [E, 2F, l], the routing indices [T, k] -> (act [R = T*k, F] in z's dtype, rows sorted by expert; the row
+    of each pair [T, k] int64, moe_align's position)."""
     require_activation(activation)
     require(z.dim() == 2 and w13.dim() == 3 and w13.shape[2] == z.shape[1] and w13.shape[1] % 2 == 0,
             f"z must be [T, l] and w13 [E, 2F, l], got {tuple(z.shape)} and {tuple(w13.shape)}")
     require(z.dtype == w13.dtype, f"z and w13 must share a dtype, got {z.dtype} and {w13.dtype}")
     require(z.stride(1) == 1 and w13.stride(2) == 1, "z and w13 need a unit stride along l")
-    require(tokens.dim() == 1, f"tokens must be [R], got {tuple(tokens.shape)}")
+    require(indices.dim() == 2 and indices.shape[0] == z.shape[0],
+            f"indices must be [T={z.shape[0]}, k], got {tuple(indices.shape)}")
     width = w13.shape[1] // 2
-    out = torch.empty(tokens.shape[0], width, dtype=z.dtype, device=z.device)
-    return _launch(z, tokens, True, offsets, w13, out, ACTIVATIONS[activation], width, beta1, beta2, block_n,
-                   block_t, block_k, num_warps, num_stages, tma)
+    out = torch.empty(indices.numel(), width, dtype=z.dtype, device=z.device)
+    position = torch.empty(indices.shape, dtype=torch.int64, device=z.device)
+    _launch(z, indices, position, w13, out, ACTIVATIONS[activation], width, beta1, beta2, block_n, block_t, block_k,
+            num_warps, num_stages, tma)
+    return out, position
 
 
-def routed_expert_down(act: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor, block_n: int = 64,
-                       block_t: int = 16, block_k: int = 64, num_warps: int = 4, num_stages: int = 4,
+def routed_expert_down(act: torch.Tensor, w2: torch.Tensor, indices: torch.Tensor, block_n: int = 64,
+                       block_t: int | None = None, block_k: int = 64, num_warps: int = 4, num_stages: int = 4,
                        tma: bool = True) -> torch.Tensor:
-    """Same contract as kernels.fused.naive.routed_expert_down: act [R, F] (rows sorted by expert), w2
-    [E, l, F], offsets [E] int32 -> [R, l] in act's dtype (float32 accumulators)."""
+    """Same contract as kernels.fused.naive.routed_expert_down: act [R = T*k, F] (rows sorted by expert, as
+    routed_expert_gate_up_glu gives them), w2 [E, l, F], the routing indices [T, k] -> [R, l] in act's dtype
+    (float32 accumulators)."""
     require(act.dim() == 2 and w2.dim() == 3 and act.shape[1] == w2.shape[2],
             f"act must be [R, F] and w2 [E, l, F], got {tuple(act.shape)} and {tuple(w2.shape)}")
     require(act.dtype == w2.dtype, f"act and w2 must share a dtype, got {act.dtype} and {w2.dtype}")
     require(act.stride(1) == 1 and w2.stride(2) == 1, "act and w2 need a unit stride along F")
     out = torch.empty(act.shape[0], w2.shape[1], dtype=act.dtype, device=act.device)
-    return _launch(act, offsets, False, offsets, w2, out, ACTIVATIONS["none"], w2.shape[1], 1.0, 1.0, block_n,
-                   block_t, block_k, num_warps, num_stages, tma)
+    return _launch(act, indices, None, w2, out, ACTIVATIONS["none"], w2.shape[1], 1.0, 1.0, block_n, block_t,
+                   block_k, num_warps, num_stages, tma)

@@ -13,8 +13,8 @@ each expert's run of rows. Mid-size batches where every expert is read anyway: o
 expert's gate|up GEMM with the activation in its epilogue (`dispatch.expert_gate_up_glu`), one batched
 GEMM for the down projections; the combine then reads only the picked (expert, token) rows. Or, in the same
 range with `K3_DENSE_EXPERTS=routed`, each expert only with its routed tokens (`dispatch.routed_expert_*`:
-the grouped form's rows, the weights streamed once by one Triton launch each), the routing then aligned on
-the router's branch and joined before the expert GEMMs.
+the grouped form's rows, found by the kernels from the routing, the weights streamed once by one Triton launch
+each); the router's branch then joins before the expert GEMMs.
 """
 
 from __future__ import annotations
@@ -164,12 +164,11 @@ class MoeDecode:
         out = torch._grouped_mm(glu_activation(self.config, gate_up), self.w2.transpose(1, 2), offs=offsets)
         return out, position, 1, 0
 
-    def _expert_rows_routed(self, z: torch.Tensor, aligned: tuple[torch.Tensor, ...]) -> ExpertRows:
+    def _expert_rows_routed(self, z: torch.Tensor, indices: torch.Tensor) -> ExpertRows:
         """The grouped form's rows (each pair once, sorted by expert) from one launch per projection."""
-        tokens, offsets, position = aligned
-        act = dispatch.routed_expert_gate_up_glu(z, self.w13, tokens, offsets, self.activation,
-                                                 self.config.situ_beta, self.config.situ_linear_beta)
-        return dispatch.routed_expert_down(act, self.w2, offsets), position, 1, 0
+        act, position = dispatch.routed_expert_gate_up_glu(z, self.w13, indices, self.activation,
+                                                           self.config.situ_beta, self.config.situ_linear_beta)
+        return dispatch.routed_expert_down(act, self.w2, indices), position, 1, 0
 
     def _routed(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dense: bool) -> torch.Tensor:
         """The routed sum [T, l] in float32 (the tensor a tensor-parallel rank all-reduces)."""
@@ -202,7 +201,6 @@ class MoeDecode:
         by_route = self.routed(x.shape[0])
         with on(side):
             weights, indices = self._route(x)
-            aligned = dispatch.moe_align(indices, self.w13.shape[0]) if by_route else None
         h = F.linear(x, self.in_weight) if self.in_weight is not None else None
         z = h[:, : self.width] if moe.latent else x
         shared_gate_up = h[:, self.width if moe.latent else 0 :] if self.shared_down is not None else None
@@ -215,7 +213,7 @@ class MoeDecode:
             join(side)
             side = None
         if by_route:
-            rows, index, index_stride, token_stride = self._expert_rows_routed(z, aligned)
+            rows, index, index_stride, token_stride = self._expert_rows_routed(z, indices)
         else:
             rows, index, index_stride, token_stride = (
                 self._expert_rows_dense if dense else self._expert_rows_grouped)(z, indices)

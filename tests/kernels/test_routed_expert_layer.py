@@ -29,20 +29,20 @@ def test_compiled_routed_gemms_match_reference_on_gpu(tokens):
     z = torch.randn(tokens, 3072, device=dev, generator=gen).to(bf)[:, :1024]
     w13 = (torch.randn(32, 1536, 1024, device=dev, generator=gen) / 32).to(bf)
     w2 = (torch.randn(32, 1024, 768, device=dev, generator=gen) / 28).to(bf)
-    router = torch.randn(tokens, 32, device=dev, generator=gen)
-    rows_token, offsets, _ = naive.moe_align(router.topk(4, dim=1).indices, 32)
-    act = naive.routed_expert_gate_up_glu(z, w13, rows_token, offsets, "situ", 4.0, 25.0)
-    down = naive.routed_expert_down(act, w2, offsets)
-    for tiling in ({}, {"block_t": 32}, {"tma": False}):
-        got = routed.routed_expert_gate_up_glu(z, w13, rows_token, offsets, "situ", 4.0, 25.0, **tiling)
+    indices = torch.randn(tokens, 32, device=dev, generator=gen).topk(4, dim=1).indices
+    act, position = naive.routed_expert_gate_up_glu(z, w13, indices, "situ", 4.0, 25.0)
+    down = naive.routed_expert_down(act, w2, indices)
+    for tiling in ({}, {"block_t": 32}, {"block_t": 16}, {"tma": False}):
+        got, got_position = routed.routed_expert_gate_up_glu(z, w13, indices, "situ", 4.0, 25.0, **tiling)
+        assert torch.equal(got_position, position)
         torch.testing.assert_close(got.float(), act.float(), rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(routed.routed_expert_down(act, w2, offsets, **tiling).float(), down.float(),
+        torch.testing.assert_close(routed.routed_expert_down(act, w2, indices, **tiling).float(), down.float(),
                                    rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("tokens", [16, 64])
 def test_routed_layer_equals_the_dense_layer_in_a_graph(tokens, monkeypatch):
-    """The routed layer (router + align on the side branch, joined before the expert GEMMs) captured once and
+    """The routed layer (the router on the side branch, joined before the expert GEMMs) captured once and
     replayed on three different token sets: each replay equals the same layer run eagerly on those tokens
     (bit for bit: same kernels) and the dense tma-down layer within bf16 rounding."""
     from k3core.layers.moe import SparseMoE
