@@ -43,6 +43,7 @@ from kernels.fused import (
     moe_align_triton,
     moe_combine_triton,
     moe_router_triton,
+    routed_expert_gemm_triton,
     skinny_gemm_triton,
 )
 from kernels.kda import decode_step_triton, decode_triton, prefill_triton, verify_triton
@@ -193,6 +194,20 @@ def dense_expert_tilings(tokens: int) -> None:
                                        num_warps=warps, num_stages=stages, tma=tma)
 
 
+def routed_experts(tokens: int, gate_up: list[tuple] | None = None, down: list[tuple] | None = None) -> None:
+    """The routed experts' gate|up and down (fast_ffn's routed form) in the given tilings (bench/serve_glue_gemms.py's
+    tuples; None: the launchers' defaults)."""
+    ids, z = torch.zeros(tokens, TOP_K, dtype=I64), empty(tokens, LATENT + 2 * 2 * F_MOE)[:, :LATENT]
+    for n, t, k, warps, stages, tma in gate_up or [(64, 0, 64, 4, 4, True)]:
+        routed_expert_gemm_triton.routed_expert_gate_up_glu(z, empty(E, 2 * F_MOE, LATENT), ids, block_n=n,
+                                                            block_t=t, block_k=k, num_warps=warps, num_stages=stages,
+                                                            tma=tma)
+    for n, t, k, warps, stages, tma in down or [(64, 0, 64, 4, 4, True)]:
+        routed_expert_gemm_triton.routed_expert_down(empty(tokens * TOP_K, F_MOE), empty(E, LATENT, F_MOE), ids,
+                                                     block_n=n, block_t=t, block_k=k, num_warps=warps,
+                                                     num_stages=stages, tma=tma)
+
+
 def latent_moe(tokens: int, experts: int = E, latent: int = LATENT, width: int = F_MOE, top_k: int = TOP_K,
                **tuning) -> None:
     """The MXFP4 routed-expert decode (kernels/moe) on prepared experts (int32 words, uint8 multipliers)."""
@@ -254,6 +269,7 @@ CASES = {
     **{f"attnres M={m}": lambda m=m: attnres(m) for m in (*DECODE_BATCHES, PREFILL_TOKENS)},
     **{f"moe T={t}": lambda t=t: moe_step(t) for t in DECODE_BATCHES},
     **{f"latent moe T={t}": lambda t=t: latent_moe(t) for t in DECODE_BATCHES},
+    **{f"routed experts T={t}": lambda t=t: routed_experts(t) for t in DECODE_BATCHES},
     **{f"skinny gemm T={t}": lambda t=t: skinny_gemm(t) for t in DECODE_BATCHES},
     **{f"greedy argmax B={b}": lambda b=b: greedy_draw(b) for b in DECODE_BATCHES},
     **{f"lookahead prologue B={b}": lambda b=b: lookahead_prologue(b) for b in DECODE_BATCHES},
@@ -279,6 +295,9 @@ def _bench_variants() -> dict:
             for n in DECODE_BATCHES]
     cases["skinny gemm tilings"] = lambda: skinny_gemm(64, skinny_gemm_triton.candidate_tilings)
     cases["dense experts' tilings"] = lambda: dense_expert_tilings(64)
+    from bench import serve_glue_gemms as glue
+
+    cases["routed experts' tilings"] = lambda: routed_experts(64, glue.ROUTED_CONFIGS, glue.ROUTED_DOWN_CONFIGS)
     return cases
 
 
