@@ -1,15 +1,20 @@
 """KDA decode step (one token per sequence): programs per (sequence, head, value-column block).
 
 The step streams each head's fp32 state S [K, V] from HBM and back once; everything else (inputs, conv
-windows, taps) is a few hundred bytes. With the whole state in one program (4 warps, ~224 registers) two
-programs fit on an SM, so the kernel is shaped around keeping their state stream busy:
-- the state tile's load is issued first, right after the slot lookup, and every other read of the step
-  (inputs, conv history, taps, gate, norm weight) follows it, so they are in flight together and nothing
-  after the state's arrival waits on memory: the program ends (and frees its registers for the next one)
-  as soon as its arithmetic and stores are issued. The new conv windows are stored from registers;
+windows, taps) is a few hundred bytes. With the whole state in one program (4 warps, 231-250 registers) two
+programs fit on an SM (a cap of 168 for three spills and ran slower), so the kernel is shaped around keeping
+their state stream busy:
+- every read of the step is issued before the state's arrival is waited on, so nothing after it waits on
+  memory: the program ends (and frees its registers for the next one) as soon as its arithmetic and stores
+  are issued. The order is ptxas's more than ours: it sinks the state's loads below the conv history's and
+  the q/k norms' first (shuffle) steps whatever the source order, and moves no load across a barrier. The
+  default (STATE_AFTER_INPUTS) issues the inputs' loads, then the state's, then a barrier, and reads the
+  output gate and norm weight after it (their layout change otherwise waits on them before the state's
+  loads go out): 231 registers instead of 250, 40.6 against 41.2 us at mini's B=64 (one run). The state's
+  loads pinned first (before the inputs') measured slower. The new conv windows are stored from registers;
 - the state's row and column strides are compile-time constants (one build per pool layout: the dense
   pool and the serving pool's pages share (D, 1)), so one base address serves the whole tile instead of a
-  64-bit pointer per row held in registers (254 registers + spills before, 224 and none now);
+  64-bit pointer per row held in registers (254 registers + spills before, 224 and none: Triton 3.9's ptxas);
 - heads first in the grid: the H programs of one sequence run together (one slot lookup, one input row);
 - streaming cache hints on the state (`evict_first` load, `.cs` store: read and written once per step),
   chosen by the launcher (decode_triton.DECODE_UNHINTED_TILES: they help at B=64, hurt at B=256).
@@ -93,10 +98,10 @@ if triton is not None:
         slot = tl.load(slots + b).to(tl.int64)
         s_ptrs = (state + slot * state_slot + h * state_head
                   + offs[:, None] * STATE_ROW + offs_v[None, :] * STATE_COL)
-        if not STATE_AFTER_INPUTS:
+        if not STATE_AFTER_INPUTS:  # the order before session 9 (ptxas sinks these loads: module docstring)
             S = _load_state(s_ptrs, EVICT_FIRST)
-        # Everything else the step reads is loaded now, while the state is in flight, so that nothing after
-        # the state's arrival waits on memory again (the program's registers are freed sooner).
+        # Everything the step reads is loaded before the state's arrival is waited on, so that nothing after
+        # it waits on memory again (the program's registers are freed sooner).
         r = b * 0  # no replay: a tensor zero keeps _raw_input's masks tensors under the interpreter
         # The shared helpers index [B, L, H, D] inputs from row b; here each input pointer is moved to row b
         # by its own stride and the helpers are given row 0 (r).
@@ -167,7 +172,7 @@ def kda_decode_split(
     norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
     lower_bound: float | None, scale: float | None, l2_eps: float, norm_eps: float, block_v: int,
     num_warps: int, evict_first: bool = True, stream_store: bool = True, heads_first: bool = False,
-    state_after_inputs: bool = False, maxnreg: int | None = None,
+    state_after_inputs: bool = True,
 ) -> torch.Tensor:
     """Launch on inputs already checked by decode_triton: [B, H, D] (beta [B, H]) with dense rows (any row
     stride); the pools may be any strided views ([slots, H, D, D] and [slots, 3, H, D, W-1]). All strides
@@ -189,6 +194,5 @@ def kda_decode_split(
         STATE_ROW=row_stride, STATE_COL=col_stride, H=H, D=D, W=W, BV=block_v, BOUNDED=lower_bound is not None,
         EVICT_FIRST=evict_first, STREAM_STORE=stream_store, HEADS_FIRST=heads_first,
         STATE_AFTER_INPUTS=state_after_inputs, num_warps=num_warps,
-        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     return out

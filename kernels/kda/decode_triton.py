@@ -303,7 +303,9 @@ def fused_kda_recurrent(
 # the cache hints on the state's load (evict_first) and store (.cs): on below DECODE_UNHINTED_TILES
 # (sequence, head) tiles, off from there. Measured on the H200 (docs/kernels.md): the hints win at B=64 x 32
 # heads in every run (85.3 against 84.5 % of copy), lose at B=256 x 32 in every run (86.4 against 90.7 %).
-DECODE_BLOCK_V, DECODE_WARPS, DECODE_HEADS_FIRST = 128, 4, True
+# The state's loads are pinned after the inputs' (decode_step_triton): 40.6 against 41.2 us at mini's served
+# shape (B=64 x 16 heads, pool view), 8.8 against 9.1 us at B=16, equal at 32 heads (one run, session 9).
+DECODE_BLOCK_V, DECODE_WARPS, DECODE_HEADS_FIRST, DECODE_STATE_AFTER_INPUTS = 128, 4, True, True
 DECODE_UNHINTED_TILES = 256 * 32
 
 
@@ -341,4 +343,4 @@ def kda_decode_step(
     hinted = q.shape[0] * q.shape[1] < DECODE_UNHINTED_TILES
     return kda_decode_split(q, k, v, z, beta, gate, conv_weight.contiguous(), A_log, dt_bias.contiguous(),
                             norm_weight, state_pool, conv_pool, slots, lower_bound, scale, l2_eps, norm_eps,
-                            block_v, num_warps, hinted, hinted, DECODE_HEADS_FIRST)
+                            block_v, num_warps, hinted, hinted, DECODE_HEADS_FIRST, DECODE_STATE_AFTER_INPUTS)

@@ -69,21 +69,20 @@ class DecodeVariant:
     """One build of the decode-step kernel (decode_step_triton.py): block_v value columns per program (128:
     the whole state; fewer: D // block_v programs per head, the last to arrive normalises), warps, the cache
     hints on the state's load (evict_first) and store (.cs) (None: the launcher's rule by size), the grid
-    order (heads first: (H, B)), the state's loads issued right after the inputs' (pinned there by a
-    barrier), and a register cap (168 at 4 warps: three programs per SM instead of two)."""
+    order (heads first: (H, B)), and the state's loads after the inputs' (pinned there by a barrier; off:
+    where ptxas puts them, the order before session 9)."""
 
     warps: int = 4
     block_v: int = 128
     evict_first: bool | None = None
     stream_store: bool | None = None
     heads_first: bool = True
-    state_after_inputs: bool = False
-    maxnreg: int | None = None
+    state_after_inputs: bool = True
 
     @property
     def label(self) -> str:
         flags = (("evict_first", self.evict_first), (".cs", self.stream_store), ("heads first", self.heads_first),
-                 ("state after inputs", self.state_after_inputs), (f"maxnreg={self.maxnreg}", self.maxnreg))
+                 ("state after inputs", self.state_after_inputs))
         hints = ",".join(h for h, on in flags if on)
         if self.evict_first is None and self.stream_store is None:
             hints = "hints by size" + ("," + hints if hints else "")
@@ -94,18 +93,18 @@ class DecodeVariant:
         return decode_step_triton.kda_decode_split(
             *x, *params, pool, conv, slots, -5.0, None, 1e-6, 1e-6, self.block_v, self.warps,
             hinted if self.evict_first is None else self.evict_first,
-            hinted if self.stream_store is None else self.stream_store, self.heads_first, self.state_after_inputs,
-            self.maxnreg)
+            hinted if self.stream_store is None else self.stream_store, self.heads_first, self.state_after_inputs)
 
 
 # Measured and dropped from the sweep (docs/kernels.md history 14 and 36; B=64 / 256 at H=32, % copy): value
 # splits 64 / 32 / 16 (4 and 8 warps) 41-72 / 39-71, 8 warps 43 / 42, persistent programs (2 per SM, next slot
 # prefetched) 81 / 78, with Triton-staged states (2-3 stages in shared memory) 34-54 / 35-56; the two hints
-# apart; the state's loads pinned first (before the inputs') 85.6 / 87.4 (hints) and 82.5 / 91.8 (none), 2 or
-# 4 column tiles per program (all loads first) 79.8 / 78.3 and 69.2 / 65.4, sequences first 83.4 / 84.2.
-# Each shape's control is the launcher's default (`launcher_step`), timed in the same process.
-DECODE_VARIANTS = (DecodeVariant(maxnreg=168), DecodeVariant(state_after_inputs=True, maxnreg=168),
-                   DecodeVariant(state_after_inputs=True))
+# apart; the state's loads pinned before the inputs' 85.6 / 87.4 (hints) and 82.5 / 91.8 (none), 2 or 4 column
+# tiles per program (all loads first) 79.8 / 78.3 and 69.2 / 65.4, sequences first 83.4 / 84.2, a register cap
+# of 168 (three programs per SM, 120-264 B of spills) 74.7 / 71.1 and 81.4 / 80.5 with the state after the
+# inputs. Each shape's control is the launcher's default (`launcher_step`), timed in the same process; the
+# variant is the order before session 9.
+DECODE_VARIANTS = (DecodeVariant(state_after_inputs=False),)
 
 
 def launcher_step(x, params, pool, conv, slots) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The KDA decode-step variants the benchmark times (kernels/perf/kda_decode_cases.DECODE_VARIANTS).
 
 Each one on the serving pool's view (nano's layout, Triton interpreter) against the reference and the
-per-head launches, with no byte outside the addressed slots written; and (`-m slow`) each one built for sm_90
-at `mini`'s served shapes, as tests/kernels/test_sm90_compile.py builds the launchers' defaults.
+per-head launches, with no byte outside the addressed slots written; and (`-m slow`) each one (and the default)
+built for sm_90 at `mini`'s served shapes, as tests/kernels/test_sm90_compile.py builds the launchers' defaults.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def test_variants_compile_for_sm90():
     )
 
     cases = {f"kda decode {v.label} B={b}": partial(v.launch, kda_tokens(b), kda_params(), *kda_pool(b))
-             for v in DECODE_VARIANTS for b in DECODE_BATCHES}
+             for v in (DecodeVariant(), *DECODE_VARIANTS) for b in DECODE_BATCHES}
     specs = _record(cases).unique()
+    assert len(specs) > len(DECODE_VARIANTS)  # the default build and every variant's
     assert {s.kernel for s in specs} == {"kernels.kda.decode_step_triton:_kda_decode_step_kernel"}
     _check(specs)
