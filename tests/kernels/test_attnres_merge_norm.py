@@ -56,7 +56,7 @@ def _sources(rows: int, dim: int, older: int, device: str = "cpu", seed: int = 0
 def _merge_with_newest(merge, older, newest, partial, query, key_w, out_w, dtype, **kw):
     stats = (None, None, None)
     if len(older):
-        inter = attnres_inter(query[None], older.to(dtype), key_w[None]).row(0)
+        inter = attnres_inter(query[None].to(dtype), older.to(dtype), key_w[None].to(dtype)).row(0)  # as rounded
         stats = (inter.max, inter.denom, inter.acc.contiguous())
     return merge(*stats, query.to(dtype), None if partial is None else partial.to(dtype), out_w.to(dtype),
                  key_w.to(dtype), out_dtype=dtype, newest=newest.to(dtype), **kw)
@@ -70,8 +70,8 @@ def test_newest_block_folded_in_equals_direct_attention(interpreted, older, with
     blocks, newest, partial, query, key_w, out_w = _sources(5, 48, older, seed=older)
     partial = partial if with_partial else None
     sources = torch.cat([blocks, newest[None]] + ([partial[None]] if with_partial else []))
-    direct = attnres_direct(query.double(), sources.half().double(), key_w.double())
-    want = rms_norm(direct, out_w.double(), 1e-6)
+    direct = attnres_direct(query.half().double(), sources.half().double(), key_w.half().double())
+    want = rms_norm(direct, out_w.half().double(), 1e-6)
     for merge in (merge_norm_triton.attnres_merge_norm, attnres_naive.attnres_merge_norm):
         h, normed = _merge_with_newest(merge, blocks, newest, partial, query, key_w, out_w, torch.float16)
         assert h.dtype == normed.dtype == torch.float16
