@@ -125,9 +125,9 @@ if triton is not None:
             g_out, w_out = _output_gate(gate_rows + row, norm_w, offs)
         if STATE_AFTER_INPUTS:
             # The inputs' few loads went out first (so they come back first), the state's right behind them;
-            # the barrier keeps ptxas from sinking the state's loads below the prologue's arithmetic (which
-            # waits on the inputs), where it puts them otherwise. The output gate and norm weight are read
-            # after it: their layout change for the output's columns would wait on them before the barrier.
+            # the barrier keeps ptxas from sinking the state's loads below the rest of the prologue (it still
+            # hoists the q/k norms' first shuffles above them). The output gate and norm weight are read after
+            # it: their layout change for the output's columns would wait on them before the state's loads.
             S = _load_state(s_ptrs, EVICT_FIRST)
             tl.debug_barrier()
             if NV == 1:
@@ -177,7 +177,8 @@ def kda_decode_split(
     """Launch on inputs already checked by decode_triton: [B, H, D] (beta [B, H]) with dense rows (any row
     stride); the pools may be any strided views ([slots, H, D, D] and [slots, 3, H, D, W-1]). All strides
     go to the kernel (the state's row / column strides as build constants). evict_first / stream_store: the
-    cache hints on the state's load / store; heads_first: grid order (H, B) instead of (B, H)."""
+    cache hints on the state's load / store; heads_first: grid order (H, B) instead of (B, H);
+    state_after_inputs: the state's loads issued after the inputs' (off: where ptxas puts them)."""
     B, H, D = q.shape
     W = conv_pool.shape[-1] + 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
