@@ -12,7 +12,7 @@ views of them). Few tokens (few experts read) or many: pairs sorted by expert an
 each expert's run of rows. Mid-size batches where every expert is read anyway: one kernel for every
 expert's gate|up GEMM with the activation in its epilogue (`dispatch.expert_gate_up_glu`), one batched
 GEMM for the down projections; the combine then reads only the picked (expert, token) rows. Or, in the same
-range with `K3_DENSE_EXPERTS=routed`, each expert only with its routed tokens (`dispatch.routed_expert_*`:
+range with `K3_DENSE_EXPERTS=routed` (the default), each expert only with its routed tokens (`dispatch.routed_expert_*`:
 the grouped form's rows, found by the kernels from the routing, the weights streamed once by one Triton launch
 each); the router's branch then joins before the expert GEMMs.
 """
@@ -45,10 +45,12 @@ DENSE_FORMS: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
     "tma": ({"tma": True}, None),
     "tma-down": ({"tma": True}, {"tma": True}),
 }
-DENSE_FORM_ENV, DEFAULT_DENSE_FORM = "K3_DENSE_EXPERTS", "tma-down"
-# Not a dense form: in the dense range, each expert's GEMMs over its routed tokens only (a tensor-parallel rank,
-# whose sentinel expert takes the other ranks' pairs, keeps the dense form, as "tma-down").
-ROUTED_FORM = "routed"
+# Not a dense form: in the dense range (up to ROUTED_MAX_TOKENS), each expert's GEMMs over its routed tokens
+# only (a tensor-parallel rank, whose sentinel expert takes the other ranks' pairs, keeps the dense form, as
+# "tma-down"). The default: one MoE layer at 16 / 64 / 128 tokens 63.5 / 65.5 / 75.5 us against tma-down's
+# 65.9 / 67.3 / 84.9 (H200, bench.serve_glue, session 9, docs/serving.md item 19).
+ROUTED_FORM, ROUTED_MAX_TOKENS = "routed", 128
+DENSE_FORM_ENV, DEFAULT_DENSE_FORM = "K3_DENSE_EXPERTS", ROUTED_FORM
 # Above this many rows every form runs as "pointer": there the Triton down projection lost to cuBLAS (H200,
 # bench.serve_glue, session 7: 14.8 / 16.3 vs 15.1 / 17.1 us at 16 / 64 tokens, 20.7 vs 18.3 at 96, 21.8 vs
 # 19.8 at 128) and the TMA gate|up did not win (40.6 vs 38.6 us at 96, 37.9 vs 39.3 at 128).
@@ -190,8 +192,10 @@ class MoeDecode:
         return not self.grouped or (tokens * self.moe.top_k >= 2 * experts and tokens <= 128)
 
     def routed(self, tokens: int) -> bool:
-        """Whether the routed form runs at `tokens` rows (`K3_DENSE_EXPERTS=routed`, in the dense range, unsharded)."""
-        return self.routed_wrapper is None and self.dense(tokens) and expert_form_name() == ROUTED_FORM
+        """Whether the routed form runs at `tokens` rows (`K3_DENSE_EXPERTS=routed`, the default, in the dense range
+        up to ROUTED_MAX_TOKENS, unsharded)."""
+        return (self.routed_wrapper is None and self.dense(tokens) and tokens <= ROUTED_MAX_TOKENS
+                and expert_form_name() == ROUTED_FORM)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         moe = self.moe

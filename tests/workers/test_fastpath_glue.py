@@ -41,8 +41,8 @@ def test_grouped_form_only_where_a_cuda_graph_can_capture_it():
 
 def test_dense_form_from_the_environment(monkeypatch):
     """K3_DENSE_EXPERTS picks the dense experts' kernels up to FORM_MAX_TOKENS rows (above, where the Triton down
-    projection lost to cuBLAS, every form runs as 'pointer'); the default is 'tma-down'; a name it does not know
-    is an error naming the known ones, not a silent fallback."""
+    projection lost to cuBLAS, every form runs as 'pointer'); where the default ('routed') meets the dense form,
+    'tma-down'; a name it does not know is an error naming the known ones, not a silent fallback."""
     monkeypatch.delenv(DENSE_FORM_ENV, raising=False)
     assert dense_form(FORM_MAX_TOKENS) == DENSE_FORMS["tma-down"] == ({"tma": True}, {"tma": True})
     assert dense_form(FORM_MAX_TOKENS + 1) == DENSE_FORMS["pointer"] == ({}, None)
@@ -110,6 +110,7 @@ def test_one_moe_layer_launches_within_budget(monkeypatch, tokens, budget):
     activation apart; the torch forms before the fused glue: ~30 launches on the GPU)."""
     if tokens == 3 and not grouped_mm_available(torch.device("cpu"), torch.float32):
         pytest.skip("torch._grouped_mm is not available in this torch build")
+    monkeypatch.setenv(DENSE_FORM_ENV, "tma-down")  # the dense form (the routed one: its own test)
     model, moe = _moe()
     x = torch.randn(tokens, model.config.hidden_size)
     fast = MoeDecode(moe, model.config, grouped=True)
@@ -129,8 +130,8 @@ def test_one_moe_layer_launches_within_budget(monkeypatch, tokens, budget):
                                                    ({"hidden_act": "silu"}, 12)])
 def test_routed_form_equals_the_reference(monkeypatch, overrides, tokens):
     """K3_DENSE_EXPERTS=routed in the dense range: each expert over its routed rows (dispatch.routed_expert_*,
-    the CPU references), the same MoE output as SparseMoE; the form is what runs, and it launches no dense
-    expert GEMM."""
+    the CPU references), the same MoE output as SparseMoE; the form is what runs, it launches no dense expert
+    GEMM and no more launches than the dense form."""
     monkeypatch.setenv(DENSE_FORM_ENV, ROUTED_FORM)
     model, moe = _moe(overrides)
     gen = torch.Generator().manual_seed(2)
@@ -143,11 +144,20 @@ def test_routed_form_equals_the_reference(monkeypatch, overrides, tokens):
         want = moe(x) + residual
         fast = MoeDecode(moe, model.config, grouped=True)
         assert fast.dense(tokens) and fast.routed(tokens)
+        running = residual.clone()
         with log:
-            got = fast(x, residual.clone())
+            got = fast(x, running)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert [op for op in log.ops if op in (*FUSED, "routed_expert_gate_up_glu", "routed_expert_down")] == [
         "moe_route", "routed_expert_gate_up_glu", "routed_expert_down", "moe_combine"]  # no alignment launch
+    routed_ops = list(log.ops)
+    monkeypatch.setenv(DENSE_FORM_ENV, "tma-down")
+    log.ops.clear()
+    monkeypatch.setattr(dispatch, "expert_down", log.opaque("expert_down"))
+    running = residual.clone()
+    with torch.no_grad(), log:
+        fast(x, running)
+    assert "expert_gate_up_glu" in log.ops and len(routed_ops) <= len(log.ops), (routed_ops, log.ops)
 
 
 def test_routed_form_only_in_the_dense_range_and_unsharded(monkeypatch):
@@ -155,10 +165,12 @@ def test_routed_form_only_in_the_dense_range_and_unsharded(monkeypatch):
     wrapper: its sentinel expert takes the other ranks' pairs) keeps the dense form, as 'tma-down'."""
     model, moe = _moe()
     fast = MoeDecode(moe, model.config, grouped=True)
-    monkeypatch.delenv(DENSE_FORM_ENV, raising=False)
-    assert not fast.routed(9)  # the default is the dense form
-    monkeypatch.setenv(DENSE_FORM_ENV, ROUTED_FORM)
+    monkeypatch.setenv(DENSE_FORM_ENV, "tma-down")
+    assert not fast.routed(9)
+    monkeypatch.delenv(DENSE_FORM_ENV, raising=False)  # the default
     assert fast.routed(9) and not fast.routed(3) and not fast.routed(200)
+    dense_everywhere = MoeDecode(moe, model.config, grouped=False)  # no grouped GEMM: dense at any count
+    assert dense_everywhere.routed(1) and dense_everywhere.routed(128) and not dense_everywhere.routed(129)
     assert dense_form(9) == DENSE_FORMS["tma-down"] and dense_form(FORM_MAX_TOKENS + 1) == DENSE_FORMS["pointer"]
     monkeypatch.setenv(DENSE_FORM_ENV, "routed-ws")
     with pytest.raises(ValueError, match="routed"):

@@ -100,6 +100,7 @@ def test_rows_whose_experts_follow_the_tokens_draw_after_the_graph(tmp_path, mon
     whatever its token, batch 8 is dense over all 16) must run with the draw after the graph, labelled, and
     the switch must come back for the next row."""
     monkeypatch.setenv("K3_DECODE_FASTPATH", "1")  # the fast path owns the switch (on the CPU: eager)
+    monkeypatch.setenv("K3_DENSE_EXPERTS", "tma-down")  # batch 8 dense (the routed default: the next test)
     monkeypatch.delenv("K3_DECODE_DRAW_IN_GRAPH", raising=False)
     out = tmp_path / "serve.json"
     monkeypatch.setattr(sys, "argv", ["serve", "--model", "nano", "--device", "cpu", "--batches", "1", "2", "8",
@@ -121,10 +122,10 @@ def test_rows_whose_experts_follow_the_tokens_draw_after_the_graph(tmp_path, mon
 
 
 def test_routed_expert_rows_draw_after_the_graph(tmp_path, monkeypatch):
-    """The routed form (K3_DENSE_EXPERTS=routed) reads only the experts its tokens route to, in the dense range
-    too (nano: batch 8): that row must draw after the graph as well."""
+    """The routed form (K3_DENSE_EXPERTS=routed, the default) reads only the experts its tokens route to, in the
+    dense range too (nano: batch 8): that row must draw after the graph as well."""
     monkeypatch.setenv("K3_DECODE_FASTPATH", "1")
-    monkeypatch.setenv("K3_DENSE_EXPERTS", "routed")
+    monkeypatch.delenv("K3_DENSE_EXPERTS", raising=False)
     monkeypatch.delenv("K3_DECODE_DRAW_IN_GRAPH", raising=False)
     monkeypatch.setattr(sys, "argv", ["serve", "--model", "nano", "--device", "cpu", "--batches", "1", "8",
                                       "--contexts", "64", "--steps", "2", "--prefix", "0", "--peer-batches",
