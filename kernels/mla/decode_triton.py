@@ -4,10 +4,15 @@ Every head of a sequence attends to the same latent rows [c_kv (R) | k_pe (P)], 
 of rows once and scores all heads against it with tensor-core dots (MQA in latent space). Long contexts are
 cut into NUM_SPLITS ranges per sequence so that even a small batch fills the GPU; a second kernel merges the
 per-split partial outputs through their log-sum-exp. The pool can hand over any view of [num_pages,
-page_tokens, R + P]: when the page size is a multiple of the tile (64 rows), a tile is BN consecutive rows
+page_tokens, R + P]: when the page size is a multiple of the tile (32 rows), a tile is BN consecutive rows
 of one page, found with one page-table read (48 -> 60 % of copy bandwidth at B=64, 4K; 59 -> 80 % at 64K);
 otherwise rows are gathered token by token through the page table. The latent (512) and rope (64) parts
 are separate tiles, so no row is padded to a power of two.
+
+Pipelining (Triton 3.6, the device's): a tile's loads depend on a page-table load, and the pipeliner spends
+one stage per level of that chain, so up to 4 stages give the tile one buffer (tile i+1's copy is issued after
+tile i's dots), 5 stages two. The default, 32-row tiles with 5 stages, holds two tiles in flight per program in
+93 KB, two programs per SM: 4 splits at B=64 are one wave (docs/kernels.md, MLA history, session 9).
 """
 
 from __future__ import annotations
@@ -109,17 +114,16 @@ if triton is not None:
 
 
 def default_splits(batch: int, capacity: int, block: int, sms: int = 132) -> int:
-    """About two (sequence, split) programs per SM, as a power of two (measured best on the H200 with
-    64-row tiles, whose two pipeline stages fill an SM's shared memory: 4 splits at B=64 for 4K-64K, 16 at
-    B=16), never a split of fewer than 4 tiles."""
+    """About two (sequence, split) programs per SM, as a power of two (measured best on the H200, where two
+    programs fit an SM: 4 splits at B=64 for 1K-64K, 16 at B=16), never a split of fewer than 4 tiles."""
     wanted = 1 << max(0, round(math.log2(2 * sms / batch)))
     return max(1, min(wanted, capacity // (4 * block)))
 
 
 def mla_decode_paged(
     q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor, scale: float,
-    latent_dim: int = 512, num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-    num_stages: int = 2, tokens_major: bool = False, page_tiles: bool | None = None,
+    latent_dim: int = 512, num_splits: int | None = None, block_n: int = 32, num_warps: int = 4,
+    num_stages: int = 5, tokens_major: bool = False, page_tiles: bool | None = None,
 ) -> torch.Tensor:
     """q [B, H, R+P] (absorbed q_nope W_uk | q_pe); cache [num_pages, page_tokens, R+P]; page_table
     [B, max_pages] int; lengths [B] int (tokens cached per sequence, >= 1). Returns the latent-space output

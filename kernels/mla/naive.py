@@ -20,8 +20,8 @@ def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, seq: int, length
 
 def mla_decode_paged(
     q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor, scale: float,
-    latent_dim: int = 512, num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-    num_stages: int = 2, tokens_major: bool = False, page_tiles: bool | None = None,
+    latent_dim: int = 512, num_splits: int | None = None, block_n: int = 32, num_warps: int = 4,
+    num_stages: int = 5, tokens_major: bool = False, page_tiles: bool | None = None,
 ) -> torch.Tensor:
     """Reference of kernels.mla.decode_triton.mla_decode_paged (tuning arguments ignored)."""
     del num_splits, block_n, num_warps, num_stages, tokens_major, page_tiles

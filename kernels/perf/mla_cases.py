@@ -30,12 +30,14 @@ def _sdpa_gathered(q, cache, table, scale):
 
 
 def mla_bytes(batch: int, ctx: int) -> float:
+    """Least bytes: every cached row once (bf16), the absorbed queries in and the latent outputs out (bf16);
+    the split partials are not counted (a kernel that needs none moves only these)."""
     return batch * ctx * (R + P) * 2 + batch * HEADS * (R + P + R) * 2
 
 
 # Tuning arguments of mla_decode_paged; unnamed ones take their defaults.
-# The second is the previous kernel's configuration (per-row page gathers, 32-row tiles, 3 stages).
-VARIANTS: tuple[dict, ...] = ({}, {"page_tiles": False, "block_n": 32, "num_stages": 3})
+# The second is the previous default (sessions 4-8: 64-row tiles, 2 stages: one buffer under Triton 3.6).
+VARIANTS: tuple[dict, ...] = ({}, {"block_n": 64, "num_stages": 2})
 
 
 def _name(v: dict) -> str:
@@ -75,6 +77,51 @@ def mla_rows(shapes: tuple[tuple[int, int], ...] = ((64, 4096), (64, 16384), (64
         except Exception as e:  # noqa: BLE001
             rows.append(Row("mla_decode_paged", shape, "torch SDPA over gathered pages", float("nan"),
                             note=repr(e)[:200]))
+        del q, cache, table
+        torch.cuda.empty_cache()
+    return rows
+
+
+def pool_cache(pages: int, dev: str = "cuda") -> torch.Tensor:
+    """One MLA layer's rows as the serving pool of `mini` holds them (1,024-token pages, page- and row-strided)."""
+    from k3core.cache.layout import plan_layout, shape_from_config
+    from k3core.cache.pool_views import PoolViews
+    from k3core.presets import preset
+
+    layout = plan_layout(shape_from_config(preset("mini"), "mini"), 1, state_dtype=torch.float32,
+                         conv_dtype=torch.bfloat16, mla_dtype=BF16, hash_block_tokens=512)
+    return PoolViews(torch.empty(pages, layout.page_bytes, dtype=torch.uint8, device=dev), layout).mla_cache(0)
+
+
+def pool_case(batch: int, ctx: int, max_pages: int = 64, dev: str = "cuda"):
+    """q, cache, page table [batch, max_pages] (a fixed width, as an engine's: one specialisation for every
+    context), lengths: each sequence's pages scattered over the pool."""
+    page = 1024
+    used = batch * -(-ctx // page)
+    cache = pool_cache(used + 64, dev)
+    table = torch.zeros(batch, max_pages, dtype=torch.int32, device=dev)
+    table[:, : -(-ctx // page)] = torch.randperm(used + 64, device=dev)[:used].reshape(batch, -1).int()
+    cache[table[:, : -(-ctx // page)].long().flatten()] = torch.randn(used, page, R + P, device=dev, dtype=BF16)
+    q = torch.randn(batch, HEADS, R + P, device=dev, dtype=BF16)
+    return q, cache, table, torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+
+
+def pool_rows(shapes: tuple[tuple[int, int], ...] = ((64, 1024), (64, 4096), (64, 16384), (16, 4096), (1, 65536)),
+              variants: tuple[dict, ...] = VARIANTS) -> list[Row]:
+    """Each variant on the serving pool's view, with its error against the reference on ragged lengths."""
+    rows: list[Row] = []
+    scale = (128 + 64) ** -0.5
+    q, cache, table, _ = pool_case(4, 4096)
+    lengths = torch.tensor([4096, 1, 1000, 2049], device="cuda", dtype=torch.int32)
+    ref = naive.mla_decode_paged(q, cache, table, lengths, scale)
+    errs = {_name(v): rel_err(decode_triton.mla_decode_paged(q, cache, table, lengths, scale, **v), ref)
+            for v in variants}
+    for B, ctx in shapes:
+        q, cache, table, lengths = pool_case(B, ctx)
+        for v in variants:
+            ms, how = time_ms(partial(decode_triton.mla_decode_paged, q, cache, table, lengths, scale, **v))
+            rows.append(Row("mla_decode_paged (pool view)", f"B={B},ctx={ctx},H={HEADS},page=1024", _name(v), ms,
+                            mla_bytes(B, ctx), note=how, extra={"rel_err": errs[_name(v)]}))
         del q, cache, table
         torch.cuda.empty_cache()
     return rows
