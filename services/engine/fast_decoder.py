@@ -4,8 +4,9 @@ Same wiring as `K3Model.forward` (embedding, Block AttnRes or a plain residual, 
 attention through `fast_attention`, feed-forward through `fast_ffn`, AttnRes phase 1 per block through
 `dispatch.attnres_inter`, and each AttnRes site's phase 2 fused with the sublayer's input RMSNorm
 (`dispatch.attnres_merge_norm`); the final site is the same pair of kernels, merged with the final norm.
-At decode sizes (`BRANCH_ROWS`) each merge also folds in the newest completed block, so a block's phase 1
-covers only the blocks before it and runs on a side branch beside the previous block's sublayers.
+At decode sizes of models up to `BRANCH_MAX_HIDDEN` wide each merge also folds in the newest completed block,
+so a block's phase 1 covers only the blocks before it and runs on a side branch beside the previous block's
+sublayers.
 Inputs are a `DecodeInputs` whose shapes depend on the batch size only, so one forward can be captured in a
 CUDA graph.
 """
@@ -27,7 +28,10 @@ from services.engine.derived_weights import DerivedWeights
 from services.engine.fast_attention import BRANCHES_ENV, KdaDecode, MlaDecode, Projection, join, on, rms
 from services.engine.fast_ffn import MlpDecode, MoeDecode, grouped_mm_available
 
-BRANCH_ROWS = 1024  # fewer rows: AttnRes phase 1 on a side branch, the newest block folded in by the merges
+# AttnRes phase 1 on a side branch, the newest block folded in by the merges, below both bounds. H200, B=64
+# (docs/kernels.md history 37): mini's (D 2048) decode forward's AttnRes 110.9 -> 98.8 us, K3's (D 7168)
+# 1065 -> 1079 us (a merge folding the newest block in takes ~1 us more at both sizes, and K3 has 187 merges).
+BRANCH_ROWS, BRANCH_MAX_HIDDEN = 1024, 4096
 ATTN_RES_BRANCH_ENV = "K3_ATTNRES_BRANCH"  # "0": phase 1 over every completed block on the main chain
 _ATTN_RES_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -76,7 +80,9 @@ class FastDecoder:
         self.logits_launch: dict = {}
         self.inter_launch: dict = {}
         self.branch_rows = BRANCH_ROWS  # `_attn_res_branched` below this many rows (the prefill fast path: never)
-        self.merge_launch: dict = {}  # of every site's merge + norm (the prefill fast path: no h)
+        # of every site's merge + norm: h is never read (decode, H200 B=64: 3.4 vs 3.6 us a K3 merge after a
+        # sublayer; the mini forward's AttnRes 110.9 vs 113.7 us; docs/kernels.md history 37)
+        self.merge_launch: dict = {"store_h": False}
         if config.uses_attn_res:
             layers = model.model.layers
             # Every site in forward order (layer i's attention and MLP sites are 2i and 2i + 1), the final last:
@@ -128,7 +134,8 @@ class FastDecoder:
 
     def _attn_res(self, h: torch.Tensor, inp: DecodeInputs) -> torch.Tensor:
         """Block AttnRes over the layers -> the final site's output after the final RMSNorm (normed [B, D])."""
-        if h.shape[0] < self.branch_rows and os.environ.get(ATTN_RES_BRANCH_ENV, "1") != "0":
+        if (h.shape[0] < self.branch_rows and h.shape[1] <= BRANCH_MAX_HIDDEN
+                and os.environ.get(ATTN_RES_BRANCH_ENV, "1") != "0"):
             return self._attn_res_branched(h, inp)
         config, layers = self.config, self.model.model.layers
         size, eps = config.attn_res_block_size, config.rms_norm_eps

@@ -88,13 +88,13 @@ def _constexprs(specs: dict, kernel: str) -> list[dict]:
     return [{list(spec.signature)[path[0]]: v for path, v in spec.constexprs.items()} for spec in launches]
 
 
-@pytest.mark.parametrize(("form", "rows", "store_h", "fused_copy"), [("decode", 64, True, True),
+@pytest.mark.parametrize(("form", "rows", "store_h", "fused_copy"), [("decode", 64, False, True),
                                                                      ("prefill", 512, False, False)])
 def test_launch_forms_of_each_fast_path(decoders, form, rows, store_h, fused_copy):
     """What 25d1248 pinned: a prefill forward's merges never write h (`fast_prefill.MERGE_LAUNCH`; nothing reads
-    it) and its block logits leave the block copy to torch (unchunked launches); at decode every merge
-    writes h (the no-h merge was not timed as served) and every completed block is copied into the block
-    buffer by its logits launch (`copy_to`, D-chunked at decode sizes)."""
+    it) and its block logits leave the block copy to torch (unchunked launches); at decode no merge writes h
+    either (timed as served in session 9: docs/kernels.md history 37) and every completed block is copied into
+    the block buffer by its logits launch (`copy_to`, D-chunked at decode sizes)."""
     decoder = decoders[form == "prefill"]
     specs = _attn_res_specs(decoder, [rows])[-1]
     merges, logits = _constexprs(specs, "_merge_norm_kernel"), _constexprs(specs, "_block_logits_kernel")
