@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 import torch
@@ -11,7 +10,7 @@ import torch
 from bench.serve_rank import Rank, set_environ, sync
 from k3core.model import K3Model
 from kernels.perf import harness
-from services.engine import decode_fastpath, fast_ffn
+from services.engine import fast_ffn
 
 
 def step_bytes(model: K3Model, batch: int, context: int) -> int:
@@ -34,12 +33,13 @@ def step_bytes(model: K3Model, batch: int, context: int) -> int:
     return total + batch * (2 * state + latent)
 
 
-def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str) -> tuple[float, float, float, dict]:
+def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str,
+               publish_feed: bool = False) -> tuple[float, float, float, dict]:
     """(wall seconds per engine step, "fwd" seconds, graph replay seconds, the critical path's parts in us)
     of `batch` requests at `context` tokens, through the engine's loop (`bench.serve_engine`): "fwd" runs
     from the moment a step's tokens are on the host (the device idles from there) to the end of the next
     step's forward; the parts: `StepClock.critical_path`. Without the service runtime's packages, the rank's
-    own loop (`rank_decode`, said so in the output and the JSON; no parts)."""
+    own loop (`rank_decode`, said so in the output and the JSON; no parts). `publish_feed`: `engine_decode`'s."""
     rids = [f"{tag}-{batch}-{context}-{i}" for i in range(batch)]
     missing = engine_loop_missing()
     if missing:
@@ -49,7 +49,7 @@ def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str) -> tu
         from bench.serve_engine import engine_decode
         from bench.step_clock import critical_path_line
 
-        wall, clock = engine_decode(rank, rids, context, steps)
+        wall, clock = engine_decode(rank, rids, context, steps, publish_feed)
         forward, replay = clock.median_seconds(), replay_seconds(rank, batch, steps)
         path = clock.critical_path(replay)
         print(critical_path_line(path), flush=True)
@@ -124,18 +124,14 @@ def routes_by_tokens(rank: Rank, batch: int) -> bool:
 def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps: int, bandwidth: float,
                      variant: str = "") -> dict:
     """One row of the sweep (printed as it is measured): step and forward time against the roofline.
-    With the draw in the graph the device reads the greedy argmax, one token for every row on random weights,
-    not the bench's feed: where the experts read follow the tokens (`routes_by_tokens`) the row would read
-    fewer experts than the roofline counts, so such a row draws after the graph (and says so)."""
-    if rank.fast is not None and rank.fast.draw_in_graph and routes_by_tokens(rank, batch):
-        base = {decode_fastpath.DRAW_ENV: os.environ.get(decode_fastpath.DRAW_ENV)}
-        apply_variant(rank, {decode_fastpath.DRAW_ENV: "0"}, base)
-        try:
-            return decode_sweep_row(rank, model, batch, context, steps, bandwidth,
-                                    f"{variant} (draw after the graph: grouped experts)".strip())
-        finally:
-            apply_variant(rank, {}, base)
-    wall, forward, replay, path = decode_row(rank, batch, context, steps, "d")
+    With the draw in the graph the device reads the greedy argmax, one token for every row on random weights
+    (and the bench's rows have no real history: their hidden states hardly differ), not the bench's feed:
+    where the experts read follow the tokens (`routes_by_tokens`) the row would read fewer experts than the
+    roofline counts, so there the feed is published over the argmax after each draw (and the row says so)."""
+    publish = rank.fast is not None and rank.fast.draw_in_graph and routes_by_tokens(rank, batch)
+    if publish:
+        variant = f"{variant} (feed published over the graph's argmax)".strip()
+    wall, forward, replay, path = decode_row(rank, batch, context, steps, "d", publish)
     roof = step_bytes(model, batch, context) / bandwidth
     print(f"{batch:>6} {context:>8} {1e3 * wall:>9.2f} {1e3 * forward:>8.2f} {batch / wall:>9.1f} "
           f"{1e3 * roof:>12.3f} {roof / wall:>8.1%} {1e3 * replay:>10.2f} {roof / replay:>10.1%} {variant}", flush=True)

@@ -14,7 +14,7 @@ host see one token. Except with the draw in the graph (the default; K3_DECODE_DR
 all-greedy draw is published by the graph itself, so the device reads the argmax (one token for every row) while
 the host sees the feed; the rows ignore the EOS and have no stop ids, so nothing the device does depends on the
 values but the MoE routing, which the dense experts' form (batch 64 on mini: 64 x top-k >= 2 x experts) does not
-read (rows whose experts follow the tokens draw after the graph: `serve_decode.decode_sweep_row`).
+read (in rows whose experts follow the tokens the feed is published over the argmax: `publish_feed`).
 """
 
 from __future__ import annotations
@@ -107,9 +107,12 @@ def admit(engine: Engine, rank: Rank, rids: list[str], prompts: list[list[int]],
         rank.manager.append_tokens(rid, req.output)
 
 
-def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tuple[float, StepClock]:
+def engine_decode(rank: Rank, rids: list[str], context: int, steps: int,
+                  publish_feed: bool = False) -> tuple[float, StepClock]:
     """(wall seconds per engine step, the steps' `StepClock`) of a request per rid at `context` tokens, left
-    running in the pool (`Rank.finish`)."""
+    running in the pool (`Rank.finish`). `publish_feed`: with the draw in the graph, each draw's feed is
+    published over the graph's argmax (one copy a step, which a served step does not pay), so that the
+    device reads the feed where what it reads follows the tokens (`serve_decode.routes_by_tokens`)."""
     prompts = rank.fill(rids, context)
     streams, clock = StreamLoop(), StepClock(steps + WARM_STEPS + SETTLE_STEPS + 8)
     engine = build_engine(rank, len(rids))
@@ -153,6 +156,8 @@ def engine_decode(rank: Rank, rids: list[str], context: int, steps: int) -> tupl
 
     def timed_draw(*args) -> sampler.SampledTokens:
         tokens = draw(*args)
+        if publish_feed:
+            rank.fast.publish(fed_rows(tokens))
         clock.sampled()
         return tokens
 

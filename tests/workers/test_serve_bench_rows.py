@@ -10,6 +10,7 @@ import sys
 
 from bench import serve, serve_decode, serve_engine
 from services.engine import heap
+from services.engine.decode_fastpath import DecodeFastPath
 
 
 def test_decode_rows_release_the_heap_freeze(tmp_path, monkeypatch):
@@ -94,50 +95,36 @@ def test_step_clock_parts_add_up_to_the_cycle():
     assert abs(clock.critical_path(0.001)["launch_us"] - (path["launch_us"] - 1e3)) < 1e-6
 
 
-def test_rows_whose_experts_follow_the_tokens_draw_after_the_graph(tmp_path, monkeypatch):
-    """With the draw in the graph (the default) the device reads the greedy argmax, not the bench's feed: a row
-    whose grouped MoE form reads the experts its tokens route to (nano: batch 2; batch 1 reads top-k experts
-    whatever its token, batch 8 is dense over all 16) must run with the draw after the graph, labelled, and
-    the switch must come back for the next row."""
+def test_rows_whose_experts_follow_the_tokens_read_the_feed(tmp_path, monkeypatch):
+    """With the draw in the graph (the default) the device reads the greedy argmax, one token for every row, not
+    the bench's feed. Where the experts read follow the tokens (nano: batch 2 grouped, batch 8 routed, the
+    default; batch 1 reads top-k experts whatever its token) the feed must be published over the argmax after
+    every draw, so the device reads it; elsewhere nothing is published (an all-greedy draw is in `drawn`)."""
     monkeypatch.setenv("K3_DECODE_FASTPATH", "1")  # the fast path owns the switch (on the CPU: eager)
-    monkeypatch.setenv("K3_DENSE_EXPERTS", "tma-down")  # batch 8 dense (the routed default: the next test)
+    monkeypatch.delenv("K3_DENSE_EXPERTS", raising=False)
     monkeypatch.delenv("K3_DECODE_DRAW_IN_GRAPH", raising=False)
     out = tmp_path / "serve.json"
     monkeypatch.setattr(sys, "argv", ["serve", "--model", "nano", "--device", "cpu", "--batches", "1", "2", "8",
                                       "--contexts", "64", "--steps", "2", "--prefix", "0", "--peer-batches",
                                       "--num-pages", "300", "--out", str(out)])
-    seen = []
-    row = serve_decode.decode_row
+    published, rows = [], []
+    publish, row = DecodeFastPath.publish, serve_decode.decode_row
+    monkeypatch.setattr(DecodeFastPath, "publish", lambda self, tokens: published.append(tokens.tolist()) or
+                        publish(self, tokens))
 
     def spied_row(rank, batch, *args):
-        seen.append((batch, rank.fast.draw_in_graph))
-        return row(rank, batch, *args)
+        before = len(published)
+        result = row(rank, batch, *args)
+        feeds = [rank.next_token_array(batch, n).tolist() for n in range(1, 64)]
+        rows.append((batch, rank.fast.draw_in_graph, [p in feeds for p in published[before:]]))
+        return result
 
     monkeypatch.setattr(serve_decode, "decode_row", spied_row)
     serve.main()
-    assert seen == [(1, True), (2, False), (8, True)]
+    steps = 2 + serve_engine.WARM_STEPS + serve_engine.SETTLE_STEPS
+    assert [(batch, on, len(fed)) for batch, on, fed in rows] == [(1, True, 0), (2, True, steps), (8, True, steps)]
+    assert all(all(fed) for _, _, fed in rows)  # every publish carried a feed, never the argmax
     labels = [(r["batch"], r["variant"]) for r in json.loads(out.read_text())["decode"]]
-    assert labels == [(1, ""), (2, "(draw after the graph: grouped experts)"), (8, "")]
-    assert "K3_DECODE_DRAW_IN_GRAPH" not in os.environ
-
-
-def test_routed_expert_rows_draw_after_the_graph(tmp_path, monkeypatch):
-    """The routed form (K3_DENSE_EXPERTS=routed, the default) reads only the experts its tokens route to, in the
-    dense range too (nano: batch 8): that row must draw after the graph as well."""
-    monkeypatch.setenv("K3_DECODE_FASTPATH", "1")
-    monkeypatch.delenv("K3_DENSE_EXPERTS", raising=False)
-    monkeypatch.delenv("K3_DECODE_DRAW_IN_GRAPH", raising=False)
-    monkeypatch.setattr(sys, "argv", ["serve", "--model", "nano", "--device", "cpu", "--batches", "1", "8",
-                                      "--contexts", "64", "--steps", "2", "--prefix", "0", "--peer-batches",
-                                      "--num-pages", "300", "--out", str(tmp_path / "serve.json")])
-    seen = []
-    row = serve_decode.decode_row
-
-    def spied_row(rank, batch, *args):
-        seen.append((batch, rank.fast.draw_in_graph))
-        return row(rank, batch, *args)
-
-    monkeypatch.setattr(serve_decode, "decode_row", spied_row)
-    serve.main()
-    assert seen == [(1, True), (8, False)]
+    assert labels == [(1, ""), (2, "(feed published over the graph's argmax)"),
+                      (8, "(feed published over the graph's argmax)")]
     assert "K3_DECODE_DRAW_IN_GRAPH" not in os.environ
