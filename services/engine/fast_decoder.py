@@ -29,7 +29,7 @@ from services.engine.fast_attention import BRANCHES_ENV, KdaDecode, MlaDecode, P
 from services.engine.fast_ffn import MlpDecode, MoeDecode, grouped_mm_available
 
 # AttnRes phase 1 on a side branch, the newest block folded in by the merges, below both bounds. H200, B=64
-# (docs/kernels.md history 37): mini's (D 2048) decode forward's AttnRes 110.9 -> 98.8 us, K3's (D 7168)
+# (docs/kernels.md history 40): mini's (D 2048) decode forward's AttnRes 110.9 -> 98.8 us, K3's (D 7168)
 # 1065 -> 1079 us (a merge folding the newest block in takes ~1 us more at both sizes, and K3 has 187 merges).
 BRANCH_ROWS, BRANCH_MAX_HIDDEN = 1024, 4096
 ATTN_RES_BRANCH_ENV = "K3_ATTNRES_BRANCH"  # "0": phase 1 over every completed block on the main chain
@@ -81,7 +81,7 @@ class FastDecoder:
         self.inter_launch: dict = {}
         self.branch_rows = BRANCH_ROWS  # `_attn_res_branched` below this many rows (the prefill fast path: never)
         # of every site's merge + norm: h is never read (decode, H200 B=64: 3.4 vs 3.6 us a K3 merge after a
-        # sublayer; the mini forward's AttnRes 110.9 vs 113.7 us; docs/kernels.md history 37)
+        # sublayer; the mini forward's AttnRes 110.9 vs 113.7 us; docs/kernels.md history 40)
         self.merge_launch: dict = {"store_h": False}
         if config.uses_attn_res:
             layers = model.model.layers

@@ -93,7 +93,7 @@ def _constexprs(specs: dict, kernel: str) -> list[dict]:
 def test_launch_forms_of_each_fast_path(decoders, form, rows, store_h, fused_copy):
     """What 25d1248 pinned: a prefill forward's merges never write h (`fast_prefill.MERGE_LAUNCH`; nothing reads
     it) and its block logits leave the block copy to torch (unchunked launches); at decode no merge writes h
-    either (timed as served in session 9: docs/kernels.md history 37) and every completed block is copied into
+    either (timed as served in session 9: docs/kernels.md history 40) and every completed block is copied into
     the block buffer by its logits launch (`copy_to`, D-chunked at decode sizes)."""
     decoder = decoders[form == "prefill"]
     specs = _attn_res_specs(decoder, [rows])[-1]
