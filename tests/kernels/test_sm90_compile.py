@@ -158,9 +158,9 @@ def attnres(tokens: int) -> None:
         for launch in ({}, {"store_h": False}):
             merge_norm_triton.attnres_merge_norm(*stats, empty(HIDDEN), partial, empty(HIDDEN),
                                                  key_norm_weight=empty(HIDDEN), out_dtype=BF16, **launch)
-    for stats in (stats, (None, None, None)):  # the decode path's merge folding the newest block in
+    for merge_stats in (stats, (None, None, None)):  # the decode path's merge folding the newest block in
         for partial in (empty(tokens, HIDDEN), None):
-            merge_norm_triton.attnres_merge_norm(*stats, empty(HIDDEN), partial, empty(HIDDEN),
+            merge_norm_triton.attnres_merge_norm(*merge_stats, empty(HIDDEN), partial, empty(HIDDEN),
                                                  key_norm_weight=empty(HIDDEN), out_dtype=BF16,
                                                  newest=empty(tokens, HIDDEN))
 
