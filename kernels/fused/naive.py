@@ -51,22 +51,25 @@ def moe_align(indices: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.
 def routed_expert_gate_up_glu(z: torch.Tensor, w13: torch.Tensor, indices: torch.Tensor, activation: str = "situ",
                               beta1: float = 4.0, beta2: float = 25.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Each routed pair's gate|up GEMM and GLU, rows sorted by expert (moe_align's order): row r, the pair
-    (t, j) of expert e, is the GLU of w13[e] @ z[t] -> (act [T*k, F], the row of each pair [T, k])."""
-    experts, two_f, width = w13.shape
-    rows_token, _, position = moe_align(indices, experts)
-    gate_up = F.linear(z[rows_token], w13.reshape(experts * two_f, width)).view(rows_token.shape[0], experts, two_f)
-    rows_expert = torch.empty_like(rows_token).scatter_(0, position.reshape(-1), indices.reshape(-1).to(torch.int64))
-    rows = torch.arange(rows_token.shape[0], device=z.device)
-    return glu(gate_up[rows, rows_expert], activation, beta1, beta2), position
+    (t, j) of expert e, is the GLU of w13[e] @ z[t] -> (act [T*k, F], the row of each pair [T, k]). The dense
+    form's rows picked (`expert_gate_up_glu`: E x T products, not every pair against every expert's weights)."""
+    rows_token, _, position = moe_align(indices, w13.shape[0])
+    return expert_gate_up_glu(z, w13, activation, beta1, beta2)[_rows_expert(indices), rows_token], position
 
 
 def routed_expert_down(act: torch.Tensor, w2: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Each routed pair's down projection: row r of act [T*k, F] (sorted by expert, as
-    routed_expert_gate_up_glu gives them) times its expert's w2[e]^T -> [T*k, l]."""
-    experts, width, ffn = w2.shape
-    rows_expert = torch.sort(indices.reshape(-1).to(torch.int64)).values  # the expert of each sorted row
-    out = F.linear(act, w2.reshape(experts * width, ffn)).view(act.shape[0], experts, width)
-    return out[torch.arange(act.shape[0], device=act.device), rows_expert]
+    routed_expert_gate_up_glu gives them) times its expert's w2[e]^T -> [T*k, l]. The rows placed in the dense
+    form's [E, T, F] (zeros elsewhere) through `expert_down`, and picked back."""
+    rows_token, rows_expert = moe_align(indices, w2.shape[0])[0], _rows_expert(indices)
+    dense = act.new_zeros(w2.shape[0], indices.shape[0], act.shape[1])
+    dense[rows_expert, rows_token] = act
+    return expert_down(dense, w2)[rows_expert, rows_token]
+
+
+def _rows_expert(indices: torch.Tensor) -> torch.Tensor:
+    """The expert of each row in moe_align's order (sorted by expert): the ids sorted."""
+    return torch.sort(indices.reshape(-1).to(torch.int64)).values
 
 
 def picked_rows(index: torch.Tensor, index_stride: int, token_stride: int) -> torch.Tensor:
