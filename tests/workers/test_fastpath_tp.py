@@ -100,6 +100,11 @@ def _check_model(model: str, rank: int, tp: int, triton: bool = False) -> None:
     moe_forms = [f for f in ours.fastpath.decoder.ffn if isinstance(f, ShardedMoe)]
     assert len(moe_forms) == sum(layer.is_moe for layer in ours.model.model.layers) > 0
     assert not graph_capturable(ours.model)  # gloo collectives: never inside a CUDA graph
+    # A rank keeps the dense experts where an unsharded layer runs the routed form (the default; its sentinel
+    # expert takes the other ranks' pairs) and draws after its forward (no look-ahead, no argmax in the graph).
+    assert any(f.inner.dense(t) for f in moe_forms for t in range(1, 129))
+    assert not any(f.inner.routed(t) for f in moe_forms for t in range(1, 129))
+    assert not ours.fastpath.draw_in_graph and not ours.fastpath.lookahead
     before = ours.data.clone()
     with pytest.MonkeyPatch.context() as patch:
         if triton:
