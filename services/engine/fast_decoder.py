@@ -4,7 +4,7 @@ Same wiring as `K3Model.forward` (embedding, Block AttnRes or a plain residual, 
 attention through `fast_attention`, feed-forward through `fast_ffn`, AttnRes phase 1 per block through
 `dispatch.attnres_inter`, and each AttnRes site's phase 2 fused with the sublayer's input RMSNorm
 (`dispatch.attnres_merge_norm`); the final site is the same pair of kernels, merged with the final norm.
-At decode sizes of models up to `BRANCH_MAX_HIDDEN` wide each merge also folds in the newest completed block,
+At decode sizes (`BRANCH_ROWS`) each merge also folds in the newest completed block,
 so a block's phase 1 covers only the blocks before it and runs on a side branch beside the previous block's
 sublayers.
 Inputs are a `DecodeInputs` whose shapes depend on the batch size only, so one forward can be captured in a
@@ -28,10 +28,10 @@ from services.engine.derived_weights import DerivedWeights
 from services.engine.fast_attention import BRANCHES_ENV, KdaDecode, MlaDecode, Projection, join, on, rms
 from services.engine.fast_ffn import MlpDecode, MoeDecode, grouped_mm_available
 
-# AttnRes phase 1 on a side branch, the newest block folded in by the merges, below both bounds. H200, B=64
-# (docs/kernels.md history 40): mini's (D 2048) decode forward's AttnRes 110.9 -> 98.8 us, K3's (D 7168)
-# 1065 -> 1079 us (a merge folding the newest block in takes ~1 us more at both sizes, and K3 has 187 merges).
-BRANCH_ROWS, BRANCH_MAX_HIDDEN = 1024, 4096
+# AttnRes phase 1 on a side branch, the newest block folded in by the merges, below this many rows. H200, B=64,
+# the merge's row sums in one reduction (docs/kernels.md history 40-41): the decode forward's AttnRes, main
+# chain -> branched, mini (D 2048) 111.9 -> 85.6 us, K3 (D 7168) 1098 -> 917 us.
+BRANCH_ROWS = 1024
 ATTN_RES_BRANCH_ENV = "K3_ATTNRES_BRANCH"  # "0": phase 1 over every completed block on the main chain
 _ATTN_RES_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -134,8 +134,7 @@ class FastDecoder:
 
     def _attn_res(self, h: torch.Tensor, inp: DecodeInputs) -> torch.Tensor:
         """Block AttnRes over the layers -> the final site's output after the final RMSNorm (normed [B, D])."""
-        if (h.shape[0] < self.branch_rows and h.shape[1] <= BRANCH_MAX_HIDDEN
-                and os.environ.get(ATTN_RES_BRANCH_ENV, "1") != "0"):
+        if h.shape[0] < self.branch_rows and os.environ.get(ATTN_RES_BRANCH_ENV, "1") != "0":
             return self._attn_res_branched(h, inp)
         config, layers = self.config, self.model.model.layers
         size, eps = config.attn_res_block_size, config.rms_norm_eps

@@ -1,6 +1,6 @@
 """The decode fast path's two AttnRes forms (services/engine/fast_decoder.py): branched (each merge folds in
 the newest completed block, phase 1 a block early on a side branch) and the main-chain form
-(K3_ATTNRES_BRANCH=0, or a model wider than BRANCH_MAX_HIDDEN), each against the reference layers' decode
+(K3_ATTNRES_BRANCH=0, or the prefill fast path), each against the reference layers' decode
 step on nano in float32 (CPU: the kernels' references through dispatch; the branch is a no-op off CUDA)."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import copy
 import pytest
 import torch
 
-from services.engine import fast_decoder
 from services.engine.fast_decoder import ATTN_RES_BRANCH_ENV, FastDecoder
 from tests.workers.oracle import build_reference
 from tests.workers.test_fastpath import _one_step
@@ -36,11 +35,3 @@ def test_both_forms_give_the_reference_step(nano, monkeypatch, setting):
     logits, taken = _step_taking(nano, monkeypatch)
     assert (taken > 0) == (setting == "1")
     torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
-
-
-def test_a_wide_model_keeps_the_main_chain_form(nano, monkeypatch):
-    monkeypatch.delenv(ATTN_RES_BRANCH_ENV, raising=False)
-    monkeypatch.setattr(fast_decoder, "BRANCH_MAX_HIDDEN", nano.config.hidden_size - 1)
-    assert _step_taking(nano, monkeypatch)[1] == 0
-    monkeypatch.setattr(fast_decoder, "BRANCH_MAX_HIDDEN", nano.config.hidden_size)
-    assert _step_taking(nano, monkeypatch)[1] > 0
