@@ -34,11 +34,12 @@ def step_bytes(model: K3Model, batch: int, context: int) -> int:
 
 
 def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str,
-               publish_feed: bool = False) -> tuple[float, float, float, dict]:
-    """(wall seconds per engine step, "fwd" seconds, graph replay seconds, the critical path's parts in us)
-    of `batch` requests at `context` tokens, through the engine's loop (`bench.serve_engine`): "fwd" runs
-    from the moment a step's tokens are on the host (the device idles from there) to the end of the next
-    step's forward; the parts: `StepClock.critical_path`. Without the service runtime's packages, the rank's
+               publish_feed: bool = False) -> tuple[float, float, float, dict, dict]:
+    """(wall seconds per engine step, "fwd" seconds, graph replay seconds, the critical path's parts in us, the
+    routing after the row (`row_routing`; {} without the fast path)) of `batch` requests at `context` tokens,
+    through the engine's loop (`bench.serve_engine`): "fwd" runs from the moment a step's tokens are on the
+    host (the device idles from there) to the end of the next step's forward; the parts:
+    `StepClock.critical_path`. Without the service runtime's packages, the rank's
     own loop (`rank_decode`, said so in the output and the JSON; no parts). `publish_feed`: `engine_decode`'s."""
     rids = [f"{tag}-{batch}-{context}-{i}" for i in range(batch)]
     missing = engine_loop_missing()
@@ -53,8 +54,11 @@ def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str,
         forward, replay = clock.median_seconds(), replay_seconds(rank, batch, steps)
         path = clock.critical_path(replay)
         print(critical_path_line(path), flush=True)
+    routing = row_routing(rank, rids, steps + 64) if rank.fast is not None else {}
+    if routing:
+        print(f"  routing after the row: {routing}", flush=True)
     rank.finish(rids)
-    return wall, forward, replay, path
+    return wall, forward, replay, path, routing
 
 
 @functools.cache
@@ -131,19 +135,54 @@ def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps
     publish = rank.fast is not None and rank.fast.draw_in_graph and routes_by_tokens(rank, batch)
     if publish:
         variant = f"{variant} (feed published over the graph's argmax)".strip()
-    wall, forward, replay, path = decode_row(rank, batch, context, steps, "d", publish)
+    wall, forward, replay, path, routing = decode_row(rank, batch, context, steps, "d", publish)
     roof = step_bytes(model, batch, context) / bandwidth
     print(f"{batch:>6} {context:>8} {1e3 * wall:>9.2f} {1e3 * forward:>8.2f} {batch / wall:>9.1f} "
           f"{1e3 * roof:>12.3f} {roof / wall:>8.1%} {1e3 * replay:>10.2f} {roof / replay:>10.1%} {variant}", flush=True)
     return {"batch": batch, "context": context, "step_s": wall, "forward_s": forward, "tokens_per_s": batch / wall,
             "roofline_step_s": roof, "fraction_of_roofline": roof / wall, "forward_fraction_of_roofline": roof / forward,
             "replay_s": replay, "replay_fraction_of_roofline": roof / replay,
-            "critical_path_us": path, "variant": variant,
+            "critical_path_us": path, "routing": routing, "variant": variant,
             "loop": f"rank ({engine_loop_missing()})" if engine_loop_missing() else "engine"}
 
 
 SWEEP_HEADER = (f"{'batch':>6} {'context':>8} {'step ms':>9} {'fwd ms':>8} {'tok/s':>9} {'roofline ms':>12} "
                 f"{'of roof':>8} {'replay ms':>10} {'replay/roof':>10} variant")
+
+
+def routed_step(rank: Rank, rids: list[str], tokens: list[int]) -> tuple[object, list[list[int]]]:
+    """One eager fast-path forward of the rows on `tokens` (the step begun, not ended): its inputs, and per MoE
+    layer the tokens each expert got (what the routed and grouped forms read follows them; the roofline counts
+    min(experts, batch x top-k) experts a layer)."""
+    rank.begin_step(rids, tokens)
+    fast, batch = rank.fast, len(rids)
+    cached = [rank.manager.requests[r] for r in rids]
+    inputs = fast.builder.view(torch.from_numpy(fast.builder.build(cached, tokens, batch)).to(fast.device), batch)
+    loads: list[list[int]] = []
+    route = fast_ffn.MoeDecode._route
+
+    def counting_route(self, x):
+        weights, indices = route(self, x)
+        loads.append(torch.bincount(indices.flatten(), minlength=self.w13.shape[0]).tolist())
+        return weights, indices
+
+    fast_ffn.MoeDecode._route = counting_route  # eager only: count the experts each MoE layer reads
+    try:
+        fast.decoder.forward(inputs)
+    finally:
+        fast_ffn.MoeDecode._route = route
+    sync()
+    return inputs, loads
+
+
+def row_routing(rank: Rank, rids: list[str], step: int) -> dict:
+    """The routing of a row's rows after its timed steps, on one more feed (a check that the row read the
+    experts the roofline counts: the bench's rows have no real history, so their hidden states may be alike)."""
+    _, loads = routed_step(rank, rids, rank.next_tokens(len(rids), step))
+    rank.end_step(rids)
+    return {"experts_touched_min": min((sum(1 for n in layer if n) for layer in loads), default=0),
+            "experts": len(loads[0]) if loads else 0,
+            "max_expert_load": max((max(layer) for layer in loads), default=0)}
 
 
 def profile_forward(rank: Rank, batch: int, context: int) -> dict:
@@ -153,24 +192,10 @@ def profile_forward(rank: Rank, batch: int, context: int) -> dict:
 
     rids = [f"prof-{i}" for i in range(batch)]
     rank.fill(rids, context)
-    tokens = rank.next_tokens(batch, 0)
-    rank.begin_step(rids, tokens)
+    inputs, loads = routed_step(rank, rids, rank.next_tokens(batch, 0))
     fast = rank.fast
-    cached = [rank.manager.requests[r] for r in rids]
-    inputs = fast.builder.view(torch.from_numpy(fast.builder.build(cached, tokens, batch)).to(fast.device), batch)
-    touched: list[int] = []
-    route = fast_ffn.MoeDecode._route
-
-    def counting_route(self, x):
-        weights, indices = route(self, x)
-        touched.append(int(indices.unique().numel()))
-        return weights, indices
-
-    fast_ffn.MoeDecode._route = counting_route  # eager only: count the experts each MoE layer reads
-    fast.decoder.forward(inputs)
-    fast_ffn.MoeDecode._route = route
+    touched = [sum(1 for n in layer if n) for layer in loads]
     print(f"experts touched per MoE layer at batch {batch}: {touched}")
-    sync()
     with profile(activities=[ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]) as prof:
         fast.decoder.forward(inputs)
         sync()

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"model {args.model} on {device}; fast path {result['fast_path']}, graphs {result['cuda_graphs']}, "
           f"overlap {result['decode_overlap']}", flush=True)
     for batch in args.batches:
-        wall, forward, replay, path = decode_row(rank, batch, args.context, args.row_steps, "row")
+        wall, forward, replay, path, _ = decode_row(rank, batch, args.context, args.row_steps, "row")
         print(f"batch {batch} ctx {args.context}: step {1e3 * wall:.3f} ms, fwd {1e3 * forward:.3f} ms, replay "
               f"{1e3 * replay:.3f} ms (bench.serve's row, untraced, {args.row_steps} steps)", flush=True)
         trace_path = out.with_name(f"{out.stem}_b{batch}_c{args.context}.json.gz")

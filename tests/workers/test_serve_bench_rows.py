@@ -124,7 +124,12 @@ def test_rows_whose_experts_follow_the_tokens_read_the_feed(tmp_path, monkeypatc
     steps = 2 + serve_engine.WARM_STEPS + serve_engine.SETTLE_STEPS
     assert [(batch, on, len(fed)) for batch, on, fed in rows] == [(1, True, 0), (2, True, steps), (8, True, steps)]
     assert all(all(fed) for _, _, fed in rows)  # every publish carried a feed, never the argmax
-    labels = [(r["batch"], r["variant"]) for r in json.loads(out.read_text())["decode"]]
+    decoded = json.loads(out.read_text())["decode"]
+    for r in decoded:  # the routing check after each row: nano's 16 experts, top-4, each picked once a token
+        routing = r["routing"]
+        assert routing["experts"] == 16 and 4 <= routing["experts_touched_min"] <= min(16, 4 * r["batch"])
+        assert 1 <= routing["max_expert_load"] <= r["batch"]
+    labels = [(r["batch"], r["variant"]) for r in decoded]
     assert labels == [(1, ""), (2, "(feed published over the graph's argmax)"),
                       (8, "(feed published over the graph's argmax)")]
     assert "K3_DECODE_DRAW_IN_GRAPH" not in os.environ
