@@ -107,24 +107,35 @@ def test_compiled_expert_gemms_match_reference_on_gpu(tokens):
                                    rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [4, 64])
-def test_moe_layer_router_branch_is_the_serial_layer_in_a_graph(tokens, monkeypatch):
-    """The router on a side stream (K3_DECODE_BRANCHES=1) joined before the combine: the captured
-    layer's output is bit for bit the one-chain layer's, at a grouped (4) and a dense (64) batch."""
+def mini_moe_decode(dev: torch.device, gen: torch.Generator):
+    """(the fast path's MoE layer of `mini` in bf16 on `dev`, random weights drawn from `gen`; its config)."""
     from k3core.layers.moe import SparseMoE
     from k3core.presets import preset
-    from services.engine.fast_attention import BRANCHES_ENV
     from services.engine.fast_ffn import MoeDecode
 
-    dev, config = _cuda(), preset("mini")
-    gen = torch.Generator(device=dev).manual_seed(tokens)
+    config = preset("mini")
     with torch.device(dev):
         moe = SparseMoE(config)
     with torch.no_grad():
         for param in moe.parameters():
             param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
-    fast = MoeDecode(moe.to(torch.bfloat16).eval(), config, grouped=True)
+    return MoeDecode(moe.to(torch.bfloat16).eval(), config, grouped=True), config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tokens", "form"), [(4, "routed"), (64, "tma-down"), (64, "routed")])
+def test_moe_layer_router_branch_is_the_serial_layer_in_a_graph(tokens, form, monkeypatch):
+    """The router on a side stream (K3_DECODE_BRANCHES=1) joined before the combine (grouped at 4 rows, the
+    dense tma-down form at 64) or before the expert GEMMs (the routed form, the default at 64): the captured
+    layer's output is bit for bit the one-chain layer's."""
+    from services.engine.fast_attention import BRANCHES_ENV
+    from services.engine.fast_ffn import DENSE_FORM_ENV
+
+    monkeypatch.setenv(DENSE_FORM_ENV, form)
+    dev = _cuda()
+    gen = torch.Generator(device=dev).manual_seed(tokens)
+    fast, config = mini_moe_decode(dev, gen)
+    assert (fast.dense(tokens), fast.routed(tokens)) == ((False, False) if tokens == 4 else (True, form == "routed"))
     x = torch.randn(tokens, config.hidden_size, device=dev, generator=gen).to(torch.bfloat16)
     outs = []
     for branches in ("0", "1"):

@@ -45,18 +45,12 @@ def test_routed_layer_equals_the_dense_layer_in_a_graph(tokens, monkeypatch):
     """The routed layer (the router on the side branch, joined before the expert GEMMs) captured once and
     replayed on three different token sets: each replay equals the same layer run eagerly on those tokens
     (bit for bit: same kernels) and the dense tma-down layer within bf16 rounding."""
-    from k3core.layers.moe import SparseMoE
-    from k3core.presets import preset
-    from services.engine.fast_ffn import DENSE_FORM_ENV, ROUTED_FORM, MoeDecode
+    from services.engine.fast_ffn import DENSE_FORM_ENV, ROUTED_FORM
+    from tests.kernels.test_expert_gemm import mini_moe_decode
 
-    dev, config = _cuda(), preset("mini")
+    dev = _cuda()
     gen = torch.Generator(device=dev).manual_seed(tokens)
-    with torch.device(dev):
-        moe = SparseMoE(config)
-    with torch.no_grad():
-        for param in moe.parameters():
-            param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
-    fast = MoeDecode(moe.to(torch.bfloat16).eval(), config, grouped=True)
+    fast, config = mini_moe_decode(dev, gen)
     xs = [torch.randn(tokens, config.hidden_size, device=dev, generator=gen).to(torch.bfloat16) for _ in range(3)]
     monkeypatch.setenv(DENSE_FORM_ENV, ROUTED_FORM)
     assert fast.routed(tokens)
