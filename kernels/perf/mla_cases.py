@@ -44,32 +44,44 @@ def _name(v: dict) -> str:
     return "ours(" + ",".join(f"{k}={val}" for k, val in v.items()) + ")" if v else "ours(defaults)"
 
 
+def _variant_errors(case, variants: tuple[dict, ...], scale: float) -> dict[str, float | str]:
+    """Each variant's error against the reference on ragged lengths (4096, 1, 1000, 2049) over `case`'s pages
+    (`case(4, 4096)`); a variant that fails to build or run: its exception, cut short."""
+    q, cache, table, _ = case(4, 4096)
+    lengths = torch.tensor([4096, 1, 1000, 2049], device=q.device, dtype=torch.int32)
+    ref = naive.mla_decode_paged(q, cache, table, lengths, scale)
+    errs: dict[str, float | str] = {}
+    for v in variants:
+        try:
+            errs[_name(v)] = rel_err(decode_triton.mla_decode_paged(q, cache, table, lengths, scale, **v), ref)
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for a variant
+            errs[_name(v)] = repr(e)[:100]
+    return errs
+
+
+def _variant_rows(kernel: str, shape: str, inputs: tuple, scale: float, nbytes: float, variants: tuple[dict, ...],
+                  errs: dict[str, float | str]) -> list[Row]:
+    """One timed row per variant on `inputs` (q, cache, table, lengths); a failure: a NaN row with its note."""
+    rows: list[Row] = []
+    for v in variants:
+        try:
+            ms, how = time_ms(partial(decode_triton.mla_decode_paged, *inputs, scale, **v))
+            rows.append(Row(kernel, shape, _name(v), ms, nbytes, note=how, extra={"rel_err": errs.get(_name(v))}))
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for a variant
+            rows.append(Row(kernel, shape, _name(v), float("nan"), note=repr(e)[:200]))
+    return rows
+
+
 def mla_rows(shapes: tuple[tuple[int, int], ...] = ((64, 4096), (64, 16384), (64, 65536), (1, 65536), (16, 65536)),
              variants: tuple[dict, ...] = VARIANTS) -> list[Row]:
     rows: list[Row] = []
     scale = (128 + 64) ** -0.5
-    # Correctness on fresh inputs with ragged lengths, against the reference.
-    q, cache, table, _ = _case(4, 4096)
-    lengths = torch.tensor([4096, 1, 1000, 2049], device="cuda", dtype=torch.int32)
-    ref = naive.mla_decode_paged(q, cache, table, lengths, scale)
-    errs = {}
-    for v in variants:
-        try:
-            errs[_name(v)] = rel_err(decode_triton.mla_decode_paged(q, cache, table, lengths, scale, **v),
-                                     ref)
-        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for a variant
-            errs[_name(v)] = repr(e)[:100]
+    errs = _variant_errors(_case, variants, scale)  # correctness on fresh inputs with ragged lengths
     for B, ctx in shapes:
         q, cache, table, lengths = _case(B, ctx)
         shape = f"B={B},ctx={ctx},H={HEADS},page={PAGE}"
-        for v in variants:
-            try:
-                ms, how = time_ms(partial(decode_triton.mla_decode_paged, q, cache, table, lengths, scale,
-                                          **v))
-                rows.append(Row("mla_decode_paged", shape, _name(v), ms, mla_bytes(B, ctx), note=how,
-                                extra={"rel_err": errs.get(_name(v))}))
-            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for a variant
-                rows.append(Row("mla_decode_paged", shape, _name(v), float("nan"), note=repr(e)[:200]))
+        rows += _variant_rows("mla_decode_paged", shape, (q, cache, table, lengths), scale, mla_bytes(B, ctx),
+                              variants, errs)
         try:
             ms, how = time_ms(partial(_sdpa_gathered, q, cache, table, scale), inner=3, reps=10)
             rows.append(Row("mla_decode_paged", shape, "torch SDPA over gathered pages", ms, mla_bytes(B, ctx),
@@ -111,17 +123,11 @@ def pool_rows(shapes: tuple[tuple[int, int], ...] = ((64, 1024), (64, 4096), (64
     """Each variant on the serving pool's view, with its error against the reference on ragged lengths."""
     rows: list[Row] = []
     scale = (128 + 64) ** -0.5
-    q, cache, table, _ = pool_case(4, 4096)
-    lengths = torch.tensor([4096, 1, 1000, 2049], device="cuda", dtype=torch.int32)
-    ref = naive.mla_decode_paged(q, cache, table, lengths, scale)
-    errs = {_name(v): rel_err(decode_triton.mla_decode_paged(q, cache, table, lengths, scale, **v), ref)
-            for v in variants}
+    errs = _variant_errors(pool_case, variants, scale)
     for B, ctx in shapes:
         q, cache, table, lengths = pool_case(B, ctx)
-        for v in variants:
-            ms, how = time_ms(partial(decode_triton.mla_decode_paged, q, cache, table, lengths, scale, **v))
-            rows.append(Row("mla_decode_paged (pool view)", f"B={B},ctx={ctx},H={HEADS},page=1024", _name(v), ms,
-                            mla_bytes(B, ctx), note=how, extra={"rel_err": errs[_name(v)]}))
+        rows += _variant_rows("mla_decode_paged (pool view)", f"B={B},ctx={ctx},H={HEADS},page=1024",
+                              (q, cache, table, lengths), scale, mla_bytes(B, ctx), variants, errs)
         del q, cache, table
         torch.cuda.empty_cache()
     return rows
