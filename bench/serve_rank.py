@@ -99,12 +99,6 @@ class Rank:
         # Every chunk end keeps its checkpoint (no supersede), so a later prompt sharing the prefix finds one.
         self.manager = PrefixCacheManager(layout, args.num_pages, policy=CheckpointPolicy(supersede=False),
                                           device=args.device)
-        # The pages start random, not zero: a decode row's context is reserved without a forward (`fill`), so
-        # with zero pages every row's attention over it and its KDA state are alike, and on random weights the
-        # rows' hidden states converge within a few layers: the MoE routing collapsed onto 4 experts a layer
-        # (session 9's routing check), which the routed form reads instead of the 32 the roofline counts.
-        # As bf16 N(0, 1/4) the bytes are moderate values in the float32 state views too (their high halves).
-        self.manager.store.data.view(torch.bfloat16).normal_(0.0, 0.5)
         # The longest sequence either part builds: the TTFT prompt or a decode row's context (a profile row too).
         max_len = max(args.prefix + args.increment, max(args.contexts)) + args.steps + 64
         self.runner = ModelRunner(model, args.device, max_model_len=max_len, max_batch=max(args.batches))
