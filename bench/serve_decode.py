@@ -131,11 +131,20 @@ def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps
     With the draw in the graph the device reads the greedy argmax, one token for every row on random weights
     (and the bench's rows have no real history: their hidden states hardly differ), not the bench's feed:
     where the experts read follow the tokens (`routes_by_tokens`) the row would read fewer experts than the
-    roofline counts, so there the feed is published over the argmax after each draw (and the row says so)."""
+    roofline counts, so there the feed is published over the argmax after each draw (and the row says so).
+    Such a row whose routing check (`row_routing`) read under half the experts the roofline counts in a layer
+    is labelled not comparable."""
     publish = rank.fast is not None and rank.fast.draw_in_graph and routes_by_tokens(rank, batch)
     if publish:
         variant = f"{variant} (feed published over the graph's argmax)".strip()
     wall, forward, replay, path, routing = decode_row(rank, batch, context, steps, "d", publish)
+    counted = min(model.config.num_experts, batch * model.config.num_experts_per_token)
+    if publish and routing and 2 * routing["experts_touched_min"] < counted:
+        # mini's random weights can route every row alike (session 9: 4 experts a layer at 64 / 1024): a form
+        # that reads only the picked experts then moves far less than the roofline counts (a few experts short
+        # is chance: 64 uniform top-4 picks of 32 leave ~0.006 unread, 2 of 8 ~0.5)
+        variant = f"{variant} (NOT comparable: routing collapsed, {routing['experts_touched_min']} of the " \
+                  f"{counted} experts the roofline counts read in a layer)"
     roof = step_bytes(model, batch, context) / bandwidth
     print(f"{batch:>6} {context:>8} {1e3 * wall:>9.2f} {1e3 * forward:>8.2f} {batch / wall:>9.1f} "
           f"{1e3 * roof:>12.3f} {roof / wall:>8.1%} {1e3 * replay:>10.2f} {roof / replay:>10.1%} {variant}", flush=True)

@@ -133,3 +133,22 @@ def test_rows_whose_experts_follow_the_tokens_read_the_feed(tmp_path, monkeypatc
     assert labels == [(1, ""), (2, "(feed published over the graph's argmax)"),
                       (8, "(feed published over the graph's argmax)")]
     assert "K3_DECODE_DRAW_IN_GRAPH" not in os.environ
+
+
+def test_a_row_whose_routing_collapsed_is_labelled_not_comparable(tmp_path, monkeypatch):
+    """A row whose form reads only the picked experts, where the routing check found a layer reading under half
+    the experts the roofline counts (nano batch 8: min(16, 8 x 4) = 16), says its ratio is not comparable; the
+    same routing on the dense form (its bytes do not follow the routing) is not labelled."""
+    monkeypatch.setenv("K3_DECODE_FASTPATH", "1")
+    monkeypatch.delenv("K3_DECODE_DRAW_IN_GRAPH", raising=False)
+    monkeypatch.setattr(serve_decode, "row_routing",
+                        lambda *a: {"experts_touched_min": 7, "experts": 16, "max_expert_load": 8})
+    out = tmp_path / "serve.json"
+    monkeypatch.setattr(sys, "argv", ["serve", "--model", "nano", "--device", "cpu", "--batches", "8",
+                                      "--contexts", "64", "--steps", "2", "--prefix", "0", "--peer-batches",
+                                      "--num-pages", "300", "--out", str(out), "--variant", "routed=",
+                                      "--variant", "dense=K3_DENSE_EXPERTS=tma-down"])
+    serve.main()
+    labels = [r["variant"] for r in json.loads(out.read_text())["decode"]]
+    assert labels == ["routed (feed published over the graph's argmax) (NOT comparable: routing collapsed, 7 of "
+                      "the 16 experts the roofline counts read in a layer)", "dense"]
