@@ -48,28 +48,54 @@ def moe_align(indices: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.
     return order // indices.shape[1], torch.cumsum(counts, 0, dtype=torch.int32), position.view(indices.shape)
 
 
+Padding = tuple[torch.Tensor, int]  # (marker [T], value): the tokens whose marker is the value are padding rows
+
+
 def routed_expert_gate_up_glu(z: torch.Tensor, w13: torch.Tensor, indices: torch.Tensor, activation: str = "situ",
-                              beta1: float = 4.0, beta2: float = 25.0) -> tuple[torch.Tensor, torch.Tensor]:
+                              beta1: float = 4.0, beta2: float = 25.0,
+                              padding: Padding | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each routed pair's gate|up GEMM and GLU, rows sorted by expert (moe_align's order): row r, the pair
     (t, j) of expert e, is the GLU of w13[e] @ z[t] -> (act [T*k, F], the row of each pair [T, k]). The dense
-    form's rows picked (`expert_gate_up_glu`: E x T products, not every pair against every expert's weights)."""
-    rows_token, _, position = moe_align(indices, w13.shape[0])
-    return expert_gate_up_glu(z, w13, activation, beta1, beta2)[_rows_expert(indices), rows_token], position
+    form's rows picked (`expert_gate_up_glu`: E x T products, not every pair against every expert's weights).
+    `padding`: its tokens are routed to no expert (a CUDA graph bucket's padding rows): the other pairs take
+    the first rows in the same order (the rows after them are zeros), the padding pairs' row is T*k, the zero
+    row `routed_expert_down` adds with `padding`."""
+    rows_token, rows_expert, live, position = _sorted_pairs(indices, w13.shape[0], padding)
+    act = expert_gate_up_glu(z, w13, activation, beta1, beta2)[rows_expert, rows_token]
+    return (act if live is None else torch.where(live[:, None], act, 0)), position
 
 
-def routed_expert_down(act: torch.Tensor, w2: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def routed_expert_down(act: torch.Tensor, w2: torch.Tensor, indices: torch.Tensor,
+                       padding: Padding | None = None) -> torch.Tensor:
     """Each routed pair's down projection: row r of act [T*k, F] (sorted by expert, as
     routed_expert_gate_up_glu gives them) times its expert's w2[e]^T -> [T*k, l]. The rows placed in the dense
-    form's [E, T, F] (zeros elsewhere) through `expert_down`, and picked back."""
-    rows_token, rows_expert = moe_align(indices, w2.shape[0])[0], _rows_expert(indices)
+    form's [E, T, F] (zeros elsewhere) through `expert_down`, and picked back. With `padding` (as
+    routed_expert_gate_up_glu's) [T*k + 1, l]: the padding pairs' rows (the last) and row T*k zeros."""
+    rows_token, rows_expert, live, _ = _sorted_pairs(indices, w2.shape[0], padding)
+    if live is not None:  # a padding token's slots hold zeros: its pairs (the only writers there) write zeros
+        act = torch.where(live[:, None], act, 0)
     dense = act.new_zeros(w2.shape[0], indices.shape[0], act.shape[1])
     dense[rows_expert, rows_token] = act
-    return expert_down(dense, w2)[rows_expert, rows_token]
+    out = expert_down(dense, w2)[rows_expert, rows_token]
+    if live is None:
+        return out
+    return torch.cat([torch.where(live[:, None], out, 0), out.new_zeros(1, out.shape[1])])
 
 
-def _rows_expert(indices: torch.Tensor) -> torch.Tensor:
-    """The expert of each row in moe_align's order (sorted by expert): the ids sorted."""
-    return torch.sort(indices.reshape(-1).to(torch.int64)).values
+def _sorted_pairs(indices: torch.Tensor, experts: int,
+                  padding: Padding | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """moe_align's rows for the routed references: (token, expert and, with padding, whether routed, of each
+    row; the row of each pair). Padding pairs sort last as an expert past the last (their expert clamped to
+    the last: a slot of their own token, which no routed pair shares); their position is T*k. No host sync."""
+    if padding is None:
+        rows_token, _, position = moe_align(indices, experts)
+        return rows_token, torch.sort(indices.reshape(-1).to(torch.int64)).values, None, position
+    pad = padding[0] == padding[1]
+    ids = torch.where(pad[:, None], experts, indices.to(torch.int64))
+    rows_token, _, position = moe_align(ids, experts + 1)
+    rows_expert = torch.sort(ids.reshape(-1)).values
+    return rows_token, rows_expert.clamp(max=experts - 1), rows_expert < experts, \
+        torch.where(pad[:, None], indices.numel(), position)
 
 
 def picked_rows(index: torch.Tensor, index_stride: int, token_stride: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ from k3core.model import K3Model
 from kernels import dispatch
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.decode_inputs import DecodeInputBuilder, DecodeInputs
+from services.engine.fast_ffn import padding_rows
 from services.engine.fast_tensor_parallel import graph_capturable, rank_decoder
 
 ENV = "K3_DECODE_FASTPATH"  # "0": never; "1": also on CPU (eager); unset: on CUDA
@@ -96,15 +97,18 @@ class DecodeFastPath:
         self.max_batch = max_batch
 
     def _step_forward(self) -> Callable[[DecodeInputs], torch.Tensor]:
-        """The forward a step runs (and a graph captures): with the look-ahead, its tokens resolved first; with
-        the draw in the graph, the greedy argmax of its logits into `drawn` last (after the prologue read it)."""
+        """The forward a step runs (and a graph captures): with the look-ahead, its tokens resolved first; the
+        rows on the scratch pages known as padding to the MoE layers (`fast_ffn.padding_rows`); with the draw in
+        the graph, the greedy argmax of its logits into `drawn` last (after the prologue read it)."""
         lookahead, draw = self.lookahead, self.draw_in_graph
-        if not lookahead and not draw:
-            return self.decoder.forward
         kda, base = self.builder.scratch_kda, self.builder.scratch_base
 
         def forward(inp: DecodeInputs) -> torch.Tensor:
-            logits = self.decoder.forward(inp.resolve_on_device(self.drawn, kda, base) if lookahead else inp)
+            inp = inp.resolve_on_device(self.drawn, kda, base) if lookahead else inp
+            # padding rows (and stopped look-ahead rows) are those on the scratch pages: the routed experts skip them
+            marker = (inp.kda_slots[0], kda) if inp.kda_slots.shape[0] else (inp.row_base[0], base)
+            with padding_rows(self.decoder.ffn, *marker):
+                logits = self.decoder.forward(inp)
             if draw:
                 dispatch.greedy_argmax(logits, out=self.drawn[: logits.shape[0]])
             return logits

@@ -20,7 +20,8 @@ each); the router's branch then joins before the expert GEMMs.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -32,6 +33,7 @@ from k3core.layers.mlp import GatedMLP
 from k3core.layers.moe import SparseMoE
 from k3core.ops.moe import swiglu
 from kernels import dispatch
+from kernels.fused.naive import Padding
 from services.engine.derived_weights import DerivedWeights
 from services.engine.fast_attention import Projection, fork, fuse_linears, join, linear_add, on, rms
 
@@ -112,6 +114,20 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+@contextmanager
+def padding_rows(ffn: list, marker: torch.Tensor, value: int) -> Iterator[None]:
+    """Within the block, the MoE layers of `ffn` (a decoder's feed-forward ops) know the rows whose `marker` [B]
+    is `value` as padding (`MoeDecode.padding`); a forward captured in a CUDA graph reads the marker at replay."""
+    layers = [op for op in ffn if isinstance(op, MoeDecode)]
+    for op in layers:
+        op.padding = (marker, value)
+    try:
+        yield
+    finally:
+        for op in layers:
+            op.padding = None
+
+
 class MoeDecode:
     def __init__(self, moe: SparseMoE, config: K3Config, grouped: bool, derived: DerivedWeights | None = None) -> None:
         self.moe, self.config, self.grouped = moe, config, grouped
@@ -140,6 +156,9 @@ class MoeDecode:
         # Set by a tensor-parallel rank (fast_tensor_parallel.ShardedMoe): the routed sum goes through it (this
         # rank's experts' share, all-reduced between the sum and the latent norm), so the tail runs unfused.
         self.routed_wrapper: Callable[[RoutedSum, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # Within `padding_rows` (a decode step's forward): which rows are a CUDA-graph bucket's padding, which the
+        # routed form routes to no expert (no extra rows, passes or experts read for rows nobody reads).
+        self.padding: Padding | None = None
 
     @staticmethod
     def projections(c: K3Config, residual: bool) -> list[Projection]:
@@ -167,10 +186,13 @@ class MoeDecode:
         return out, position, 1, 0
 
     def _expert_rows_routed(self, z: torch.Tensor, indices: torch.Tensor) -> ExpertRows:
-        """The grouped form's rows (each pair once, sorted by expert) from one launch per projection."""
+        """The grouped form's rows (each pair once, sorted by expert) from one launch per projection; `padding`
+        rows' pairs all read the zero row after them (their routed sum is 0: finite, read by no other row)."""
+        padding = self.padding if self.padding is not None and self.padding[0].shape[0] == z.shape[0] else None
         act, position = dispatch.routed_expert_gate_up_glu(z, self.w13, indices, self.activation,
-                                                           self.config.situ_beta, self.config.situ_linear_beta)
-        return dispatch.routed_expert_down(act, self.w2, indices), position, 1, 0
+                                                           self.config.situ_beta, self.config.situ_linear_beta,
+                                                           padding=padding)
+        return dispatch.routed_expert_down(act, self.w2, indices, padding=padding), position, 1, 0
 
     def _routed(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dense: bool) -> torch.Tensor:
         """The routed sum [T, l] in float32 (the tensor a tensor-parallel rank all-reduces)."""

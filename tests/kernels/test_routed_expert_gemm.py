@@ -107,3 +107,76 @@ def test_launchers_refuse_bad_inputs():
         routed.routed_expert_down(torch.zeros(8, F + 1, dtype=z.dtype), w2, indices)
     with pytest.raises(ValueError, match="share a dtype"):
         routed.routed_expert_gate_up_glu(z.float(), w13, indices)
+
+
+SKIP = 99  # the padding marker's value (the fast path: the scratch KDA page)
+
+
+def _padded(real: int, pad_at: list[int], seed: int = 3):
+    """A batch of `real` tokens with padding tokens inserted at `pad_at` (sorted): the padding rows all pick
+    experts 3 (which no real token picks) and 0, as a bucket's alike padding rows pick one top-k. -> (inputs
+    padded, the marker [T], the real tokens' rows, inputs of the real tokens alone)."""
+    z, w13, w2, indices = _inputs(real + len(pad_at), seed)
+    keep = [t for t in range(len(z)) if t not in pad_at]
+    indices[pad_at] = torch.tensor([3, 0])
+    marker = torch.arange(len(z), dtype=torch.int64)
+    marker[pad_at] = SKIP
+    return (z, w13, w2, indices), marker, keep, (z[keep], indices[keep].contiguous())
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize(("real", "pad_at"), [(13, list(range(13, 20))), (9, [0, 4, 10])])
+def test_padding_rows_route_to_no_expert(interpreted, tma, real, pad_at):
+    """The real tokens' rows, positions and down rows are bit for bit those of the same kernels on the real
+    tokens alone (same tiles: the padding pairs are not rows); every padding pair's position is R = T*k, the
+    down projection's added row, zeros; the first R_real rows equal the reference's (padding's too)."""
+    (z, w13, w2, indices), marker, keep, (z_real, ind_real) = _padded(real, pad_at)
+    tiling = {"block_n": 16, "block_t": 16, "block_k": 32, "tma": tma}
+    act, position = routed.routed_expert_gate_up_glu(z, w13, indices, "situ", padding=(marker, SKIP), **tiling)
+    down = routed.routed_expert_down(act, w2, indices, padding=(marker, SKIP), **tiling)
+    act_real, position_real = routed.routed_expert_gate_up_glu(z_real, w13, ind_real, "situ", **tiling)
+    down_real = routed.routed_expert_down(act_real, w2, ind_real, **tiling)
+    rows, pairs = real * K, indices.numel()
+    assert torch.equal(position[keep], position_real)
+    assert torch.equal(act[:rows], act_real) and torch.equal(down[:rows], down_real)
+    assert down.shape == (pairs + 1, L) and torch.equal(down[pairs], torch.zeros(L, dtype=down.dtype))
+    assert (position[pad_at] == pairs).all()
+    want_act, want_position = naive.routed_expert_gate_up_glu(z.float(), w13.float(), indices, "situ",
+                                                              padding=(marker, SKIP))
+    assert torch.equal(position, want_position)
+    torch.testing.assert_close(act[:rows].float(), want_act[:rows], rtol=1e-2, atol=1e-2)
+    want_down = naive.routed_expert_down(want_act, w2.float(), indices, padding=(marker, SKIP))
+    assert want_down.shape == down.shape and not want_down[rows:].any()
+    torch.testing.assert_close(down[:rows].float(), want_down[:rows], rtol=1e-2, atol=1e-2)
+
+
+def _expert_counts(indices: torch.Tensor, marker: torch.Tensor | None) -> list[tuple[int, int]]:
+    """(first row, row count) of each expert as the kernels' programs work them out (`_expert_rows`)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def counts(indices, marker, out, T, PADDING: tl.constexpr, TOP_K: tl.constexpr, BLOCK_P: tl.constexpr):
+        expert = tl.program_id(0)
+        first, count, _, _, _ = routed._expert_rows(indices, marker, SKIP, expert, T, PADDING, TOP_K, BLOCK_P,
+                                                    TOP_K)
+        tl.store(out + 2 * expert, first)
+        tl.store(out + 2 * expert + 1, count)
+
+    out = torch.zeros(E, 2, dtype=torch.int32)
+    counts[(E,)](indices, indices if marker is None else marker, out, indices.shape[0], PADDING=marker is not None,
+                 TOP_K=K, BLOCK_P=max(16, triton.next_power_of_2(indices.shape[0])))
+    return [tuple(row) for row in out.tolist()]
+
+
+def test_padding_rows_add_no_expert_rows_nor_passes(interpreted):
+    """Each program's rows (its weight-block passes: ceil(count / BLOCK_T), none when count is 0): with the
+    padding marked, those of the real tokens alone: expert 3, which only padding rows pick, reads nothing and
+    expert 0 keeps one 16-row pass; unmarked, the 7 padding rows add 7 rows to experts 0 and 3 (a second pass
+    for expert 0, a first for 3: the finding this fixes)."""
+    (_, _, _, indices), marker, keep, (_, ind_real) = _padded(13, list(range(13, 20)))
+    alone = _expert_counts(ind_real, None)
+    assert _expert_counts(indices, marker) == alone
+    assert alone[3][1] == 0 and alone[0][1] == 13
+    unmarked = _expert_counts(indices, None)
+    assert unmarked[0][1] == 20 and unmarked[3][1] == 7  # 2 passes of 16 rows, and expert 3 read

@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import dispatch
+from kernels.fused import naive
 from services.engine.fast_ffn import (
     DENSE_FORM_ENV,
     DENSE_FORMS,
@@ -18,6 +19,7 @@ from services.engine.fast_ffn import (
     MoeDecode,
     dense_form,
     grouped_mm_available,
+    padding_rows,
 )
 from tests.workers.oracle import build_reference
 
@@ -178,3 +180,64 @@ def test_routed_form_only_in_the_dense_range_and_unsharded(monkeypatch):
     monkeypatch.setenv(DENSE_FORM_ENV, ROUTED_FORM)
     fast.routed_wrapper = lambda routed, z, weights, indices: routed(z, weights, indices)
     assert not fast.routed(9)
+
+
+def test_routed_form_routes_padding_rows_to_no_expert(monkeypatch):
+    """A batch padded up to its bucket (`padding_rows`: rows whose marker is the scratch value): the real rows'
+    outputs are bit for bit those of the layer on the real rows alone, the routed GEMMs get no pair of a
+    padding row (their pairs all read the zero row after the R rows: the routed sum 0, the output finite), and
+    outside the block the layer knows no padding."""
+    monkeypatch.setenv(DENSE_FORM_ENV, ROUTED_FORM)
+    model, moe = _moe()
+    gen = torch.Generator().manual_seed(4)
+    real, size, scratch = 9, 12, 77
+    x = torch.randn(size, model.config.hidden_size, generator=gen)
+    x[real:] = x[0]  # alike padding rows pick alike experts
+    residual = torch.randn(size, model.config.hidden_size, generator=gen)
+    marker = torch.tensor([3] * real + [scratch] * (size - real))
+    fast = MoeDecode(moe, model.config, grouped=True)
+    assert fast.routed(size) and fast.routed(real)
+    calls = []
+    down = dispatch.routed_expert_down
+    monkeypatch.setattr(dispatch, "routed_expert_down", lambda *a, **k: calls.append(out := down(*a, **k)) or out)
+    with torch.no_grad():
+        alone = fast(x[:real], residual[:real].clone())
+        with padding_rows([fast], marker, scratch):
+            padded = fast(x, residual.clone())
+        assert fast.padding is None
+    assert torch.equal(padded[:real], alone) and padded[real:].isfinite().all()
+    rows = calls[-1]
+    assert rows.shape[0] == size * moe.top_k + 1 and not rows[real * moe.top_k:].any()  # only real rows computed
+    _, indices = fast._route(x)
+    _, position = naive.routed_expert_gate_up_glu(torch.zeros(size, fast.w13.shape[2]), fast.w13, indices,
+                                                  padding=(marker, scratch))
+    assert (position[real:] == size * moe.top_k).all()
+    assert sorted(position[:real].flatten().tolist()) == list(range(real * moe.top_k))
+
+
+def test_decode_step_marks_the_rows_on_the_scratch_pages_as_padding(monkeypatch):
+    """The fast path's step forward (eager here; a graph captures the same calls, the marker read at replay):
+    every MoE layer's routed GEMMs get the rows' KDA state pages and the scratch page, which flags exactly the
+    bucket's padding rows; the real rows' logits are those of the unpadded step."""
+    from tests.workers.test_fastpath import _decoding_driver
+
+    monkeypatch.setenv(DENSE_FORM_ENV, ROUTED_FORM)
+    driver = _decoding_driver(build_reference("nano", seed=3))
+    fast = driver.executor.fastpath
+    _, cached = driver.reserve_step()
+    seen = []
+    gate_up = dispatch.routed_expert_gate_up_glu
+    monkeypatch.setattr(dispatch, "routed_expert_gate_up_glu",
+                        lambda *a, padding=None, **k: seen.append(padding) or gate_up(*a, padding=padding, **k))
+    tokens, real, size = [5] * len(cached), len(cached), 8
+    before = driver.manager.store.data.clone()
+    plain = fast.decoder.forward(fast.builder.view(torch.from_numpy(fast.builder.build(cached, tokens, real)), real))
+    driver.manager.store.data.copy_(before)
+    seen.clear()
+    padded = fast._forward(fast.builder.view(torch.from_numpy(fast.builder.build(cached, tokens, size)), size))
+    moe_layers = sum(isinstance(op, MoeDecode) for op in fast.decoder.ffn)
+    assert len(seen) == moe_layers > 0
+    for marker, value in seen:
+        assert value == fast.builder.scratch_kda
+        assert (marker == value).tolist() == [False] * real + [True] * (size - real)
+    torch.testing.assert_close(padded[:real], plain, rtol=1e-5, atol=1e-5)
