@@ -77,3 +77,52 @@ def test_routed_layer_equals_the_dense_layer_in_a_graph(tokens, monkeypatch):
         assert scale > 0
         torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2 * scale)
     assert not torch.equal(replayed[0], replayed[1])  # the replays followed the new tokens
+
+
+def test_padding_rows_in_a_graph_route_to_no_expert(monkeypatch):
+    """97 tokens in the 128 bucket: the layer captured once with the padding marker (the scratch page's value on
+    rows 97-127, as the decode step's `padding_rows` gives it), replayed on two batches with alike padding rows:
+    bit for bit the eager padded layer, the padding rows finite, the real rows those of the layer on the 97
+    rows alone (within the other GEMMs' tilings); the compiled routed GEMMs at 128 rows with the marker give
+    the 97 rows' rows and positions bit for bit and point the padding pairs at the zero row 128*k."""
+    from services.engine.fast_ffn import DENSE_FORM_ENV, ROUTED_FORM, padding_rows
+    from tests.kernels.test_expert_gemm import mini_moe_decode
+
+    dev, real, size, scratch = _cuda(), 97, 128, 7
+    gen = torch.Generator(device=dev).manual_seed(97)
+    fast, config = mini_moe_decode(dev, gen)
+    monkeypatch.setenv(DENSE_FORM_ENV, ROUTED_FORM)
+    marker = torch.full((size,), 3, dtype=torch.int64, device=dev)
+    marker[real:] = scratch
+    batches = [torch.randn(size, config.hidden_size, device=dev, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    for batch in batches:
+        batch[real:] = batch[0]  # alike padding rows: the same top-k experts
+    x, residual = batches[0].clone(), torch.zeros_like(batches[0])
+    with torch.no_grad(), padding_rows([fast], marker, scratch):
+        fast(x, torch.zeros_like(x))  # compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fast(x, residual)
+    with torch.no_grad():
+        for batch in batches:
+            x.copy_(batch)
+            residual.zero_()
+            graph.replay()
+            with padding_rows([fast], marker, scratch):
+                eager = fast(batch.clone(), torch.zeros_like(batch))
+            alone = fast(batch[:real].clone(), torch.zeros_like(batch[:real]))
+            torch.cuda.synchronize()
+            assert torch.equal(residual, eager) and residual[real:].isfinite().all()
+            scale = float(alone.abs().max())  # other GEMM tilings at 97 rows than at 128 (cuBLAS): close
+            torch.testing.assert_close(residual[:real].float(), alone.float(), rtol=2e-2, atol=2e-2 * scale)
+        z = torch.randn(size, 1024, device=dev, generator=gen).to(torch.bfloat16)
+        _, indices = fast._route(batches[1])
+        mark = (marker, scratch)
+        act, position = routed.routed_expert_gate_up_glu(z, fast.w13, indices, padding=mark)
+        down = routed.routed_expert_down(act, fast.w2, indices, padding=mark)
+        act_real, position_real = routed.routed_expert_gate_up_glu(z[:real], fast.w13, indices[:real].contiguous())
+        down_real = routed.routed_expert_down(act_real, fast.w2, indices[:real].contiguous())
+    rows = real * indices.shape[1]
+    assert torch.equal(position[:real], position_real) and (position[real:] == size * indices.shape[1]).all()
+    assert torch.equal(down[:rows], down_real) and not down[-1].any()
