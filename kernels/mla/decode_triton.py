@@ -114,8 +114,10 @@ if triton is not None:
 
 
 def default_splits(batch: int, capacity: int, block: int, sms: int = 132) -> int:
-    """About two (sequence, split) programs per SM, as a power of two (measured best on the H200, where two
-    programs fit an SM: 4 splits at B=64 for 1K-64K, 16 at B=16), never a split of fewer than 4 tiles."""
+    """About two (sequence, split) programs per SM, rounded to a power of two (measured best on the H200, where
+    two programs fit an SM: 4 splits at B=64 for 1K-64K, 16 at B=16), then capped at capacity // (4 * block)
+    so that no split has fewer than 4 tiles: a capped count need not be a power of two (3 sequences over 640
+    tokens in 32-row tiles: 5 splits)."""
     wanted = 1 << max(0, round(math.log2(2 * sms / batch)))
     return max(1, min(wanted, capacity // (4 * block)))
 
