@@ -194,18 +194,20 @@ def dense_expert_tilings(tokens: int) -> None:
                                        num_warps=warps, num_stages=stages, tma=tma)
 
 
-def routed_experts(tokens: int, gate_up: list[tuple] | None = None, down: list[tuple] | None = None) -> None:
+def routed_experts(tokens: int, gate_up: list[tuple] | None = None, down: list[tuple] | None = None,
+                   padded: bool = False) -> None:
     """The routed experts' gate|up and down (fast_ffn's routed form) in the given tilings (bench/serve_glue_gemms.py's
-    tuples; None: the launchers' defaults)."""
+    tuples; None: the launchers' defaults); `padded`: with a decode step's padding marker (the KDA slots)."""
     ids, z = torch.zeros(tokens, TOP_K, dtype=I64), empty(tokens, LATENT + 2 * 2 * F_MOE)[:, :LATENT]
+    padding = (torch.zeros(tokens, dtype=I64), 5) if padded else None
     for n, t, k, warps, stages, tma in gate_up or [(64, 0, 64, 4, 4, True)]:
         routed_expert_gemm_triton.routed_expert_gate_up_glu(z, empty(E, 2 * F_MOE, LATENT), ids, block_n=n,
                                                             block_t=t, block_k=k, num_warps=warps, num_stages=stages,
-                                                            tma=tma)
+                                                            tma=tma, padding=padding)
     for n, t, k, warps, stages, tma in down or [(64, 0, 64, 4, 4, True)]:
         routed_expert_gemm_triton.routed_expert_down(empty(tokens * TOP_K, F_MOE), empty(E, LATENT, F_MOE), ids,
                                                      block_n=n, block_t=t, block_k=k, num_warps=warps,
-                                                     num_stages=stages, tma=tma)
+                                                     num_stages=stages, tma=tma, padding=padding)
 
 
 def latent_moe(tokens: int, experts: int = E, latent: int = LATENT, width: int = F_MOE, top_k: int = TOP_K,
@@ -270,6 +272,7 @@ CASES = {
     **{f"moe T={t}": lambda t=t: moe_step(t) for t in DECODE_BATCHES},
     **{f"latent moe T={t}": lambda t=t: latent_moe(t) for t in DECODE_BATCHES},
     **{f"routed experts T={t}": lambda t=t: routed_experts(t) for t in DECODE_BATCHES},
+    "routed experts padded T=128": lambda: routed_experts(128, padded=True),  # a decode graph bucket's padding
     **{f"skinny gemm T={t}": lambda t=t: skinny_gemm(t) for t in DECODE_BATCHES},
     **{f"greedy argmax B={b}": lambda b=b: greedy_draw(b) for b in DECODE_BATCHES},
     **{f"lookahead prologue B={b}": lambda b=b: lookahead_prologue(b) for b in DECODE_BATCHES},
