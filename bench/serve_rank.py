@@ -124,12 +124,19 @@ class Rank:
         return int(logits[-1].argmax()), hit
 
     def fill(self, rids: list[str], context: int) -> list[list[int]]:
-        """Requests at `context` tokens without a forward (pages reserved, marked computed); their prompts."""
+        """Requests at `context` tokens without a forward (pages reserved, marked computed); their prompts.
+        Their MLA pages are zeroed: the pool has one free list for both kinds, so a page this fill takes may
+        have held a finished row's KDA state, whose float32 bytes read as bf16 latents hold Inf/NaN (session
+        9: from the first MLA layer on every row was NaN and routed to the same top-k experts). A prefill
+        writes every latent before a decode reads it; the KDA state pages are zeroed on a miss already."""
         manager = self.manager
         prompts = [[(7919 * i + 31 * j + context) % self.vocab + 1 for j in range(context)] for i in range(len(rids))]
         for rid, prompt in zip(rids, prompts, strict=True):
             hit = manager.add_request(rid, prompt)
             manager.reserve(rid, context - hit)
+        pages = [p for rid in rids for block in manager.requests[rid].blocks for p in block.pages]
+        if pages and manager.store is not None:
+            manager.store.data[torch.tensor(pages, device=manager.store.data.device)] = 0
         manager.pre_forward()
         for rid in rids:
             manager.forward_done(rid)
