@@ -140,9 +140,9 @@ def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps
     wall, forward, replay, path, routing = decode_row(rank, batch, context, steps, "d", publish)
     counted = min(model.config.num_experts, batch * model.config.num_experts_per_token)
     if publish and routing and 2 * routing["experts_touched_min"] < counted:
-        # mini's random weights can route every row alike (session 9: 4 experts a layer at 64 / 1024): a form
-        # that reads only the picked experts then moves far less than the roofline counts (a few experts short
-        # is chance: 64 uniform top-4 picks of 32 leave ~0.006 unread, 2 of 8 ~0.5)
+        # rows routed alike (session 9: 4 experts a layer at 64 / 1024, NaN rows from latents `Rank.fill` left
+        # stale, docs/serving.md item 20): a form that reads only the picked experts then moves far less than
+        # the roofline counts (a few experts short is chance: 64 uniform top-4 picks of 32 leave ~0.006 unread)
         variant = f"{variant} (NOT comparable: routing collapsed, {routing['experts_touched_min']} of the " \
                   f"{counted} experts the roofline counts read in a layer)"
     roof = step_bytes(model, batch, context) / bandwidth
@@ -186,7 +186,7 @@ def routed_step(rank: Rank, rids: list[str], tokens: list[int]) -> tuple[object,
 
 def row_routing(rank: Rank, rids: list[str], step: int) -> dict:
     """The routing of a row's rows after its timed steps, on one more feed (a check that the row read the
-    experts the roofline counts: the bench's rows have no real history, so their hidden states may be alike)."""
+    experts the roofline counts: rows whose hidden states are alike, or NaN, all pick the same top-k)."""
     _, loads = routed_step(rank, rids, rank.next_tokens(len(rids), step))
     rank.end_step(rids)
     return {"experts_touched_min": min((sum(1 for n in layer if n) for layer in loads), default=0),
