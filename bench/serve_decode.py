@@ -159,10 +159,11 @@ SWEEP_HEADER = (f"{'batch':>6} {'context':>8} {'step ms':>9} {'fwd ms':>8} {'tok
                 f"{'of roof':>8} {'replay ms':>10} {'replay/roof':>10} variant")
 
 
-def routed_step(rank: Rank, rids: list[str], tokens: list[int]) -> tuple[object, list[list[int]]]:
-    """One eager fast-path forward of the rows on `tokens` (the step begun, not ended): its inputs, and per MoE
+def routed_step(rank: Rank, rids: list[str], tokens: list[int]) -> tuple[object, list[list[int]], int]:
+    """One eager fast-path forward of the rows on `tokens` (the step begun, not ended): its inputs, per MoE
     layer the tokens each expert got (what the routed and grouped forms read follows them; the roofline counts
-    min(experts, batch x top-k) experts a layer)."""
+    min(experts, batch x top-k) experts a layer), and how many rows' logits are finite (a NaN row's router
+    picks the same top-k as every other NaN row: docs/serving.md item 20)."""
     rank.begin_step(rids, tokens)
     fast, batch = rank.fast, len(rids)
     cached = [rank.manager.requests[r] for r in rids]
@@ -177,21 +178,20 @@ def routed_step(rank: Rank, rids: list[str], tokens: list[int]) -> tuple[object,
 
     fast_ffn.MoeDecode._route = counting_route  # eager only: count the experts each MoE layer reads
     try:
-        fast.decoder.forward(inputs)
+        finite = int(fast.decoder.forward(inputs).isfinite().all(-1).sum())
     finally:
         fast_ffn.MoeDecode._route = route
-    sync()
-    return inputs, loads
+    return inputs, loads, finite
 
 
 def row_routing(rank: Rank, rids: list[str], step: int) -> dict:
     """The routing of a row's rows after its timed steps, on one more feed (a check that the row read the
     experts the roofline counts: rows whose hidden states are alike, or NaN, all pick the same top-k)."""
-    _, loads = routed_step(rank, rids, rank.next_tokens(len(rids), step))
+    _, loads, finite = routed_step(rank, rids, rank.next_tokens(len(rids), step))
     rank.end_step(rids)
     return {"experts_touched_min": min((sum(1 for n in layer if n) for layer in loads), default=0),
             "experts": len(loads[0]) if loads else 0,
-            "max_expert_load": max((max(layer) for layer in loads), default=0)}
+            "max_expert_load": max((max(layer) for layer in loads), default=0), "finite_rows": finite}
 
 
 def profile_forward(rank: Rank, batch: int, context: int) -> dict:
@@ -201,10 +201,11 @@ def profile_forward(rank: Rank, batch: int, context: int) -> dict:
 
     rids = [f"prof-{i}" for i in range(batch)]
     rank.fill(rids, context)
-    inputs, loads = routed_step(rank, rids, rank.next_tokens(batch, 0))
+    inputs, loads, finite = routed_step(rank, rids, rank.next_tokens(batch, 0))
     fast = rank.fast
-    touched = [sum(1 for n in layer if n) for layer in loads]
-    print(f"experts touched per MoE layer at batch {batch}: {touched}")
+    touched, most = [sum(1 for n in layer if n) for layer in loads], [max(layer) for layer in loads]
+    print(f"experts touched per MoE layer at batch {batch}: {touched}; most tokens on one expert: {most}; "
+          f"rows with finite logits: {finite}")
     with profile(activities=[ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]) as prof:
         fast.decoder.forward(inputs)
         sync()
@@ -218,4 +219,5 @@ def profile_forward(rank: Rank, batch: int, context: int) -> dict:
     rank.end_step(rids)
     rank.finish(rids)
     return {"batch": batch, "context": context, "kernels": kernels, "device_ms": total / 1e3, "experts_touched": touched,
+            "max_expert_load": most, "finite_rows": finite,
             "top": [{"ms": e.device_time_total / 1e3, "count": e.count, "name": e.key[:120]} for e in top]}

@@ -53,8 +53,10 @@ def check_rows_spread(monkeypatch, model_name: str, batch: int, num_pages: int) 
     rows = [decode_sweep_row(rank, model, batch, CONTEXT, 2, 1e10) for _ in range(3)]
     assert rank.manager.pool.num_free < num_pages // 2  # the pool did recycle pages
     assert [r["routing"]["experts_touched_min"] >= bar for r in rows] == [True] * 3, [r["routing"] for r in rows]
-    assert all(r["routing"]["max_expert_load"] < batch for r in rows)
-    touched = profile_forward(rank, batch, CONTEXT)["experts_touched"]
+    assert all(r["routing"]["max_expert_load"] < batch and r["routing"]["finite_rows"] == batch for r in rows)
+    profile = profile_forward(rank, batch, CONTEXT)
+    touched = profile["experts_touched"]
+    assert profile["finite_rows"] == batch
     moe_layers = sum(model.config.is_moe_layer(i) for i in range(model.config.num_hidden_layers))
     assert len(touched) == moe_layers and min(touched) >= bar, touched
 
@@ -83,5 +85,5 @@ def test_fill_zeroes_the_latent_pages_it_reserves(monkeypatch):
     state = [p for req in requests for p in req.state_pages]
     assert len(latent) == BATCH * (CONTEXT // 512) and state
     assert not store.data[latent].any() and not store.data[state].any()
-    _, loads = routed_step(rank, rids, rank.next_tokens(BATCH, 0))
-    assert min(sum(1 for n in layer if n) for layer in loads) >= spread_bar("nano", BATCH)
+    _, loads, finite = routed_step(rank, rids, rank.next_tokens(BATCH, 0))
+    assert finite == BATCH and min(sum(1 for n in layer if n) for layer in loads) >= spread_bar("nano", BATCH)
