@@ -45,19 +45,22 @@ BRANCHES_ENV = "K3_DECODE_BRANCHES"  # "0": every kernel of a captured layer in 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def fork(x: torch.Tensor) -> torch.cuda.Stream | None:
+def fork(x: torch.Tensor, streams: dict[torch.device, torch.cuda.Stream] | None = None) -> torch.cuda.Stream | None:
     """While a CUDA graph is captured: a second stream of x's device that has waited for everything queued so far
     on the current one, for work of a layer that only the layer's end needs (in the graph a parallel branch, so
     a latency-bound kernel runs beside the main chain's GEMMs instead of between them: 3-6 us a MoE layer at
     batch 64 on the H200, docs/serving.md item 11). None otherwise (eager forwards are host-bound: two more
     CUDA calls a fork would cost more than they hide) and with K3_DECODE_BRANCHES=0.
     Pair with `join` before the first reader of the branch's outputs. What the branch allocates is freed only
-    on its own stream's pool, whose next user waits at the next fork: no `record_stream` needed."""
+    on its own stream's pool, whose next user waits at the next fork: no `record_stream` needed.
+    `streams`: where the branch's stream is kept, per device (default: the layers' shared one); a branch that
+    spans other branches needs its own (on the shared stream the first of them would join it)."""
     if not x.is_cuda or os.environ.get(BRANCHES_ENV, "1") == "0" or not torch.cuda.is_current_stream_capturing():
         return None
-    side = _SIDE_STREAMS.get(x.device)
+    streams = _SIDE_STREAMS if streams is None else streams
+    side = streams.get(x.device)
     if side is None:
-        side = _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
+        side = streams[x.device] = torch.cuda.Stream(x.device)
     side.wait_stream(torch.cuda.current_stream(x.device))
     return side
 

@@ -25,7 +25,7 @@ from kernels import dispatch
 from kernels.attnres.query_parts import query_parts
 from services.engine.decode_inputs import DecodeInputs
 from services.engine.derived_weights import DerivedWeights
-from services.engine.fast_attention import BRANCHES_ENV, KdaDecode, MlaDecode, Projection, join, on, rms
+from services.engine.fast_attention import KdaDecode, MlaDecode, Projection, fork, join, on, rms
 from services.engine.fast_ffn import MlpDecode, MoeDecode, grouped_mm_available
 
 # AttnRes phase 1 on a side branch, the newest block folded in by the merges, below this many rows. H200, B=64,
@@ -33,19 +33,8 @@ from services.engine.fast_ffn import MlpDecode, MoeDecode, grouped_mm_available
 # chain -> branched, mini (D 2048) 111.9 -> 85.6 us, K3 (D 7168) 1098 -> 917 us.
 BRANCH_ROWS = 1024
 ATTN_RES_BRANCH_ENV = "K3_ATTNRES_BRANCH"  # "0": phase 1 over every completed block on the main chain
+# AttnRes's side branch spans a whole layer block, across the sublayers' own branches: a stream of its own.
 _ATTN_RES_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _fork(x: torch.Tensor) -> torch.cuda.Stream | None:
-    """`fast_attention.fork` on a stream of AttnRes's own: its branch spans a whole layer block, across the
-    sublayers' own short branches (on the shared stream it would be joined by the first of them)."""
-    if not x.is_cuda or os.environ.get(BRANCHES_ENV, "1") == "0" or not torch.cuda.is_current_stream_capturing():
-        return None
-    side = _ATTN_RES_STREAMS.get(x.device)
-    if side is None:
-        side = _ATTN_RES_STREAMS[x.device] = torch.cuda.Stream(x.device)
-    side.wait_stream(torch.cuda.current_stream(x.device))
-    return side
 
 
 class FastDecoder:
@@ -210,7 +199,7 @@ class FastDecoder:
         for i, layer in enumerate(layers):
             if i % size == 0:
                 join(side)
-                inter, side = pending, _fork(newest)  # the branch reads `newest` until the next join
+                inter, side = pending, fork(newest, _ATTN_RES_STREAMS)  # it reads `newest` until the next join
                 with on(side):
                     pending = ahead(i // size, newest)
             sublayers = ((layer.attn_res["attn"], layer.input_layernorm, (inp,)),
