@@ -122,6 +122,17 @@ def mini_moe_decode(dev: torch.device, gen: torch.Generator):
     return MoeDecode(moe.to(torch.bfloat16).eval(), config, grouped=True), config
 
 
+def captured_layer(fast, x: torch.Tensor, residual: torch.Tensor) -> torch.cuda.CUDAGraph:
+    """`fast(x, residual)` captured in a CUDA graph, after an eager call that compiles outside the capture (call
+    under no_grad, and within whatever context the capture needs, e.g. `padding_rows`)."""
+    fast(x, torch.zeros_like(x))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fast(x, residual)
+    return graph
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("tokens", "form"), [(4, "routed"), (64, "tma-down"), (64, "routed")])
 def test_moe_layer_router_branch_is_the_serial_layer_in_a_graph(tokens, form, monkeypatch):
@@ -142,11 +153,7 @@ def test_moe_layer_router_branch_is_the_serial_layer_in_a_graph(tokens, form, mo
         monkeypatch.setenv(BRANCHES_ENV, branches)
         residual = torch.zeros_like(x)
         with torch.no_grad():
-            fast(x, torch.zeros_like(x))  # warm-up (compiles) outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fast(x, residual)
+            graph = captured_layer(fast, x, residual)
             for _ in range(3):
                 residual.zero_()
                 graph.replay()

@@ -46,7 +46,7 @@ def test_routed_layer_equals_the_dense_layer_in_a_graph(tokens, monkeypatch):
     replayed on three different token sets: each replay equals the same layer run eagerly on those tokens
     (bit for bit: same kernels) and the dense tma-down layer within bf16 rounding."""
     from services.engine.fast_ffn import DENSE_FORM_ENV, ROUTED_FORM
-    from tests.kernels.test_expert_gemm import mini_moe_decode
+    from tests.kernels.test_expert_gemm import captured_layer, mini_moe_decode
 
     dev = _cuda()
     gen = torch.Generator(device=dev).manual_seed(tokens)
@@ -56,11 +56,7 @@ def test_routed_layer_equals_the_dense_layer_in_a_graph(tokens, monkeypatch):
     assert fast.routed(tokens)
     x, residual = xs[0].clone(), torch.zeros_like(xs[0])
     with torch.no_grad():
-        fast(x, torch.zeros_like(x))  # warm-up (compiles) outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fast(x, residual)
+        graph = captured_layer(fast, x, residual)
         replayed = []
         for new in xs:
             x.copy_(new)
@@ -86,7 +82,7 @@ def test_padding_rows_in_a_graph_route_to_no_expert(monkeypatch):
     rows alone (within the other GEMMs' tilings); the compiled routed GEMMs at 128 rows with the marker give
     the 97 rows' rows and positions bit for bit and point the padding pairs at the zero row 128*k."""
     from services.engine.fast_ffn import DENSE_FORM_ENV, ROUTED_FORM, padding_rows
-    from tests.kernels.test_expert_gemm import mini_moe_decode
+    from tests.kernels.test_expert_gemm import captured_layer, mini_moe_decode
 
     dev, real, size, scratch = _cuda(), 97, 128, 7
     gen = torch.Generator(device=dev).manual_seed(97)
@@ -99,11 +95,7 @@ def test_padding_rows_in_a_graph_route_to_no_expert(monkeypatch):
         batch[real:] = batch[0]  # alike padding rows: the same top-k experts
     x, residual = batches[0].clone(), torch.zeros_like(batches[0])
     with torch.no_grad(), padding_rows([fast], marker, scratch):
-        fast(x, torch.zeros_like(x))  # compiles outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fast(x, residual)
+        graph = captured_layer(fast, x, residual)
     with torch.no_grad():
         for batch in batches:
             x.copy_(batch)
