@@ -39,8 +39,8 @@ def decode_row(rank: Rank, batch: int, context: int, steps: int, tag: str,
     routing after the row (`row_routing`; {} without the fast path)) of `batch` requests at `context` tokens,
     through the engine's loop (`bench.serve_engine`): "fwd" runs from the moment a step's tokens are on the
     host (the device idles from there) to the end of the next step's forward; the parts:
-    `StepClock.critical_path`. Without the service runtime's packages, the rank's
-    own loop (`rank_decode`, said so in the output and the JSON; no parts). `publish_feed`: `engine_decode`'s."""
+    `StepClock.critical_path`. Without the service runtime's packages, the rank's own loop (`rank_decode`,
+    said so in the output and the JSON; no parts). `publish_feed`: `engine_decode`'s."""
     rids = [f"{tag}-{batch}-{context}-{i}" for i in range(batch)]
     missing = engine_loop_missing()
     if missing:

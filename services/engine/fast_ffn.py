@@ -238,11 +238,9 @@ class MoeDecode:
         if not dense or by_route:  # the grouped and routed forms sort their rows by the routing
             join(side)
             side = None
-        if by_route:
-            rows, index, index_stride, token_stride = self._expert_rows_routed(z, indices)
-        else:
-            rows, index, index_stride, token_stride = (
-                self._expert_rows_dense if dense else self._expert_rows_grouped)(z, indices)
+        expert_rows = self._expert_rows_routed if by_route else \
+            self._expert_rows_dense if dense else self._expert_rows_grouped
+        rows, index, index_stride, token_stride = expert_rows(z, indices)
         join(side)
         norm = moe.routed_expert_norm if moe.latent else None
         tail = dispatch.moe_combine(rows, index, weights, index_stride, token_stride,
