@@ -7,9 +7,9 @@ the decode look-ahead on (decode_lookahead.py; the default at TP 1) it also owns
 tokens on the device, which a look-ahead step's forward reads its tokens from (`DecodeInputs.resolve_on_device`,
 in the graph).
 
-Where the overlap draws (TP 1, no draft model) the step's forward ends by default (K3_DECODE_DRAW_IN_GRAPH=0 turns it
-off; docs/serving.md item 18: 13-14 us a step at batch 64 on the H200) with
-the greedy argmax of its logits written into `drawn` (`kernels.dispatch.greedy_argmax`): on CUDA two more nodes of
+Where the overlap draws (TP 1, no draft model) the step's forward ends by default with the greedy argmax of
+its logits written into `drawn` (`kernels.dispatch.greedy_argmax`; K3_DECODE_DRAW_IN_GRAPH=0 turns it off;
+docs/serving.md item 18: 10-14 us of a step's cycle at batch 64 on the H200): on CUDA two more nodes of
 the captured graph, eagerly the same call on the CPU. A draw of the step's rows that are all greedy then takes those
 tokens as they are (`drawn_argmax`): no argmax launches after the replay, and with the look-ahead no publish copy
 (the graph wrote the buffer the next step reads). Sampled rows are drawn after the replay as before.
