@@ -127,7 +127,11 @@ def routes_by_tokens(rank: Rank, batch: int) -> bool:
 
 def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps: int, bandwidth: float,
                      variant: str = "") -> dict:
-    """One row of the sweep (printed as it is measured): step and forward time against the roofline.
+    """One row of the sweep (printed as it is measured): step and forward time against the roofline. "step" is
+    the timed window's wall time over its steps: it includes the window's two ends (the first launch from an
+    idle device, the last step with nothing left to overlap: ~0.7 ms once, docs/serving.md item 14); "steady"
+    is the mean device-clock cycle between consecutive forwards' ends inside it (`StepClock.critical_path`),
+    the step a continuously decoding worker pays (NaN where the rank's own loop runs).
     With the draw in the graph the device reads the greedy argmax, one token for every row on random weights
     (and the bench's rows have no real history: their hidden states hardly differ), not the bench's feed:
     where the experts read follow the tokens (`routes_by_tokens`) the row would read fewer experts than the
@@ -146,17 +150,20 @@ def decode_sweep_row(rank: Rank, model: K3Model, batch: int, context: int, steps
         variant = f"{variant} (NOT comparable: routing collapsed, {routing['experts_touched_min']} of the " \
                   f"{counted} experts the roofline counts read in a layer)"
     roof = step_bytes(model, batch, context) / bandwidth
-    print(f"{batch:>6} {context:>8} {1e3 * wall:>9.2f} {1e3 * forward:>8.2f} {batch / wall:>9.1f} "
-          f"{1e3 * roof:>12.3f} {roof / wall:>8.1%} {1e3 * replay:>10.2f} {roof / replay:>10.1%} {variant}", flush=True)
+    steady = path.get("cycle_mean_us", float("nan")) / 1e6
+    print(f"{batch:>6} {context:>8} {1e3 * wall:>9.2f} {1e3 * steady:>9.3f} {1e3 * forward:>8.2f} {batch / wall:>9.1f} "
+          f"{1e3 * roof:>12.3f} {roof / wall:>8.1%} {roof / steady:>8.1%} {1e3 * replay:>10.2f} "
+          f"{roof / replay:>10.1%} {variant}", flush=True)
     return {"batch": batch, "context": context, "step_s": wall, "forward_s": forward, "tokens_per_s": batch / wall,
             "roofline_step_s": roof, "fraction_of_roofline": roof / wall, "forward_fraction_of_roofline": roof / forward,
+            "steady_step_s": steady, "steady_fraction_of_roofline": roof / steady,
             "replay_s": replay, "replay_fraction_of_roofline": roof / replay,
             "critical_path_us": path, "routing": routing, "variant": variant,
             "loop": f"rank ({engine_loop_missing()})" if engine_loop_missing() else "engine"}
 
 
-SWEEP_HEADER = (f"{'batch':>6} {'context':>8} {'step ms':>9} {'fwd ms':>8} {'tok/s':>9} {'roofline ms':>12} "
-                f"{'of roof':>8} {'replay ms':>10} {'replay/roof':>10} variant")
+SWEEP_HEADER = (f"{'batch':>6} {'context':>8} {'step ms':>9} {'steady ms':>9} {'fwd ms':>8} {'tok/s':>9} "
+                f"{'roofline ms':>12} {'of roof':>8} {'steady/rf':>8} {'replay ms':>10} {'replay/roof':>10} variant")
 
 
 def routed_step(rank: Rank, rids: list[str], tokens: list[int]) -> tuple[object, list[list[int]], int]:
