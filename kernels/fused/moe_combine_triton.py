@@ -4,9 +4,12 @@ the model dtype, RMS-normalised (the latent norm), and the shared experts' GLU w
 Replaces, per MoE layer: the zero fill and scatter (or index_add) of the combine, the float32 casts, the
 einsum's copies, the cast back, the RMSNorm, the shared experts' activation and the add of the two
 branches (what follows is one GEMM of [normed | shared activation] against [W_up | W_shared_down]).
-Program = one token: its K picked rows are gathered (row = index * index_stride + token * token_stride, so
-the dense [E, T, l] expert output and the grouped [T*k, l] one are both read in place, only the picked
-rows), the whole l-wide row lives in registers for the norm, the shared part is streamed in BLOCK_F slices.
+Programs = (token, part): part 0 gathers the token's K picked rows in one 2-D load (row = index *
+index_stride + token * token_stride, so the dense [E, T, l] expert output and the grouped [T*k, l] one are
+both read in place, only the picked rows) and keeps the whole l-wide sum in registers for the norm; part
+j > 0 writes the shared GLU's j-th BLOCK_F slice. A decode launch has a few dozen tokens: one program per
+token walking its K rows and then its shared slices was a chain of dependent round trips on a third of the
+SMs; split this way the chains are two loads deep and the grid is (1 + F / BLOCK_F) times wider.
 """
 
 from __future__ import annotations
@@ -21,31 +24,33 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(rows, index, weight, norm_w, shared, out, L, F, K, stride_rows, stride_shared, stride_out,
-                        index_stride, token_stride, eps, beta1, beta2, HAS_NORM: tl.constexpr,
-                        HAS_SHARED: tl.constexpr, SITU: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr):
+                        index_stride, token_stride, eps, beta1, beta2, HAS_NORM: tl.constexpr, SITU: tl.constexpr,
+                        K_P2: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK_L)
-        col_ok = cols < L
-        acc = tl.zeros([BLOCK_L], dtype=tl.float32)
-        for j in range(K):
-            pick = tl.load(index + token * K + j).to(tl.int64)
+        part = tl.program_id(1)
+        if part == 0:
+            cols = tl.arange(0, BLOCK_L)
+            col_ok = cols < L
+            picks = tl.arange(0, K_P2)
+            pick_ok = picks < K
+            pick = tl.load(index + token * K + picks, mask=pick_ok, other=0).to(tl.int64)
             row = pick * index_stride + token * token_stride
-            value = tl.load(rows + row * stride_rows + cols, mask=col_ok, other=0.0).to(tl.float32)
-            acc += tl.load(weight + token * K + j).to(tl.float32) * value
-        routed = acc.to(out.dtype.element_ty).to(tl.float32)  # the reference rounds the sum before the norm
-        if HAS_NORM:
-            inv = 1.0 / tl.sqrt(tl.sum(routed * routed, axis=0) / L + eps)
-            routed = routed * inv * tl.load(norm_w + cols, mask=col_ok, other=0.0).to(tl.float32)
-        tl.store(out + token * stride_out + cols, routed.to(out.dtype.element_ty), mask=col_ok)
-        if HAS_SHARED:
-            for start in range(0, F, BLOCK_F):
-                f = start + tl.arange(0, BLOCK_F)
-                ok = f < F
-                g = tl.load(shared + token * stride_shared + f, mask=ok, other=0.0).to(tl.float32)
-                u = tl.load(shared + token * stride_shared + F + f, mask=ok, other=0.0).to(tl.float32)
-                act = glu_values(g, u, beta1, beta2, SITU)
-                tl.store(out + token * stride_out + L + f, act.to(out.dtype.element_ty), mask=ok)
-
+            values = tl.load(rows + row[:, None] * stride_rows + cols[None, :],
+                             mask=pick_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            scale = tl.load(weight + token * K + picks, mask=pick_ok, other=0.0).to(tl.float32)
+            # the reference rounds the float32 sum before the norm
+            routed = tl.sum(values * scale[:, None], axis=0).to(out.dtype.element_ty).to(tl.float32)
+            if HAS_NORM:
+                inv = 1.0 / tl.sqrt(tl.sum(routed * routed, axis=0) / L + eps)
+                routed = routed * inv * tl.load(norm_w + cols, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(out + token * stride_out + cols, routed.to(out.dtype.element_ty), mask=col_ok)
+        else:
+            f = (part - 1) * BLOCK_F + tl.arange(0, BLOCK_F)
+            ok = f < F
+            g = tl.load(shared + token * stride_shared + f, mask=ok, other=0.0).to(tl.float32)
+            u = tl.load(shared + token * stride_shared + F + f, mask=ok, other=0.0).to(tl.float32)
+            act = glu_values(g, u, beta1, beta2, SITU)
+            tl.store(out + token * stride_out + L + f, act.to(out.dtype.element_ty), mask=ok)
 
 def moe_combine(rows: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, index_stride: int,
                 token_stride: int, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -75,10 +80,10 @@ def moe_combine(rows: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, i
     if tokens == 0:
         return out
     shared = rows if shared_gate_up is None else shared_gate_up
-    _combine_kernel[(tokens,)](
+    block_f = min(block_f, next_pow2(max(width, 1)))
+    _combine_kernel[(tokens, 1 + triton.cdiv(width, block_f))](
         rows, index, weight, rows if norm_weight is None else norm_weight, shared, out, latent, width, picks,
         rows.stride(0), shared.stride(0), out.stride(0), index_stride, token_stride, float(eps), float(beta1),
-        float(beta2), HAS_NORM=norm_weight is not None, HAS_SHARED=shared_gate_up is not None,
-        SITU=activation == "situ", BLOCK_L=next_pow2(latent), BLOCK_F=min(block_f, next_pow2(max(width, 1))),
-        num_warps=num_warps)
+        float(beta2), HAS_NORM=norm_weight is not None, SITU=activation == "situ", K_P2=next_pow2(picks),
+        BLOCK_L=next_pow2(latent), BLOCK_F=block_f, num_warps=num_warps)
     return out
