@@ -108,11 +108,14 @@ class DecodeGraphs:
 
     @contextmanager
     def preserving(self) -> Iterator[None]:
-        """`preserve`'s values after the block as before it (copies queued on the current stream)."""
+        """`preserve`'s values after the block as before it (copies queued on the current stream), also when
+        the block raises (a failed warm-up must not leave live state overwritten)."""
         saved = [t.clone() for t in self.preserve]
-        yield
-        for tensor, values in zip(self.preserve, saved, strict=True):
-            tensor.copy_(values)
+        try:
+            yield
+        finally:
+            for tensor, values in zip(self.preserve, saved, strict=True):
+                tensor.copy_(values)
 
     def _capture(self, inputs: DecodeInputs, host: torch.Tensor, copy_in_graph: bool) -> _Captured:
         graph = torch.cuda.CUDAGraph()

@@ -172,3 +172,16 @@ def test_captured_draw_gives_todays_tokens_and_pool_bytes_on_the_gpu(nano, monke
     assert in_graph[0].engine.executor.fastpath.graphs is not None
     _assert_same(today, in_graph)
     assert in_graph[3] >= 10 and in_graph[4] < today[4]
+
+
+def test_preserving_restores_the_graph_outputs_when_the_block_raises():
+    """A warm-up that fails half-way (after writing the draw's outputs) must not leave them overwritten."""
+    from services.engine.cuda_graphs import DecodeGraphs
+
+    drawn = torch.tensor([7, 8, 9])
+    graphs = SimpleNamespace(preserve=[drawn])
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        with DecodeGraphs.preserving(graphs):
+            drawn.fill_(0)
+            raise RuntimeError("warm-up failed")
+    assert drawn.tolist() == [7, 8, 9]
