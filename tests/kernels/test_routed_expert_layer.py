@@ -118,3 +118,69 @@ def test_padding_rows_in_a_graph_route_to_no_expert(monkeypatch):
     rows = real * indices.shape[1]
     assert torch.equal(position[:real], position_real) and (position[real:] == size * indices.shape[1]).all()
     assert torch.equal(down[:rows], down_real) and not down[-1].any()
+
+
+@pytest.mark.parametrize("tokens", [16, 64, 128])
+def test_compiled_one_launch_equals_the_two_launches_on_gpu(tokens):
+    """The one-launch form (down tiles waiting on their expert's gate|up tiles in the same launch) at mini's
+    shapes: bit for bit the two launches' rows and positions, with and without a padding marker, over 20
+    launches back to back on one set of counters (a wait that read act early, or counters left dirty, shows
+    as a row that differs); the counters zero after."""
+    from kernels.fused import routed_expert_fused_triton as fused
+
+    dev, bf = _cuda(), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(tokens + 1)
+    z = torch.randn(tokens, 3072, device=dev, generator=gen).to(bf)[:, :1024]
+    w13 = (torch.randn(32, 1536, 1024, device=dev, generator=gen) / 32).to(bf)
+    w2 = (torch.randn(32, 1024, 768, device=dev, generator=gen) / 28).to(bf)
+    indices = torch.randn(tokens, 32, device=dev, generator=gen).topk(4, dim=1).indices
+    marker = torch.zeros(tokens, dtype=torch.int64, device=dev)
+    marker[tokens - tokens // 4:] = 7
+    counters = naive.routed_counters(32, dev)
+    for padding in (None, (marker, 7)):
+        act, position = routed.routed_expert_gate_up_glu(z, w13, indices, padding=padding)
+        want = routed.routed_expert_down(act, w2, indices, padding=padding)
+        rows = indices.numel() if padding is None else (tokens - tokens // 4) * 4
+        got = [fused.routed_expert_gate_up_down(z, w13, w2, indices, padding=padding, counters=counters)
+               for _ in range(20)]
+        torch.cuda.synchronize()
+        for out, got_position in got:
+            assert torch.equal(got_position, position) and torch.equal(out[:rows], want[:rows])
+        assert not counters.any()
+
+
+@pytest.mark.parametrize("tokens", [16, 64])
+def test_one_launch_layer_equals_the_two_launch_layer_in_a_graph(tokens, monkeypatch):
+    """The routed layer with K3_ROUTED_FUSED=1 captured once and replayed on three token sets (then padded rows
+    in the 128 bucket): each replay bit for bit the two-launch routed layer run eagerly on those tokens."""
+    from services.engine.fast_ffn import DENSE_FORM_ENV, ROUTED_FORM, ROUTED_FUSED_ENV, padding_rows
+    from tests.kernels.test_expert_gemm import captured_layer, mini_moe_decode
+
+    dev = _cuda()
+    gen = torch.Generator(device=dev).manual_seed(tokens + 2)
+    fast, config = mini_moe_decode(dev, gen)
+    monkeypatch.setenv(DENSE_FORM_ENV, ROUTED_FORM)
+    for size, real in ((tokens, tokens), (128, 97)):
+        marker = torch.full((size,), 3, dtype=torch.int64, device=dev)
+        marker[real:] = 7
+        xs = [torch.randn(size, config.hidden_size, device=dev, generator=gen).to(torch.bfloat16) for _ in range(3)]
+        for x in xs:
+            x[real:] = x[0]
+        x, residual = xs[0].clone(), torch.zeros_like(xs[0])
+        monkeypatch.setenv(ROUTED_FUSED_ENV, "1")
+        with torch.no_grad(), padding_rows([fast], marker, 7):
+            graph = captured_layer(fast, x, residual)
+        replayed = []
+        with torch.no_grad():
+            for new in xs:
+                x.copy_(new)
+                residual.zero_()
+                graph.replay()
+                replayed.append(residual.clone())
+            monkeypatch.setenv(ROUTED_FUSED_ENV, "0")
+            with padding_rows([fast], marker, 7):
+                two = [fast(new, torch.zeros_like(new)) for new in xs]
+        torch.cuda.synchronize()
+        for got, want in zip(replayed, two, strict=True):
+            assert torch.equal(got, want) and got.isfinite().all()
+        assert not torch.equal(replayed[0], replayed[1]) and not fast.routed_counters.any()
