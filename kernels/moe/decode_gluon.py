@@ -45,17 +45,17 @@ if gluon is not None:
         gate = beta1 * (2 * _sigmoid(2 * g / beta1) - 1) * _sigmoid(g)
         return gate * (beta2 * (2 * _sigmoid(2 * u / beta2) - 1))
 
-    @gluon.jit(do_not_specialize=["T"])
-    def gate_up_kernel(x, ids, wgu, mgu, h, T, K, F, beta1, beta2, L: gl.constexpr, TP: gl.constexpr,
-                       BK: gl.constexpr, HP: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
-                       STAGES: gl.constexpr):
-        """Grid (T k, F / ROWS): as _gate_up_kernel (x bf16 [T, l], h [HP, T k, F] bf16 parts)."""
+    @gluon.jit
+    def gate_up_rows(x, ids, wgu, mgu, h, pair, row0, T, K, F, beta1, beta2, L: gl.constexpr, TP: gl.constexpr,
+                     BK: gl.constexpr, HP: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
+                     STAGES: gl.constexpr):
+        """One gate/up program's work: rows row0 .. row0 + ROWS of h for the tokens of `pair`'s expert, where
+        `pair` leads it (both gate_up_kernel and decode_fused_gluon's one-launch kernel)."""
         WORDS: gl.constexpr = L // 8
         STEPS: gl.constexpr = L // 128
-        e, leader, first, _match, _index = expert_tokens(ids, gl.program_id(0), T, K, TP, BK, WARPS)
+        e, leader, first, _match, _index = expert_tokens(ids, pair, T, K, TP, BK, WARPS)
         if leader:
             _hit, slot_pair, used = slots(first, WARPS)
-            row0 = gl.program_id(1) * ROWS
             gate_words, gate_fields = block_tile(row0, WORDS, ROWS, WARPS)
             words = wgu + e * (2 * F) * WORDS + gate_words
             fields = mgu + e * (2 * F) * (WORDS // 4) + gate_fields
@@ -86,30 +86,53 @@ if gluon is not None:
                 g = mma_v2(xt, weight_operand(gate_s, gate_f, buf, WARPS), g)
                 u = mma_v2(xt, weight_operand(up_s, up_f, buf, WARPS), u)
             rest = situ_glu(g * UNSHIFT, u * UNSHIFT, beta1, beta2)
-            pair = gl.convert_layout(slot_pair, gl.SliceLayout(1, mma_layout(WARPS)))
+            pairs = gl.convert_layout(slot_pair, gl.SliceLayout(1, mma_layout(WARPS)))
             ok = gl.convert_layout(used, gl.SliceLayout(1, mma_layout(WARPS)))
             rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma_layout(WARPS)))
             for p in gl.static_range(HP):
                 part = rest.to(gl.bfloat16)
-                gl.store(h + (p * T * K + pair[:, None]) * F + rows[None, :], part,
+                gl.store(h + (p * T * K + pairs[:, None]) * F + rows[None, :], part,
                          mask=ok[:, None] & (rows < F)[None, :])
                 rest = rest - part.to(gl.float32)
 
     @gluon.jit(do_not_specialize=["T"])
-    def down_kernel(h, ids, weights, wd, md, partial, T, K, L, F: gl.constexpr, TP: gl.constexpr,
-                    BK: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, SPLITS: gl.constexpr,
-                    STAGES: gl.constexpr):
-        """Grid (T k, l / ROWS, SPLITS): as _down_kernel with h in one bf16 part [1, T k, F]."""
+    def gate_up_kernel(x, ids, wgu, mgu, h, T, K, F, beta1, beta2, L: gl.constexpr, TP: gl.constexpr,
+                       BK: gl.constexpr, HP: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
+                       STAGES: gl.constexpr):
+        """Grid (T k, F / ROWS): as _gate_up_kernel (x bf16 [T, l], h [HP, T k, F] bf16 parts)."""
+        gate_up_rows(x, ids, wgu, mgu, h, gl.program_id(0), gl.program_id(1) * ROWS, T, K, F, beta1, beta2, L, TP,
+                     BK, HP, ROWS, WARPS, STAGES)
+
+    @gluon.jit
+    def _h_arrived(arrivals, need, SLEEP: gl.constexpr):
+        """Spin (plain loads, SLEEP ns apart where > 0: fewer polls of the counters' L2 line while the weight
+        streams run) until the counter at `arrivals` reaches `need`, then acquire what its releases published:
+        one RMW read (its value used, so it stays) and the barrier after it."""
+        seen = gl.load(arrivals, volatile=True)
+        while seen < need:
+            if SLEEP > 0:
+                gl.inline_asm_elementwise("nanosleep.u32 $1; mov.b32 $0, $1;", "=r,r", [seen * 0 + SLEEP],
+                                          dtype=gl.int32, is_pure=False, pack=1)
+            seen = gl.load(arrivals, volatile=True)
+        while gl.atomic_add(arrivals, 0, sem="acquire", scope="gpu") < need:
+            pass
+        gl.thread_barrier()
+
+    @gluon.jit
+    def down_rows(h, ids, weights, wd, md, partial, pair, row0, split, T, K, L, F: gl.constexpr, TP: gl.constexpr,
+                  BK: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, SPLITS: gl.constexpr,
+                  STAGES: gl.constexpr, arrivals, NEED: gl.constexpr, SLEEP: gl.constexpr = 0):
+        """One down program's work (rows row0 .. of split `split`, where `pair` leads its expert). NEED > 0
+        (decode_fused_gluon): the ring's first weight stages are issued before waiting for the counter at
+        `arrivals` to reach NEED (the expert's h published), and only then its h stages."""
         WORDS: gl.constexpr = F // 8
         STEPS: gl.constexpr = F // 128 // SPLITS
-        e, leader, first, match, index = expert_tokens(ids, gl.program_id(0), T, K, TP, BK, WARPS)
+        e, leader, first, match, index = expert_tokens(ids, pair, T, K, TP, BK, WARPS)
         if leader:
             hit, slot_pair, used = slots(first, WARPS)
             # A token that names the expert in several slots gets the sum of their router weights.
             p_tok = gl.sum(gl.load(weights + index, mask=match, other=0.0), 1)
             p_slot = gl.sum(gl.where(hit, gl.convert_layout(p_tok, gl.SliceLayout(0, small_layout(WARPS)))[None, :], 0.0), 1)
-            row0 = gl.program_id(1) * ROWS
-            split = gl.program_id(2)
             step0 = split * STEPS
             tile_words, tile_fields = block_tile(row0, WORDS, ROWS, WARPS)
             words = wd + e * L * WORDS + tile_words
@@ -117,10 +140,16 @@ if gluon is not None:
             h_rows, h_used = act_rows(h, slot_pair, used, 1, F, WARPS)
             act_s = act_ring(STAGES)
             w_s, f_s = words_ring(STAGES, ROWS), fields_ring(STAGES, ROWS)
+            if NEED > 0:
+                for s in gl.static_range(STAGES - 1):
+                    if s < STEPS:
+                        copy_tile(w_s, f_s, s, words, fields, step0 + s)
+                _h_arrived(arrivals, NEED, SLEEP)
             for s in gl.static_range(STAGES - 1):
                 if s < STEPS:
                     copy_act(act_s, s, h_rows, h_used, (step0 + s) * 128, WARPS)
-                    copy_tile(w_s, f_s, s, words, fields, step0 + s)
+                    if NEED == 0:
+                        copy_tile(w_s, f_s, s, words, fields, step0 + s)
                 async_copy.commit_group()
             acc = gl.zeros([16, ROWS], gl.float32, mma_layout(WARPS))
             for i in range(STEPS):
@@ -132,12 +161,20 @@ if gluon is not None:
                     copy_tile(w_s, f_s, nxt % STAGES, words, fields, step0 + nxt)
                 async_copy.commit_group()
                 acc = mma_v2(act_operand(act_s, i % STAGES, WARPS), weight_operand(w_s, f_s, i % STAGES, WARPS), acc)
-            pair = gl.convert_layout(slot_pair, gl.SliceLayout(1, mma_layout(WARPS)))
+            pairs = gl.convert_layout(slot_pair, gl.SliceLayout(1, mma_layout(WARPS)))
             ok = gl.convert_layout(used, gl.SliceLayout(1, mma_layout(WARPS)))
             scale = gl.convert_layout(p_slot, gl.SliceLayout(1, mma_layout(WARPS)))
             rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma_layout(WARPS)))
-            gl.store(partial + (split * T * K + pair[:, None]) * L + rows[None, :],
+            gl.store(partial + (split * T * K + pairs[:, None]) * L + rows[None, :],
                      acc * UNSHIFT * scale[:, None], mask=ok[:, None] & (rows < L)[None, :])
+
+    @gluon.jit(do_not_specialize=["T"])
+    def down_kernel(h, ids, weights, wd, md, partial, T, K, L, F: gl.constexpr, TP: gl.constexpr,
+                    BK: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, SPLITS: gl.constexpr,
+                    STAGES: gl.constexpr):
+        """Grid (T k, l / ROWS, SPLITS): as _down_kernel with h in one bf16 part [1, T k, F]."""
+        down_rows(h, ids, weights, wd, md, partial, gl.program_id(0), gl.program_id(1) * ROWS, gl.program_id(2), T, K,
+                  L, F, TP, BK, ROWS, WARPS, SPLITS, STAGES, ids, 0)
 
 
 def fits(tokens: int, dtype: torch.dtype, rows: int, depth: int, tile: Tile) -> bool:

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from kernels._triton import next_pow2, require, sm_count, tl, triton
-from kernels.moe import decode_gluon, decode_wgmma_gluon
+from kernels.moe import decode_fused_gluon, decode_gluon, decode_wgmma_gluon
 from kernels.moe.mxfp4_tile_triton import prepare
 from kernels.moe.tiles import Tile, default_tiles
 
@@ -145,6 +145,8 @@ if triton is not None:
 # 2 warps: 4 warps or 32 rows were slower at T = 4 / 16.
 GLUON_STAGES = 3
 GLUON_DOWN_TILE = Tile(128, 128, 4, 3)
+# gluon_fused's (gate/up, down) tiles where the caller names neither (one launch: equal warps).
+FUSED_TILES = (Tile(64, 128, 2, 3), Tile(128, 128, 2, 3))
 
 
 class PreparedExperts(NamedTuple):
@@ -202,6 +204,7 @@ def latent_moe_decode_prepared(
     beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None, down_tile: Tile | None = None,
     token_block: int = 16, h_parts: int | None = None, gluon_stages: int | None = None,
     gluon_down_stages: int | None = None, gluon_wgmma: bool | None = None, gluon_down_wgmma: bool = False,
+    gluon_fused: bool = False,
 ) -> torch.Tensor:
     """latent_moe_decode on `prepare_experts`' layout. Tuning: `gate_up_tile` and `down_tile`
     (kernels.moe.tiles.Tile; default: `default_tiles` by T k and the SM count), `token_block` tokens of one
@@ -215,6 +218,8 @@ def latent_moe_decode_prepared(
     (kernels.moe.decode_wgmma_gluon, its own 64-row 4-warp tile) where `gluon_wgmma` (default: from as many
     (token, expert) pairs as SMs); down on warpgroup MMAs (`decode_wgmma_gluon.DOWN_TILE` unless `down_tile`
     is given) where `gluon_down_wgmma` (off: no gain at T = 16 in session 8's final run, history 35).
+    `gluon_fused` (off until measured faster): the mma.sync gate/up and the down in one launch
+    (kernels.moe.decode_fused_gluon, its FUSED_TILES unless both tiles are given) where it serves the call.
     """
     T, L = x.shape
     gu_words, gu_mults, d_words, d_mults = experts
@@ -234,6 +239,11 @@ def latent_moe_decode_prepared(
     hp = h_parts or _parts(x.dtype)
     require(1 <= hp <= 3, f"h_parts must be 1, 2 or 3, got {h_parts}")
     stages, down_stages = (GLUON_STAGES if s is None else s for s in (gluon_stages, gluon_down_stages))
+    fused_tiles = (gate_up_tile, down_tile) if gate_up_tile and down_tile else FUSED_TILES
+    fused = (gluon_fused and min(stages, down_stages) >= 2 and token_block == 16
+             and decode_fused_gluon.serves(x, F, hp, *fused_tiles))
+    if fused:
+        gate_up_tile, down_tile = fused_tiles
     sms = sm_count(x.device, cpu=132)
     default_gu, default_down = default_tiles(T * K, sms)
     # Gate/up on warpgroup MMAs by default from as many (token, expert) pairs as SMs (session 8, history 35,
@@ -255,28 +265,31 @@ def latent_moe_decode_prepared(
     common = {"TP": max(16, next_pow2(T)), "BK": next_pow2(K), "BT": token_block, "HP": hp,
               "USE_ASM": x.is_cuda}
     h = torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device)
-    if gluon_gate_up and wgmma:
-        decode_wgmma_gluon.gate_up(x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, beta1, beta2, stages)
+    partial = torch.empty(d_tile.splits, T * K, L, dtype=torch.float32, device=x.device)
+    weights = expert_weights.contiguous()
+    gu_words, gu_mults, d_words, d_mults = (t.contiguous() for t in experts)
+    if fused:
+        decode_fused_gluon.gate_up_down(x, ids, weights, (gu_words, gu_mults, d_words, d_mults), h, partial, beta1,
+                                        beta2, gu_tile, d_tile, stages, down_stages)
+    elif gluon_gate_up and wgmma:
+        decode_wgmma_gluon.gate_up(x, ids, gu_words, gu_mults, h, beta1, beta2, stages)
     elif gluon_gate_up:
-        decode_gluon.gate_up(x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, beta1, beta2, gu_tile, stages)
+        decode_gluon.gate_up(x, ids, gu_words, gu_mults, h, beta1, beta2, gu_tile, stages)
     else:
         _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
-            x, ids, gu_words.contiguous(), gu_mults.contiguous(), h, T, K, F, beta1, beta2, L=L,
-            X_PARTS=_parts(x.dtype), BR=gu_tile.rows, G=gu_groups, STAGES=gu_tile.stages, **common,
-            **gu_tile.launch_options(),
+            x, ids, gu_words, gu_mults, h, T, K, F, beta1, beta2, L=L, X_PARTS=_parts(x.dtype), BR=gu_tile.rows,
+            G=gu_groups, STAGES=gu_tile.stages, **common, **gu_tile.launch_options(),
         )
-    partial = torch.empty(d_tile.splits, T * K, L, dtype=torch.float32, device=x.device)
-    if gluon_down and down_wgmma:
-        decode_wgmma_gluon.down(h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial,
-                                d_tile, down_stages)
+    if fused:
+        pass  # down ran in the same launch
+    elif gluon_down and down_wgmma:
+        decode_wgmma_gluon.down(h, ids, weights, d_words, d_mults, partial, d_tile, down_stages)
     elif gluon_down:
-        decode_gluon.down(h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial,
-                          d_tile, down_stages)
+        decode_gluon.down(h, ids, weights, d_words, d_mults, partial, d_tile, down_stages)
     else:
         _down_kernel[(T * K, triton.cdiv(L, d_tile.rows), d_tile.splits)](
-            h, ids, expert_weights.contiguous(), d_words.contiguous(), d_mults.contiguous(), partial, T, K, L,
-            F=F, BR=d_tile.rows, G=d_groups, SPLITS=d_tile.splits, STAGES=d_tile.stages, **common,
-            **d_tile.launch_options(),
+            h, ids, weights, d_words, d_mults, partial, T, K, L, F=F, BR=d_tile.rows, G=d_groups,
+            SPLITS=d_tile.splits, STAGES=d_tile.stages, **common, **d_tile.launch_options(),
         )
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     _sum_pairs_kernel[(T, triton.cdiv(L, 128))](partial, ids, out, T * K, K, L, SPLITS=d_tile.splits,

@@ -49,7 +49,13 @@ from kernels.fused import (
 )
 from kernels.kda import decode_step_triton, decode_triton, prefill_triton, verify_triton
 from kernels.mla import decode_triton as mla_decode
-from kernels.moe import decode_gluon, decode_wgmma_gluon, latent_moe_decode_triton, situ_glu_triton
+from kernels.moe import (
+    decode_fused_gluon,
+    decode_gluon,
+    decode_wgmma_gluon,
+    latent_moe_decode_triton,
+    situ_glu_triton,
+)
 from kernels.moe.tiles import default_tiles
 from kernels.perf import attnres_cases, kda_decode_cases, kda_prefill_cases, mla_cases, moe_cases
 from services.engine import fast_ffn
@@ -244,6 +250,8 @@ def latent_moe_gluon(tokens: int, experts: int = E, latent: int = LATENT, width:
     decode_wgmma_gluon.gate_up(x, ids, *gate_up, h, 4.0, 25.0, stages)
     decode_wgmma_gluon.down(h, ids, *down, decode_wgmma_gluon.DOWN_TILE, stages)
     decode_gluon.down(h, ids, *down, latent_moe_decode_triton.GLUON_DOWN_TILE, stages)
+    decode_fused_gluon.gate_up_down(x, ids, down[0], (*gate_up, *down[1:3]), h, down[3], 4.0, 25.0,
+                                    *latent_moe_decode_triton.FUSED_TILES, stages, stages)
 
 
 def skinny_gemm(tokens: int, tilings=lambda n, k: [skinny_gemm_triton.default_tiling(n, k)]) -> None:
