@@ -14,6 +14,7 @@ CUDA graph.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -35,6 +36,22 @@ BRANCH_ROWS = 1024
 ATTN_RES_BRANCH_ENV = "K3_ATTNRES_BRANCH"  # "0": phase 1 over every completed block on the main chain
 # AttnRes's side branch spans a whole layer block, across the sublayers' own branches: a stream of its own.
 _ATTN_RES_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+MLA_INT32_ENV = "K3_MLA_INT32"  # "0": the MLA decode kernel reads the step image's int64 page table and lengths
+
+
+def mla_index_int32(inp: DecodeInputs) -> DecodeInputs:
+    """`inp` with the MLA decode kernel's page table and lengths as int32, converted once a forward (one launch:
+    the two parts are adjacent in the step's int64 image, `DecodeInputs.shapes`). Triton specialises the split
+    kernel on its index pointers' type: with int64 its tile loop does 64-bit index arithmetic (the page of
+    each tile a 64-bit division). H200, mini, 64 x 4096: the split kernel 89-90 -> 79-81 us a layer in the
+    captured step, the step 2.95 -> 2.90 ms (docs/serving.md item 23)."""
+    if os.environ.get(MLA_INT32_ENV, "1") == "0":
+        return inp
+    table, lengths = inp.page_table, inp.lengths
+    if lengths.storage_offset() == table.storage_offset() + table.numel() and table.is_contiguous():
+        both = table.as_strided((table.numel() + lengths.numel(),), (1,)).to(torch.int32)
+        return replace(inp, page_table=both[: table.numel()].view(table.shape), lengths=both[table.numel() :])
+    return replace(inp, page_table=table.to(torch.int32), lengths=lengths.to(torch.int32))
 
 
 class FastDecoder:
@@ -99,7 +116,7 @@ class FastDecoder:
     @torch.no_grad()
     def forward(self, inp: DecodeInputs) -> torch.Tensor:
         """Logits [B, V] (model dtype) of the one new token of every row."""
-        return self.model.lm_head(self.hidden(inp.tokens, inp))
+        return self.model.lm_head(self.hidden(inp.tokens, mla_index_int32(inp)))
 
     def hidden(self, tokens: torch.Tensor, inp: DecodeInputs) -> torch.Tensor:
         """The final RMSNorm's output [N, D] of the rows `tokens`; `inp` is what the attention forms read (a
