@@ -41,6 +41,9 @@ def mla_tuning(q: torch.Tensor) -> dict[str, int]:
     return {"num_splits": int(splits)} if splits and dispatch.use_triton(q) else {}
 
 
+# "0": the absorbed query's rope copy on the main chain, not on the latent write's branch (H200, mini, B=64:
+# 2.3 us a layer off the chain, docs/serving.md item 23)
+MLA_ROPE_BRANCH_ENV = "K3_MLA_ROPE_BRANCH"
 BRANCHES_ENV = "K3_DECODE_BRANCHES"  # "0": every kernel of a captured layer in one chain (no side branch)
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -184,18 +187,23 @@ class MlaDecode:
         q = attn.q_b_proj(rms(attn.q_a_layernorm, parts[0])) if attn.q_lora else parts[0]
         q = q.reshape(batch, attn.heads, attn.nope + attn.rope)
         norm = attn.kv_a_layernorm
-        side = fork(x)  # the latent row's write beside the query's chain; the attention reads it after the join
-        with on(side):
-            dispatch.mla_latent_write(parts[1], norm.weight, norm.eps, self.rows, write_rows)  # [RMSNorm(c) | rope]
         # [q_nope W_uk | q_pe] per head: the batched GEMM writes its [H, B, R] product straight into the latent
         # columns of the absorbed query (a strided output cuBLAS takes as is), only the rope part is copied
-        # (a concat cost a 4.6 us launch a layer at batch 64 on the H200).
+        # (a concat cost a 4.6 us launch a layer at batch 64 on the H200). Allocated before the fork: the branch
+        # writes it.
         absorbed = q.new_empty(batch, attn.heads, attn.rank + attn.rope)
+        rope_beside = os.environ.get(MLA_ROPE_BRANCH_ENV, "1") != "0"
+        side = fork(x)  # the latent row's write (and the rope copy) beside the product; read after the join
+        with on(side):
+            dispatch.mla_latent_write(parts[1], norm.weight, norm.eps, self.rows, write_rows)  # [RMSNorm(c) | rope]
+            if rope_beside:  # disjoint columns from the product's
+                absorbed[..., attn.rank :] = q[..., attn.nope :]
         torch.bmm(q[..., : attn.nope].transpose(0, 1), self.w_uk.to(q.dtype),
                   out=absorbed.transpose(0, 1)[..., : attn.rank])
-        absorbed[..., attn.rank :] = q[..., attn.nope :]
-        absorbed = absorbed.to(self.cache.dtype)
+        if not rope_beside:
+            absorbed[..., attn.rank :] = q[..., attn.nope :]
         join(side)
+        absorbed = absorbed.to(self.cache.dtype)
         o_latent = dispatch.mla_decode_paged(absorbed, self.cache, page_table, lengths, attn.scale,
                                              latent_dim=attn.rank, **mla_tuning(absorbed))
         o = torch.bmm(o_latent.transpose(0, 1).to(x.dtype), self.w_uv_t.to(x.dtype))  # [H, B, Dv]
