@@ -45,13 +45,14 @@ from bench.serve_glue_gemms import (
     MLA_VARIANTS,
     ROUTED_CONFIGS,
     ROUTED_DOWN_CONFIGS,
-    ROUTED_FUSED_STAGES,
+    ROUTED_FUSED_VARIANTS,
     WEIGHT_COPIES,
     Case,
     default_tiles,
     down_cases,
     each_call,
     expert_cases,
+    fused_label,
     mla_cases,
     routed_expert_cases,
     routed_fused_cases,
@@ -146,29 +147,29 @@ def moe_layer_case(c: K3Config, tokens: int, gen: torch.Generator, routed_only: 
             torch.no_grad()(lambda: grouped(x, residual)), None, 0)
     # Each dense form (K3_DENSE_EXPERTS) and the routed one in two launches and in one (K3_ROUTED_FUSED), with
     # the router on a side branch or in the chain (K3_DECODE_BRANCHES), set while its calls are captured.
-    # The one launch in each of its bench depths (fast_ffn.ROUTED_FUSED_TUNING).
-    forms = [(form, "0", 0) for form in (*fast_ffn.DENSE_FORMS, fast_ffn.ROUTED_FORM)] + [
-        (fast_ffn.ROUTED_FORM, "1", stages) for stages in ROUTED_FUSED_STAGES]
-    for (form, fused, stages), branches in itertools.product(forms, ("1", "0")):
+    # The one launch in each of its bench tunings (fast_ffn.ROUTED_FUSED_TUNING).
+    forms = [(form, "0", {}) for form in (*fast_ffn.DENSE_FORMS, fast_ffn.ROUTED_FORM)] + [
+        (fast_ffn.ROUTED_FORM, "1", tuning) for tuning in ROUTED_FUSED_VARIANTS]
+    for (form, fused, tuning), branches in itertools.product(forms, ("1", "0")):
         if routed_only and (form != fast_ffn.ROUTED_FORM or branches == "0"):
             continue
         settings = {fast_ffn.DENSE_FORM_ENV: form, fast_ffn.ROUTED_FUSED_ENV: fused, BRANCHES_ENV: branches}
 
-        def call(settings=settings, stages=stages):
-            with harness_env(settings), fused_tuning(stages), torch.no_grad():
+        def call(settings=settings, tuning=tuning):
+            with harness_env(settings), fused_tuning(tuning), torch.no_grad():
                 return fast(x, residual)
-        with harness_env(settings), fused_tuning(stages), torch.no_grad():
+        with harness_env(settings), fused_tuning(tuning), torch.no_grad():
             diff = float((fast(x) - moe(x)).abs().max())
-        kind = (form + (f" one launch s{stages}" if fused == "1" else "")) if form == fast_ffn.ROUTED_FORM else \
-            f"dense {form}"
+        kind = (form + (f" one launch {fused_label(tuning)}" if fused == "1" else "")) \
+            if form == fast_ffn.ROUTED_FORM else f"dense {form}"
         found[f"MoeDecode layer ({kind}, branches {branches}), diff {diff:.3g}"] = (call, None, 0)
     return found
 
 
 @contextmanager
-def fused_tuning(stages: int) -> Iterator[None]:
-    """The one-launch routed form at `stages` pipeline stages within the block (0: its launcher's default)."""
-    fast_ffn.ROUTED_FUSED_TUNING.update({"num_stages": stages} if stages else {})
+def fused_tuning(tuning: dict) -> Iterator[None]:
+    """The one-launch routed form in `tuning` within the block ({}: its launcher's default)."""
+    fast_ffn.ROUTED_FUSED_TUNING.update(tuning)
     try:
         yield
     finally:

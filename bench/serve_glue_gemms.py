@@ -30,10 +30,18 @@ ROUTED_CONFIGS = [
 ROUTED_DOWN_CONFIGS = [
     (64, 0, 64, 4, 4, True), (64, 32, 64, 4, 4, True), (128, 16, 64, 4, 3, True), (64, 16, 128, 4, 3, True),
     (64, 16, 64, 4, 4, False)]
-# The one-launch routed form's pipeline depths (the first: its launcher's default). One kernel holds the gate|up's
-# shared memory for the down tiles too (64 tokens): 4 stages 74 KB, 3 programs an SM; 3 stages 55 KB, 4 an SM (the
-# 512 down tiles in one wave); 2 stages 37 KB, 6
-ROUTED_FUSED_STAGES = (4, 3, 2)
+# The one-launch routed form's tunings ({}: its launcher's default). One kernel holds the gate|up's shared memory for
+# the down tiles too (64 tokens, 4 stages: 74 KB, 3 programs an SM, so 512 64-wide down tiles take 1.3 waves; the
+# down launch alone: 41 KB, 5 an SM); 128-wide down tiles: 256, one wave; `prefetch`: a down tile asks L2 for its
+# weight block before it waits on its expert's gate|up tiles. Session 10 run 1 (64 tokens): 4 / 3 / 2 stages
+# 46.6 / 47.7 / 49.1 us against the two launches' 44.8.
+ROUTED_FUSED_VARIANTS: list[dict] = [
+    {}, {"prefetch": True}, {"block_n_down": 128}, {"block_n_down": 128, "prefetch": True},
+    {"block_n_down": 128, "prefetch": True, "num_stages": 3}]
+
+
+def fused_label(tuning: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in tuning.items()) or "default"
 MLA_VARIANTS = [  # mla_decode_paged tuning at the serve pool's 1024-token pages; {} = the launcher's rule
     {}, {"num_splits": 2}, {"num_splits": 8}, {"num_splits": 16}, {"block_n": 32, "num_stages": 3},
     {"block_n": 32, "num_stages": 3, "num_splits": 8}, {"num_warps": 8}, {"tokens_major": True}]
@@ -145,10 +153,10 @@ def routed_fused_cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[s
         act, _ = routed_expert_gemm_triton.routed_expert_gate_up_glu(z, w[0], indices, "situ", *beta)
         return routed_expert_gemm_triton.routed_expert_down(act, w[1], indices)
 
-    return {f"routed gate|up + down, one launch s{stages} (vs two)": (
-        each_call(lambda w, stages=stages: routed_expert_fused_triton.routed_expert_gate_up_down(
-            z, w[0], w[1], indices, "situ", *beta, num_stages=stages, counters=counters)[0], pairs),
-        each_call(two, pairs), experts * 3 * ffn * latent * 2) for stages in ROUTED_FUSED_STAGES}
+    return {f"routed one launch {fused_label(tuning)} (vs two)": (
+        each_call(lambda w, tuning=tuning: routed_expert_fused_triton.routed_expert_gate_up_down(
+            z, w[0], w[1], indices, "situ", *beta, counters=counters, **tuning)[0], pairs),
+        each_call(two, pairs), experts * 3 * ffn * latent * 2) for tuning in ROUTED_FUSED_VARIANTS}
 
 
 def mla_cases(c: K3Config, batch: int, gen: torch.Generator, variants: list[dict]) -> dict[str, Case]:

@@ -18,6 +18,8 @@ per layer).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels._triton import next_pow2, require, tl, triton
@@ -34,13 +36,13 @@ if triton is not None:
                              EXPERTS: tl.constexpr, ACT: tl.constexpr, PADDING: tl.constexpr, TMA: tl.constexpr,
                              EVEN_L: tl.constexpr, EVEN_F: tl.constexpr, TOP_K: tl.constexpr,
                              TOP_K_P2: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K_UP: tl.constexpr, BLOCK_K_DOWN: tl.constexpr,
-                             COUNTERS_P2: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_N_DOWN: tl.constexpr, BLOCK_K_UP: tl.constexpr,
+                             BLOCK_K_DOWN: tl.constexpr, PREFETCH_LINES: tl.constexpr, COUNTERS_P2: tl.constexpr):
         """Item = ticket: [0, E * up_tiles) gate|up (z [T, L] -> act [R, F]), then E * down_tiles down tiles
         (act -> out [R (+ 1), L]); counters [2 + E]: ticket, finished, arrivals per expert."""
         up_tiles = tl.cdiv(F, BLOCK_N)
         up_items = EXPERTS * up_tiles
-        items = up_items + EXPERTS * tl.cdiv(L, BLOCK_N)
+        items = up_items + EXPERTS * tl.cdiv(L, BLOCK_N_DOWN)
         item = tl.atomic_add(counters, 1, sem="relaxed", scope="gpu")
         arrivals = counters + 2
         if item < up_items:
@@ -51,12 +53,12 @@ if triton is not None:
             tl.debug_barrier()  # every thread's act stores before the release
             tl.atomic_add(arrivals + expert, 1, sem="release", scope="gpu")
         elif item < items:  # (counters not at rest: no tile, rather than a read out of bounds)
-            down_tiles = tl.cdiv(L, BLOCK_N)
+            down_tiles = tl.cdiv(L, BLOCK_N_DOWN)
             expert = (item - up_items) // down_tiles
             _routed_tile(act, indices, position, marker, skip, w2, w2_desc, out, T, L, F, stride_act, stride_w2,
                          stride_o, L, 1.0, 1.0, (item - up_items) % down_tiles, expert, arrivals + expert, up_tiles,
-                         0, False, PADDING, TMA, EVEN_F, TOP_K, TOP_K_P2, BLOCK_P, BLOCK_T, BLOCK_N, BLOCK_K_DOWN,
-                         True)
+                         0, False, PADDING, TMA, EVEN_F, TOP_K, TOP_K_P2, BLOCK_P, BLOCK_T, BLOCK_N_DOWN,
+                         BLOCK_K_DOWN, True, PREFETCH_LINES)
         finished = tl.atomic_add(counters + 1, 1, sem="acq_rel", scope="gpu")
         if finished == items - 1:  # the last program: every ticket is taken and every wait is over
             slots = tl.arange(0, COUNTERS_P2)
@@ -69,12 +71,14 @@ _SHARED_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 def routed_expert_gate_up_down(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, indices: torch.Tensor,
                                activation: str = "situ", beta1: float = 4.0, beta2: float = 25.0,
                                block_n: int = 64, block_t: int | None = None, block_k: int = 64, num_warps: int = 4,
-                               num_stages: int = 4, tma: bool = True, padding: Padding | None = None,
+                               num_stages: int = 4, tma: bool = True, block_n_down: int | None = None,
+                               prefetch: bool = False, padding: Padding | None = None,
                                counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as kernels.fused.naive.routed_expert_gate_up_down: z [T, l] (row-strided allowed), w13
     [E, 2F, l], w2 [E, l, F], the routing [T, k] -> (down rows [R = T*k (+ 1 with padding), l] sorted by expert,
     the row of each pair [T, k] int64); tilings as routed_expert_gate_up_glu / routed_expert_down (the same
-    for both projections). `counters`: `routed_counters(E)` on z's device, not used by a concurrent launch (None:
+    for both projections but the down tiles' width, block_n_down, default block_n). `prefetch`: a down tile asks
+    L2 for its weight block before it waits (compiled only: the interpreter has no inline PTX). `counters`: `routed_counters(E)` on z's device, not used by a concurrent launch (None:
     one shared per device and E)."""
     require_activation(activation)
     require(z.dim() == 2 and w13.dim() == 3 and w2.dim() == 3 and w13.shape[2] == z.shape[1]
@@ -105,14 +109,17 @@ def routed_expert_gate_up_down(z: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     if rows == 0:
         return out.zero_(), position
     k_up, k_down = min(block_k, max(16, next_pow2(latent))), min(block_k, max(16, next_pow2(ffn)))
-    items = experts * (triton.cdiv(ffn, block_n) + triton.cdiv(latent, block_n))
+    block_n_down = block_n_down or block_n
+    items = experts * (triton.cdiv(ffn, block_n) + triton.cdiv(latent, block_n_down))
+    lines = next_pow2(triton.cdiv(ffn * w2.element_size(), 128)) if prefetch and os.environ.get("TRITON_INTERPRET", "0") != "1" else 0
     marker, skip = (indices, 0) if padding is None else padding
     _routed_fused_kernel[(items,)](
         z, indices, position, marker, skip, w13, weight_descriptor(w13, block_n, k_up, tma), act, w2,
-        weight_descriptor(w2, block_n, k_down, tma), out, counters, tokens, ffn, latent, z.stride(0), w13.stride(1),
+        weight_descriptor(w2, block_n_down, k_down, tma), out, counters, tokens, ffn, latent, z.stride(0), w13.stride(1),
         act.stride(0), w2.stride(1), out.stride(0), float(beta1), float(beta2), EXPERTS=experts,
         ACT=ACTIVATIONS[activation], PADDING=padding is not None, TMA=tma, EVEN_L=latent % k_up == 0,
         EVEN_F=ffn % k_down == 0, TOP_K=top_k, TOP_K_P2=next_pow2(top_k), BLOCK_P=max(16, next_pow2(tokens)),
-        BLOCK_T=token_tile(rows, experts, block_t), BLOCK_N=block_n, BLOCK_K_UP=k_up, BLOCK_K_DOWN=k_down,
-        COUNTERS_P2=next_pow2(experts + 2), num_warps=num_warps, num_stages=num_stages)
+        BLOCK_T=token_tile(rows, experts, block_t), BLOCK_N=block_n, BLOCK_N_DOWN=block_n_down, BLOCK_K_UP=k_up,
+        BLOCK_K_DOWN=k_down, PREFETCH_LINES=lines, COUNTERS_P2=next_pow2(experts + 2), num_warps=num_warps,
+        num_stages=num_stages)
     return out, position

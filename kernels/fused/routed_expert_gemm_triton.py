@@ -82,11 +82,23 @@ if triton is not None:
         tl.debug_barrier()
 
     @triton.jit
+    def _prefetch_block(w, row, K, stride_wn, BLOCK_N: tl.constexpr, LINES: tl.constexpr):
+        """Ask L2 for weight rows row.. (BLOCK_N of them, K deep: LINES 128-byte lines a row, the last repeated
+        past K), kept there first (evict_last): no registers, nothing waited on."""
+        line: tl.constexpr = 1024 // w.dtype.element_ty.primitive_bitwidth
+        rows = (row + tl.arange(0, BLOCK_N)).to(tl.int64)
+        cols = tl.minimum(tl.arange(0, LINES) * line, K - 1)
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                  [w + rows[:, None] * stride_wn + cols[None, :]], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+    @triton.jit
     def _routed_tile(x, indices, position, marker, skip, w, w_desc, out, T, N, K, stride_x, stride_wn, stride_o,
                      w_rows_per_expert, beta1, beta2, n_tile, expert, ready, ready_target, ACT: tl.constexpr,
                      GATHER: tl.constexpr, PADDING: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr,
                      TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr,
+                     PREFETCH_LINES: tl.constexpr = 0):
         """Column tile n_tile (BLOCK_N wide) of expert e's rows: the routing's pairs that picked it, sorted by
         expert (`_expert_rows`). GATHER (gate|up): row r reads x[its token] and the column tile 0's programs
         write each pair's row into position [T, TOP_K]; else (down) row r reads x[r]. w [E*w_rows_per_expert,
@@ -94,7 +106,8 @@ if triton is not None:
         marker is `skip` are routed to no expert; expert 0's programs point their pairs' positions at row R =
         T*TOP_K (gate|up) and write that row of out as zeros (down: out [R + 1, N]). WAIT: before the first
         read of x, an expert with rows spins until *ready reaches ready_target (x written by other programs of
-        the same launch)."""
+        the same launch); PREFETCH_LINES > 0: first the weight block is asked into L2 (a row's lines), so that
+        the weight stream runs while the program waits."""
         n0 = n_tile * BLOCK_N
         first, count, has, rank, picks = _expert_rows(indices, marker, skip, expert, T, PADDING, TOP_K, BLOCK_P,
                                                       TOP_K_P2)
@@ -121,6 +134,8 @@ if triton is not None:
         w_row = expert * w_rows_per_expert + n0
         if WAIT:
             if count > 0:
+                if PREFETCH_LINES > 0:
+                    _prefetch_block(w, w_row, K, stride_wn, BLOCK_N, PREFETCH_LINES)
                 _wait_for(ready, ready_target)
         for t0 in range(0, count, BLOCK_T):
             here = t0 + tl.arange(0, BLOCK_T)

@@ -40,6 +40,17 @@ def test_one_launch_equals_the_two_launches(interpreted, tma, tokens, block_t):
     torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2)
 
 
+def test_wider_down_tiles(interpreted):
+    """block_n_down 32 (half the down tiles, each waiting on its expert's 2 gate|up tiles of 16 columns): the two
+    launches' rows with 32-wide down tiles, bit for bit; `prefetch` is compiled only (no change here)."""
+    z, w13, w2, indices = _inputs(20)
+    act, position = routed.routed_expert_gate_up_glu(z, w13, indices, "situ", block_n=16, block_k=32)
+    want = routed.routed_expert_down(act, w2, indices, block_n=32, block_k=32)
+    got, got_position = fused.routed_expert_gate_up_down(z, w13, w2, indices, "situ", block_n=16, block_k=32,
+                                                         block_n_down=32, prefetch=True)
+    assert torch.equal(got_position, position) and torch.equal(got, want)
+
+
 @pytest.mark.parametrize(("real", "pad_at"), [(13, list(range(13, 20))), (9, [0, 4, 10])])
 def test_padding_rows_as_the_two_launches(interpreted, real, pad_at):
     """With the padding marker: positions and real rows bit for bit the two launches', the padding pairs on row
