@@ -30,7 +30,7 @@ if gluon is not None:
     def gate_up_down_kernel(x, ids, weights, wgu, mgu, wd, md, h, partial, counters, T, K, beta1, beta2,
                             L: gl.constexpr, F: gl.constexpr, TP: gl.constexpr, BK: gl.constexpr,
                             GU_ROWS: gl.constexpr, D_ROWS: gl.constexpr, WARPS: gl.constexpr,
-                            GU_STAGES: gl.constexpr, D_STAGES: gl.constexpr, SLEEP: gl.constexpr):
+                            GU_STAGES: gl.constexpr, D_STAGES: gl.constexpr):
         """Grid (T k (F / GU_ROWS + l / D_ROWS)): counters [ticket, finished, arrivals of T k pairs], zero
         between launches; h [1, T k, F], partial [1, T k, l]."""
         GU_BLOCKS: gl.constexpr = F // GU_ROWS
@@ -48,7 +48,7 @@ if gluon is not None:
             down = item - gate_up_items
             pair = down // D_BLOCKS
             down_rows(h, ids, weights, wd, md, partial, pair, (down % D_BLOCKS) * D_ROWS, 0, T, K, L, F, TP, BK,
-                      D_ROWS, WARPS, 1, D_STAGES, arrivals + pair, GU_BLOCKS, SLEEP)
+                      D_ROWS, WARPS, 1, D_STAGES, arrivals + pair, GU_BLOCKS)
         # Every program counts out; the last one (all others have taken their tickets and stopped waiting)
         # leaves the counters zeroed for the next launch.
         if gl.atomic_add(counters + 1, 1, sem="acq_rel", scope="gpu") == gate_up_items + T * K * D_BLOCKS - 1:
@@ -57,8 +57,6 @@ if gluon is not None:
             gl.store(counters + slot, gl.zeros([2 * TP * BK], gl.int32, zero), mask=slot < T * K + 2)
 
 
-# A waiting down program's pause between polls of its counter, ns (0: none).
-SLEEP_NS = 0
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -83,10 +81,9 @@ def serves(x: torch.Tensor, F: int, h_parts: int, gate_up_tile: Tile, down_tile:
 
 def gate_up_down(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: tuple[torch.Tensor, ...],
                  h: torch.Tensor, partial: torch.Tensor, beta1: float, beta2: float, gate_up_tile: Tile,
-                 down_tile: Tile, gate_up_stages: int, down_stages: int, sleep_ns: int | None = None) -> None:
+                 down_tile: Tile, gate_up_stages: int, down_stages: int) -> None:
     """h [1, T k, F] and partial [1, T k, l] <- decode_gluon.gate_up then decode_gluon.down, in one launch
-    (`serves` must hold; experts: PreparedExperts, contiguous). `sleep_ns`: a waiting down program's pause
-    between polls of its counter (0: none; default SLEEP_NS)."""
+    (`serves` must hold; experts: PreparedExperts, contiguous)."""
     T, L = x.shape
     K = ids.shape[1]
     gu_words, gu_mults, d_words, d_mults = experts
@@ -96,6 +93,4 @@ def gate_up_down(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expe
     gate_up_down_kernel[(grid,)](x, ids, weights, gu_words, gu_mults, d_words, d_mults, h, partial,
                                  _counters(T * K, x.device), T, K, beta1, beta2, L=L, F=F, TP=SLOTS, BK=next_pow2(K),
                                  GU_ROWS=gate_up_tile.rows, D_ROWS=down_tile.rows, WARPS=down_tile.warps,
-                                 GU_STAGES=gate_up_stages, D_STAGES=down_stages,
-                                 SLEEP=SLEEP_NS if sleep_ns is None else sleep_ns,
-                                 num_warps=down_tile.warps)
+                                 GU_STAGES=gate_up_stages, D_STAGES=down_stages, num_warps=down_tile.warps)

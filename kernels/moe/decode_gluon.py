@@ -104,16 +104,11 @@ if gluon is not None:
                      BK, HP, ROWS, WARPS, STAGES)
 
     @gluon.jit
-    def _h_arrived(arrivals, need, SLEEP: gl.constexpr):
-        """Spin (plain loads, SLEEP ns apart where > 0: fewer polls of the counters' L2 line while the weight
-        streams run) until the counter at `arrivals` reaches `need`, then acquire what its releases published:
-        one RMW read (its value used, so it stays) and the barrier after it."""
-        seen = gl.load(arrivals, volatile=True)
-        while seen < need:
-            if SLEEP > 0:
-                gl.inline_asm_elementwise("nanosleep.u32 $1; mov.b32 $0, $1;", "=r,r", [seen * 0 + SLEEP],
-                                          dtype=gl.int32, is_pure=False, pack=1)
-            seen = gl.load(arrivals, volatile=True)
+    def _h_arrived(arrivals, need):
+        """Spin (plain loads) until the counter at `arrivals` reaches `need`, then acquire what its releases
+        published: one RMW read (its value used, so it stays) and the barrier after it."""
+        while gl.load(arrivals, volatile=True) < need:
+            pass
         while gl.atomic_add(arrivals, 0, sem="acquire", scope="gpu") < need:
             pass
         gl.thread_barrier()
@@ -121,7 +116,7 @@ if gluon is not None:
     @gluon.jit
     def down_rows(h, ids, weights, wd, md, partial, pair, row0, split, T, K, L, F: gl.constexpr, TP: gl.constexpr,
                   BK: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, SPLITS: gl.constexpr,
-                  STAGES: gl.constexpr, arrivals, NEED: gl.constexpr, SLEEP: gl.constexpr = 0):
+                  STAGES: gl.constexpr, arrivals, NEED: gl.constexpr):
         """One down program's work (rows row0 .. of split `split`, where `pair` leads its expert). NEED > 0
         (decode_fused_gluon): the ring's first weight stages are issued before waiting for the counter at
         `arrivals` to reach NEED (the expert's h published), and only then its h stages."""
@@ -144,7 +139,7 @@ if gluon is not None:
                 for s in gl.static_range(STAGES - 1):
                     if s < STEPS:
                         copy_tile(w_s, f_s, s, words, fields, step0 + s)
-                _h_arrived(arrivals, NEED, SLEEP)
+                _h_arrived(arrivals, NEED)
             for s in gl.static_range(STAGES - 1):
                 if s < STEPS:
                     copy_act(act_s, s, h_rows, h_used, (step0 + s) * 128, WARPS)

@@ -145,8 +145,20 @@ if triton is not None:
 # 2 warps: 4 warps or 32 rows were slower at T = 4 / 16.
 GLUON_STAGES = 3
 GLUON_DOWN_TILE = Tile(128, 128, 4, 3)
-# gluon_fused's (gate/up, down) tiles where the caller names neither (one launch: equal warps).
+# gluon_fused's (gate/up, down) tiles where the caller names neither (one launch: equal warps) and cp.async
+# stages (session 10, history 43, same runs, whole call us at T = 4: 70.2 / 68.9 at 2 + 2 stages against 70.4 /
+# 72.1 at 3 + 3; 4-warp tiles 71.0-71.5; the two-launch default 74.7 / 76.5).
 FUSED_TILES = (Tile(64, 128, 2, 3), Tile(128, 128, 2, 3))
+FUSED_STAGES = (2, 2)
+
+
+def fused_by_default(pairs: int, sms: int) -> bool:
+    """Whether a call of `pairs` (token, expert) pairs takes the one-launch form when the caller names no tiles:
+    from 64 pairs (T = 4 at k = 16, measured faster in two runs, history 43) while the mma.sync gate/up is the
+    default (fewer pairs than SMs). At 16 pairs (T = 1) it measured slower (40.9-42.6 us against 29.6-30.2:
+    every item is resident at once and the ticket order scatters the gate/up items over the SMs unevenly, a
+    guess not yet measured); 32-48 pairs are unmeasured and keep the two launches."""
+    return 64 <= pairs < sms
 
 
 class PreparedExperts(NamedTuple):
@@ -204,7 +216,7 @@ def latent_moe_decode_prepared(
     beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None, down_tile: Tile | None = None,
     token_block: int = 16, h_parts: int | None = None, gluon_stages: int | None = None,
     gluon_down_stages: int | None = None, gluon_wgmma: bool | None = None, gluon_down_wgmma: bool = False,
-    gluon_fused: bool = False,
+    gluon_fused: bool | None = None,
 ) -> torch.Tensor:
     """latent_moe_decode on `prepare_experts`' layout. Tuning: `gate_up_tile` and `down_tile`
     (kernels.moe.tiles.Tile; default: `default_tiles` by T k and the SM count), `token_block` tokens of one
@@ -218,8 +230,9 @@ def latent_moe_decode_prepared(
     (kernels.moe.decode_wgmma_gluon, its own 64-row 4-warp tile) where `gluon_wgmma` (default: from as many
     (token, expert) pairs as SMs); down on warpgroup MMAs (`decode_wgmma_gluon.DOWN_TILE` unless `down_tile`
     is given) where `gluon_down_wgmma` (off: no gain at T = 16 in session 8's final run, history 35).
-    `gluon_fused` (off until measured faster): the mma.sync gate/up and the down in one launch
-    (kernels.moe.decode_fused_gluon, its FUSED_TILES unless both tiles are given) where it serves the call.
+    `gluon_fused`: the mma.sync gate/up and the down in one launch (kernels.moe.decode_fused_gluon, at
+    FUSED_TILES unless both tiles are given, FUSED_STAGES unless stages are) where it serves the call
+    (default: `fused_by_default`).
     """
     T, L = x.shape
     gu_words, gu_mults, d_words, d_mults = experts
@@ -238,13 +251,18 @@ def latent_moe_decode_prepared(
             f"token_block must be a power of two >= 16, got {token_block}")
     hp = h_parts or _parts(x.dtype)
     require(1 <= hp <= 3, f"h_parts must be 1, 2 or 3, got {h_parts}")
-    stages, down_stages = (GLUON_STAGES if s is None else s for s in (gluon_stages, gluon_down_stages))
+    sms = sm_count(x.device, cpu=132)
+    if gluon_fused is None:
+        gluon_fused = (gate_up_tile is None and down_tile is None and gluon_wgmma is not True and not gluon_down_wgmma
+                       and fused_by_default(T * K, sms))
     fused_tiles = (gate_up_tile, down_tile) if gate_up_tile and down_tile else FUSED_TILES
-    fused = (gluon_fused and min(stages, down_stages) >= 2 and token_block == 16
+    fused_stages = [f if s is None else s for f, s in zip(FUSED_STAGES, (gluon_stages, gluon_down_stages), strict=True)]
+    fused = (gluon_fused and min(fused_stages) >= 2 and token_block == 16
              and decode_fused_gluon.serves(x, F, hp, *fused_tiles))
     if fused:
-        gate_up_tile, down_tile = fused_tiles
-    sms = sm_count(x.device, cpu=132)
+        (gate_up_tile, down_tile), (stages, down_stages) = fused_tiles, fused_stages
+    else:
+        stages, down_stages = (GLUON_STAGES if s is None else s for s in (gluon_stages, gluon_down_stages))
     default_gu, default_down = default_tiles(T * K, sms)
     # Gate/up on warpgroup MMAs by default from as many (token, expert) pairs as SMs (session 8, history 35,
     # same run, us at T = 1 / 4 / 16: gate/up 16.9 / 46.8 / 120.0 against mma.sync's 17.0 / 47.0 / 128.6;

@@ -53,6 +53,14 @@ def test_the_switch_keeps_cpu_calls_on_the_triton_kernels():
     assert ((fused.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+def test_default_takes_the_fused_form_from_64_pairs_to_fewer_than_sms():
+    """The launcher's default: two launches below 64 (token, expert) pairs (T = 1 measured slower) and from as
+    many pairs as SMs (the warpgroup gate/up's range), one launch between."""
+    sms = 132
+    assert [latent_moe_decode_triton.fused_by_default(p, sms) for p in (16, 48, 63, 64, 131, 132, 256)] == [
+        False, False, False, True, True, False, False]
+
+
 E, K, L, F = 12, 4, 512, 512  # the GPU cases' experts: 4 steps of 128 columns a program
 
 
@@ -85,14 +93,11 @@ def test_fused_matches_the_two_launches_and_the_oracle_on_gpu(tokens, tiles, sta
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sleep_ns", [0, 1000])
-def test_fused_replays_from_a_cuda_graph(sleep_ns, monkeypatch):
-    """Captured once, replayed on three different inputs (the counters reset by each replay's last program),
-    with and without a pause between a waiting program's polls: every replay equals the eager two-launch call
-    on those inputs."""
+def test_fused_replays_from_a_cuda_graph():
+    """Captured once, replayed on three different inputs (the counters reset by each replay's last program):
+    every replay equals the eager two-launch call on those inputs."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    monkeypatch.setattr(decode_fused_gluon, "SLEEP_NS", sleep_ns)
     x, ids, w, _packs, experts, tuning = _gpu_call(4, 7, FUSED, (3, 3))
     call = lambda: latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, gluon_fused=True,  # noqa: E731
                                                                        **tuning)
@@ -112,3 +117,20 @@ def test_fused_replays_from_a_cuda_graph(sleep_ns, monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(out, latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, **tuning))
         assert not decode_fused_gluon._COUNTERS[x.device].any()
+
+
+@pytest.mark.gpu
+def test_the_default_call_at_64_pairs_is_the_fused_form_on_gpu(monkeypatch):
+    """16 tokens x 4 experts with no tiles named: the launcher calls the one-launch form, at FUSED_TILES and
+    FUSED_STAGES (bit-equal to naming them)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    x, ids, w, _packs, experts, tuning = _gpu_call(16, 11, latent_moe_decode_triton.FUSED_TILES,
+                                                   latent_moe_decode_triton.FUSED_STAGES)
+    launches = []
+    launch = decode_fused_gluon.gate_up_down
+    monkeypatch.setattr(decode_fused_gluon, "gate_up_down", lambda *a: launches.append(a[-4:]) or launch(*a))
+    default = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts)
+    assert launches == [(*latent_moe_decode_triton.FUSED_TILES, *latent_moe_decode_triton.FUSED_STAGES)]
+    fused = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, gluon_fused=True, **tuning)
+    assert torch.equal(default, fused)
