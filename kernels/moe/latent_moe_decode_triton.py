@@ -18,8 +18,9 @@ dtype, in a fixed order.
 On CUDA with bf16 activations and T <= 16 (every decode batch), kernels 1 and 2 run as their Gluon forms
 (kernels.moe.decode_gluon: the same computation with conflict-free activation staging and a deeper cp.async
 ring, 1.37-1.39x at T = 1 / 4 / 16; docs/kernels.md, history 32), gate/up from as many (token, expert) pairs
-as SMs on warpgroup MMAs (kernels.moe.decode_wgmma_gluon, history 35); these Triton kernels serve the rest and
-are the form the CPU interpreter tests.
+as SMs on warpgroup MMAs (kernels.moe.decode_wgmma_gluon, history 35), from 64 pairs to fewer than SMs both in
+one launch (kernels.moe.decode_fused_gluon, history 43); these Triton kernels serve the rest and are the form
+the CPU interpreter tests.
 """
 
 from __future__ import annotations
