@@ -15,8 +15,7 @@ not timed).
 `--groups skinny`: every decode projection (`fast_decoder.distinct_projections`) in the skinny GEMM's
 candidate tilings against cuBLAS as the fast path calls it, weights cycled through enough copies to come from
 HBM. `--groups floor`: one launch that only copies each residual-add GEMM's weight (what a GEMM
-of that size is up against). `--groups fused`: the routed experts' two projections in one launch against the two
-launches, alone and in the layer (K3_ROUTED_FUSED). `--compile-only --shard I N` launches a share of the cases once (run shards in parallel to fill
+of that size is up against). `--compile-only --shard I N` launches a share of the cases once (run shards in parallel to fill
 Triton's cache before a timed run).
 
     python -m bench.serve_glue [--model mini] [--tokens 1 16 64 128 256] [--sweep 64] [--out bench/results/serve_glue.json]
@@ -45,17 +44,14 @@ from bench.serve_glue_gemms import (
     MLA_VARIANTS,
     ROUTED_CONFIGS,
     ROUTED_DOWN_CONFIGS,
-    ROUTED_FUSED_VARIANTS,
     WEIGHT_COPIES,
     Case,
     default_tiles,
     down_cases,
     each_call,
     expert_cases,
-    fused_label,
     mla_cases,
     routed_expert_cases,
-    routed_fused_cases,
     weight_copies,
 )
 from bench.serve_rank import copy_bandwidth, set_environ
@@ -118,9 +114,8 @@ def router_cases(c: K3Config, tokens: int, gen: torch.Generator, configs: list[t
         lambda: naive.moe_route(x, router, bias, k), 0) for bt, bh, warps, stages, sp in configs}
 
 
-def moe_layer_case(c: K3Config, tokens: int, gen: torch.Generator, routed_only: bool = False) -> dict[str, Case]:
-    """One latent-MoE layer of the fast path (router to the residual add), random weights as bench.serve's;
-    `routed_only`: the routed form's two-launch and one-launch rows (K3_ROUTED_FUSED), router on its branch."""
+def moe_layer_case(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, Case]:
+    """One latent-MoE layer of the fast path (router to the residual add), random weights as bench.serve's."""
     with torch.device(gen.device):
         moe = SparseMoE(c)
     with torch.no_grad():
@@ -138,42 +133,26 @@ def moe_layer_case(c: K3Config, tokens: int, gen: torch.Generator, routed_only: 
             diff = float((fast(x) - moe(x)).abs().max())
         return {f"MoeDecode layer (grouped), diff {diff:.3g}": (torch.no_grad()(lambda: fast(x, residual)), None, 0)}
     found: dict[str, Case] = {}
-    if fast.grouped and not routed_only:  # the grouped form in the dense range too (a peer of the routed form: the same rows)
+    if fast.grouped:  # the grouped form in the dense range too (a peer of the routed form: the same rows)
         grouped = MoeDecode(moe, c, True)
         grouped.dense = lambda tokens: False
         with torch.no_grad():
             diff = float((grouped(x) - moe(x)).abs().max())
         found[f"MoeDecode layer (grouped, branches 1), diff {diff:.3g}"] = (
             torch.no_grad()(lambda: grouped(x, residual)), None, 0)
-    # Each dense form (K3_DENSE_EXPERTS) and the routed one in two launches and in one (K3_ROUTED_FUSED), with
-    # the router on a side branch or in the chain (K3_DECODE_BRANCHES), set while its calls are captured.
-    # The one launch in each of its bench tunings (fast_ffn.ROUTED_FUSED_TUNING).
-    forms = [(form, "0", {}) for form in (*fast_ffn.DENSE_FORMS, fast_ffn.ROUTED_FORM)] + [
-        (fast_ffn.ROUTED_FORM, "1", tuning) for tuning in ROUTED_FUSED_VARIANTS]
-    for (form, fused, tuning), branches in itertools.product(forms, ("1", "0")):
-        if routed_only and (form != fast_ffn.ROUTED_FORM or branches == "0"):
-            continue
-        settings = {fast_ffn.DENSE_FORM_ENV: form, fast_ffn.ROUTED_FUSED_ENV: fused, BRANCHES_ENV: branches}
+    # Each dense form (K3_DENSE_EXPERTS) and the routed one, with the router on a side branch or in the chain
+    # (K3_DECODE_BRANCHES), set while its calls are captured.
+    for form, branches in itertools.product((*fast_ffn.DENSE_FORMS, fast_ffn.ROUTED_FORM), ("1", "0")):
+        settings = {fast_ffn.DENSE_FORM_ENV: form, BRANCHES_ENV: branches}
 
-        def call(settings=settings, tuning=tuning):
-            with harness_env(settings), fused_tuning(tuning), torch.no_grad():
+        def call(settings=settings):
+            with harness_env(settings), torch.no_grad():
                 return fast(x, residual)
-        with harness_env(settings), fused_tuning(tuning), torch.no_grad():
+        with harness_env(settings), torch.no_grad():
             diff = float((fast(x) - moe(x)).abs().max())
-        kind = (form + (f" one launch {fused_label(tuning)}" if fused == "1" else "")) \
-            if form == fast_ffn.ROUTED_FORM else f"dense {form}"
+        kind = form if form == fast_ffn.ROUTED_FORM else f"dense {form}"
         found[f"MoeDecode layer ({kind}, branches {branches}), diff {diff:.3g}"] = (call, None, 0)
     return found
-
-
-@contextmanager
-def fused_tuning(tuning: dict) -> Iterator[None]:
-    """The one-launch routed form in `tuning` within the block ({}: its launcher's default)."""
-    fast_ffn.ROUTED_FUSED_TUNING.update(tuning)
-    try:
-        yield
-    finally:
-        fast_ffn.ROUTED_FUSED_TUNING.clear()
 
 
 def max_diff(a: object, b: object) -> float:
@@ -254,7 +233,7 @@ def cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, tuple[Cal
     }
 
 
-GROUPS = ("glue", "router", "experts", "down", "mla", "layer", "skinny", "floor", "fused")
+GROUPS = ("glue", "router", "experts", "down", "mla", "layer", "skinny", "floor")
 
 
 def main() -> None:
@@ -297,10 +276,8 @@ def main() -> None:
             timed |= skinny_cases(config, tokens, gen, sweep)
         if "floor" in groups and tokens == max(args.tokens):  # no rows: once
             timed |= read_floor_cases(config, gen)
-        if "layer" in groups or ("fused" in groups and tokens <= 128):
-            timed |= moe_layer_case(config, tokens, gen, routed_only="layer" not in groups)
-        if "fused" in groups and tokens <= 128:
-            timed |= routed_fused_cases(config, tokens, gen)
+        if "layer" in groups:
+            timed |= moe_layer_case(config, tokens, gen)
         for index, (name, (fused, reference, weight_bytes)) in enumerate(timed.items()):
             if index % args.shard[1] != args.shard[0]:
                 continue

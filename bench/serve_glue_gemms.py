@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from k3core.config import K3Config
-from kernels.fused import expert_gemm_triton, naive, routed_expert_fused_triton, routed_expert_gemm_triton
+from kernels.fused import expert_gemm_triton, naive, routed_expert_gemm_triton
 from kernels.mla import decode_triton
 from kernels.moe import situ_glu_triton
 
@@ -30,18 +30,6 @@ ROUTED_CONFIGS = [
 ROUTED_DOWN_CONFIGS = [
     (64, 0, 64, 4, 4, True), (64, 32, 64, 4, 4, True), (128, 16, 64, 4, 3, True), (64, 16, 128, 4, 3, True),
     (64, 16, 64, 4, 4, False)]
-# The one-launch routed form's tunings ({}: its launcher's default). One kernel holds the gate|up's shared memory for
-# the down tiles too (64 tokens, 4 stages: 74 KB, 3 programs an SM, so 512 64-wide down tiles take 1.3 waves; the
-# down launch alone: 41 KB, 5 an SM); 128-wide down tiles: 256, one wave; `prefetch`: a down tile asks L2 for its
-# weight block before it waits on its expert's gate|up tiles. Session 10 run 1 (64 tokens): 4 / 3 / 2 stages
-# 46.6 / 47.7 / 49.1 us against the two launches' 44.8.
-ROUTED_FUSED_VARIANTS: list[dict] = [
-    {}, {"prefetch": True}, {"block_n_down": 128}, {"block_n_down": 128, "prefetch": True},
-    {"block_n_down": 128, "prefetch": True, "num_stages": 3}]
-
-
-def fused_label(tuning: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in tuning.items()) or "default"
 MLA_VARIANTS = [  # mla_decode_paged tuning at the serve pool's 1024-token pages; {} = the launcher's rule
     {}, {"num_splits": 2}, {"num_splits": 8}, {"num_splits": 16}, {"block_n": 32, "num_stages": 3},
     {"block_n": 32, "num_stages": 3, "num_splits": 8}, {"num_warps": 8}, {"tokens_major": True}]
@@ -136,27 +124,6 @@ def routed_expert_cases(c: K3Config, tokens: int, gen: torch.Generator, configs:
             each_call(lambda w: torch._grouped_mm(act, w.transpose(1, 2), offs=offsets), w2s),
             experts * latent * ffn * 2)
     return found
-
-
-def routed_fused_cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, Case]:
-    """The routed experts' gate|up and down in one launch (routed_expert_fused_triton) against the two launches
-    (the launchers' default tiling both); weight bytes: every expert's w13 and w2."""
-    experts, ffn, latent = c.num_experts, c.moe_intermediate_size, c.routed_expert_hidden_size
-    indices = routing(c, tokens, gen)
-    z = torch.randn(tokens, 4 * latent, device=gen.device, generator=gen).to(torch.bfloat16)[:, :latent]
-    w13s, beta = weight_copies((experts, 2 * ffn, latent), gen), (c.situ_beta, c.situ_linear_beta)
-    w2s = weight_copies((experts, latent, ffn), gen)
-    pairs = list(zip(w13s, w2s, strict=True))
-    counters = naive.routed_counters(experts, gen.device)
-
-    def two(w: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        act, _ = routed_expert_gemm_triton.routed_expert_gate_up_glu(z, w[0], indices, "situ", *beta)
-        return routed_expert_gemm_triton.routed_expert_down(act, w[1], indices)
-
-    return {f"routed one launch {fused_label(tuning)} (vs two)": (
-        each_call(lambda w, tuning=tuning: routed_expert_fused_triton.routed_expert_gate_up_down(
-            z, w[0], w[1], indices, "situ", *beta, counters=counters, **tuning)[0], pairs),
-        each_call(two, pairs), experts * 3 * ffn * latent * 2) for tuning in ROUTED_FUSED_VARIANTS}
 
 
 def mla_cases(c: K3Config, batch: int, gen: torch.Generator, variants: list[dict]) -> dict[str, Case]:

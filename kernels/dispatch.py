@@ -56,8 +56,6 @@ routed_expert_gate_up_glu = _dispatcher("kernels.fused.naive", "kernels.fused.ro
                                         "routed_expert_gate_up_glu")
 routed_expert_down = _dispatcher("kernels.fused.naive", "kernels.fused.routed_expert_gemm_triton",
                                  "routed_expert_down")
-routed_expert_gate_up_down = _dispatcher("kernels.fused.naive", "kernels.fused.routed_expert_fused_triton",
-                                         "routed_expert_gate_up_down")
 moe_combine = _dispatcher("kernels.fused.naive", "kernels.fused.moe_combine_triton", "moe_combine")
 moe_align = _dispatcher("kernels.fused.naive", "kernels.fused.moe_align_triton", "moe_align")
 mla_latent_write = _dispatcher("kernels.fused.naive", "kernels.fused.mla_latent_write_triton", "mla_latent_write")

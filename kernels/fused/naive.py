@@ -82,23 +82,6 @@ def routed_expert_down(act: torch.Tensor, w2: torch.Tensor, indices: torch.Tenso
     return torch.cat([torch.where(live[:, None], out, 0), out.new_zeros(1, out.shape[1])])
 
 
-def routed_counters(experts: int, device: torch.device | str) -> torch.Tensor:
-    """The arrival counters of routed_expert_gate_up_down's one-launch Triton form at rest: int32 [2 + experts]
-    zeros (ticket, finished, one per expert; each launch leaves them zero again)."""
-    return torch.zeros(experts + 2, dtype=torch.int32, device=device)
-
-
-def routed_expert_gate_up_down(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, indices: torch.Tensor,
-                               activation: str = "situ", beta1: float = 4.0, beta2: float = 25.0,
-                               padding: Padding | None = None,
-                               counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both routed projections in one call (the Triton form is one launch): routed_expert_down of
-    routed_expert_gate_up_glu's rows -> (down rows [T*k (+ 1 with padding), l], the row of each pair [T, k]).
-    `counters`: the Triton form's arrival counters (unused here)."""
-    act, position = routed_expert_gate_up_glu(z, w13, indices, activation, beta1, beta2, padding)
-    return routed_expert_down(act, w2, indices, padding), position
-
-
 def _sorted_pairs(indices: torch.Tensor, experts: int,
                   padding: Padding | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """moe_align's rows for the routed references: (token, expert and, with padding, whether routed, of each

@@ -70,50 +70,24 @@ if triton is not None:
         return first, tl.sum(has, axis=0), has, tl.cumsum(has, axis=0) - 1, picks
 
     @triton.jit
-    def _wait_for(counter, target):
-        """Spin until *counter reaches target (acquire: what the arrivals released is visible to every thread of
-        the program after the barrier; cooperative groups' grid sync does the same). Bounded (2^22 polls, seconds):
-        a broken count gives wrong rows, not a hung device."""
-        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-        polls = 0
-        while (seen < target) & (polls < 4194304):
-            seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-            polls += 1
-        tl.debug_barrier()
-
-    @triton.jit
-    def _prefetch_block(w, row, K, stride_wn, BLOCK_N: tl.constexpr, LINES: tl.constexpr):
-        """Ask L2 for weight rows row.. (BLOCK_N of them, K deep: LINES 128-byte lines a row, the last repeated
-        past K), kept there first (evict_last): no registers, nothing waited on."""
-        line: tl.constexpr = 1024 // w.dtype.element_ty.primitive_bitwidth
-        rows = (row + tl.arange(0, BLOCK_N)).to(tl.int64)
-        cols = tl.minimum(tl.arange(0, LINES) * line, K - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                  [w + rows[:, None] * stride_wn + cols[None, :]], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-    @triton.jit
-    def _routed_tile(x, indices, position, marker, skip, w, w_desc, out, T, N, K, stride_x, stride_wn, stride_o,
-                     w_rows_per_expert, beta1, beta2, n_tile, expert, ready, ready_target, ACT: tl.constexpr,
-                     GATHER: tl.constexpr, PADDING: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr,
-                     TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr,
-                     PREFETCH_LINES: tl.constexpr = 0):
-        """Column tile n_tile (BLOCK_N wide) of expert e's rows: the routing's pairs that picked it, sorted by
-        expert (`_expert_rows`). GATHER (gate|up): row r reads x[its token] and the column tile 0's programs
-        write each pair's row into position [T, TOP_K]; else (down) row r reads x[r]. w [E*w_rows_per_expert,
-        K]; with a GLU (ACT > 0) the up rows sit N rows after the gate rows. out [R, N]. PADDING: tokens whose
-        marker is `skip` are routed to no expert; expert 0's programs point their pairs' positions at row R =
-        T*TOP_K (gate|up) and write that row of out as zeros (down: out [R + 1, N]). WAIT: before the first
-        read of x, an expert with rows spins until *ready reaches ready_target (x written by other programs of
-        the same launch); PREFETCH_LINES > 0: first the weight block is asked into L2 (a row's lines), so that
-        the weight stream runs while the program waits."""
-        n0 = n_tile * BLOCK_N
+    def _routed_gemm_kernel(x, indices, position, marker, skip, w, w_desc, out, T, N, K, stride_x, stride_wn,
+                            stride_o, w_rows_per_expert, beta1, beta2, ACT: tl.constexpr, GATHER: tl.constexpr,
+                            PADDING: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr,
+                            TOP_K_P2: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Rows of expert e: the routing's pairs that picked it, sorted by expert (`_expert_rows`). GATHER
+        (gate|up): row r reads x[its token] and the column tile 0's programs write each pair's row into
+        position [T, TOP_K]; else (down) row r reads x[r]. w [E*w_rows_per_expert, K]; with a GLU (ACT > 0) the
+        up rows sit N rows after the gate rows. out [R, N]. PADDING: tokens whose marker is `skip` are routed
+        to no expert; expert 0's programs point their pairs' positions at row R = T*TOP_K (gate|up) and write
+        that row of out as zeros (down: out [R + 1, N])."""
+        n0 = tl.program_id(0) * BLOCK_N
+        expert = tl.program_id(1)
         first, count, has, rank, picks = _expert_rows(indices, marker, skip, expert, T, PADDING, TOP_K, BLOCK_P,
                                                       TOP_K_P2)
         token_ids = tl.arange(0, BLOCK_P)
         if GATHER:
-            if n_tile == 0:
+            if tl.program_id(0) == 0:
                 slots = tl.arange(0, TOP_K_P2)
                 row = (first + rank)[:, None] + tl.zeros([BLOCK_P, TOP_K_P2], dtype=tl.int32)
                 if PADDING:  # padding pairs: row R, the zero row the down projection adds
@@ -132,11 +106,6 @@ if triton is not None:
                     tl.store(out + row_r * stride_o + cols, zeros, mask=cols_ok)
         ks = tl.arange(0, BLOCK_K)
         w_row = expert * w_rows_per_expert + n0
-        if WAIT:
-            if count > 0:
-                if PREFETCH_LINES > 0:
-                    _prefetch_block(w, w_row, K, stride_wn, BLOCK_N, PREFETCH_LINES)
-                _wait_for(ready, ready_target)
         for t0 in range(0, count, BLOCK_T):
             here = t0 + tl.arange(0, BLOCK_T)
             rows_ok = here < count
@@ -163,40 +132,13 @@ if triton is not None:
             target = out + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
             tl.store(target, tl.trans(acc).to(out.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
-    @triton.jit
-    def _routed_gemm_kernel(x, indices, position, marker, skip, w, w_desc, out, T, N, K, stride_x, stride_wn,
-                            stride_o, w_rows_per_expert, beta1, beta2, ACT: tl.constexpr, GATHER: tl.constexpr,
-                            PADDING: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, TOP_K: tl.constexpr,
-                            TOP_K_P2: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Program (column tile, expert): `_routed_tile`."""
-        _routed_tile(x, indices, position, marker, skip, w, w_desc, out, T, N, K, stride_x, stride_wn, stride_o,
-                     w_rows_per_expert, beta1, beta2, tl.program_id(0), tl.program_id(1), indices, 0, ACT, GATHER,
-                     PADDING, TMA, EVEN_K, TOP_K, TOP_K_P2, BLOCK_P, BLOCK_T, BLOCK_N, BLOCK_K, False)
-
-
-def token_tile(rows: int, experts: int, block_t: int | None) -> int:
-    """The rows an expert's pass takes: block_t, or 16 up to 8 rows an expert on average, else 32 (one pass for
-    most experts)."""
-    return block_t or (16 if rows <= 8 * experts else 32)
-
-
-def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int, tma: bool) -> TensorDescriptor | None:
-    """The TMA descriptor of w [E, rows, K]'s stacked 2-D view in [block_n, block_k] boxes (tma), else None
-    after checking the pointer form's layout."""
-    if not tma:
-        require(w.stride(0) == w.shape[1] * w.stride(1), "the pointer form needs the experts' rows evenly strided")
-        return None
-    w2d = w.view(w.shape[0] * w.shape[1], w.shape[2]) if w.is_contiguous() else None
-    require(w2d is not None and _tma_ready(w2d), "tma=True needs contiguous, 16-byte aligned weight rows")
-    return TensorDescriptor.from_tensor(w2d, [block_n, block_k])
-
 
 def _launch(x: torch.Tensor, indices: torch.Tensor, position: torch.Tensor | None, w: torch.Tensor,
             out: torch.Tensor, act: int, width: int, beta1: float, beta2: float, block_n: int, block_t: int | None,
             block_k: int, num_warps: int, num_stages: int, tma: bool, padding: Padding | None) -> torch.Tensor:
     """x rows [*, K], routing indices [T, k], w [E, rows, K] -> out [R = T*k (+ 1 with `padding` in the down
-    projection), width]. block_t None: `token_tile`'s rule."""
+    projection), width]. block_t None: 16 rows up to 8 rows an expert on average, else 32 (one pass for most
+    experts)."""
     experts, depth = w.shape[0], x.shape[1]
     rows = out.shape[0] - (padding is not None and position is None)  # less the down projection's zero row
     require(indices.dim() == 2 and indices.shape[0] * indices.shape[1] == rows and indices.is_contiguous(),
@@ -207,8 +149,14 @@ def _launch(x: torch.Tensor, indices: torch.Tensor, position: torch.Tensor | Non
     if rows == 0:
         return out
     block_k = min(block_k, max(16, next_pow2(depth)))
-    block_t = token_tile(rows, experts, block_t)
-    w_desc = weight_descriptor(w, block_n, block_k, tma)
+    block_t = block_t or (16 if rows <= 8 * experts else 32)
+    w2d = w.view(experts * w.shape[1], depth) if w.is_contiguous() else None
+    if tma:
+        require(w2d is not None and _tma_ready(w2d), "tma=True needs contiguous, 16-byte aligned weight rows")
+        w_desc = TensorDescriptor.from_tensor(w2d, [block_n, block_k])
+    else:
+        require(w.stride(0) == w.shape[1] * w.stride(1), "the pointer form needs the experts' rows evenly strided")
+        w_desc = None
     tokens, top_k = indices.shape
     marker, skip = (indices, 0) if padding is None else padding
     _routed_gemm_kernel[(triton.cdiv(width, block_n), experts)](

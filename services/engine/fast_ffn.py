@@ -33,7 +33,7 @@ from k3core.layers.mlp import GatedMLP
 from k3core.layers.moe import SparseMoE
 from k3core.ops.moe import swiglu
 from kernels import dispatch
-from kernels.fused.naive import Padding, routed_counters
+from kernels.fused.naive import Padding
 from services.engine.derived_weights import DerivedWeights
 from services.engine.fast_attention import Projection, fork, fuse_linears, join, linear_add, on, rms
 
@@ -53,10 +53,6 @@ DENSE_FORMS: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
 # 65.9 / 67.3 / 84.9 (H200, bench.serve_glue, session 9, docs/serving.md item 19).
 ROUTED_FORM, ROUTED_MAX_TOKENS = "routed", 128
 DENSE_FORM_ENV, DEFAULT_DENSE_FORM = "K3_DENSE_EXPERTS", ROUTED_FORM
-# The routed form's two projections in one launch (`dispatch.routed_expert_gate_up_down`: down tiles start as
-# their expert's gate|up tiles end, one ramp and one tail) or two (`K3_ROUTED_FUSED=0`); docs/serving.md item 22.
-ROUTED_FUSED_ENV, DEFAULT_ROUTED_FUSED = "K3_ROUTED_FUSED", "0"
-ROUTED_FUSED_TUNING: dict[str, Any] = {}  # the one launch's tuning on the device (bench.serve_glue sweeps it)
 # Above this many rows every form runs as "pointer": there the Triton down projection lost to cuBLAS (H200,
 # bench.serve_glue, session 7: 14.8 / 16.3 vs 15.1 / 17.1 us at 16 / 64 tokens, 20.7 vs 18.3 at 96, 21.8 vs
 # 19.8 at 128) and the TMA gate|up did not win (40.6 vs 38.6 us at 96, 37.9 vs 39.3 at 128).
@@ -69,14 +65,6 @@ def expert_form_name() -> str:
     if name not in DENSE_FORMS and name != ROUTED_FORM:
         raise ValueError(f"{DENSE_FORM_ENV}={name!r}: expected one of {sorted([*DENSE_FORMS, ROUTED_FORM])}")
     return name
-
-
-def routed_fused() -> bool:
-    """`K3_ROUTED_FUSED`: whether the routed form runs its two projections in one launch ("1") or two ("0")."""
-    value = os.environ.get(ROUTED_FUSED_ENV, DEFAULT_ROUTED_FUSED)
-    if value not in ("0", "1"):
-        raise ValueError(f"{ROUTED_FUSED_ENV}={value!r}: expected 0 or 1")
-    return value == "1"
 
 
 def dense_form(tokens: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -171,8 +159,6 @@ class MoeDecode:
         # Within `padding_rows` (a decode step's forward): which rows are a CUDA-graph bucket's padding, which the
         # routed form routes to no expert (no extra rows, passes or experts read for rows nobody reads).
         self.padding: Padding | None = None
-        # The one-launch routed form's arrival counters (zero at rest): this layer's own, so no other launch shares them.
-        self.routed_counters = routed_counters(self.w13.shape[0], self.w13.device)
 
     @staticmethod
     def projections(c: K3Config, residual: bool) -> list[Projection]:
@@ -200,18 +186,11 @@ class MoeDecode:
         return out, position, 1, 0
 
     def _expert_rows_routed(self, z: torch.Tensor, indices: torch.Tensor) -> ExpertRows:
-        """The grouped form's rows (each pair once, sorted by expert) from one launch per projection, or one for
-        both (`routed_fused`); `padding` rows' pairs all read the zero row after them (their routed sum is 0:
-        finite, read by no other row)."""
+        """The grouped form's rows (each pair once, sorted by expert) from one launch per projection; `padding`
+        rows' pairs all read the zero row after them (their routed sum is 0: finite, read by no other row)."""
         padding = self.padding if self.padding is not None and self.padding[0].shape[0] == z.shape[0] else None
-        beta = (self.config.situ_beta, self.config.situ_linear_beta)
-        if routed_fused():
-            tuning = ROUTED_FUSED_TUNING if dispatch.use_triton(z) else {}  # references: no tuning
-            rows, position = dispatch.routed_expert_gate_up_down(z, self.w13, self.w2, indices, self.activation, *beta,
-                                                                 padding=padding, counters=self.routed_counters,
-                                                                 **tuning)
-            return rows, position, 1, 0
-        act, position = dispatch.routed_expert_gate_up_glu(z, self.w13, indices, self.activation, *beta,
+        act, position = dispatch.routed_expert_gate_up_glu(z, self.w13, indices, self.activation,
+                                                           self.config.situ_beta, self.config.situ_linear_beta,
                                                            padding=padding)
         return dispatch.routed_expert_down(act, self.w2, indices, padding=padding), position, 1, 0
 

@@ -43,7 +43,6 @@ from kernels.fused import (
     moe_align_triton,
     moe_combine_triton,
     moe_router_triton,
-    routed_expert_fused_triton,
     routed_expert_gemm_triton,
     skinny_gemm_triton,
 )
@@ -217,14 +216,6 @@ def routed_experts(tokens: int, gate_up: list[tuple] | None = None, down: list[t
                                                      num_stages=stages, tma=tma, padding=padding)
 
 
-def routed_experts_fused(tokens: int, padded: bool = False) -> None:
-    """The routed experts' gate|up and down in one launch (K3_ROUTED_FUSED), the launcher's default tiling."""
-    ids, z = torch.zeros(tokens, TOP_K, dtype=I64), empty(tokens, LATENT + 2 * 2 * F_MOE)[:, :LATENT]
-    padding = (torch.zeros(tokens, dtype=I64), 5) if padded else None
-    routed_expert_fused_triton.routed_expert_gate_up_down(z, empty(E, 2 * F_MOE, LATENT), empty(E, LATENT, F_MOE),
-                                                          ids, padding=padding)
-
-
 def latent_moe(tokens: int, experts: int = E, latent: int = LATENT, width: int = F_MOE, top_k: int = TOP_K,
                **tuning) -> None:
     """The MXFP4 routed-expert decode (kernels/moe) on prepared experts (int32 words, uint8 multipliers)."""
@@ -290,8 +281,6 @@ CASES = {
     **{f"latent moe T={t}": lambda t=t: latent_moe(t) for t in DECODE_BATCHES},
     **{f"routed experts T={t}": lambda t=t: routed_experts(t) for t in DECODE_BATCHES},
     "routed experts padded T=128": lambda: routed_experts(128, padded=True),  # a decode graph bucket's padding
-    **{f"routed experts fused T={t}": lambda t=t: routed_experts_fused(t) for t in DECODE_BATCHES},
-    "routed experts fused padded T=128": lambda: routed_experts_fused(128, padded=True),
     **{f"skinny gemm T={t}": lambda t=t: skinny_gemm(t) for t in DECODE_BATCHES},
     **{f"greedy argmax B={b}": lambda b=b: greedy_draw(b) for b in DECODE_BATCHES},
     **{f"lookahead prologue B={b}": lambda b=b: lookahead_prologue(b) for b in DECODE_BATCHES},

@@ -16,7 +16,6 @@ from services.engine.fast_ffn import (
     DENSE_FORMS,
     FORM_MAX_TOKENS,
     ROUTED_FORM,
-    ROUTED_FUSED_ENV,
     MoeDecode,
     dense_form,
     grouped_mm_available,
@@ -214,43 +213,6 @@ def test_routed_form_routes_padding_rows_to_no_expert(monkeypatch):
                                                   padding=(marker, scratch))
     assert (position[real:] == size * moe.top_k).all()
     assert sorted(position[:real].flatten().tolist()) == list(range(real * moe.top_k))
-
-
-def test_routed_form_in_one_launch(monkeypatch):
-    """K3_ROUTED_FUSED=1: the routed form's two projections are one call (dispatch.routed_expert_gate_up_down,
-    the layer's own counters, the padding marker passed on), the layer's output bit for bit the two-call form's
-    with and without padding rows; anything but 0 / 1 is refused."""
-    monkeypatch.setenv(DENSE_FORM_ENV, ROUTED_FORM)
-    model, moe = _moe()
-    gen = torch.Generator().manual_seed(6)
-    x = torch.randn(12, model.config.hidden_size, generator=gen)
-    x[9:] = x[0]
-    residual = torch.randn(12, model.config.hidden_size, generator=gen)
-    marker = torch.tensor([3] * 9 + [77] * 3)
-    fast = MoeDecode(moe, model.config, grouped=True)
-    log, seen = LaunchLog(), []
-    names = (*FUSED, "routed_expert_gate_up_glu", "routed_expert_down", "routed_expert_gate_up_down")
-    for name in names:
-        monkeypatch.setattr(dispatch, name, log.opaque(name))
-    one = dispatch.routed_expert_gate_up_down
-    monkeypatch.setattr(dispatch, "routed_expert_gate_up_down", lambda *a, **k: seen.append(k) or one(*a, **k))
-    outputs = {}
-    with torch.no_grad():
-        for fused in ("0", "1"):
-            monkeypatch.setenv(ROUTED_FUSED_ENV, fused)
-            log.ops.clear()
-            plain = fast(x, residual.clone())
-            with padding_rows([fast], marker, 77):
-                padded = fast(x, residual.clone())
-            outputs[fused] = (plain, padded, [op for op in log.ops if op in names])
-    assert torch.equal(outputs["1"][0], outputs["0"][0]) and torch.equal(outputs["1"][1], outputs["0"][1])
-    assert outputs["0"][2] == ["moe_route", "routed_expert_gate_up_glu", "routed_expert_down", "moe_combine"] * 2
-    assert outputs["1"][2] == ["moe_route", "routed_expert_gate_up_down", "moe_combine"] * 2
-    assert len(seen) == 2 and all(k["counters"] is fast.routed_counters for k in seen)
-    assert seen[0]["padding"] is None and seen[1]["padding"][1] == 77
-    monkeypatch.setenv(ROUTED_FUSED_ENV, "yes")
-    with pytest.raises(ValueError, match=ROUTED_FUSED_ENV), torch.no_grad():
-        fast(x, residual.clone())
 
 
 def test_decode_step_marks_the_rows_on_the_scratch_pages_as_padding(monkeypatch):
