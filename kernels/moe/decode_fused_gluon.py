@@ -58,6 +58,7 @@ if gluon is not None:
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # replaced counters, kept: a graph captured earlier still names them
 
 
 def _counters(pairs: int, device: torch.device) -> torch.Tensor:
@@ -67,6 +68,8 @@ def _counters(pairs: int, device: torch.device) -> torch.Tensor:
     if counters is None or counters.numel() < pairs + 2:
         require(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
                 "the fused MoE decode's counters must be sized by an eager call before a CUDA graph captures it")
+        if counters is not None:
+            _OUTGROWN.append(counters)
         counters = _COUNTERS[device] = torch.zeros(max(pairs + 2, 258), dtype=torch.int32, device=device)
     return counters
 

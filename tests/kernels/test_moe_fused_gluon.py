@@ -61,6 +61,19 @@ def test_default_takes_the_fused_form_from_64_pairs_to_fewer_than_sms():
         False, False, False, True, True, False, False]
 
 
+def test_counters_grow_zeroed_and_keep_the_outgrown_buffer_alive():
+    """More pairs than the counters hold: a larger zeroed buffer, the old one kept (a graph captured before may
+    still write it); fewer pairs reuse the buffer."""
+    device = torch.device("cpu")
+    decode_fused_gluon._COUNTERS.pop(device, None)
+    small = decode_fused_gluon._counters(4, device)
+    assert small.numel() >= 6 and decode_fused_gluon._counters(4, device) is small
+    large = decode_fused_gluon._counters(small.numel(), device)
+    assert large.numel() >= small.numel() + 2 and not large.any()
+    assert any(t is small for t in decode_fused_gluon._OUTGROWN)
+    decode_fused_gluon._COUNTERS.pop(device)
+
+
 E, K, L, F = 12, 4, 512, 512  # the GPU cases' experts: 4 steps of 128 columns a program
 
 
