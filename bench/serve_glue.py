@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from bench.serve_glue_gemms import (
     DOWN_CONFIGS,
@@ -65,6 +66,7 @@ from kernels.fused import (
     moe_combine_triton,
     moe_router_triton,
     naive,
+    rms_norm_rows_triton,
     skinny_gemm_triton,
 )
 from kernels.perf import harness
@@ -217,6 +219,9 @@ def cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, tuple[Cal
     kv_norm = torch.rand(rank, device=dev, generator=gen).to(bf) + 0.5
     o = torch.randn(heads, tokens, v_dim, device=dev, generator=gen).to(bf)
     gate = torch.randn(tokens, heads * v_dim + 32, device=dev, generator=gen).to(bf)[:, 32:]
+    q_lora = c.q_lora_rank or hidden
+    mla_in = torch.randn(tokens, q_lora + rank + rope, device=dev, generator=gen).to(bf)  # [q_a | kv_a]
+    q_norm = torch.rand(q_lora, device=dev, generator=gen).to(bf) + 0.5
     combine_args = (rows, indices, weights, tokens, 1, norm_w, c.rms_norm_eps, gemm_out[:, latent:], "situ",
                     c.situ_beta, c.situ_linear_beta)
     pools = (pool.clone(), pool.clone())
@@ -230,6 +235,9 @@ def cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, tuple[Cal
         "moe_combine": (lambda: moe_combine_triton.moe_combine(*combine_args), lambda: naive.moe_combine(*combine_args)),
         "mla_latent_write": (lambda: write(mla_latent_write_triton, pools[0]), lambda: write(naive, pools[1])),
         "gated_heads": (lambda: gated_heads_triton.gated_heads(o, gate), lambda: naive.gated_heads(o, gate)),
+        # the peer: what the fast path ran before (torch's rms_norm copies the strided slice first)
+        "rms_norm_rows (q_a slice)": (lambda: rms_norm_rows_triton.rms_norm_rows(mla_in[:, :q_lora], q_norm, 1e-6),
+                                      lambda: F.rms_norm(mla_in[:, :q_lora], (q_lora,), q_norm, 1e-6)),
     }
 
 

@@ -59,6 +59,7 @@ routed_expert_down = _dispatcher("kernels.fused.naive", "kernels.fused.routed_ex
 moe_combine = _dispatcher("kernels.fused.naive", "kernels.fused.moe_combine_triton", "moe_combine")
 moe_align = _dispatcher("kernels.fused.naive", "kernels.fused.moe_align_triton", "moe_align")
 mla_latent_write = _dispatcher("kernels.fused.naive", "kernels.fused.mla_latent_write_triton", "mla_latent_write")
+rms_norm_rows = _dispatcher("kernels.fused.naive", "kernels.fused.rms_norm_rows_triton", "rms_norm_rows")
 gated_heads = _dispatcher("kernels.fused.naive", "kernels.fused.gated_heads_triton", "gated_heads")
 skinny_linear = _dispatcher("kernels.fused.naive", "kernels.fused.skinny_gemm_triton", "skinny_linear")
 greedy_argmax = _dispatcher("kernels.fused.naive", "kernels.fused.greedy_argmax_triton", "greedy_argmax")

@@ -148,6 +148,11 @@ def mla_latent_write(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, ro
     rows.index_copy_(0, write_rows, latent.to(rows.dtype))
 
 
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm of each row of x [M, D] (any row stride) -> a new contiguous [M, D] in x's dtype (float32 math)."""
+    return rms_norm(x, weight, eps)
+
+
 def gated_heads(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """Gated MLA's output gate on head-major values: o [H, B, Dv], gate [B, H*Dv] -> [B, H*Dv] =
     o (token-major) * sigmoid(gate), computed in float32+, in o's dtype (k3core's sigmoid_output_gate)."""

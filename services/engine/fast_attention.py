@@ -184,7 +184,11 @@ class MlaDecode:
         incl. the new one); write_rows [B]: where each new latent row goes in `views.mla_rows()`."""
         attn, batch = self.attn, x.shape[0]
         parts = F.linear(x, self.weight).split(self.splits, dim=-1)
-        q = attn.q_b_proj(rms(attn.q_a_layernorm, parts[0])) if attn.q_lora else parts[0]
+        if attn.q_lora:  # the q_a slice normalised in place of torch's copy-then-norm (two launches)
+            norm_q = attn.q_a_layernorm
+            q = attn.q_b_proj(dispatch.rms_norm_rows(parts[0], norm_q.weight, norm_q.eps))
+        else:
+            q = parts[0]
         q = q.reshape(batch, attn.heads, attn.nope + attn.rope)
         norm = attn.kv_a_layernorm
         # [q_nope W_uk | q_pe] per head: the batched GEMM writes its [H, B, R] product straight into the latent

@@ -1,12 +1,12 @@
-"""Fused Gated-MLA glue (kernels/fused): the latent row write and the output gate, references against
-float64 math, Triton launchers (interpreted) against the references, on row-strided inputs."""
+"""Fused Gated-MLA glue (kernels/fused): the latent row write, the q_a slice's RMSNorm and the output gate,
+references against float64 math, Triton launchers (interpreted) against the references, on row-strided inputs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.fused import gated_heads_triton, mla_latent_write_triton
+from kernels.fused import gated_heads_triton, mla_latent_write_triton, rms_norm_rows_triton
 from kernels.fused import naive as fused_naive
 
 B, R, P, N = 3, 24, 8, 10  # sequences, latent and rope widths, pool rows
@@ -74,3 +74,27 @@ def test_gated_heads_refuses_a_mismatched_gate():
     o, gate = _gate_case(torch.float32)
     with pytest.raises(ValueError, match="gate"):
         gated_heads_triton.gated_heads(o, gate[:, 1:])
+
+
+def test_rms_norm_rows_reference_matches_float64():
+    gen = torch.Generator().manual_seed(3)
+    fused = torch.randn(4, 40, generator=gen)
+    x, weight = fused[:, 8:32], 0.5 + torch.rand(24, generator=gen)  # a column slice: row stride 40
+    want = x.double() / torch.sqrt(x.double().square().mean(-1, keepdim=True) + 1e-6) * weight.double()
+    got = fused_naive.rms_norm_rows(x, weight, 1e-6)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rms_norm_rows_matches_reference(interpreted, dtype):
+    gen = torch.Generator().manual_seed(4)
+    fused = torch.randn(5, 1000, generator=gen).to(dtype)
+    x, weight = fused[:, 100:868], (0.5 + torch.rand(768, generator=gen)).to(dtype)  # mini's q_a slice
+    want = fused_naive.rms_norm_rows(x, weight, 1e-6)
+    got = rms_norm_rows_triton.rms_norm_rows(x, weight, 1e-6)
+    assert got.stride() == (768, 1)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # at most one bf16 rounding step apart
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=8e-3)

@@ -43,6 +43,7 @@ from kernels.fused import (
     moe_align_triton,
     moe_combine_triton,
     moe_router_triton,
+    rms_norm_rows_triton,
     routed_expert_gemm_triton,
     skinny_gemm_triton,
 )
@@ -59,7 +60,7 @@ from kernels.moe.tiles import default_tiles
 from kernels.perf import attnres_cases, kda_decode_cases, kda_prefill_cases, mla_cases, moe_cases
 from services.engine import fast_ffn
 from services.engine.decode_inputs import DecodeInputs
-from services.engine.fast_decoder import distinct_projections
+from services.engine.fast_decoder import distinct_projections, mla_index_int32
 
 BF16, F32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 MINI = preset("mini")
@@ -136,11 +137,14 @@ def kda_prefill(**tuning) -> None:
 
 
 def mla_step(batch: int, **tuning) -> None:
-    """services/engine/fast_attention.MlaDecode: latent write, paged decode, gated heads."""
+    """services/engine/fast_attention.MlaDecode: q_a norm, latent write, paged decode (the step's int32 page
+    table and lengths, fast_decoder.mla_index_int32), gated heads."""
     inputs, views = step_inputs(batch), pool(batch * CONTEXT // LAYOUT.tokens_per_block)
     parts = empty(batch, MINI.q_lora_rank + R + P + MLA_HEADS * MINI.v_head_dim)  # [q_a | kv_a | gate]
     kv, gate = parts[:, MINI.q_lora_rank : MINI.q_lora_rank + R + P], parts[:, MINI.q_lora_rank + R + P :]
+    rms_norm_rows_triton.rms_norm_rows(parts[:, : MINI.q_lora_rank], empty(MINI.q_lora_rank), 1e-6)
     mla_latent_write_triton.mla_latent_write(kv, empty(R), 1e-6, views.mla_rows(), inputs.row_base[1])
+    inputs = mla_index_int32(inputs)
     mla_decode.mla_decode_paged(empty(batch, MLA_HEADS, R + P), views.mla_cache(0), inputs.page_table[1],
                                 inputs.lengths, 0.07, latent_dim=R, **tuning)
     gated_heads_triton.gated_heads(empty(MLA_HEADS, batch, MINI.v_head_dim), gate)
