@@ -270,11 +270,12 @@ def main() -> None:
         timed = {name: (*pair, 0) for name, pair in cases(config, tokens, gen).items()} if "glue" in groups else {}
         if "router" in groups:
             timed |= router_cases(config, tokens, gen, ROUTER_CONFIGS if sweep else ROUTER_CONFIGS[:1])
-        if tokens <= 128 and "experts" in groups:  # the dense experts' range (MoeDecode._dense)
+        dense_range = tokens <= fast_ffn.DENSE_MAX_TOKENS  # the dense experts' and routed forms' (MoeDecode.dense)
+        if dense_range and "experts" in groups:
             timed |= expert_cases(config, tokens, gen, EXPERT_CONFIGS if sweep else default_tiles(EXPERT_CONFIGS))
-        if tokens <= 128 and "down" in groups:
+        if dense_range and "down" in groups:
             timed |= down_cases(config, tokens, gen, DOWN_CONFIGS if sweep else default_tiles(DOWN_CONFIGS))
-        if tokens <= 128 and {"experts", "down"} & groups:  # the routed form's (sweep: every tiling, else default)
+        if dense_range and {"experts", "down"} & groups:  # the routed form's (sweep: every tiling, else default)
             timed |= routed_expert_cases(
                 config, tokens, gen, (ROUTED_CONFIGS if sweep else ROUTED_CONFIGS[:1]) if "experts" in groups else [],
                 (ROUTED_DOWN_CONFIGS if sweep else ROUTED_DOWN_CONFIGS[:1]) if "down" in groups else [])

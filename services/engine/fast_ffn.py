@@ -47,11 +47,13 @@ DENSE_FORMS: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
     "tma": ({"tma": True}, None),
     "tma-down": ({"tma": True}, {"tma": True}),
 }
-# Not a dense form: in the dense range (up to ROUTED_MAX_TOKENS), each expert's GEMMs over its routed tokens
+# The most rows a grouped model runs the dense range's forms at (`MoeDecode.dense`), and the routed form at.
+DENSE_MAX_TOKENS = 128
+# Not a dense form: in the dense range (up to DENSE_MAX_TOKENS), each expert's GEMMs over its routed tokens
 # only (a tensor-parallel rank, whose sentinel expert takes the other ranks' pairs, keeps the dense form, as
 # "tma-down"). The default: one MoE layer at 16 / 64 / 128 tokens 63.5 / 65.5 / 75.5 us against tma-down's
 # 65.9 / 67.3 / 84.9 (H200, bench.serve_glue, session 9, docs/serving.md item 19).
-ROUTED_FORM, ROUTED_MAX_TOKENS = "routed", 128
+ROUTED_FORM = "routed"
 DENSE_FORM_ENV, DEFAULT_DENSE_FORM = "K3_DENSE_EXPERTS", ROUTED_FORM
 # Above this many rows every form runs as "pointer": there the Triton down projection lost to cuBLAS (H200,
 # bench.serve_glue, session 7: 14.8 / 16.3 vs 15.1 / 17.1 us at 16 / 64 tokens, 20.7 vs 18.3 at 96, 21.8 vs
@@ -211,12 +213,12 @@ class MoeDecode:
         """Dense over all experts when every expert is likely touched anyway and the extra FLOPs stay under
         the weight reads (fewer, larger kernels); grouped for few tokens (few experts read) or many tokens."""
         experts = self.w13.shape[0]
-        return not self.grouped or (tokens * self.moe.top_k >= 2 * experts and tokens <= 128)
+        return not self.grouped or (tokens * self.moe.top_k >= 2 * experts and tokens <= DENSE_MAX_TOKENS)
 
     def routed(self, tokens: int) -> bool:
         """Whether the routed form runs at `tokens` rows (`K3_DENSE_EXPERTS=routed`, the default, in the dense range
-        up to ROUTED_MAX_TOKENS, unsharded)."""
-        return (self.routed_wrapper is None and self.dense(tokens) and tokens <= ROUTED_MAX_TOKENS
+        up to DENSE_MAX_TOKENS, unsharded)."""
+        return (self.routed_wrapper is None and self.dense(tokens) and tokens <= DENSE_MAX_TOKENS
                 and expert_form_name() == ROUTED_FORM)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
