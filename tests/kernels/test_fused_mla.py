@@ -98,3 +98,11 @@ def test_triton_rms_norm_rows_matches_reference(interpreted, dtype):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:  # at most one bf16 rounding step apart
         torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=8e-3)
+
+
+def test_rms_norm_rows_of_no_rows(interpreted):
+    """An empty batch: an empty [0, D] result from both (the launcher launches nothing: a 0-program grid)."""
+    x, weight = torch.randn(0, 40)[:, 8:32], torch.ones(24)
+    for norm in (fused_naive.rms_norm_rows, rms_norm_rows_triton.rms_norm_rows):
+        got = norm(x, weight, 1e-6)
+        assert got.shape == (0, 24) and got.dtype == x.dtype
