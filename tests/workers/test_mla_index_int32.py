@@ -37,7 +37,8 @@ def test_parts_not_adjacent_are_converted_each(monkeypatch):
                          inp.row_base, inp.source, inp.stops)
     out = mla_index_int32(apart)
     assert torch.equal(out.page_table.long(), inp.page_table) and torch.equal(out.lengths.long(), inp.lengths)
-    assert out.lengths.dtype == torch.int32
+    assert out.page_table.dtype == out.lengths.dtype == torch.int32
+    assert out.page_table.shape == inp.page_table.shape and out.lengths.shape == inp.lengths.shape
 
 
 def test_switch_off(monkeypatch):
