@@ -171,10 +171,7 @@ def routed_step(rank: Rank, rids: list[str], tokens: list[int]) -> tuple[object,
     layer the tokens each expert got (what the routed and grouped forms read follows them; the roofline counts
     min(experts, batch x top-k) experts a layer), and how many rows' logits are finite (a NaN row's router
     picks the same top-k as every other NaN row: docs/serving.md item 20)."""
-    rank.begin_step(rids, tokens)
-    fast, batch = rank.fast, len(rids)
-    cached = [rank.manager.requests[r] for r in rids]
-    inputs = fast.builder.view(torch.from_numpy(fast.builder.build(cached, tokens, batch)).to(fast.device), batch)
+    inputs = rank.step_inputs(rids, tokens)
     loads: list[list[int]] = []
     route = fast_ffn.MoeDecode._route
 
@@ -185,7 +182,7 @@ def routed_step(rank: Rank, rids: list[str], tokens: list[int]) -> tuple[object,
 
     fast_ffn.MoeDecode._route = counting_route  # eager only: count the experts each MoE layer reads
     try:
-        finite = int(fast.decoder.forward(inputs).isfinite().all(-1).sum())
+        finite = int(rank.fast.decoder.forward(inputs).isfinite().all(-1).sum())
     finally:
         fast_ffn.MoeDecode._route = route
     return inputs, loads, finite

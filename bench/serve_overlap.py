@@ -73,14 +73,10 @@ def eager_forward(rank: Rank, rids: list[str], trace: Path) -> tuple[list[Span],
         calls.append(((q.clone(), cache, page_table.clone(), lengths.clone(), *args), kwargs))
         return original(q, cache, page_table, lengths, *args, **kwargs)
 
-    fast = rank.fast
-    rank.begin_step(rids, rank.next_tokens(len(rids), 100))
-    cached = [rank.manager.requests[r] for r in rids]
-    inputs = fast.builder.view(torch.from_numpy(fast.builder.build(cached, rank.next_tokens(len(rids), 100),
-                                                                   len(rids))).to(fast.device), len(rids))
+    inputs = rank.step_inputs(rids, rank.next_tokens(len(rids), 100))
     dispatch.mla_decode_paged = keeping
     try:
-        ops = gpu_spans(lambda: fast.decoder.forward(inputs), trace)
+        ops = gpu_spans(lambda: rank.fast.decoder.forward(inputs), trace)
     finally:
         dispatch.mla_decode_paged = original
     rank.end_step(rids)
@@ -167,8 +163,6 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rank = Rank(random_model(preset(args.model), "cuda", torch.bfloat16), args.model, args, torch.bfloat16)
-    print(f"stream priorities: a stream asked for -100 got {torch.cuda.Stream(priority=-100).priority}, the "
-          f"default {torch.cuda.current_stream().priority}", flush=True)
     rids = [f"overlap-{i}" for i in range(args.batch)]
     rank.fill(rids, args.context)
     for step in range(3):  # compiles, captures the graph, warms

@@ -19,6 +19,7 @@ from k3core.cache.manager import PrefixCacheManager
 from k3core.config import K3Config
 from k3core.model import K3Model
 from kernels.perf import harness
+from services.engine.decode_inputs import DecodeInputs
 from services.engine.model_runner import ModelRunner
 
 
@@ -159,6 +160,15 @@ class Rank:
         for rid, token in zip(rids, tokens, strict=True):
             self.manager.append_tokens(rid, [token])
             self.manager.reserve(rid, 1)
+
+    def step_inputs(self, rids: list[str], tokens: list[int]) -> DecodeInputs:
+        """`begin_step`, then the fast path's `DecodeInputs` of the rows on `tokens` (on its device), for an
+        eager `fast.decoder.forward` outside the engine's loop."""
+        self.begin_step(rids, tokens)
+        fast = self.fast
+        cached = [self.manager.requests[r] for r in rids]
+        return fast.builder.view(torch.from_numpy(fast.builder.build(cached, tokens, len(rids))).to(fast.device),
+                                 len(rids))
 
     def end_step(self, rids: list[str]) -> None:
         for rid in rids:
