@@ -48,7 +48,8 @@ def mla_index_int32(inp: DecodeInputs) -> DecodeInputs:
     if os.environ.get(MLA_INT32_ENV, "1") == "0":
         return inp
     table, lengths = inp.page_table, inp.lengths
-    if lengths.storage_offset() == table.storage_offset() + table.numel() and table.is_contiguous():
+    if (lengths.untyped_storage().data_ptr() == table.untyped_storage().data_ptr() and table.is_contiguous()
+            and lengths.is_contiguous() and lengths.storage_offset() == table.storage_offset() + table.numel()):
         both = table.as_strided((table.numel() + lengths.numel(),), (1,)).to(torch.int32)
         return replace(inp, page_table=both[: table.numel()].view(table.shape), lengths=both[table.numel() :])
     return replace(inp, page_table=table.to(torch.int32), lengths=lengths.to(torch.int32))

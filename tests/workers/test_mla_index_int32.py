@@ -45,3 +45,18 @@ def test_switch_off(monkeypatch):
     monkeypatch.setenv(MLA_INT32_ENV, "0")
     inp = image()
     assert mla_index_int32(inp) is inp
+
+
+def test_parts_of_another_buffer_at_the_adjacent_offset_are_converted_each(monkeypatch):
+    """lengths a view of another buffer that happens to start where the page table ends (the same offset in a
+    different storage): the one-conversion path must not read past the table into its own storage."""
+    monkeypatch.delenv(MLA_INT32_ENV, raising=False)
+    inp = image()
+    table = inp.page_table.clone()
+    elsewhere = torch.full((table.numel() + inp.lengths.numel(),), 99, dtype=torch.int64)
+    lengths = elsewhere[table.numel() :]
+    lengths.copy_(inp.lengths)
+    assert lengths.storage_offset() == table.storage_offset() + table.numel()
+    apart = DecodeInputs(inp.flat, inp.tokens, inp.kda_slots, table, lengths, inp.row_base, inp.source, inp.stops)
+    out = mla_index_int32(apart)
+    assert torch.equal(out.page_table.long(), table) and torch.equal(out.lengths.long(), inp.lengths)
