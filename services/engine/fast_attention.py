@@ -2,8 +2,9 @@
 
 KDA: the fused decode step updates the state and conv window in place in the request's KDA state page, one
 launch per layer over all heads on the layer's strided `[pages, H, D, D]` view (see `pool_views`), its
-inputs read straight from the projection GEMM's output (row-strided slices, no re-layout). MLA: the new
-latent row is normalised and written straight into its page slot (`dispatch.mla_latent_write`), then the
+inputs read straight from the projection GEMM's output (row-strided slices, no re-layout). MLA: the query's
+q_a slice is normalised where the fused input GEMM wrote it (`dispatch.rms_norm_rows`), the new latent row
+normalised and written straight into its page slot (`dispatch.mla_latent_write`), then the
 weight-absorbed query attends over the pool's latent pages through the page table (split-KV kernel), and
 the output gate reads the head-major values in place (`dispatch.gated_heads`). Every output projection
 adds into the residual in its GEMM's epilogue (`linear_add`).
@@ -184,7 +185,7 @@ class MlaDecode:
         incl. the new one); write_rows [B]: where each new latent row goes in `views.mla_rows()`."""
         attn, batch = self.attn, x.shape[0]
         parts = F.linear(x, self.weight).split(self.splits, dim=-1)
-        if attn.q_lora:  # the q_a slice normalised in place of torch's copy-then-norm (two launches)
+        if attn.q_lora:  # the strided q_a slice read in place, one launch (torch's rms_norm copies it first)
             norm_q = attn.q_a_layernorm
             q = attn.q_b_proj(dispatch.rms_norm_rows(parts[0], norm_q.weight, norm_q.eps))
         else:
