@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,13 +50,7 @@ def gpu_spans(fn: Callable[[], object], trace: Path | None = None) -> list[Span]
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         fn()
         sync()
-    if trace is not None:
-        data = export_trace(prof, trace)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            prof.export_chrome_trace(f"{tmp}/t.json")
-            data = json.loads(Path(f"{tmp}/t.json").read_text())
-    return spans(data)[2]
+    return spans(export_trace(prof, trace))[2]
 
 
 def split_us(ops: list[Span]) -> list[float]:

@@ -31,13 +31,14 @@ class Span:
     tid: object = None
 
 
-def export_trace(prof: profile, path: Path) -> dict:
-    """The profiler's chrome trace, written gzipped to `path` and returned as a dict."""
+def export_trace(prof: profile, path: Path | None) -> dict:
+    """The profiler's chrome trace as a dict, also written gzipped to `path` (None: not kept)."""
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(f"{tmp}/trace.json")
         trace = json.loads(Path(f"{tmp}/trace.json").read_text())
-    with gzip.open(path, "wt") as f:
-        json.dump(trace, f)
+    if path is not None:
+        with gzip.open(path, "wt") as f:
+            json.dump(trace, f)
     return trace
 
 
