@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import next_pow2, require, sm_count
+from kernels._triton import next_pow2, require
 from kernels.moe.decode_gluon import fits
 from kernels.moe.mxfp4_stream_gluon import SLOTS, gluon
 from kernels.moe.tiles import Tile
@@ -26,107 +26,51 @@ if gluon is not None:
 
     from kernels.moe.decode_gluon import down_rows, gate_up_rows
 
-    @gluon.jit
-    def sm_id(like):
-        """%smid of the running program (`like`: an int32 scalar the asm hangs on)."""
-        return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _gate_up_item(x, ids, wgu, mgu, h, arrivals, item, T, K, F, beta1, beta2, L: gl.constexpr, TP: gl.constexpr,
-                      BK: gl.constexpr, GU_ROWS: gl.constexpr, WARPS: gl.constexpr, GU_STAGES: gl.constexpr):
-        """A gate/up item: its rows of h, then the release on its pair's arrival counter."""
-        GU_BLOCKS: gl.constexpr = F // GU_ROWS
-        pair = item // GU_BLOCKS
-        gate_up_rows(x, ids, wgu, mgu, h, pair, (item % GU_BLOCKS) * GU_ROWS, T, K, F, beta1, beta2, L, TP, BK, 1,
-                     GU_ROWS, WARPS, GU_STAGES)
-        gl.thread_barrier()  # every thread's h stores precede the (single-thread) release
-        gl.atomic_add(arrivals + pair, 1, sem="release", scope="gpu")
-
-    @gluon.jit(do_not_specialize=["T", "SMS"])
-    def gate_up_down_kernel(x, ids, weights, wgu, mgu, wd, md, h, partial, counters, T, K, beta1, beta2, SMS,
+    @gluon.jit(do_not_specialize=["T"])
+    def gate_up_down_kernel(x, ids, weights, wgu, mgu, wd, md, h, partial, counters, T, K, beta1, beta2,
                             L: gl.constexpr, F: gl.constexpr, TP: gl.constexpr, BK: gl.constexpr,
                             GU_ROWS: gl.constexpr, D_ROWS: gl.constexpr, WARPS: gl.constexpr,
-                            GU_STAGES: gl.constexpr, D_STAGES: gl.constexpr, BY_SM: gl.constexpr,
-                            RANK_SLOTS: gl.constexpr):
-        """Grid (T k (F / GU_ROWS + l / D_ROWS)): counters (`_slots`) zero between launches; h [1, T k, F],
-        partial [1, T k, l]."""
+                            GU_STAGES: gl.constexpr, D_STAGES: gl.constexpr):
+        """Grid (T k (F / GU_ROWS + l / D_ROWS)): counters [ticket, finished, arrivals of T k pairs], zero
+        between launches; h [1, T k, F], partial [1, T k, l]."""
         GU_BLOCKS: gl.constexpr = F // GU_ROWS
         D_BLOCKS: gl.constexpr = L // D_ROWS
+        arrivals = counters + 2
+        item = gl.atomic_add(counters, 1, sem="relaxed", scope="gpu")
         gate_up_items = T * K * GU_BLOCKS
-        down_items = T * K * D_BLOCKS
-        arrivals = counters + 3
-        if BY_SM:
-            claims = arrivals + T * K
-            ranks = claims + gate_up_items
-            # The first ceil(items / SMS) programs on each SM take the gate/up tickets, the others down's.
-            item = gate_up_items + down_items  # none yet
-            sm = gl.minimum(sm_id(gate_up_items), RANK_SLOTS - 1)  # a shared last slot changes placement only
-            if gl.atomic_add(ranks + sm, 1, sem="relaxed", scope="gpu") < (gate_up_items + SMS - 1) // SMS:
-                ticket = gl.atomic_add(counters, 1, sem="relaxed", scope="gpu")
-                if ticket < gate_up_items:
-                    if gl.atomic_xchg(claims + ticket, 1, sem="relaxed", scope="gpu") == 0:
-                        item = ticket
-                        _gate_up_item(x, ids, wgu, mgu, h, arrivals, item, T, K, F, beta1, beta2, L, TP, BK, GU_ROWS,
-                                      WARPS, GU_STAGES)
-            if item == gate_up_items + down_items:
-                down = gl.atomic_add(counters + 2, 1, sem="relaxed", scope="gpu")
-                if down < down_items:
-                    pair = down // D_BLOCKS
-                    # Its pair's gate/up items nobody has claimed (their programs not dispatched, or gone to
-                    # down tickets) run here first: every item a down program waits on is running.
-                    for b in range(GU_BLOCKS):
-                        it = pair * GU_BLOCKS + b
-                        if gl.load(claims + it, volatile=True) == 0:
-                            if gl.atomic_xchg(claims + it, 1, sem="relaxed", scope="gpu") == 0:
-                                _gate_up_item(x, ids, wgu, mgu, h, arrivals, it, T, K, F, beta1, beta2, L, TP, BK,
-                                              GU_ROWS, WARPS, GU_STAGES)
-                    down_rows(h, ids, weights, wd, md, partial, pair, (down % D_BLOCKS) * D_ROWS, 0, T, K, L, F, TP,
-                              BK, D_ROWS, WARPS, 1, D_STAGES, arrivals + pair, GU_BLOCKS)
+        if item < gate_up_items:
+            pair = item // GU_BLOCKS
+            gate_up_rows(x, ids, wgu, mgu, h, pair, (item % GU_BLOCKS) * GU_ROWS, T, K, F, beta1, beta2, L, TP, BK,
+                         1, GU_ROWS, WARPS, GU_STAGES)
+            gl.thread_barrier()  # every thread's h stores precede the (single-thread) release
+            gl.atomic_add(arrivals + pair, 1, sem="release", scope="gpu")
         else:
-            # Tickets in order: every gate/up item is claimed before any down item, so a waiting down program
-            # only waits on running programs.
-            item = gl.atomic_add(counters, 1, sem="relaxed", scope="gpu")
-            if item < gate_up_items:
-                _gate_up_item(x, ids, wgu, mgu, h, arrivals, item, T, K, F, beta1, beta2, L, TP, BK, GU_ROWS, WARPS,
-                              GU_STAGES)
-            else:
-                down = item - gate_up_items
-                pair = down // D_BLOCKS
-                down_rows(h, ids, weights, wd, md, partial, pair, (down % D_BLOCKS) * D_ROWS, 0, T, K, L, F, TP, BK,
-                          D_ROWS, WARPS, 1, D_STAGES, arrivals + pair, GU_BLOCKS)
+            down = item - gate_up_items
+            pair = down // D_BLOCKS
+            down_rows(h, ids, weights, wd, md, partial, pair, (down % D_BLOCKS) * D_ROWS, 0, T, K, L, F, TP, BK,
+                      D_ROWS, WARPS, 1, D_STAGES, arrivals + pair, GU_BLOCKS)
         # Every program counts out; the last one (all others have taken their tickets and stopped waiting)
         # leaves the counters zeroed for the next launch.
-        if gl.atomic_add(counters + 1, 1, sem="acq_rel", scope="gpu") == gate_up_items + down_items - 1:
+        if gl.atomic_add(counters + 1, 1, sem="acq_rel", scope="gpu") == gate_up_items + T * K * D_BLOCKS - 1:
             zero: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-            slot = gl.arange(0, 32 * WARPS, layout=zero)
-            used = 3 + T * K
-            if BY_SM:
-                used += gate_up_items + RANK_SLOTS
-            for z0 in range(0, used, 32 * WARPS):
-                gl.store(counters + z0 + slot, gl.zeros([32 * WARPS], gl.int32, zero), mask=z0 + slot < used)
+            slot = gl.arange(0, 2 * TP * BK, layout=zero)  # >= T k + 2 (T <= TP)
+            gl.store(counters + slot, gl.zeros([2 * TP * BK], gl.int32, zero), mask=slot < T * K + 2)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []  # replaced counters, kept: a graph captured earlier still names them
-RANK_SLOTS = 256  # by_sm's programs-per-SM counters (an %smid past them shares the last)
 
 
-def _slots(pairs: int, gate_up_items: int, by_sm: bool) -> int:
-    """Counters a launch uses: gate/up ticket, finished, down ticket, one arrival counter per pair, and (by_sm)
-    one claim per gate/up item and the programs counted per SM."""
-    return 3 + pairs + (gate_up_items + RANK_SLOTS if by_sm else 0)
-
-
-def _counters(slots: int, device: torch.device) -> torch.Tensor:
-    """This module's zeroed int32 counters (at least `slots`), grown only outside a CUDA-graph capture (a decode
-    warms every shape up eagerly before capturing it)."""
+def _counters(pairs: int, device: torch.device) -> torch.Tensor:
+    """This module's zeroed int32 counters (ticket, finished, one per pair), grown only outside a CUDA-graph
+    capture (a decode warms every shape up eagerly before capturing it)."""
     counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < slots:
+    if counters is None or counters.numel() < pairs + 2:
         require(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
                 "the fused MoE decode's counters must be sized by an eager call before a CUDA graph captures it")
         if counters is not None:
             _OUTGROWN.append(counters)
-        counters = _COUNTERS[device] = torch.zeros(max(slots, 1024), dtype=torch.int32, device=device)
+        counters = _COUNTERS[device] = torch.zeros(max(pairs + 2, 258), dtype=torch.int32, device=device)
     return counters
 
 
@@ -140,21 +84,16 @@ def serves(x: torch.Tensor, F: int, h_parts: int, gate_up_tile: Tile, down_tile:
 
 def gate_up_down(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: tuple[torch.Tensor, ...],
                  h: torch.Tensor, partial: torch.Tensor, beta1: float, beta2: float, gate_up_tile: Tile,
-                 down_tile: Tile, gate_up_stages: int, down_stages: int, by_sm: bool = False) -> None:
+                 down_tile: Tile, gate_up_stages: int, down_stages: int) -> None:
     """h [1, T k, F] and partial [1, T k, l] <- decode_gluon.gate_up then decode_gluon.down, in one launch
-    (`serves` must hold; experts: PreparedExperts, contiguous). by_sm: gate/up items go to the first programs
-    of each SM, at most ceil(items / SMs) an SM (the tickets' arrival order can put 4 on one SM and none on
-    another)."""
+    (`serves` must hold; experts: PreparedExperts, contiguous)."""
     T, L = x.shape
     K = ids.shape[1]
     gu_words, gu_mults, d_words, d_mults = experts
     F = gu_words.shape[1] // 2
     require(min(gate_up_stages, down_stages) >= 2, "the Gluon pipelines need >= 2 stages")
-    gate_up_items = T * K * (F // gate_up_tile.rows)
-    grid = gate_up_items + T * K * (L // down_tile.rows)
-    counters = _counters(_slots(T * K, gate_up_items, by_sm), x.device)
-    gate_up_down_kernel[(grid,)](x, ids, weights, gu_words, gu_mults, d_words, d_mults, h, partial, counters, T, K,
-                                 beta1, beta2, sm_count(x.device, cpu=132), L=L, F=F, TP=SLOTS, BK=next_pow2(K),
+    grid = T * K * (F // gate_up_tile.rows + L // down_tile.rows)
+    gate_up_down_kernel[(grid,)](x, ids, weights, gu_words, gu_mults, d_words, d_mults, h, partial,
+                                 _counters(T * K, x.device), T, K, beta1, beta2, L=L, F=F, TP=SLOTS, BK=next_pow2(K),
                                  GU_ROWS=gate_up_tile.rows, D_ROWS=down_tile.rows, WARPS=down_tile.warps,
-                                 GU_STAGES=gate_up_stages, D_STAGES=down_stages, BY_SM=by_sm, RANK_SLOTS=RANK_SLOTS,
-                                 num_warps=down_tile.warps)
+                                 GU_STAGES=gate_up_stages, D_STAGES=down_stages, num_warps=down_tile.warps)

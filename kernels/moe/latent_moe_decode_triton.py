@@ -18,8 +18,8 @@ dtype, in a fixed order.
 On CUDA with bf16 activations and T <= 16 (every decode batch), kernels 1 and 2 run as their Gluon forms
 (kernels.moe.decode_gluon: the same computation with conflict-free activation staging and a deeper cp.async
 ring, 1.37-1.39x at T = 1 / 4 / 16; docs/kernels.md, history 32), gate/up from as many (token, expert) pairs
-as SMs on warpgroup MMAs (kernels.moe.decode_wgmma_gluon, history 35), from 64 pairs to fewer than SMs both in
-one launch (kernels.moe.decode_fused_gluon, history 43); these Triton kernels serve the rest and are the form
+as SMs on warpgroup MMAs (kernels.moe.decode_wgmma_gluon, history 35), from 48 pairs to fewer than SMs both in
+one launch (kernels.moe.decode_fused_gluon, history 43-44); these Triton kernels serve the rest and are the form
 the CPU interpreter tests.
 """
 
@@ -155,11 +155,12 @@ FUSED_STAGES = (2, 2)
 
 def fused_by_default(pairs: int, sms: int) -> bool:
     """Whether a call of `pairs` (token, expert) pairs takes the one-launch form when the caller names no tiles:
-    from 64 pairs (T = 4 at k = 16, measured faster in two runs, history 43) while the mma.sync gate/up is the
-    default (fewer pairs than SMs). At 16 pairs (T = 1) it measured slower (40.9-42.6 us against 29.6-30.2:
-    every item is resident at once and the ticket order scatters the gate/up items over the SMs unevenly, a
-    guess not yet measured); 32-48 pairs are unmeasured and keep the two launches."""
-    return 64 <= pairs < sms
+    from 48 pairs (T = 3 at k = 16: 61.0 us against 62.7 / 63.2, one run, history 44; T = 4 faster in three runs,
+    history 43-44) while the mma.sync gate/up is the default (fewer pairs than SMs). At 16 and 32 pairs (T = 1, 2)
+    it measured slower (41-42 us against 30; 57.6 against 44.4): every item is resident at once and the tickets,
+    taken in arrival order, put the gate/up items on a few SMs (at T = 1 on 76 of 132, up to 4 each; traced in
+    history 44); from T = 3 there are more gate/up items than resident programs, so the tickets balance them."""
+    return 48 <= pairs < sms
 
 
 class PreparedExperts(NamedTuple):

@@ -247,9 +247,6 @@ def latent_moe_gluon(tokens: int, experts: int = E, latent: int = LATENT, width:
     decode_gluon.down(h, ids, *down, latent_moe_decode_triton.GLUON_DOWN_TILE, stages)
     decode_fused_gluon.gate_up_down(x, ids, down[0], (*gate_up, *down[1:3]), h, down[3], 4.0, 25.0,
                                     *latent_moe_decode_triton.FUSED_TILES, *latent_moe_decode_triton.FUSED_STAGES)
-    decode_fused_gluon.gate_up_down(x, ids, down[0], (*gate_up, *down[1:3]), h, down[3], 4.0, 25.0,
-                                    *latent_moe_decode_triton.FUSED_TILES, *latent_moe_decode_triton.FUSED_STAGES,
-                                    by_sm=True)
 
 
 def skinny_gemm(tokens: int, tilings=lambda n, k: [skinny_gemm_triton.default_tiling(n, k)]) -> None:
