@@ -168,6 +168,8 @@ if gluon is not None:
                     BK: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, SPLITS: gl.constexpr,
                     STAGES: gl.constexpr):
         """Grid (T k, l / ROWS, SPLITS): as _down_kernel with h in one bf16 part [1, T k, F]."""
+        # NEED = 0: h is complete before this launch, nothing to wait for (`ids` only fills the unused
+        # `arrivals` pointer; the one launch of decode_fused_gluon passes its counters there)
         down_rows(h, ids, weights, wd, md, partial, gl.program_id(0), gl.program_id(1) * ROWS, gl.program_id(2), T, K,
                   L, F, TP, BK, ROWS, WARPS, SPLITS, STAGES, ids, 0)
 

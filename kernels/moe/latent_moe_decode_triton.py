@@ -288,29 +288,28 @@ def latent_moe_decode_prepared(
     partial = torch.empty(d_tile.splits, T * K, L, dtype=torch.float32, device=x.device)
     weights = expert_weights.contiguous()
     gu_words, gu_mults, d_words, d_mults = (t.contiguous() for t in experts)
-    if fused:
+    if fused:  # gate/up and down in one launch
         decode_fused_gluon.gate_up_down(x, ids, weights, (gu_words, gu_mults, d_words, d_mults), h, partial, beta1,
                                         beta2, gu_tile, d_tile, stages, down_stages)
-    elif gluon_gate_up and wgmma:
-        decode_wgmma_gluon.gate_up(x, ids, gu_words, gu_mults, h, beta1, beta2, stages)
-    elif gluon_gate_up:
-        decode_gluon.gate_up(x, ids, gu_words, gu_mults, h, beta1, beta2, gu_tile, stages)
     else:
-        _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
-            x, ids, gu_words, gu_mults, h, T, K, F, beta1, beta2, L=L, X_PARTS=_parts(x.dtype), BR=gu_tile.rows,
-            G=gu_groups, STAGES=gu_tile.stages, **common, **gu_tile.launch_options(),
-        )
-    if fused:
-        pass  # down ran in the same launch
-    elif gluon_down and down_wgmma:
-        decode_wgmma_gluon.down(h, ids, weights, d_words, d_mults, partial, d_tile, down_stages)
-    elif gluon_down:
-        decode_gluon.down(h, ids, weights, d_words, d_mults, partial, d_tile, down_stages)
-    else:
-        _down_kernel[(T * K, triton.cdiv(L, d_tile.rows), d_tile.splits)](
-            h, ids, weights, d_words, d_mults, partial, T, K, L, F=F, BR=d_tile.rows, G=d_groups,
-            SPLITS=d_tile.splits, STAGES=d_tile.stages, **common, **d_tile.launch_options(),
-        )
+        if gluon_gate_up and wgmma:
+            decode_wgmma_gluon.gate_up(x, ids, gu_words, gu_mults, h, beta1, beta2, stages)
+        elif gluon_gate_up:
+            decode_gluon.gate_up(x, ids, gu_words, gu_mults, h, beta1, beta2, gu_tile, stages)
+        else:
+            _gate_up_kernel[(T * K, triton.cdiv(F, gu_tile.rows))](
+                x, ids, gu_words, gu_mults, h, T, K, F, beta1, beta2, L=L, X_PARTS=_parts(x.dtype), BR=gu_tile.rows,
+                G=gu_groups, STAGES=gu_tile.stages, **common, **gu_tile.launch_options(),
+            )
+        if gluon_down and down_wgmma:
+            decode_wgmma_gluon.down(h, ids, weights, d_words, d_mults, partial, d_tile, down_stages)
+        elif gluon_down:
+            decode_gluon.down(h, ids, weights, d_words, d_mults, partial, d_tile, down_stages)
+        else:
+            _down_kernel[(T * K, triton.cdiv(L, d_tile.rows), d_tile.splits)](
+                h, ids, weights, d_words, d_mults, partial, T, K, L, F=F, BR=d_tile.rows, G=d_groups,
+                SPLITS=d_tile.splits, STAGES=d_tile.stages, **common, **d_tile.launch_options(),
+            )
     out = torch.empty(T, L, dtype=x.dtype, device=x.device)
     _sum_pairs_kernel[(T, triton.cdiv(L, 128))](partial, ids, out, T * K, K, L, SPLITS=d_tile.splits,
                                                   BK=next_pow2(K), BL=128)

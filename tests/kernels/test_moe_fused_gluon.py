@@ -12,7 +12,7 @@ from k3core.quant.mxfp4 import quantize
 from kernels.moe import decode_fused_gluon, latent_moe_decode_triton, naive
 from kernels.moe.tiles import Tile
 
-FUSED = (Tile(64, 128, 2, 3), Tile(128, 128, 2, 3))
+FUSED = latent_moe_decode_triton.FUSED_TILES  # the tiles the launcher ships with
 
 
 def _problem(tokens: int, experts: int, top_k: int, latent: int, width: int, device: str, seed: int = 0):
