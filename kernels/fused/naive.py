@@ -140,12 +140,12 @@ def moe_combine(rows: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, i
 
 
 def mla_latent_write(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, rows: torch.Tensor,
-                     write_rows: torch.Tensor) -> None:
+                     write_rows: torch.Tensor, row_offset: int = 0) -> None:
     """Gated MLA's new latent rows into the pool, in place: kv [B, R+P] (the compressed KV projection, latent
-    R then rope P) -> rows[write_rows[b]] = [RMSNorm(kv[b, :R]) | kv[b, R:]] in rows' dtype."""
+    R then rope P) -> rows[write_rows[b] + row_offset] = [RMSNorm(kv[b, :R]) | kv[b, R:]] in rows' dtype."""
     rank = norm_weight.shape[0]
     latent = torch.cat([rms_norm(kv[:, :rank], norm_weight, eps), kv[:, rank:]], dim=-1)
-    rows.index_copy_(0, write_rows, latent.to(rows.dtype))
+    rows.index_copy_(0, write_rows + row_offset, latent.to(rows.dtype))
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

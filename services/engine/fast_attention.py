@@ -172,6 +172,7 @@ class MlaDecode:
         self.w_uv_t = derived.derive(lambda: kv_b()[1].transpose(1, 2).contiguous())  # [H, R, Dv]
         self.cache = views.mla_cache(attn.mla_index)
         self.rows = views.mla_rows()
+        self.slot = views.layout.mla_slot(attn.mla_index)[1]  # added to the group's row base by the write
 
     @staticmethod
     def projections(c: K3Config, residual: bool) -> list[Projection]:
@@ -180,9 +181,10 @@ class MlaDecode:
         return [Projection("mla out", c.hidden_size, c.num_attention_heads * c.v_head_dim, residual)]
 
     def __call__(self, x: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
-                 write_rows: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+                 row_base: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, hidden] (normed) -> [B, hidden] (+ residual); page_table [B, max_pages]; lengths [B] (tokens
-        incl. the new one); write_rows [B]: where each new latent row goes in `views.mla_rows()`."""
+        incl. the new one); row_base [B]: the row of the layer group's slot 0 in `views.mla_rows()` for each new
+        latent (the write adds this layer's slot in its kernel: no add launch per layer)."""
         attn, batch = self.attn, x.shape[0]
         parts = F.linear(x, self.weight).split(self.splits, dim=-1)
         if attn.q_lora:  # the strided q_a slice read in place, one launch (torch's rms_norm copies it first)
@@ -200,7 +202,7 @@ class MlaDecode:
         rope_beside = os.environ.get(MLA_ROPE_BRANCH_ENV, "1") != "0"
         side = fork(x)  # the latent row's write (and the rope copy) beside the product; read after the join
         with on(side):
-            dispatch.mla_latent_write(parts[1], norm.weight, norm.eps, self.rows, write_rows)  # [RMSNorm(c) | rope]
+            dispatch.mla_latent_write(parts[1], norm.weight, norm.eps, self.rows, row_base, self.slot)
             if rope_beside:  # disjoint columns from the product's
                 absorbed[..., attn.rank :] = q[..., attn.nope :]
         torch.bmm(q[..., : attn.nope].transpose(0, 1), self.w_uk.to(q.dtype),

@@ -76,11 +76,9 @@ class FastDecoder:
                                       op(x, inp.kda_slots[g], residual))
             else:
                 op = MlaDecode(attn, views, derived)
-                group, slot = layout.mla_slot(attn.mla_index)
-                # slot 0 (mini: one MLA layer a group) takes the rows as they are: `+ 0` is a launch (1.3 us)
-                self.attention.append(lambda x, inp, residual=None, op=op, g=group, s=slot:
-                                      op(x, inp.page_table[g], inp.lengths, inp.row_base[g] + s if s else
-                                         inp.row_base[g], residual))
+                group = layout.mla_slot(attn.mla_index)[0]
+                self.attention.append(lambda x, inp, residual=None, op=op, g=group:
+                                      op(x, inp.page_table[g], inp.lengths, inp.row_base[g], residual))
             self.ffn.append(MoeDecode(layer.block_sparse_moe, config, grouped, derived) if layer.is_moe
                             else MlpDecode(layer.mlp, config))
         # Extra launch arguments of the AttnRes phase-1 kernels. Empty here: each launcher plans for the batch

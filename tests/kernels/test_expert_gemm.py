@@ -189,17 +189,16 @@ def _mla_layer_branch_outputs(device: torch.device, monkeypatch) -> list[tuple[t
     layer = MlaDecode(attn, views, DerivedWeights())
     lengths = torch.tensor([5, 17, 1, per_page], device=device, dtype=torch.int32)
     table = torch.arange(batch, device=device, dtype=torch.int32).view(batch, 1) * 2
-    slot = layout.mla_slot(0)[1]
-    write_rows = (table[:, 0].long() * per_page + lengths.long() - 1) * layout.layers_per_group + slot
+    row_base = (table[:, 0].long() * per_page + lengths.long() - 1) * layout.layers_per_group  # the write adds the slot
     x = torch.randn(batch, config.hidden_size, device=device, generator=gen).to(torch.bfloat16)
     before, outs = data.clone(), []
     for branches in ("0", "1"):
         monkeypatch.setenv(BRANCHES_ENV, branches)
         with torch.no_grad():
-            layer(x, table, lengths, write_rows)  # compiles outside the capture
+            layer(x, table, lengths, row_base)  # compiles outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = layer(x, table, lengths, write_rows)
+                out = layer(x, table, lengths, row_base)
             data.copy_(before)
             graph.replay()
             torch.cuda.synchronize()

@@ -31,12 +31,20 @@ def test_latent_write_reference_matches_float64():
     assert torch.equal(rows[untouched], before[untouched])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_latent_write_matches_reference(interpreted, dtype):
+def test_latent_write_reference_adds_the_row_offset():
+    kv, weight, rows, where = _latent_case(torch.float32)
+    want, got = rows.clone(), rows.clone()
+    fused_naive.mla_latent_write(kv, weight, 1e-6, want, where + 2)
+    fused_naive.mla_latent_write(kv, weight, 1e-6, got, where, row_offset=2)
+    assert torch.equal(got, want) and not torch.equal(got, rows)
+
+
+@pytest.mark.parametrize("dtype,offset", [(torch.float32, 0), (torch.bfloat16, 0), (torch.float32, 1)])
+def test_triton_latent_write_matches_reference(interpreted, dtype, offset):
     kv, weight, rows, where = _latent_case(dtype)
     want = rows.clone()
-    fused_naive.mla_latent_write(kv, weight, 1e-6, want, where)
-    mla_latent_write_triton.mla_latent_write(kv, weight, 1e-6, rows, where)
+    fused_naive.mla_latent_write(kv, weight, 1e-6, want, where, offset)
+    mla_latent_write_triton.mla_latent_write(kv, weight, 1e-6, rows, where, offset)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(rows.float(), want.float(), rtol=tol, atol=tol)
 
