@@ -40,7 +40,7 @@ def _dispatcher(naive_module: str, triton_module: str, name: str) -> Callable[..
 
 
 fused_kda_recurrent = _dispatcher("kernels.kda.naive", "kernels.kda.decode_triton", "fused_kda_recurrent")
-kda_decode_step = _dispatcher("kernels.kda.naive", "kernels.kda.decode_triton", "kda_decode_step")
+kda_decode_step = _dispatcher("kernels.kda.naive", "kernels.kda.decode_step_triton", "kda_decode_step")
 kda_prefill_block = _dispatcher("kernels.kda.naive", "kernels.kda.prefill_triton", "kda_prefill_block")
 mla_decode_paged = _dispatcher("kernels.mla.naive", "kernels.mla.decode_triton", "mla_decode_paged")
 attnres_merge_norm = _dispatcher("kernels.attnres.naive", "kernels.attnres.merge_norm_triton", "attnres_merge_norm")

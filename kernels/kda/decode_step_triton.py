@@ -1,4 +1,5 @@
-"""KDA decode step (one token per sequence): programs per (sequence, head, value-column block).
+"""KDA decode step (one token per sequence): programs per (sequence, head, value-column block), and its
+serving entry `kda_decode_step` with the tuning it launches with.
 
 The step streams each head's fp32 state S [K, V] from HBM and back once; everything else (inputs, conv
 windows, taps) is a few hundred bytes. With the whole state in one program (4 warps, 231-250 registers) two
@@ -17,7 +18,7 @@ their state stream busy:
   64-bit pointer per row held in registers (254 registers + spills before, 224 and none: Triton 3.9's ptxas);
 - heads first in the grid: the H programs of one sequence run together (one slot lookup, one input row);
 - streaming cache hints on the state (`evict_first` load, `.cs` store: read and written once per step),
-  chosen by the launcher (decode_triton.DECODE_UNHINTED_TILES: they help at B=64, hurt at B=256).
+  chosen by the launcher (DECODE_UNHINTED_TILES below: they help at B=64, hurt at B=256).
 The delta rule acts on every value column independently (u_j = beta (v_j - S_j^T k)), so a head's columns
 can also be split over D // BV programs; only the output RMSNorm needs the whole row: each program parks
 its o slice and the last to arrive (an atomic counter per (sequence, head)) normalises the row and writes
@@ -30,8 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import tl, triton
+from kernels._triton import next_pow2, require, tl, triton
 from kernels.kda.decode_triton import (
+    _check_tokens,
     _conv_silu,
     _history,
     _norm_parked_rows,
@@ -174,7 +176,7 @@ def kda_decode_split(
     num_warps: int, evict_first: bool = True, stream_store: bool = True, heads_first: bool = False,
     state_after_inputs: bool = True,
 ) -> torch.Tensor:
-    """Launch on inputs already checked by decode_triton: [B, H, D] (beta [B, H]) with dense rows (any row
+    """Launch on inputs already checked (kda_decode_step): [B, H, D] (beta [B, H]) with dense rows (any row
     stride); the pools may be any strided views ([slots, H, D, D] and [slots, 3, H, D, W-1]). All strides
     go to the kernel (the state's row / column strides as build constants). evict_first / stream_store: the
     cache hints on the state's load / store; heads_first: grid order (H, B) instead of (B, H);
@@ -197,3 +199,49 @@ def kda_decode_split(
         STATE_AFTER_INPUTS=state_after_inputs, num_warps=num_warps,
     )
     return out
+
+
+# Decode-step tuning (kernels/perf/kda_decode_cases.py sweeps these): value columns per program (D: the whole
+# state in one program), warps, grid order (heads first: the programs of one sequence launched together), and
+# the cache hints on the state's load (evict_first) and store (.cs): on below DECODE_UNHINTED_TILES
+# (sequence, head) tiles, off from there. Measured on the H200 (docs/kernels.md): the hints win at B=64 x 32
+# heads in every run (85.3 against 84.5 % of copy), lose at B=256 x 32 in every run (86.4 against 90.7 %).
+# The state's loads are pinned after the inputs' (decode_step_triton): 40.6 against 41.2 us at mini's served
+# shape (B=64 x 16 heads, pool view), 8.8 against 9.1 us at B=16, equal at 32 heads (one run, session 9).
+DECODE_BLOCK_V, DECODE_WARPS, DECODE_HEADS_FIRST, DECODE_STATE_AFTER_INPUTS = 128, 4, True, True
+DECODE_UNHINTED_TILES = 256 * 32
+
+
+def _dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """t itself if all but its row (first) stride are dense (the step takes any row stride), else a copy."""
+    dense, step = [], 1
+    for size in reversed(t.shape[1:]):
+        dense.insert(0, step)
+        step *= size
+    return t if list(t.stride()[1:]) == dense else t.contiguous()
+
+
+def kda_decode_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
+    gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
+    lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
+    norm_eps: float = 1e-6, num_warps: int = DECODE_WARPS, block_v: int | None = None,
+) -> torch.Tensor:
+    """One decode token per sequence: [B, H, D] inputs (beta [B, H]) -> y [B, H, D]; pool updated in place.
+
+    state_pool [slots, H, D, D] and conv_pool [slots, 3, H, D, W-1] may be any strided views (e.g. an
+    as_strided view of head-interleaved pages): one launch covers all H heads.
+
+    Programs per (sequence, head, block_v value columns), default DECODE_BLOCK_V (capped at D); streaming
+    cache hints on the state below DECODE_UNHINTED_TILES."""
+    tokens = [t.unsqueeze(1) for t in (q, k, v, z, beta, gate)]
+    _check_tokens(*tokens, conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool, slots)
+    D = q.shape[-1]
+    block_v = min(block_v or DECODE_BLOCK_V, D)
+    require(D % block_v == 0 and block_v == next_pow2(block_v), f"block_v must divide {D}, got {block_v}")
+    q, k, v, z, beta, gate = (_dense_rows(t) for t in (q, k, v, z, beta, gate))
+    hinted = q.shape[0] * q.shape[1] < DECODE_UNHINTED_TILES
+    return kda_decode_split(q, k, v, z, beta, gate, conv_weight.contiguous(), A_log, dt_bias.contiguous(),
+                            norm_weight, state_pool, conv_pool, slots, lower_bound, scale, l2_eps, norm_eps,
+                            block_v, num_warps, hinted, hinted, DECODE_HEADS_FIRST, DECODE_STATE_AFTER_INPUTS)

@@ -4,7 +4,8 @@ One program per (sequence, head) loads the fp32 state S [K, V] once, runs every 
 through ShortConv + Swish (q, k, v), L2Norm (q, k), the gate (bounded or softplus), sigmoid(beta), the
 gated delta rule and the output RMSNorm x sigmoid gate, all on chip, and writes S back once. The decode
 step is one new token; the replay verify prepends the cached projected inputs of accepted draft tokens
-(replayed, no output) so that only the verified state ever reaches memory.
+(replayed, no output) so that only the verified state ever reaches memory. The served one-token step
+(`kda_decode_step`) runs its own kernel, built from this module's device functions: decode_step_triton.py.
 
 Virtual token positions of one sequence: [conv history (W-1) | replay (r_b) | new (L)]; the conv history is
 the pool's conv state, channel-major [3, H, D, W-1] per slot (k3core.ops.short_conv convention).
@@ -296,51 +297,3 @@ def fused_kda_recurrent(
         num_warps=num_warps,
     )
     return out
-
-
-# Decode-step tuning (kernels/perf/kda_decode_cases.py sweeps these): value columns per program (D: the whole
-# state in one program), warps, grid order (heads first: the programs of one sequence launched together), and
-# the cache hints on the state's load (evict_first) and store (.cs): on below DECODE_UNHINTED_TILES
-# (sequence, head) tiles, off from there. Measured on the H200 (docs/kernels.md): the hints win at B=64 x 32
-# heads in every run (85.3 against 84.5 % of copy), lose at B=256 x 32 in every run (86.4 against 90.7 %).
-# The state's loads are pinned after the inputs' (decode_step_triton): 40.6 against 41.2 us at mini's served
-# shape (B=64 x 16 heads, pool view), 8.8 against 9.1 us at B=16, equal at 32 heads (one run, session 9).
-DECODE_BLOCK_V, DECODE_WARPS, DECODE_HEADS_FIRST, DECODE_STATE_AFTER_INPUTS = 128, 4, True, True
-DECODE_UNHINTED_TILES = 256 * 32
-
-
-def _dense_rows(t: torch.Tensor) -> torch.Tensor:
-    """t itself if all but its row (first) stride are dense (the step takes any row stride), else a copy."""
-    dense, step = [], 1
-    for size in reversed(t.shape[1:]):
-        dense.insert(0, step)
-        step *= size
-    return t if list(t.stride()[1:]) == dense else t.contiguous()
-
-
-def kda_decode_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor, beta: torch.Tensor,
-    gate: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-    norm_weight: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
-    lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
-    norm_eps: float = 1e-6, num_warps: int = DECODE_WARPS, block_v: int | None = None,
-) -> torch.Tensor:
-    """One decode token per sequence: [B, H, D] inputs (beta [B, H]) -> y [B, H, D]; pool updated in place.
-
-    state_pool [slots, H, D, D] and conv_pool [slots, 3, H, D, W-1] may be any strided views (e.g. an
-    as_strided view of head-interleaved pages): one launch covers all H heads.
-
-    Runs decode_step_triton's kernel: programs per (sequence, head, block_v value columns), default
-    DECODE_BLOCK_V (capped at D); streaming cache hints on the state below DECODE_UNHINTED_TILES."""
-    from kernels.kda.decode_step_triton import kda_decode_split  # it imports this module's helpers
-
-    tokens = [t.unsqueeze(1) for t in (q, k, v, z, beta, gate)]
-    _check_tokens(*tokens, conv_weight, A_log, dt_bias, norm_weight, state_pool, conv_pool, slots)
-    D = q.shape[-1]
-    block_v = min(block_v or DECODE_BLOCK_V, D)
-    require(D % block_v == 0 and block_v == next_pow2(block_v), f"block_v must divide {D}, got {block_v}")
-    q, k, v, z, beta, gate = (_dense_rows(t) for t in (q, k, v, z, beta, gate))
-    hinted = q.shape[0] * q.shape[1] < DECODE_UNHINTED_TILES
-    return kda_decode_split(q, k, v, z, beta, gate, conv_weight.contiguous(), A_log, dt_bias.contiguous(),
-                            norm_weight, state_pool, conv_pool, slots, lower_bound, scale, l2_eps, norm_eps,
-                            block_v, num_warps, hinted, hinted, DECODE_HEADS_FIRST, DECODE_STATE_AFTER_INPUTS)

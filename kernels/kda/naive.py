@@ -99,7 +99,7 @@ def kda_decode_step(
     lower_bound: float | None = -5.0, scale: float | None = None, l2_eps: float = 1e-6,
     norm_eps: float = 1e-6, num_warps: int = 4, block_v: int | None = None,
 ) -> torch.Tensor:
-    """Reference of kernels.kda.decode_triton.kda_decode_step."""
+    """Reference of kernels.kda.decode_step_triton.kda_decode_step."""
     y = fused_kda_recurrent(
         *(t.unsqueeze(1) for t in (q, k, v, z, beta, gate)), conv_weight, A_log, dt_bias, norm_weight,
         state_pool, conv_pool, slots, lower_bound=lower_bound, scale=scale, l2_eps=l2_eps, norm_eps=norm_eps,

@@ -89,7 +89,7 @@ class DecodeVariant:
         return f"ours(block_v={self.block_v},w={self.warps}{',' + hints if hints else ''})"
 
     def launch(self, x, params, pool, conv, slots) -> torch.Tensor:
-        hinted = x[0].shape[0] * x[0].shape[1] < decode_triton.DECODE_UNHINTED_TILES  # the launcher's rule
+        hinted = x[0].shape[0] * x[0].shape[1] < decode_step_triton.DECODE_UNHINTED_TILES  # the launcher's rule
         return decode_step_triton.kda_decode_split(
             *x, *params, pool, conv, slots, -5.0, None, 1e-6, 1e-6, self.block_v, self.warps,
             hinted if self.evict_first is None else self.evict_first,
@@ -108,8 +108,8 @@ DECODE_VARIANTS = (DecodeVariant(state_after_inputs=False),)
 
 
 def launcher_step(x, params, pool, conv, slots) -> torch.Tensor:
-    """The step as the serving path launches it (decode_triton.kda_decode_step's defaults)."""
-    return decode_triton.kda_decode_step(*x, *params, pool, conv, slots)
+    """The step as the serving path launches it (decode_step_triton.kda_decode_step's defaults)."""
+    return decode_step_triton.kda_decode_step(*x, *params, pool, conv, slots)
 
 
 def _full_state_step(x, params, pool, conv, slots):
@@ -267,12 +267,12 @@ def pool_view_case(model: str, batch: int, device: str, dtype: torch.dtype = BF1
 
 def strided_step(case: PoolViewCase, state: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
     """The fast path's form: one launch over all heads on the strided pool views."""
-    return decode_triton.kda_decode_step(*case.x, *case.params, state, conv, case.slots)
+    return decode_step_triton.kda_decode_step(*case.x, *case.params, state, conv, case.slots)
 
 
 def per_head_step(case: PoolViewCase, state: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
     """The former form: one launch per head on [pages, 1, D, D] views of the same buffer, outputs concatenated."""
-    outs = [decode_triton.kda_decode_step(*(t[:, h : h + 1] for t in case.x), *hp, state[:, h : h + 1],
+    outs = [decode_step_triton.kda_decode_step(*(t[:, h : h + 1] for t in case.x), *hp, state[:, h : h + 1],
                                           conv[:, :, h : h + 1], case.slots)
             for h, hp in enumerate(case.head_params)]
     return torch.cat(outs, dim=1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kernels.compile_check import record_launches
-from kernels.kda import decode_triton as kda_decode
+from kernels.kda import decode_step_triton as kda_decode
 from tests.kernels.test_sm90_compile import kda_params, kda_pool, kda_tokens, mla_step
 
 

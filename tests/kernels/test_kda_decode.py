@@ -75,7 +75,7 @@ def test_triton_decode_step_matches_reference(interpreted, lower_bound, block_v)
     x = [t[:, 0] for t in CASE.tokens(gen, 3, 1)]
     slots = torch.tensor([4, 0, 6])
     ref_pools = (state_pool.clone(), conv_pool.clone())
-    y = decode_triton.kda_decode_step(*x, *params, state_pool, conv_pool, slots, lower_bound=lower_bound,
+    y = decode_step_triton.kda_decode_step(*x, *params, state_pool, conv_pool, slots, lower_bound=lower_bound,
                                       block_v=block_v)
     y_ref = naive.kda_decode_step(*x, *params, *ref_pools, slots, lower_bound=lower_bound)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
@@ -93,7 +93,7 @@ def test_split_decode_steps_in_a_row_match_reference(interpreted):
     slots = torch.tensor([1, 5, 3])
     for _ in range(2):
         x = [t[:, 0] for t in CASE.tokens(gen, 3, 1)]
-        y = decode_triton.kda_decode_step(*x, *params, *pools, slots, block_v=4)
+        y = decode_step_triton.kda_decode_step(*x, *params, *pools, slots, block_v=4)
         y_ref = naive.kda_decode_step(*x, *params, *ref_pools, slots)
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(pools[0], ref_pools[0], rtol=1e-5, atol=1e-6)
@@ -125,7 +125,7 @@ def test_triton_decode_leaves_other_slots_alone(interpreted):
     state_pool, conv_pool = CASE.pools(gen)
     before = (state_pool.clone(), conv_pool.clone())
     x = [t[:, 0] for t in CASE.tokens(gen, 2, 1)]
-    decode_triton.kda_decode_step(*x, *params, state_pool, conv_pool, torch.tensor([2, 5]))
+    decode_step_triton.kda_decode_step(*x, *params, state_pool, conv_pool, torch.tensor([2, 5]))
     untouched = [0, 1, 3, 4, 6]
     assert torch.equal(state_pool[untouched], before[0][untouched])
     assert torch.equal(conv_pool[untouched], before[1][untouched])
@@ -134,7 +134,7 @@ def test_triton_decode_leaves_other_slots_alone(interpreted):
 
 def _decode_sequentially(tokens, params, pools, slots, n):
     """y of the first n tokens, one kda_decode_step each."""
-    return torch.stack([decode_triton.kda_decode_step(*(t[:, i] for t in tokens), *params, *pools, slots)
+    return torch.stack([decode_step_triton.kda_decode_step(*(t[:, i] for t in tokens), *params, *pools, slots)
                         for i in range(n)], dim=1)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.kda import decode_triton, naive
+from kernels.kda import decode_step_triton, decode_triton, naive
 from tests.kernels.kda_inputs import KdaCase
 
 CASE = KdaCase()
@@ -78,7 +78,7 @@ def test_one_strided_launch_equals_reference_and_per_head_launches(interpreted, 
     per_head = PagedPools.build(torch.Generator().manual_seed(0), transposed)
     per_head.buffer.copy_(before)
 
-    y = decode_triton.kda_decode_step(*x, *params, pools.state, pools.conv, slots, lower_bound=lower_bound,
+    y = decode_step_triton.kda_decode_step(*x, *params, pools.state, pools.conv, slots, lower_bound=lower_bound,
                                       **tuning)
 
     y_ref = naive.kda_decode_step(*x, *params, *dense, slots, lower_bound=lower_bound)
@@ -88,7 +88,7 @@ def test_one_strided_launch_equals_reference_and_per_head_launches(interpreted, 
     outside = _outside(pools, slots.tolist())
     assert outside.sum() > 0 and torch.equal(pools.buffer[outside], before[outside])
 
-    heads = [decode_triton.kda_decode_step(*(t[:, h : h + 1] for t in x), *_head_params(params, h),
+    heads = [decode_step_triton.kda_decode_step(*(t[:, h : h + 1] for t in x), *_head_params(params, h),
                                            *per_head.head_views(h), slots, lower_bound=lower_bound)
              for h in range(CASE.heads)]
     torch.testing.assert_close(y, torch.cat(heads, dim=1), rtol=1e-6, atol=1e-6)
@@ -146,10 +146,10 @@ def test_row_strided_inputs_need_no_copy(interpreted, tuning):
     x = [wide[:, i * h * d : (i + 1) * h * d].view(b, h, d) for i in range(5)]
     beta = wide[:, 5 * h * d : 5 * h * d + h]
     q, k, v, z, gate = x
-    assert all(decode_triton._dense_rows(t) is t for t in (*x, beta))  # no copy is made
+    assert all(decode_step_triton._dense_rows(t) is t for t in (*x, beta))  # no copy is made
     slots = torch.tensor([2, 6, 3])
-    y = decode_triton.kda_decode_step(q, k, v, z, beta, gate, *params, *pools, slots, **tuning)
-    y_dense = decode_triton.kda_decode_step(*(t.contiguous() for t in (q, k, v, z, beta, gate)), *params,
+    y = decode_step_triton.kda_decode_step(q, k, v, z, beta, gate, *params, *pools, slots, **tuning)
+    y_dense = decode_step_triton.kda_decode_step(*(t.contiguous() for t in (q, k, v, z, beta, gate)), *params,
                                             *dense_pools, slots, **tuning)
     assert torch.equal(y, y_dense)
     assert torch.equal(pools[0], dense_pools[0]) and torch.equal(pools[1], dense_pools[1])

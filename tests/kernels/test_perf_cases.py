@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kda import decode_triton
+from kernels.kda import decode_step_triton
 from kernels.perf import kda_decode_cases
 from kernels.perf.kda_decode_cases import pool_view_case, pool_view_errors, strided_step
 
@@ -39,7 +39,7 @@ def test_pool_view_errors_see_a_write_outside_the_slots(interpreted, monkeypatch
     free = sorted(set(range(case.data.shape[0])) - set(case.slots.tolist()))[0]
 
     def also_free_page(step_case, state, conv):
-        decode_triton.kda_decode_step(*(t[:1] for t in step_case.x), *step_case.params, state, conv,
+        decode_step_triton.kda_decode_step(*(t[:1] for t in step_case.x), *step_case.params, state, conv,
                                       torch.tensor([free], dtype=torch.int32))
         return strided_step(step_case, state, conv)
 

@@ -111,7 +111,7 @@ def kda_pool(batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def kda_decode(batch: int) -> None:
-    decode_triton.kda_decode_step(*kda_tokens(batch), *kda_params(), *kda_pool(batch))
+    decode_step_triton.kda_decode_step(*kda_tokens(batch), *kda_params(), *kda_pool(batch))
 
 
 def kda_verify(batch: int, drafts: int = 3) -> None:
