@@ -12,12 +12,20 @@ from kernels._triton import next_pow2, require, tl, triton
 if triton is not None:
 
     @triton.jit
+    def rms_normalized(x, D, eps):
+        """x * rsqrt(mean(x^2) + eps) of one float32 row [BLOCK] of D values (padding lanes zero): the row
+        RMSNorm of this kernel, attnres/merge_norm and the KDA output norms. The caller multiplies by the weight
+        after it (the same rounding order everywhere) and so also chooses when the weight is loaded: the tuned
+        kernels load it late on purpose (merge_norm's comment), and inlining keeps each caller's order."""
+        return x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+
+    @triton.jit
     def _rms_rows_kernel(x, weight, out, D, stride_x, stride_out, eps, BLOCK_D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         ok = cols < D
         v = tl.load(x + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        y = v * tl.rsqrt(tl.sum(v * v, axis=0) / D + eps) * tl.load(weight + cols, mask=ok, other=0.0).to(tl.float32)
+        y = rms_normalized(v, D, eps) * tl.load(weight + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(out + row * stride_out + cols, y.to(out.dtype.element_ty), mask=ok)
 
 

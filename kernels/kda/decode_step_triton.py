@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import next_pow2, require, tl, triton
+from kernels.fused.rms_norm_rows_triton import rms_normalized
 from kernels.kda.decode_triton import (
     _check_tokens,
     _conv_silu,
@@ -154,7 +155,7 @@ if triton is not None:
         _store_window(hv, conv_ch, conv_tap, v2, v1, v0, offs_v, D)
         lim = D  # the q/k windows: written by the one program that has seen every sibling read them
         if NV == 1:
-            y = o * tl.rsqrt(tl.sum(o * o, 0) / D + norm_eps) * w_out * tl.sigmoid(g_out)
+            y = rms_normalized(o, D, norm_eps) * w_out * tl.sigmoid(g_out)
             tl.store(out + row + offs, y.to(out.dtype.element_ty))
         else:
             tl.store(o_scratch + row + offs_v, o)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import next_pow2, require, tl, triton
+from kernels.fused.rms_norm_rows_triton import rms_normalized
 
 if triton is not None:
 
@@ -84,7 +85,7 @@ if triton is not None:
     def _gated_norm_store(o, gate, out, tok, offs, norm_weight, norm_eps, lim, D: tl.constexpr):
         """y = RMSNorm(o) * w * sigmoid(gate) for one token of one head, stored where offs < lim."""
         g = tl.load(gate + tok + offs, mask=offs < lim, other=0.0).to(tl.float32)
-        y = o * tl.rsqrt(tl.sum(o * o, 0) / D + norm_eps) * norm_weight * tl.sigmoid(g)
+        y = rms_normalized(o, D, norm_eps) * norm_weight * tl.sigmoid(g)
         tl.store(out + tok + offs, y.to(out.dtype.element_ty), mask=offs < lim)
 
     @triton.jit
