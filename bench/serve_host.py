@@ -5,11 +5,11 @@
 
 Drives the real engine step (`Engine._step`: scheduler, executor, the decode fast path's host side through
 `DecodeGraphs.staging` / `launch`, batched sampling, output processing, the cache manager's calls) on B requests at
-`context` tokens. Only the forward is replaced, by `StandInGraphs`: a STAND-IN for the captured CUDA graph
-whose replay does nothing and whose logits are a static tensor, so what is timed is host work only. The
-real forward cannot run here; the model and the page store live on the meta device (shapes and page ids
-are the preset's, no bytes; the store's fingerprints are stubbed: zeros, see `build_engine`). The stand-in
-logits are bf16 (the graph's dtype) with `--vocab` columns (default 64, not the preset's 163840): on a GPU
+`context` tokens. Only the forward is replaced, by `StandInGraphs` (bench/serve_host_standins.py): a STAND-IN
+for the captured CUDA graph whose replay does nothing and whose logits are a static tensor, so what is timed
+is host work only. The real forward cannot run here; the model and the page store live on the meta device
+(shapes and page ids are the preset's, no bytes; the store's fingerprints are stubbed: zeros, see
+`build_engine`). The stand-in logits are bf16 (the graph's dtype) with `--vocab` columns (default 64, not the preset's 163840): on a GPU
 the cast and argmax over them are device work, which on this CPU would be timed as host work (at 1024
 columns and batch 256 the CPU's bf16 argmax alone takes ~1 ms). Greedy rows, no tokenizer (the mini
 preset's vocabulary has none here).
@@ -31,7 +31,7 @@ Stages (ms per step, p50 and p99 over `--steps` timed steps after warm-up):
 - to_launch: the part of idle before `DecodeFastPath.launch` is called, i.e. the engine's own Python on that
   path; the rest of idle is the launch (here the stand-in's input copy is a CPU memcpy; on a GPU an async H2D).
 Per batch also `prepare_alone` (the input build with no other thread about) and `stream_burst` (the streams'
-loop handing one output to each of B readers, `OutputQueue` against `asyncio.Queue`).
+loop handing one output to each of B readers, `OutputQueue` against `asyncio.Queue`: bench/serve_host_costs.py).
 Each request streams into a real `RequestStream` on an event loop thread (the service's hand-over: its
 loop's mailbox, woken once per step's burst, `handover.py`), drained by a task per request as the servicer
 does (without gRPC).
@@ -43,7 +43,6 @@ The peer each stage is compared against is the same stage of the `--peer` run in
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import time
@@ -55,87 +54,22 @@ import numpy as np
 import torch
 
 from bench.serve_engine import bench_executor, engine_over
+from bench.serve_host_costs import fingerprints_ms, sampled_rows_ms, stream_burst_ms
+from bench.serve_host_standins import DeviceClock, StandInGraphs
 from bench.serve_streams import StreamLoop
-from k3core.cache.hashing import checksums
 from k3core.cache.layout import plan_layout, shape_from_config
 from k3core.cache.manager import PrefixCacheManager
-from k3core.cache.page_store import PageStore, PendingFingerprints
+from k3core.cache.page_store import PendingFingerprints
 from k3core.model import K3Model
 from k3core.presets import preset
 from services.engine import decode_overlap, sampler
-from services.engine.cuda_graphs import DecodeGraphs, _Captured
 from services.engine.decode_fastpath import DecodeFastPath
 from services.engine.decode_inputs import DecodeInputBuilder
 from services.engine.engine import Engine
 from services.engine.heap import freeze_startup_heap
 from services.engine.model_runner import ModelRunner
-from services.engine.params import GenerationOptions
-from services.engine.streams import OutputQueue
 
 STAGES = ("schedule", "build", "launch", "executor", "sample", "accept", "emit", "other", "step", "idle", "to_launch")
-
-
-class _NoEvent:
-    def record(self) -> None: ...
-
-    def synchronize(self) -> None: ...
-
-
-class _NoGraph:
-    def __init__(self, on_replay: Callable[[], None]) -> None:
-        self.replay = on_replay
-
-
-class StandInGraphs(DecodeGraphs):
-    """STAND-IN for the CUDA graphs: `DecodeGraphs.staging` / `launch` themselves run (the staging buffer
-    filled, copied to the input buffer, replayed), but the replay is a no-op and the logits a static
-    [bucket, vocab] bf16 tensor."""
-
-    def __init__(self, builder: DecodeInputBuilder, buckets: tuple[int, ...], vocab: int,
-                 on_replay: Callable[[], None]) -> None:
-        self.builder, self.buckets, self.vocab, self._graphs = builder, buckets, vocab, {}
-        self.on_replay = on_replay
-        self.device = torch.device("cpu")
-
-    def _get(self, size: int) -> _Captured:
-        if size not in self._graphs:
-            host = torch.empty(self.builder.numel(size), dtype=torch.int64)
-            logits = torch.randn(size, self.vocab, generator=torch.Generator().manual_seed(size)).bfloat16()
-            self._graphs[size] = _Captured(_NoGraph(self.on_replay), torch.empty_like(host), host, _NoEvent(), logits)  # type: ignore[arg-type]
-        return self._graphs[size]
-
-
-class DeviceClock:
-    """STAND-IN for the GPU's timeline (`--replay-ms`): a replay keeps the device busy for `replay_s` after
-    the later of its launch and the previous replay's end, and a step's tokens are on the host once the
-    device is done (the engine thread sleeps until then, releasing the GIL as a CUDA event wait does). What
-    it measures is the device's idle per step: from the end of one replay to the launch of the next, i.e.
-    the host's critical path plus the engine thread's wake-up (the GIL taken back from the streams' thread)."""
-
-    def __init__(self, replay_s: float) -> None:
-        self.replay_s = replay_s
-        self.busy_until = 0.0
-        self.idle = 0.0  # added up since the caller last reset it
-        self.late = 0.0  # the part of it between the device's end and the engine thread running again
-
-    def replayed(self) -> None:
-        now = time.perf_counter()
-        if self.busy_until:
-            self.idle += max(0.0, now - self.busy_until)
-        self.busy_until = max(now, self.busy_until) + self.replay_s
-
-    SPIN_S = 3e-4  # the last part of a wait spins: a sleep's own wake-up (~0.1 ms here) would dominate `late`
-
-    def wait(self) -> None:
-        """Until the device is done: a sleep, then a spin that releases the GIL at every turn (CUDA's event
-        wait spins in C with the GIL released), so `late` is what the host adds: taking the GIL back."""
-        left = self.busy_until - time.perf_counter()
-        if left > 0:
-            if left > self.SPIN_S:
-                time.sleep(left - self.SPIN_S)
-            while time.perf_counter() < self.busy_until:
-                time.sleep(0)
-            self.late += time.perf_counter() - self.busy_until
 
 
 class StageTimer:
@@ -304,76 +238,6 @@ def prepare_alone_ms(engine: Engine, reps: int = 200) -> dict:
         DecodeInputBuilder.prepare(fast.builder, cached, size, out=image)  # the class's: the instance's is timed
         times.append(1e3 * (time.perf_counter() - began))
     return {"p50_ms": float(np.percentile(times, 50))}
-
-
-def stream_burst_ms(readers: int, bursts: int = 200) -> dict:
-    """Event-loop ms to hand one output to each of `readers` streams and resume their readers (the loop's share
-    of a step's hand-over: GIL time the engine thread shares): `RequestStream`'s `OutputQueue` against the
-    `asyncio.Queue` it replaced, each timed twice, alternated, in one run (median of the two medians)."""
-    async def burst_ms(make: Callable[[], OutputQueue | asyncio.Queue]) -> float:
-        queues, left, done = [make() for _ in range(readers)], [0], asyncio.Event()
-
-        async def read(queue) -> None:
-            while True:
-                await queue.get()
-                left[0] -= 1
-                if not left[0]:
-                    done.set()
-        tasks = [asyncio.create_task(read(queue)) for queue in queues]
-        await asyncio.sleep(0)
-        times = []
-        for step in range(bursts):
-            left[0] = readers
-            done.clear()
-            began = time.perf_counter()
-            for queue in queues:
-                queue.put_nowait(step)
-            await done.wait()
-            times.append(1e3 * (time.perf_counter() - began))
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        return float(np.percentile(times, 50))
-    timed: dict[str, list[float]] = defaultdict(list)
-    for name, make in (("asyncio_queue", asyncio.Queue), ("output_queue", OutputQueue)) * 2:
-        timed[name].append(asyncio.run(burst_ms(make)))
-    return {"readers": readers, **{f"{name}_ms": float(np.median(ms)) for name, ms in timed.items()}}
-
-
-def sampled_rows_ms(vocab: int, batch: int, reps: int = 20) -> dict:
-    """Host ms of `sample_rows` for `batch` temperature > 0 rows (each its own seed) over the full vocabulary
-    on this CPU: on a GPU these rows are device work, here every column's draw is host CPU."""
-    rows = [(row, GenerationOptions(temperature=0.7, top_k=0, top_p=1.0, seed=1 + row, max_tokens=8, stop=(),
-                                    stop_token_ids=frozenset(), ignore_eos=True), 0) for row in range(batch)]
-    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
-    times = []
-    for index in range(reps):
-        began = time.perf_counter()
-        sampler.sample_rows(logits, [(row, options, index) for row, options, _ in rows])
-        times.append(1e3 * (time.perf_counter() - began))
-    return {"p50_ms": float(np.percentile(times, 50)), "p99_ms": float(np.percentile(times, 99))}
-
-
-def fingerprints_ms(pages: int, page_bytes: int, reps: int = 5) -> dict:
-    """Host ms of a commit's checkpoint fingerprints over `pages` pool pages on this CPU: `PageStore.fingerprints`
-    (row-batched, `checksum_rows`) against the per-page form it replaced (`checksums` of each page's bytes:
-    a set of launches and an XOR fold per page). Same values asserted."""
-    data = torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    store = PageStore.__new__(PageStore)  # only its bytes are read
-    store.data = data
-    rows = list(range(pages))
-    assert store.fingerprints(rows, page_bytes) == checksums([data[p] for p in rows])
-    timed = {}
-    for name, run in (("row_batched", lambda: store.fingerprints(rows, page_bytes)),
-                      ("per_page", lambda: checksums([data[p] for p in rows]))):
-        times = []
-        for _ in range(reps):
-            began = time.perf_counter()
-            run()
-            times.append(1e3 * (time.perf_counter() - began))
-        timed[name] = float(np.percentile(times, 50))
-    return {"pages": pages, "page_bytes": page_bytes, "row_batched_ms": timed["row_batched"],
-            "per_page_ms": timed["per_page"]}
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The host side of a decode step keeps its semantics where it was made cheaper: the scheduler's token
 slices, sampling from the graph's bf16 logits (no float32 copy), the tokens/s window as a running sum,
-and the host benchmark's engine step itself (a stand-in forward; bench/serve_host.py)."""
+and the host benchmark's engine step itself (a stand-in forward; bench/serve_host*.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram
 
-from bench import serve_host
+from bench import serve_host, serve_host_costs, serve_host_standins
 from services.engine import metrics as metrics_module
 from services.engine.metrics import LATENCY_BUCKETS, BatchedObservations, EngineMetrics
 from services.engine.params import GenerationOptions
@@ -102,7 +102,7 @@ def test_host_bench_runs_the_engine_step_with_its_stand_in_forward():
 
 
 def test_stream_burst_times_both_queues_delivering_every_output():
-    result = serve_host.stream_burst_ms(3, bursts=2)  # returns only once every reader got every output
+    result = serve_host_costs.stream_burst_ms(3, bursts=2)  # returns only once every reader got every output
     assert result["readers"] == 3 and result["output_queue_ms"] > 0 and result["asyncio_queue_ms"] > 0
 
 
@@ -129,10 +129,10 @@ def test_host_bench_runs_through_two_hash_boundary_commits(monkeypatch):
 
 def test_emulated_device_clock_counts_the_gap_between_a_replay_end_and_the_next_launch(monkeypatch):
     now = [10.0]
-    monkeypatch.setattr(serve_host.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(serve_host_standins.time, "perf_counter", lambda: now[0])
     # a sleep of s advances the clock by s; sleep(0) (the wait's spin, GIL released) by a microsecond
-    monkeypatch.setattr(serve_host.time, "sleep", lambda s: now.__setitem__(0, now[0] + (s or 1e-6)))
-    clock = serve_host.DeviceClock(0.003)
+    monkeypatch.setattr(serve_host_standins.time, "sleep", lambda s: now.__setitem__(0, now[0] + (s or 1e-6)))
+    clock = serve_host_standins.DeviceClock(0.003)
     clock.replayed()  # busy until 10.003
     now[0] += 0.001
     clock.replayed()  # launched while busy: queued, busy until 10.006, no idle
@@ -154,5 +154,5 @@ def test_host_bench_with_an_emulated_device_reports_its_idle():
 
 
 def test_host_bench_fingerprints_compare_the_row_batched_and_per_page_forms():
-    result = serve_host.fingerprints_ms(5, 99, reps=1)  # asserts both forms give the same values
+    result = serve_host_costs.fingerprints_ms(5, 99, reps=1)  # asserts both forms give the same values
     assert result["pages"] == 5 and result["row_batched_ms"] > 0 and result["per_page_ms"] > 0
