@@ -7,6 +7,7 @@
 #
 # On the device (docs/kernels.md, docs/serving.md):
 #   run(command="bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
+# GPU_SESSION_SERVE=0 skips step 2; GPU_SESSION_KERNELS="group:cap_s ..." picks the kernel groups.
 # Everything it keeps lands in $OUT: session.txt (each step's exit status and seconds, the card), serve.json,
 # serve.log, serve_profile.txt (fast-path check + kernel profile at batch 64), kernels.json, kernels.log.
 # CPU dry run of the same steps (nano, tiny shapes; bench.kernels exits 2 without CUDA):
@@ -79,7 +80,11 @@ else
     serve_args=(--batches 1 16 64 256 --contexts 1024 4096 --steps 10 --prefix 32768 --increment 512
         --peer-batches 1 16 --peer-steps 5 --num-pages 16000 --profile 64)
 fi
-step serve serve.log 210 "$PY" -m bench.serve "${serve_args[@]}" --check --time-limit 150 --out "$OUT/serve.json"
+if [[ ${GPU_SESSION_SERVE:-1} == 1 ]]; then  # GPU_SESSION_SERVE=0: kernels only (a table refresh)
+    step serve serve.log 210 "$PY" -m bench.serve "${serve_args[@]}" --check --time-limit 150 --out "$OUT/serve.json"
+else
+    echo "serve: skipped (GPU_SESSION_SERVE=0)" | tee -a "$STATUS"
+fi
 grep -sE '^(fast path \(|experts touched|profile batch|  +[0-9.]+ ms +[0-9]+x)' "$OUT/serve.log" \
     >"$OUT/serve_profile.txt"
 
