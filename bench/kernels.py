@@ -27,7 +27,7 @@ from kernels.perf.harness import Row, copy_bandwidth, matmul_flops
 
 GROUPS: dict[str, tuple[str, str]] = {
     "kda_decode": ("kernels.perf.kda_decode_cases", "decode_rows"),
-    "kda_verify": ("kernels.perf.kda_decode_cases", "verify_rows"),
+    "kda_verify": ("kernels.perf.kda_verify_cases", "verify_rows"),
     "kda_prefill": ("kernels.perf.kda_prefill_cases", "prefill_rows"),
     "mla": ("kernels.perf.mla_cases", "mla_rows"),
     "attnres": ("kernels.perf.attnres_cases", "attnres_rows"),

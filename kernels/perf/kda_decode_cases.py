@@ -1,4 +1,5 @@
-"""KDA decode step and replay verify on the H200: ours vs the fla-core 0.6.0 composition (GPU only).
+"""KDA decode step on the H200: ours vs the fla-core 0.6.0 composition (GPU only). The replay verify's
+cases: kda_verify_cases.py.
 
 Also the decode step on the serving pool's head-interleaved pages (`k3core/cache/pool_views.py`): one
 strided launch over all heads against the per-head launches the fast path ran before, same buffer.
@@ -177,53 +178,6 @@ def decode_rows(batches: tuple[int, ...] = (1, 64, 256), variants: tuple[DecodeV
     return rows
 
 
-def _fla_spec_step(x, params, pool, indices, accepted):
-    """fla's speculative recurrence: one state per draft written to indexed slots (the state-caching way)."""
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-
-    q, k, v, z, beta, _ = x
-    _, A_log, dt_bias, _ = params
-    return fused_recurrent_kda_fwd(
-        q, k, v, g=z, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool, inplace_final_state=True,
-        ssm_state_indices=indices, num_accepted_tokens=accepted, use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0,
-    )
-
-
-def verify_rows(batch: int = 64, drafts: tuple[int, ...] = (1, 2, 4, 8),
-                variants: tuple[tuple[int, int], ...] = ((128, 4),)) -> list[Row]:
-    """Verify n drafts: replay (ours) vs one state snapshot per draft (ours with snapshots, and fla's)."""
-    rows: list[Row] = []
-    params = _params("cuda")
-    B = batch
-    for n in drafts:
-        x = _tokens(B, n + 1, "cuda")
-        prev = _tokens(B, n, "cuda")[:5]
-        accepted = torch.full((B,), n, device="cuda", dtype=torch.int32)  # worst case: replay all n
-        slots = torch.arange(B, device="cuda", dtype=torch.int32)
-        pool, conv = _pools(B * (n + 1), "cuda")
-        shape = f"B={B},n={n}"
-        snaps = torch.empty(B, n + 1, H, D, D, device="cuda")
-        for bv, nw in variants:
-            tuning = {"block_v": bv, "num_warps": nw}
-            ms, how = time_ms(partial(decode_triton.fused_kda_recurrent, *x, *params, pool, conv, slots,
-                                      replay=(*prev, accepted), n_commit=1, **tuning))
-            rows.append(Row("kda_verify", shape, f"ours replay(block_v={bv},w={nw})", ms, decode_bytes(B),
-                            note=how))
-            ms, how = time_ms(partial(decode_triton.fused_kda_recurrent, *x, *params, pool, conv, slots,
-                                      n_commit=1, snapshots=snaps, **tuning))
-            rows.append(Row("kda_verify", shape, f"baseline: ours state-per-draft(block_v={bv},w={nw})", ms,
-                            note=how))
-        try:
-            indices = torch.arange(B * (n + 1), device="cuda", dtype=torch.int32).reshape(B, n + 1)
-            ms, how = time_ms(partial(_fla_spec_step, x, params, pool, indices, accepted.clamp_min(1)))
-            rows.append(Row("kda_verify", shape, "fla state-per-draft (recurrence only)", ms, note=how))
-        except Exception as e:  # noqa: BLE001
-            rows.append(Row("kda_verify", shape, "fla state-per-draft (recurrence only)", float("nan"),
-                            note=repr(e)[:200]))
-    return rows
-
-
 @dataclass
 class PoolViewCase:
     """One KDA layer's decode step on a page buffer laid out as the serving pool (`plan_layout` of a preset,
@@ -273,7 +227,7 @@ def strided_step(case: PoolViewCase, state: torch.Tensor, conv: torch.Tensor) ->
 def per_head_step(case: PoolViewCase, state: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
     """The former form: one launch per head on [pages, 1, D, D] views of the same buffer, outputs concatenated."""
     outs = [decode_step_triton.kda_decode_step(*(t[:, h : h + 1] for t in case.x), *hp, state[:, h : h + 1],
-                                          conv[:, :, h : h + 1], case.slots)
+                                               conv[:, :, h : h + 1], case.slots)
             for h, hp in enumerate(case.head_params)]
     return torch.cat(outs, dim=1)
 
