@@ -1,58 +1,15 @@
-"""The three consistency rules of §5.4.1 under concurrency, checkpoint policy, tiering and metrics, on the
-synthetic model with real page bytes (the oracle checks every entry)."""
+"""The three consistency rules of §5.4.1 under concurrency, checkpoint policy and metrics, on the synthetic
+model with real page bytes (the oracle checks every entry). Corruption: test_integrity.py; the CPU tier:
+test_cpu_tier.py."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 from cache_oracle import PrefixOracle
-from cache_synth import VOCAB, forward, tiny_layout
-from prometheus_client import CollectorRegistry
+from cache_steps import LAYOUT, TOKENS, make, run, step
 
-from k3core.cache.checkpoints import CheckpointPolicy
-from k3core.cache.cpu_tier import CpuTier
 from k3core.cache.hashing import chain_hashes
-from k3core.cache.manager import PrefixCacheManager
-from k3core.cache.metrics import CacheMetrics
-from k3core.cache.page_store import IntegrityError, PageKindError
 from k3core.cache.pool import OutOfPages, PageKind
-
-LAYOUT = tiny_layout(hash_block=4, tokens_per_block=12)
-TOKENS = [random.Random(3).randrange(VOCAB) for _ in range(60)]
-
-
-def make(pages: int = 40, cpu: int = 0, **policy: object) -> tuple[PrefixCacheManager, CollectorRegistry]:
-    registry = CollectorRegistry()
-    manager = PrefixCacheManager(LAYOUT, pages, device="cpu", debug=True, metrics=CacheMetrics(registry),
-                                 cpu_tier=CpuTier(cpu * LAYOUT.page_bytes) if cpu else None,
-                                 policy=CheckpointPolicy(**policy))
-    return manager, registry
-
-
-def step(manager: PrefixCacheManager, work: dict[str, int], commit: bool = True) -> None:
-    """One step: `work` maps request -> token budget (chunks snapped to hash boundaries)."""
-    rids = []
-    for rid, budget in work.items():
-        manager.reserve(rid, manager.prefill_chunk(rid, budget))
-        rids.append(rid)
-    manager.pre_forward()
-    reqs = [manager.requests[r] for r in rids]
-    forward(manager.batch_view(rids), [r.tokens[r.num_computed : r.num_computed + r.scheduled] for r in reqs])
-    for rid in rids:
-        manager.forward_done(rid)
-    if commit:
-        manager.commit_step()
-
-
-def run(manager: PrefixCacheManager, rid: str, tokens: list[int], finish: bool = True) -> int:
-    hit = manager.add_request(rid, tokens)
-    while manager.requests[rid].num_computed < len(tokens):
-        step(manager, {rid: 8})
-    if finish:
-        manager.finish(rid)
-    return hit
 
 
 def test_registrations_of_the_current_step_are_not_matchable() -> None:
@@ -138,94 +95,6 @@ def test_checkpoint_cap_bounds_memory() -> None:
     assert registry.get_sample_value("k3_prefix_cache_evictions_total", {"kind": "kda"}) >= 3
 
 
-def test_cpu_tier_is_write_back_only_and_skips_active_blocks() -> None:
-    manager, registry = make(cpu=64)
-    run(manager, "a", TOKENS[:40])
-    assert manager.cpu.used_bytes == 0  # nothing written while on the GPU (no write-through)
-    assert manager.add_request("b", TOKENS[:40] + [5] * 8) == 40  # b shares a's blocks 0-2 (active again)
-    manager.commit_step()  # b's copy of a's partial block 3 has landed
-    manager.evict_idle(manager.pool.num_pages)
-    chain = chain_hashes(TOKENS[:40], 4)
-    written = {h for host in manager.cpu.blocks() for h, _ in host.endpoints}
-    assert written == {chain[9]}  # only the idle partial block 3; blocks 0-2 are in use by b
-    assert [c.num_tokens for c in manager.cpu.checkpoints()] == [40]
-    assert all(manager.index.contains(chain[i]) for i in range(9))
-    assert registry.get_sample_value("k3_prefix_cache_cpu_tier_bytes_total", {"direction": "offload"}) > 0
-
-
-def test_corrupt_cpu_checkpoint_is_a_counted_miss() -> None:
-    manager, registry = make(cpu=64)
-    run(manager, "a", TOKENS[:30])
-    manager.evict_idle(manager.pool.num_pages)
-    (host,) = manager.cpu.checkpoints()
-    host.data[0][17] ^= 0x40  # one flipped bit in DRAM
-    oracle = PrefixOracle(LAYOUT)
-    tokens = TOKENS[:30] + [3] * 4
-    oracle.learn(tokens)
-    assert manager.add_request("b", tokens) == 0  # the only checkpoint is bad: a miss, not wrong state
-    manager.pre_forward()
-    oracle.check_private(manager, "b", tokens)
-    assert registry.get_sample_value("k3_prefix_cache_integrity_errors_total", {"where": "prefetch"}) == 1
-    assert manager.cpu.checkpoints() == []
-
-
-def test_corrupt_gpu_checkpoint_is_caught_on_restore() -> None:
-    manager, registry = make()
-    run(manager, "a", TOKENS[:30])
-    (checkpoint,) = manager.checkpoints.by_key.values()
-    manager.store.data[checkpoint.pages[1], 5] ^= 1
-    assert manager.add_request("b", TOKENS[:30] + [3]) == 0
-    assert registry.get_sample_value("k3_prefix_cache_integrity_errors_total", {"where": "restore"}) == 1
-
-
-def test_transfer_checks_fingerprints() -> None:
-    manager, _ = make()
-    run(manager, "a", TOKENS[:30])
-    page = next(iter(manager.checkpoints.by_key.values())).pages[0]
-    data, print_ = manager.store.export_page(page, LAYOUT.kda_page_used_bytes)
-    data[3] ^= 8
-    with pytest.raises(IntegrityError, match="fingerprint"):
-        manager.store.import_page(page, data, print_)
-
-
-def test_type_confusion_reads_garbage_and_debug_mode_catches_it() -> None:
-    manager, _ = make()
-    run(manager, "a", TOKENS[:30], finish=False)
-    req = manager.requests["a"]
-    mla_page, kda_page = req.blocks[0].pages[0], req.state_pages[0]
-    conv, rec = manager.store.kda_views(kda_page, 0)
-    manager.store.debug = False
-    wrong_conv, wrong_rec = manager.store.kda_views(mla_page, 0)  # MLA latents read as KDA state
-    # bf16 latents reinterpreted as float32 states: not within any tolerance of the real state, and
-    # far outside the recurrence's integer range (or not finite)
-    assert not torch.allclose(wrong_rec, rec, rtol=0.5) and not torch.equal(wrong_conv, conv)
-    assert not bool(((wrong_rec == wrong_rec.round()) & (wrong_rec.abs() < 65521)).all())
-    manager.store.debug = True
-    with pytest.raises(PageKindError, match="holds MLA, accessed as KDA"):
-        manager.store.kda_views(mla_page, 0)
-    with pytest.raises(PageKindError, match="holds KDA, accessed as MLA"):
-        manager.store.mla_rows(kda_page, 0)
-
-
-def test_cpu_tier_keeps_blocks_that_share_a_prefix_with_an_earlier_copy() -> None:
-    """Two conversations share a system prompt that ends inside block 0. After the first one went to the CPU
-    tier, the second recomputes block 0 (registering the shared endpoints again on the GPU); its own
-    write-back must still land, under the endpoints the tier lacks, so that it can be restored."""
-    manager, _ = make(cpu=64)
-    system = TOKENS[:6]
-    first, second = system + [1] * 20, system + [2] * 20
-    run(manager, "a", first)
-    manager.evict_idle(manager.pool.num_pages)
-    run(manager, "b", second)
-    manager.evict_idle(manager.pool.num_pages)
-    oracle = PrefixOracle(LAYOUT)
-    follow_up = second + [3] * 5
-    oracle.learn(follow_up)
-    assert manager.add_request("c", follow_up) == 24  # b's turn-end checkpoint, with b's own block 0
-    manager.pre_forward()
-    oracle.check_private(manager, "c", follow_up)
-
-
 def test_a_copy_on_write_copy_takes_over_the_endpoints_of_its_evicted_source() -> None:
     manager, _ = make(keep_prompt_end=True)
     run(manager, "a", TOKENS[:9])  # block 0 holds 9 tokens; the prompt-end checkpoint sits at 8
@@ -238,26 +107,6 @@ def test_a_copy_on_write_copy_takes_over_the_endpoints_of_its_evicted_source() -
     oracle = PrefixOracle(LAYOUT)
     oracle.learn(tokens)
     assert oracle.check(manager) >= 2
-
-
-def test_prefetch_brings_a_written_back_prefix_back_before_reuse() -> None:
-    manager, registry = make(cpu=64)
-    run(manager, "a", TOKENS[:40])
-    manager.evict_idle(manager.pool.num_pages)
-    assert manager.lookup(chain_hashes(TOKENS[:45], 4), 45).num_tokens == 40  # from the CPU tier
-    assert manager.prefetch(chain_hashes(TOKENS[:45], 4), 45) == 40
-    assert manager.lookup(chain_hashes(TOKENS[:45], 4), 45).checkpoint is not None
-    assert manager.checkpoints.find(chain_hashes(TOKENS[:40], 4)[-1]) is None  # pending until commit
-    manager.commit_step()
-    hit = manager.lookup(chain_hashes(TOKENS[:45], 4), 45)
-    assert hit.checkpoint is manager.checkpoints.find(chain_hashes(TOKENS[:40], 4)[-1])  # GPU-resident now
-    oracle = PrefixOracle(LAYOUT)
-    oracle.learn(TOKENS[:45])
-    assert oracle.check(manager) > 0
-    assert manager.add_request("b", TOKENS[:45]) == 40
-    manager.pre_forward()
-    oracle.check_private(manager, "b", TOKENS[:45])
-    assert registry.get_sample_value("k3_prefix_cache_cpu_tier_bytes_total", {"direction": "prefetch"}) > 0
 
 
 def test_finishing_a_request_admitted_in_the_same_step_leaves_no_copy_behind() -> None:
