@@ -12,9 +12,9 @@ first; elsewhere the default tile in both load forms). Last, one whole latent-Mo
 (`MoeDecode`) per token count, in each dense form and the routed form (`K3_DENSE_EXPERTS`) with and without
 the router's side branch (`K3_DECODE_BRANCHES`), and in the grouped form, against `SparseMoE` for the difference (its per-expert loop syncs the host:
 not timed).
-`--groups skinny`: every decode projection (`fast_decoder.distinct_projections`) in the skinny GEMM's
-candidate tilings against cuBLAS as the fast path calls it, weights cycled through enough copies to come from
-HBM. `--groups floor`: one launch that only copies each residual-add GEMM's weight (what a GEMM
+`--groups skinny` (bench/serve_glue_projections.py): every decode projection
+(`fast_decoder.distinct_projections`) in the skinny GEMM's candidate tilings against cuBLAS as the fast path
+calls it, weights cycled through enough copies to come from HBM. `--groups floor`: one launch that only copies each residual-add GEMM's weight (what a GEMM
 of that size is up against). `--compile-only --shard I N` launches a share of the cases once (run shards in parallel to fill
 Triton's cache before a timed run).
 
@@ -45,16 +45,14 @@ from bench.serve_glue_gemms import (
     MLA_VARIANTS,
     ROUTED_CONFIGS,
     ROUTED_DOWN_CONFIGS,
-    WEIGHT_COPIES,
     Case,
     default_tiles,
     down_cases,
-    each_call,
     expert_cases,
     mla_cases,
     routed_expert_cases,
-    weight_copies,
 )
+from bench.serve_glue_projections import read_floor_cases, skinny_cases
 from bench.serve_rank import copy_bandwidth, set_environ
 from k3core.config import K3Config
 from k3core.layers.moe import SparseMoE
@@ -72,7 +70,6 @@ from kernels.fused import (
 from kernels.perf import harness
 from services.engine import fast_ffn
 from services.engine.fast_attention import BRANCHES_ENV
-from services.engine.fast_decoder import distinct_projections
 from services.engine.fast_ffn import MoeDecode, grouped_mm_available
 
 ROUTER_CONFIGS = [  # (block_t, block_h, num_warps, num_stages, H splits; None: the launcher's rule)
@@ -160,44 +157,6 @@ def moe_layer_case(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, 
 def max_diff(a: object, b: object) -> float:
     pairs = zip(a, b, strict=True) if isinstance(a, tuple) else [(a, b)]
     return max(float((x.double() - y.double()).abs().max()) for x, y in pairs)
-
-
-def cold_weights(n: int, k: int, gen: torch.Generator) -> list[torch.Tensor]:
-    """Copies of an [n, k] bf16 weight to cycle through: ~200 MB (3 to 24 copies), so that every call of a
-    timed graph reads its weight from HBM, not from the 50 MB L2."""
-    return weight_copies((n, k), gen, max(WEIGHT_COPIES, min(24, -(-200_000_000 // (n * k * 2)))))
-
-
-def skinny_cases(c: K3Config, tokens: int, gen: torch.Generator, sweep: bool) -> dict[str, Case]:
-    """Each decode projection of the model (`fast_decoder.distinct_projections`) in the skinny GEMM's
-    tilings, against cuBLAS as the fast path calls it (F.linear, or addmm_ into the residual). Enough weight
-    copies that every call of a timed graph reads its weight from HBM."""
-    found: dict[str, Case] = {}
-    for name, (n, k, residual) in distinct_projections(c).items():
-        x = torch.randn(tokens, k, device=gen.device, generator=gen).to(torch.bfloat16)
-        res = torch.randn(tokens, n, device=gen.device, generator=gen).to(torch.bfloat16) if residual else None
-        weights = cold_weights(n, k, gen)
-        tilings = skinny_gemm_triton.candidate_tilings(n, k)[: None if sweep else 1]
-        for t in tilings:
-            mine, peer = (None, None) if res is None else (res.clone(), res.clone())
-            found[f"skinny {name} n{t.block_n} k{t.block_k} s{t.splits} w{t.num_warps} st{t.num_stages}"] = (
-                each_call(lambda w, x=x, r=mine, t=t: skinny_gemm_triton.skinny_gemm(x, w, r, t), weights),
-                each_call(lambda w, x=x, r=peer: naive.skinny_linear(x, w, r), weights), n * k * 2)
-    return found
-
-
-def read_floor_cases(c: K3Config, gen: torch.Generator) -> dict[str, Case]:
-    """What one launch that only moves a residual-add GEMM's weight takes (HBM-cold, as skinny_cases): a copy
-    into a second buffer (read + write counted), the floor a GEMM of that size is up against, launch and tail
-    included (a float32 sum was timed too in session 8: its reduction is slower than the copy, no floor)."""
-    found: dict[str, Case] = {}
-    for n, k, residual in dict.fromkeys(distinct_projections(c).values()):
-        if not residual:
-            continue
-        weights = cold_weights(n, k, gen)
-        target = torch.empty_like(weights[0])
-        found[f"floor copy {n}x{k}"] = (each_call(target.copy_, weights), None, 2 * n * k * 2)
-    return found
 
 
 def cases(c: K3Config, tokens: int, gen: torch.Generator) -> dict[str, tuple[Callable, Callable]]:

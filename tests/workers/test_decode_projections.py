@@ -57,7 +57,7 @@ def test_read_floor_group_copies_each_residual_shape_once():
     a residual are no output GEMM), counting read + write, and each call copies the next cold weight."""
     import torch
 
-    from bench.serve_glue import read_floor_cases
+    from bench.serve_glue_projections import read_floor_cases
     from k3core.presets import preset
 
     nano = preset("nano")
