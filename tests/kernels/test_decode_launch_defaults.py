@@ -13,7 +13,7 @@ import pytest
 
 from kernels.compile_check import record_launches
 from kernels.kda import decode_step_triton as kda_decode
-from tests.kernels.test_sm90_compile import kda_params, kda_pool, kda_tokens, mla_step
+from tests.kernels.sm90_launch_cases import kda_params, kda_pool, kda_tokens, mla_step
 
 
 def _launches(call, kernel: str) -> list[tuple[dict, dict]]:

@@ -34,14 +34,8 @@ def test_variant_on_the_pool_view_matches_reference(interpreted, variant: Decode
 
 @pytest.mark.slow
 def test_variants_compile_for_sm90():
-    from tests.kernels.test_sm90_compile import (
-        DECODE_BATCHES,
-        _check,
-        _record,
-        kda_params,
-        kda_pool,
-        kda_tokens,
-    )
+    from tests.kernels.sm90_launch_cases import DECODE_BATCHES, kda_params, kda_pool, kda_tokens
+    from tests.kernels.test_sm90_compile import _check, _record
 
     cases = {f"kda decode {v.label} B={b}": partial(v.launch, kda_tokens(b), kda_params(), *kda_pool(b))
              for v in (DecodeVariant(), *DECODE_VARIANTS) for b in DECODE_BATCHES}
