@@ -4,7 +4,7 @@
 #     ours once per variant on a small case;
 #  F0 the default (and $F0_VARIANTS, comma-separated labels) vs the fla-core composition at all four shapes
 #     (fla then only benchmarks its configs);
-#  A  the variants ($VARIANTS, comma-separated labels of kda_prefill_cases.py) at B=1,T=32K, no peer;
+#  A  the variants ($VARIANTS, comma-separated labels of kda_prefill_tuning.py) at B=1,T=32K, no peer;
 #  F1 pick_tuning's choice from A at all four shapes, if it differs from the default.
 # BUDGET (s, from the start of this script) bounds the whole; each phase gets what is left, F0 keeping
 # RESERVE s for A and F1 when VARIANTS is set. Round 4 (history 20 in docs/kernels.md) ran this with

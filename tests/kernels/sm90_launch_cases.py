@@ -40,7 +40,7 @@ from kernels.moe import (
     situ_glu_triton,
 )
 from kernels.moe.tiles import default_tiles
-from kernels.perf import attnres_cases, kda_decode_cases, kda_prefill_cases, mla_cases, moe_cases
+from kernels.perf import attnres_cases, kda_decode_cases, kda_prefill_tuning, mla_cases, moe_cases
 from services.engine import fast_ffn
 from services.engine.decode_inputs import DecodeInputs
 from services.engine.fast_decoder import distinct_projections, mla_index_int32
@@ -278,7 +278,7 @@ def bench_variants() -> dict:
         cases[f"kda decode {v}"] = lambda v=v: [decode_step_triton.kda_decode_split(
             *kda_tokens(b), *kda_params(), *kda_pool(b), -5.0, None, 1e-6, 1e-6, v.block_v, v.warps, v.evict_first,
             v.stream_store, v.heads_first) for b in DECODE_BATCHES]
-    for label, tuning, *_ in kda_prefill_cases.VARIANTS:
+    for label, tuning, *_ in kda_prefill_tuning.VARIANTS:
         cases[f"kda prefill {label}"] = lambda t=tuning: kda_prefill(**t)
     for v in mla_cases.VARIANTS:
         cases[f"mla decode {v}"] = lambda v=v: [mla_step(b, **v) for b in DECODE_BATCHES]

@@ -1,10 +1,11 @@
-"""kernels/perf/kda_prefill_cases.pick_tuning: which per-kernel variants the device run combines (CPU only)."""
+"""kernels/perf/kda_prefill_tuning.pick_tuning: which per-kernel variants the device run combines (CPU only)."""
 
 from __future__ import annotations
 
 import json
 
-from kernels.perf.kda_prefill_cases import VARIANTS, pick_from_files, pick_tuning, selected_shapes
+from kernels.perf.kda_prefill_cases import selected_shapes
+from kernels.perf.kda_prefill_tuning import VARIANTS, pick_from_files, pick_tuning
 
 UT, REC = "_kda_chunk_ut_kernel", "_kda_chunk_recurrence_kernel"
 SHAPES = ("B=1,T=32K,H=16", "B=8,T=4K,H=32")
