@@ -13,15 +13,14 @@ the device. Triton's CUDA backend and ptxas run without a GPU; this module drive
 2. `compile_specs()`: compiles each unique spec in worker processes without TRITON_INTERPRET. It cannot run
    in an interpreting process: there triton.language's own jitted helpers (tl.sigmoid, ...) are
    interpreter objects, which the code generator cannot call.
-3. `launched_kernels()`: every @triton.jit / @gluon.jit function under kernels/ that some module launches,
-   read from the source, so that a test can require each one to be covered.
+
+Which kernels exist to be covered is read from the source: kernels/launched_kernels.py.
 
 Run by hand: record launches in a script, then `compile_specs(recorder.unique())`.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import functools
 import importlib
@@ -32,10 +31,10 @@ import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-KERNELS_DIR = Path(__file__).resolve().parent
+from kernels.launched_kernels import KERNELS_DIR, module_name
+
 # A directory holding another Triton (e.g. the device's: `pip install --no-deps --target DIR triton==3.6.0`)
 # for the compile workers to use instead of this environment's; its wheel ships ptxas as well.
 TRITON_PATH_ENV = "K3_COMPILE_CHECK_TRITON_PATH"
@@ -153,7 +152,7 @@ def import_kernel_modules() -> None:
     is first imported while recording (see below)."""
     importlib.import_module("triton.experimental.gluon")
     for path in sorted(KERNELS_DIR.rglob("*.py")):
-        importlib.import_module(_module_name(path))
+        importlib.import_module(module_name(path))
 
 
 @contextlib.contextmanager
@@ -244,50 +243,6 @@ def _compile_one(spec: CompileSpec) -> CompileResult:
     except Exception as e:  # noqa: BLE001 - the compiler's message is the result
         return CompileResult(False, triton.__version__, f"{type(e).__name__}: {e}")
     return CompileResult(True, triton.__version__, shared=int(compiled.metadata.shared))
-
-
-def _module_name(path: Path, root: Path = KERNELS_DIR) -> str:
-    return ".".join(path.relative_to(root.parent).with_suffix("").parts)
-
-
-def _is_kernel_jit(decorator: ast.expr) -> bool:
-    target = decorator.func if isinstance(decorator, ast.Call) else decorator
-    return ast.unparse(target) in ("triton.jit", "gluon.jit")
-
-
-def _names(tree: ast.Module, module: str) -> dict[str, str]:
-    """Local name -> dotted target ("module" or "module.attr") of this module's own and imported names."""
-    names: dict[str, str] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef):
-            names[node.name] = f"{module}.{node.name}"
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
-        elif isinstance(node, ast.Import):
-            names.update({a.asname: a.name for a in node.names if a.asname})
-    return names
-
-
-def launched_kernels(root: Path = KERNELS_DIR) -> set[str]:
-    """"module:function" of every @triton.jit or @gluon.jit function under `root` that some module there
-    launches as `name[grid](...)` or `module.name[grid](...)` (device functions that are only called are left
-    out)."""
-    defined: set[str] = set()
-    launched: set[str] = set()
-    for path in sorted(root.rglob("*.py")):
-        module = _module_name(path, root)
-        tree = ast.parse(path.read_text(), str(path))
-        names = _names(tree, module)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and any(_is_kernel_jit(d) for d in node.decorator_list):
-                defined.add(f"{module}.{node.name}")
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
-                callee = node.func.value
-                if isinstance(callee, ast.Name):
-                    launched.add(names.get(callee.id, ""))
-                elif isinstance(callee, ast.Attribute) and isinstance(callee.value, ast.Name):
-                    launched.add(f"{names.get(callee.value.id, '')}.{callee.attr}")
-    return {":".join(k.rsplit(".", 1)) for k in defined & launched}
 
 
 def _worker() -> None:

@@ -1,6 +1,6 @@
 """kernels/compile_check itself, on small kernels: a build failure the interpreter misses is reported with
-the kernel's name, launched kernels are found in the source, and launches specialize as Triton's rules say
-(test_sm90_compile.py applies it to every kernel of the product)."""
+the kernel's name, launched kernels are found in the source (kernels/launched_kernels.py), and launches
+specialize as Triton's rules say (test_sm90_compile.py applies it to every kernel of the product)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from kernels import compile_check
 from kernels._triton import tl, triton
 from kernels.fused import moe_combine_triton
+from kernels.launched_kernels import launched_kernels
 
 F32, I64 = torch.float32, torch.int64
 LATENT, TOP_K = 1024, 4  # mini's latent width and top-k
@@ -66,9 +67,9 @@ def test_discovery_lists_launched_kernels_not_device_functions(tmp_path):
     (package / "c.py").write_text("if gluon is not None:\n    @gluon.jit(do_not_specialize=['x'])\n    def _gluon(x):\n"
                                   "        pass\n\n    @gluon.jit\n    def _gluon_helper(x):\n        pass\n\n"
                                   "def launch(x):\n    _gluon[(1,)](x)\n")
-    found = compile_check.launched_kernels(package)
+    found = launched_kernels(package)
     assert found == {"kernels.sub.a:_own", "kernels.sub.a:_imported", "kernels.sub.a:_via_module", "kernels.c:_gluon"}
-    real = compile_check.launched_kernels()
+    real = launched_kernels()
     assert "kernels.kda.prefill_chunk_triton:_kda_chunk_ut_kernel" in real  # launched from prefill_triton
     assert "kernels.moe.decode_wgmma_gluon:down_kernel" in real  # a Gluon kernel, launched in its own module
     assert not {k for k in real if k.endswith((":mxfp4_tile", ":unshift", ":situ_glu_values", ":situ_glu"))}
