@@ -1,6 +1,6 @@
 """Pure-read floor of the latent-MoE decode's expert bytes (GPU; `--cpu`: a dry run of the plumbing).
 
-    python -m bench.moe_stream_floor [--batches 1,4,16] [--out bench/results/moe_stream_floor_s11.json]
+    python -m bench.moe_stream_floor [--batches 1,4,16] [--product 1,4] [--out bench/results/moe_stream_floor_s11.json]
     TRITON_INTERPRET=1 python -m bench.moe_stream_floor --cpu     # tiny experts, interpreted, no timing
 
 The MoE bar (issue 9) is >= 70 % of copy bandwidth on the expert bytes a decode call reads. These kernels read
@@ -158,33 +158,54 @@ def expected_fold(ids: torch.Tensor, experts: PreparedExperts) -> int:
     return xor_all(torch.cat([t[distinct].flatten() for pair in matrices(experts) for t in pair]))
 
 
-def rows(batches: tuple[int, ...], forms: tuple[Form, ...], copy_bps: float) -> list[dict]:
-    """Each form at each batch, over moe_cases' L2-fair routing sets (a different set each call)."""
-    experts = prepare_experts(*moe_cases._experts())
-    out = []
-    for T in batches:
-        sets = [ids.cuda() for ids in moe_cases.routings(T)]
-        nbytes = sum(moe_cases.expert_bytes(ids) for ids in sets) / len(sets)
-        inner = len(sets) * max(1, 16 // len(sets))  # whole turns through the sets per replay, as moe_rows
-        want = expected_fold(sets[0], experts)
-        for form in forms:
-            calls = [form_call(form, ids, experts) for ids in sets]
-            row = {"form": form.name, "T": T, "bytes": nbytes, "sets": len(sets), "copy_bytes_per_s": copy_bps}
-            try:
-                folded_ok = fold(calls[0]()) == want
-                ms, how = harness.time_ms(moe_cases._cycling(calls), inner=inner)
-                row.update(us=ms * 1e3, method=how, fold_ok=folded_ok,
-                           kernels_ms=harness.kernel_ms(moe_cases._cycling(calls), calls=inner))
-            except Exception as e:  # noqa: BLE001 - a form that does not build must not hide the others
-                row.update(us=float("nan"), error=repr(e)[-300:])
-            row["pct_of_copy"] = 100 * nbytes / (row["us"] * 1e-6) / copy_bps
-            row["bar_budget_us"] = nbytes / (BAR * copy_bps) * 1e6
-            row["share_of_bar_budget"] = row["us"] / row["bar_budget_us"]
-            out.append(row)
-            print(f"{form.name:<44} T={T:<3} {row['us']:7.1f} us {row['pct_of_copy']:5.1f} % of copy "
-                  f"{100 * row['share_of_bar_budget']:5.1f} % of the 70 % budget ({row['bar_budget_us']:.1f} us)"
-                  f"{'' if row.get('fold_ok', False) else '  FOLD WRONG ' + row.get('error', '')}", flush=True)
-    return out
+class Recorder:
+    """Completes each row with its share of copy and of the 70 % bar's time budget, prints it and rewrites the
+    JSON file (a run cut short keeps what it measured)."""
+
+    def __init__(self, copy_bps: float, path: str) -> None:
+        self.copy_bps, self.path, self.rows = copy_bps, path, []
+
+    def __call__(self, row: dict) -> None:
+        nbytes, us = row["bytes"], row["us"]
+        row.update(copy_bytes_per_s=self.copy_bps, pct_of_copy=100 * nbytes / (us * 1e-6) / self.copy_bps,
+                   bar_budget_us=nbytes / (BAR * self.copy_bps) * 1e6)
+        row["share_of_bar_budget"] = us / row["bar_budget_us"]
+        self.rows.append(row)
+        kernels = [round(v * 1e3, 1) for v in row.get("kernels_ms", {}).values() if isinstance(v, float)]
+        print(f"{row['form']:<44} T={row['T']:<3} {us:7.1f} us {row['pct_of_copy']:5.1f} % of copy "
+              f"{100 * row['share_of_bar_budget']:5.1f} % of the 70 % budget ({row['bar_budget_us']:.1f} us) "
+              f"kernels {kernels}{'' if row.get('ok') else '  WRONG/FAILED ' + row.get('error', '')}", flush=True)
+        with open(self.path, "w") as f:
+            json.dump(self.rows, f, indent=1)
+
+
+def floor_rows(T: int, forms: tuple[Form, ...], experts: PreparedExperts, record: Recorder) -> None:
+    """Each form at batch T over moe_cases' L2-fair routing sets (a different set each call); a row's `ok`:
+    its fold of the first set equals the torch oracle's."""
+    sets = [ids.cuda() for ids in moe_cases.routings(T)]
+    nbytes = sum(moe_cases.expert_bytes(ids) for ids in sets) / len(sets)
+    inner = len(sets) * max(1, 16 // len(sets))  # whole turns through the sets per replay, as moe_rows
+    want = expected_fold(sets[0], experts)
+    for form in forms:
+        calls = [form_call(form, ids, experts) for ids in sets]
+        row = {"form": form.name, "T": T, "bytes": nbytes, "sets": len(sets)}
+        try:
+            ok = fold(calls[0]()) == want
+            ms, how = harness.time_ms(moe_cases._cycling(calls), inner=inner)
+            row.update(us=ms * 1e3, method=how, ok=ok,
+                       kernels_ms=harness.kernel_ms(moe_cases._cycling(calls), calls=inner))
+        except Exception as e:  # noqa: BLE001 - a form that does not build must not hide the others
+            row.update(us=float("nan"), error=repr(e)[-300:])
+        record(row)
+
+
+def product_rows(batches: tuple[int, ...], record: Recorder) -> None:
+    """The product's default call (decode + MMAs) timed alike in the same run: the floors' reference."""
+    def on_row(r) -> None:
+        record({"form": "product default (decode + MMA)", "T": int(r.shape.split(",")[0][2:]), "bytes": r.bytes,
+                "us": r.ms * 1e3, "method": r.note, "ok": r.ms == r.ms, "kernels_ms": r.extra.get("kernels_ms", {}),
+                "rel_err": r.extra.get("rel_err_vs_reference")})
+    moe_cases.moe_rows(batches, tiles=moe_cases.VARIANTS, peer=False, on_row=on_row)
 
 
 def dry_run(forms: tuple[Form, ...]) -> None:
@@ -211,6 +232,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--forms", help="substrings of the form names to run, comma-separated (default: all)")
     parser.add_argument("--out", default="bench/results/moe_stream_floor_s11.json")
+    parser.add_argument("--product", default="", help="batches to time the product's default call at too")
     parser.add_argument("--cpu", action="store_true", help="dry run on tiny experts (TRITON_INTERPRET=1)")
     args = parser.parse_args()
     forms = tuple(f for f in FORMS if not args.forms or any(s in f.name for s in args.forms.split(",")))
@@ -219,9 +241,16 @@ def main() -> None:
         return
     copy_bps = harness.copy_bandwidth()
     print(f"copy {copy_bps / 1e12:.3f} TB/s; {torch.cuda.get_device_name()}", flush=True)
-    result = rows(tuple(int(t) for t in args.batches.split(",")), forms, copy_bps)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    record = Recorder(copy_bps, args.out)
+    experts = prepare_experts(*moe_cases._experts())
+    product = tuple(int(t) for t in args.product.split(",") if t)
+    batches = [int(t) for t in args.batches.split(",")]
+    for T in batches:
+        floor_rows(T, forms, experts, record)
+        if product and T == max(product):  # after the floors it is compared with, before larger T
+            product_rows(product, record)
+    if product and max(product) not in batches:
+        product_rows(product, record)
 
 
 if __name__ == "__main__":
