@@ -119,3 +119,69 @@ def decode_multipliers(scales: torch.Tensor, shift: int) -> torch.Tensor:
     if not 0 <= 126 - shift <= 126:
         raise ValueError(f"shift must be in [0, 126], got {shift}")
     return (scales.to(torch.int32).clamp(max=129 + shift) + (126 - shift)).to(torch.uint8)
+
+
+# --- e4m3 layout (kernels.moe.decode_fp8_gluon): a word of 8 codes -> 2 registers of 4 e4m3 bytes -------------
+# An e2m1 code s|e1 e0|m0 with s at bit 7 and e1 e0 m0 at bits 4..2 of a byte reads as an e4m3 number equal to
+# the code's value x 2^-6 exactly (e = 0, m = 1: the e4m3 subnormal 2^-7). Register j holds codes 4 j .. 4 j + 3,
+# code 4 j + i in byte i; register j = (rot(w, a) [^ rot(w, b)]) & E4M3_MASK for E4M3_ROTATIONS[j] = (a[, b]):
+# 4 integer operations a word (found by search; no two single rotations tile the byte pattern {7, 4, 3, 2}).
+E4M3_BITS = (7, 4, 3, 2)  # sign, e1, e0, m0 of a code inside its byte
+E4M3_MASK = sum(1 << (8 * i + b) for i in range(4) for b in E4M3_BITS)
+E4M3_ROTATIONS: tuple[tuple[int, ...], ...] = ((0,), (2, 4))
+E4M3_EXPONENT = -6  # a decoded byte is the code's value x 2^E4M3_EXPONENT
+
+
+def _e4m3_rows() -> list[int]:
+    """As `_rows` for the e4m3 layout: output bit k = 16 j + 4 i + f is field f (sign, e1, e0, m0) of code
+    4 j + i."""
+    rows = []
+    for rots in E4M3_ROTATIONS:
+        for i in range(4):
+            for b in E4M3_BITS:
+                row = 0
+                for r in rots:
+                    row ^= 1 << ((8 * i + b + r) % 32)
+                rows.append(row)
+    return rows
+
+
+@functools.cache
+def _e4m3_inverse_rows() -> tuple[int, ...]:
+    return tuple(_invert(_e4m3_rows()))
+
+
+def device_words_e4m3(packed: torch.Tensor) -> torch.Tensor:
+    """Canonical packed uint8 [..., K // 2] -> int32 [..., K // 8] words of the e4m3 layout."""
+    if packed.dtype != torch.uint8 or packed.shape[-1] % 4:
+        raise ValueError(f"packed MXFP4 must be uint8 with a last dim divisible by 4, got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
+    b = packed.to(torch.int64).unflatten(-1, (-1, 4))
+    codes = torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)  # [..., words, 8], element order
+    fields = torch.zeros(codes.shape[:-1], dtype=torch.int64, device=codes.device)
+    for c in range(8):
+        for f in range(4):
+            fields |= ((codes[..., c] >> (3 - f)) & 1) << (4 * c + f)
+    return _as_int32(_apply(_e4m3_inverse_rows(), fields))
+
+
+def decode_e4m3(words: torch.Tensor) -> torch.Tensor:
+    """What a GPU computes from e4m3-layout words: int32 [..., W] -> uint8 e4m3 bytes [..., 8 W] in element
+    order (code c of word w at 8 w + c; view as torch.float8_e4m3fn for the values x 2^-6)."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    regs = []
+    for rots in E4M3_ROTATIONS:
+        reg = torch.zeros_like(w)
+        for r in rots:
+            reg ^= ((w >> r) | (w << (32 - r))) & 0xFFFFFFFF
+        regs.append(reg & E4M3_MASK)
+    return torch.stack([(reg >> (8 * i)) & 0xFF for reg in regs for i in range(4)], dim=-1).flatten(-2).to(torch.uint8)
+
+
+def e4m3_multipliers(scales: torch.Tensor) -> torch.Tensor:
+    """e8m0 scales uint8 -> uint8 float32 exponent fields of 2^(s - 127 - E4M3_EXPONENT), capped at 255 (+inf;
+    the 0xFF NaN scale included, so such a block makes the output non-finite as the reference's NaN does): a
+    decoder's multiplier is the field << 23 as float32 bits, one integer operation."""
+    if scales.dtype != torch.uint8:
+        raise TypeError(f"MXFP4 scales must be uint8 (e8m0), got {scales.dtype}")
+    return (scales.to(torch.int32) - E4M3_EXPONENT).clamp(max=255).to(torch.uint8)

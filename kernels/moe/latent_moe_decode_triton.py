@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from kernels._triton import next_pow2, require, sm_count, tl, triton
-from kernels.moe import decode_fused_gluon, decode_gluon, decode_wgmma_gluon
+from kernels.moe import decode_fp8_gluon, decode_fused_gluon, decode_gluon, decode_wgmma_gluon
 from kernels.moe.mxfp4_tile_triton import prepare
 from kernels.moe.tiles import Tile, default_tiles
 
@@ -175,10 +175,12 @@ class PreparedExperts(NamedTuple):
 
 
 def prepare_experts(gate_up_packed: torch.Tensor, gate_up_scales: torch.Tensor, down_packed: torch.Tensor,
-                    down_scales: torch.Tensor) -> PreparedExperts:
-    """Canonical packs -> PreparedExperts, once per weight load (the same number of bytes)."""
+                    down_scales: torch.Tensor, gate_up_fp8: bool = False) -> PreparedExperts:
+    """Canonical packs -> PreparedExperts, once per weight load (the same number of bytes). `gate_up_fp8`: W_gate;W_up
+    in decode_fp8_gluon's e4m3 layout instead (only `latent_moe_decode_prepared(..., gluon_fp8=True)` reads it)."""
     require(gate_up_packed.dtype == torch.uint8 and down_packed.dtype == torch.uint8, "packed weights are uint8")
-    return PreparedExperts(*prepare(gate_up_packed, gate_up_scales), *prepare(down_packed, down_scales))
+    gate_up = (decode_fp8_gluon.prepare_gate_up if gate_up_fp8 else prepare)(gate_up_packed, gate_up_scales)
+    return PreparedExperts(*gate_up, *prepare(down_packed, down_scales))
 
 
 def _parts(dtype: torch.dtype) -> int:
@@ -218,7 +220,7 @@ def latent_moe_decode_prepared(
     beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None, down_tile: Tile | None = None,
     token_block: int = 16, h_parts: int | None = None, gluon_stages: int | None = None,
     gluon_down_stages: int | None = None, gluon_wgmma: bool | None = None, gluon_down_wgmma: bool = False,
-    gluon_fused: bool | None = None,
+    gluon_fused: bool | None = None, gluon_fp8: bool = False,
 ) -> torch.Tensor:
     """latent_moe_decode on `prepare_experts`' layout. Tuning: `gate_up_tile` and `down_tile`
     (kernels.moe.tiles.Tile; default: `default_tiles` by T k and the SM count), `token_block` tokens of one
@@ -234,7 +236,8 @@ def latent_moe_decode_prepared(
     is given) where `gluon_down_wgmma` (off: no gain at T = 16 in session 8's final run, history 35).
     `gluon_fused`: the mma.sync gate/up and the down in one launch (kernels.moe.decode_fused_gluon, at
     FUSED_TILES unless both tiles are given, FUSED_STAGES unless stages are) where it serves the call
-    (default: `fused_by_default`).
+    (default: `fused_by_default`). `gluon_fp8` (opt-in; `experts` from prepare_experts(..., gate_up_fp8=True)):
+    gate/up on FP8 warpgroup MMAs (kernels.moe.decode_fp8_gluon; CUDA, bf16, T <= 16), down as without it.
     """
     T, L = x.shape
     gu_words, gu_mults, d_words, d_mults = experts
@@ -254,12 +257,14 @@ def latent_moe_decode_prepared(
     hp = h_parts or _parts(x.dtype)
     require(1 <= hp <= 3, f"h_parts must be 1, 2 or 3, got {h_parts}")
     sms = sm_count(x.device, cpu=132)
+    require(not gluon_fp8 or decode_fp8_gluon.serves(x, F), "gluon_fp8 serves CUDA bf16 calls of <= 16 tokens, l a "
+            "power of two >= 256 and F % 64 == 0")
     if gluon_fused is None:
         gluon_fused = (gate_up_tile is None and down_tile is None and gluon_wgmma is not True and not gluon_down_wgmma
                        and fused_by_default(T * K, sms))
     fused_tiles = (gate_up_tile, down_tile) if gate_up_tile and down_tile else FUSED_TILES
     fused_stages = [f if s is None else s for f, s in zip(FUSED_STAGES, (gluon_stages, gluon_down_stages), strict=True)]
-    fused = (gluon_fused and min(fused_stages) >= 2 and token_block == 16
+    fused = (gluon_fused and not gluon_fp8 and min(fused_stages) >= 2 and token_block == 16
              and decode_fused_gluon.serves(x, F, hp, *fused_tiles))
     if fused:
         (gate_up_tile, down_tile), (stages, down_stages) = fused_tiles, fused_stages
@@ -292,7 +297,9 @@ def latent_moe_decode_prepared(
         decode_fused_gluon.gate_up_down(x, ids, weights, (gu_words, gu_mults, d_words, d_mults), h, partial, beta1,
                                         beta2, gu_tile, d_tile, stages, down_stages)
     else:
-        if gluon_gate_up and wgmma:
+        if gluon_fp8:
+            decode_fp8_gluon.gate_up(x, ids, gu_words, gu_mults, h, beta1, beta2, stages)
+        elif gluon_gate_up and wgmma:
             decode_wgmma_gluon.gate_up(x, ids, gu_words, gu_mults, h, beta1, beta2, stages)
         elif gluon_gate_up:
             decode_gluon.gate_up(x, ids, gu_words, gu_mults, h, beta1, beta2, gu_tile, stages)

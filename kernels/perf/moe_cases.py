@@ -35,6 +35,7 @@ class Variant(NamedTuple):
     gluon_down_stages: int | None = None  # the same for the down step
     gluon_wgmma: bool | None = None  # gate/up on warpgroup MMAs (None: the launcher's choice by T k)
     gluon_down_wgmma: bool = False  # down on warpgroup MMAs
+    gluon_fp8: bool = False  # gate/up on FP8 warpgroup MMAs (decode_fp8_gluon; experts prepared with gate_up_fp8)
 
     def label(self) -> str:
         gate_up, down = (t.label() if t else "default" for t in (self.gate_up, self.down))
@@ -42,13 +43,14 @@ class Variant(NamedTuple):
                               for s in (self.gluon_stages, self.gluon_down_stages))
         wgmma = {None: "", True: ",wgmma", False: ",mma"}[self.gluon_wgmma]
         down_wgmma = ",wgmma" if self.gluon_down_wgmma else ""
-        return f"ours(gu={gate_up}{gu_form}{wgmma},down={down}{down_form}{down_wgmma})"
+        fp8 = ",fp8" if self.gluon_fp8 else ""
+        return f"ours(gu={gate_up}{gu_form}{wgmma}{fp8},down={down}{down_form}{down_wgmma})"
 
     def tuning(self) -> dict:
         """The launcher's keyword arguments for this variant."""
         return {"gate_up_tile": self.gate_up, "down_tile": self.down, "gluon_stages": self.gluon_stages,
                 "gluon_down_stages": self.gluon_down_stages, "gluon_wgmma": self.gluon_wgmma,
-                "gluon_down_wgmma": self.gluon_down_wgmma}
+                "gluon_down_wgmma": self.gluon_down_wgmma, "gluon_fp8": self.gluon_fp8}
 
     def runs_at(self, T: int) -> bool:
         return not self.batches or T in self.batches
@@ -165,6 +167,9 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
     tiles = tiles or variants()
     packs = _experts()
     experts = latent_moe_decode_triton.prepare_experts(*packs)  # once, as at weight load
+    # fp8 variants read W_gate;W_up in the e4m3 layout (a product stores one of the two; the bench both)
+    fp8_experts = (latent_moe_decode_triton.prepare_experts(*packs, gate_up_fp8=True)
+                   if any(v.tuning().get("gluon_fp8") for v in tiles) else None)
     if len(tiles) > 1:
         try:
             precompile(batches, tiles, experts)
@@ -179,7 +184,8 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
         ref = naive.latent_moe_decode(xs[0].float(), sets[0], ws[0], *packs)  # float32 h and output: the oracle
         shape = f"T={T},E={E},k={TOP_K},l={L},F={F},mxfp4,sets={len(sets)}"
         for v in (v for v in tiles if v.runs_at(T)):
-            calls = [partial(latent_moe_decode_triton.latent_moe_decode_prepared, x, ids, w, experts, **v.tuning())
+            chosen = fp8_experts if v.tuning().get("gluon_fp8") else experts
+            calls = [partial(latent_moe_decode_triton.latent_moe_decode_prepared, x, ids, w, chosen, **v.tuning())
                      for x, ids, w in zip(xs, sets, ws, strict=True)]
             try:
                 err = rel_err(calls[0](), ref)
