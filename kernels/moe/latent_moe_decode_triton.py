@@ -166,21 +166,30 @@ def fused_by_default(pairs: int, sms: int) -> bool:
 class PreparedExperts(NamedTuple):
     """MXFP4 experts in the decoder's layout (kernels.moe.mxfp4_tile_triton.prepare): int32 words and uint8
     multiplier fields of W_gate;W_up [E, 2F, l / 8], [E, 2F, l / 32] and of W_down [E, l, F / 8], [E, l, F / 32]
-    (logical shapes), stored in 32-row blocks."""
+    (logical shapes), stored in 32-row blocks. `gate_up_fp8`: W_gate;W_up's words and fields are in
+    decode_fp8_gluon's e4m3 layout instead (same shapes and dtypes, other bits): recorded here because nothing in
+    the tensors tells the two apart, and a kernel reading one as the other computes garbage."""
 
     gate_up_words: torch.Tensor
     gate_up_mults: torch.Tensor
     down_words: torch.Tensor
     down_mults: torch.Tensor
+    gate_up_fp8: bool = False
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The four prepared tensors (gate/up words, multipliers, down words, multipliers)."""
+        return self.gate_up_words, self.gate_up_mults, self.down_words, self.down_mults
 
 
 def prepare_experts(gate_up_packed: torch.Tensor, gate_up_scales: torch.Tensor, down_packed: torch.Tensor,
                     down_scales: torch.Tensor, gate_up_fp8: bool = False) -> PreparedExperts:
     """Canonical packs -> PreparedExperts, once per weight load (the same number of bytes). `gate_up_fp8`: W_gate;W_up
-    in decode_fp8_gluon's e4m3 layout instead (only `latent_moe_decode_prepared(..., gluon_fp8=True)` reads it)."""
+    in decode_fp8_gluon's e4m3 layout instead, a load-time choice: such experts serve only the calls the FP8 gate/up
+    serves (`decode_fp8_gluon.serves`: CUDA, bf16 x, at most 16 tokens); faster at T = 2 and 16, alike at T = 1
+    and 4 (docs/kernels.md history 47, 49)."""
     require(gate_up_packed.dtype == torch.uint8 and down_packed.dtype == torch.uint8, "packed weights are uint8")
     gate_up = (decode_fp8_gluon.prepare_gate_up if gate_up_fp8 else prepare)(gate_up_packed, gate_up_scales)
-    return PreparedExperts(*gate_up, *prepare(down_packed, down_scales))
+    return PreparedExperts(*gate_up, *prepare(down_packed, down_scales), gate_up_fp8=gate_up_fp8)
 
 
 def _parts(dtype: torch.dtype) -> int:
@@ -220,7 +229,7 @@ def latent_moe_decode_prepared(
     beta1: float = 4.0, beta2: float = 25.0, gate_up_tile: Tile | None = None, down_tile: Tile | None = None,
     token_block: int = 16, h_parts: int | None = None, gluon_stages: int | None = None,
     gluon_down_stages: int | None = None, gluon_wgmma: bool | None = None, gluon_down_wgmma: bool = False,
-    gluon_fused: bool | None = None, gluon_fp8: bool = False,
+    gluon_fused: bool | None = None,
 ) -> torch.Tensor:
     """latent_moe_decode on `prepare_experts`' layout. Tuning: `gate_up_tile` and `down_tile`
     (kernels.moe.tiles.Tile; default: `default_tiles` by T k and the SM count), `token_block` tokens of one
@@ -236,11 +245,12 @@ def latent_moe_decode_prepared(
     is given) where `gluon_down_wgmma` (off: no gain at T = 16 in session 8's final run, history 35).
     `gluon_fused`: the mma.sync gate/up and the down in one launch (kernels.moe.decode_fused_gluon, at
     FUSED_TILES unless both tiles are given, FUSED_STAGES unless stages are) where it serves the call
-    (default: `fused_by_default`). `gluon_fp8` (opt-in; `experts` from prepare_experts(..., gate_up_fp8=True)):
-    gate/up on FP8 warpgroup MMAs (kernels.moe.decode_fp8_gluon; CUDA, bf16, T <= 16), down as without it.
+    (default: `fused_by_default`). Experts prepared with `gate_up_fp8` take gate/up on FP8 warpgroup MMAs
+    (kernels.moe.decode_fp8_gluon; CUDA, bf16, T <= 16; other calls are refused) and down as without it.
     """
     T, L = x.shape
-    gu_words, gu_mults, d_words, d_mults = experts
+    gu_words, gu_mults, d_words, d_mults = experts.tensors()
+    fp8_gate_up = experts.gate_up_fp8
     E, two_f, l_words = gu_words.shape
     F = two_f // 2
     K = expert_ids.shape[1]
@@ -257,14 +267,14 @@ def latent_moe_decode_prepared(
     hp = h_parts or _parts(x.dtype)
     require(1 <= hp <= 3, f"h_parts must be 1, 2 or 3, got {h_parts}")
     sms = sm_count(x.device, cpu=132)
-    require(not gluon_fp8 or decode_fp8_gluon.serves(x, F), "gluon_fp8 serves CUDA bf16 calls of <= 16 tokens, l a "
-            "power of two >= 256 and F % 64 == 0")
+    require(not fp8_gate_up or decode_fp8_gluon.serves(x, F), "experts prepared with gate_up_fp8 serve CUDA bf16 calls of "
+            "<= 16 tokens, l a power of two >= 256 and F % 64 == 0 (prepare them without gate_up_fp8 for others)")
     if gluon_fused is None:
         gluon_fused = (gate_up_tile is None and down_tile is None and gluon_wgmma is not True and not gluon_down_wgmma
                        and fused_by_default(T * K, sms))
     fused_tiles = (gate_up_tile, down_tile) if gate_up_tile and down_tile else FUSED_TILES
     fused_stages = [f if s is None else s for f, s in zip(FUSED_STAGES, (gluon_stages, gluon_down_stages), strict=True)]
-    fused = (gluon_fused and not gluon_fp8 and min(fused_stages) >= 2 and token_block == 16
+    fused = (gluon_fused and not fp8_gate_up and min(fused_stages) >= 2 and token_block == 16
              and decode_fused_gluon.serves(x, F, hp, *fused_tiles))
     if fused:
         (gate_up_tile, down_tile), (stages, down_stages) = fused_tiles, fused_stages
@@ -292,12 +302,12 @@ def latent_moe_decode_prepared(
     h = torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device)
     partial = torch.empty(d_tile.splits, T * K, L, dtype=torch.float32, device=x.device)
     weights = expert_weights.contiguous()
-    gu_words, gu_mults, d_words, d_mults = (t.contiguous() for t in experts)
+    gu_words, gu_mults, d_words, d_mults = (t.contiguous() for t in experts.tensors())
     if fused:  # gate/up and down in one launch
         decode_fused_gluon.gate_up_down(x, ids, weights, (gu_words, gu_mults, d_words, d_mults), h, partial, beta1,
                                         beta2, gu_tile, d_tile, stages, down_stages)
     else:
-        if gluon_fp8:
+        if fp8_gate_up:
             decode_fp8_gluon.gate_up(x, ids, gu_words, gu_mults, h, beta1, beta2, stages)
         elif gluon_gate_up and wgmma:
             decode_wgmma_gluon.gate_up(x, ids, gu_words, gu_mults, h, beta1, beta2, stages)

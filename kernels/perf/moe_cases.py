@@ -35,7 +35,7 @@ class Variant(NamedTuple):
     gluon_down_stages: int | None = None  # the same for the down step
     gluon_wgmma: bool | None = None  # gate/up on warpgroup MMAs (None: the launcher's choice by T k)
     gluon_down_wgmma: bool = False  # down on warpgroup MMAs
-    gluon_fp8: bool = False  # gate/up on FP8 warpgroup MMAs (decode_fp8_gluon; experts prepared with gate_up_fp8)
+    gluon_fp8: bool = False  # experts prepared with gate_up_fp8: gate/up on FP8 warpgroup MMAs (decode_fp8_gluon)
 
     def label(self) -> str:
         gate_up, down = (t.label() if t else "default" for t in (self.gate_up, self.down))
@@ -50,7 +50,7 @@ class Variant(NamedTuple):
         """The launcher's keyword arguments for this variant."""
         return {"gate_up_tile": self.gate_up, "down_tile": self.down, "gluon_stages": self.gluon_stages,
                 "gluon_down_stages": self.gluon_down_stages, "gluon_wgmma": self.gluon_wgmma,
-                "gluon_down_wgmma": self.gluon_down_wgmma, "gluon_fp8": self.gluon_fp8}
+                "gluon_down_wgmma": self.gluon_down_wgmma}
 
     def runs_at(self, T: int) -> bool:
         return not self.batches or T in self.batches
@@ -169,7 +169,7 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
     experts = latent_moe_decode_triton.prepare_experts(*packs)  # once, as at weight load
     # fp8 variants read W_gate;W_up in the e4m3 layout (a product stores one of the two; the bench both)
     fp8_experts = (latent_moe_decode_triton.prepare_experts(*packs, gate_up_fp8=True)
-                   if any(v.tuning().get("gluon_fp8") for v in tiles) else None)
+                   if any(v.gluon_fp8 for v in tiles) else None)
     if len(tiles) > 1:
         try:
             precompile(batches, tiles, experts)
@@ -184,7 +184,7 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
         ref = naive.latent_moe_decode(xs[0].float(), sets[0], ws[0], *packs)  # float32 h and output: the oracle
         shape = f"T={T},E={E},k={TOP_K},l={L},F={F},mxfp4,sets={len(sets)}"
         for v in (v for v in tiles if v.runs_at(T)):
-            chosen = fp8_experts if v.tuning().get("gluon_fp8") else experts
+            chosen = fp8_experts if v.gluon_fp8 else experts
             calls = [partial(latent_moe_decode_triton.latent_moe_decode_prepared, x, ids, w, chosen, **v.tuning())
                      for x, ids, w in zip(xs, sets, ws, strict=True)]
             try:
@@ -209,12 +209,14 @@ def launch_once(batches: tuple[int, ...], tiles: tuple[Variant, ...]) -> None:
     """Each variant called once per batch on the first L2-fair routing set, untimed: the launches a profiler
     records (`ncu --kernel-name regex:"gate_up|down_kernel" ... python -m kernels.perf.moe_cases --once`;
     Triton compiles before the launch, so the profiled launch is the kernel alone)."""
-    experts = latent_moe_decode_triton.prepare_experts(*_experts())
+    packs = _experts()
+    experts = {fp8: latent_moe_decode_triton.prepare_experts(*packs, gate_up_fp8=fp8)
+               for fp8 in {v.gluon_fp8 for v in tiles}}
     for T in batches:
         ids = routings(T)[0].cuda()
         x, w = torch.randn(T, L, device="cuda", dtype=torch.bfloat16), torch.rand(T, TOP_K, device="cuda")
         for v in (v for v in tiles if v.runs_at(T)):
-            latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, **v.tuning())
+            latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts[v.gluon_fp8], **v.tuning())
     torch.cuda.synchronize()
 
 

@@ -223,7 +223,7 @@ def latent_moe_gluon(tokens: int, experts: int = E, latent: int = LATENT, width:
             empty(experts, latent, width // 32, dtype=u8), empty(1, pairs, latent, dtype=F32))
     decode_gluon.gate_up(x, ids, *gate_up, h, 4.0, 25.0, default_tiles(pairs, compile_check.H200_SMS)[0], stages)
     decode_wgmma_gluon.gate_up(x, ids, *gate_up, h, 4.0, 25.0, stages)
-    decode_fp8_gluon.gate_up(x, ids, *gate_up, h, 4.0, 25.0, stages)  # opt-in (gluon_fp8): N = 8 at T = 1, 16 at 16
+    decode_fp8_gluon.gate_up(x, ids, *gate_up, h, 4.0, 25.0, stages)  # experts prepared with gate_up_fp8: N = 8 at T = 1, 16 at 16
     decode_wgmma_gluon.down(h, ids, *down, decode_wgmma_gluon.DOWN_TILE, stages)
     decode_gluon.down(h, ids, *down, latent_moe_decode_triton.GLUON_DOWN_TILE, stages)
     decode_fused_gluon.gate_up_down(x, ids, down[0], (*gate_up, *down[1:3]), h, down[3], 4.0, 25.0,

@@ -139,13 +139,17 @@ def test_split_activations_keep_the_call_within_the_bench_bar():
     assert err < 1e-4, err
 
 
-def test_cpu_calls_refuse_gluon_fp8():
-    """gluon_fp8 names a GPU kernel: a CPU call says so instead of reading the e4m3 layout as the bf16 one."""
+def test_fp8_prepared_experts_record_their_layout_and_refuse_calls_they_cannot_serve():
+    """The e4m3 layout has the bf16 layout's shapes and dtypes: the prepared experts say which they hold, and a
+    call the FP8 gate/up does not serve (a CPU call here) is refused instead of reading one layout as the other."""
     packs = (*quantize(torch.randn(2, 128, 256)), *quantize(torch.randn(2, 256, 64)))
-    experts = latent_moe_decode_triton.prepare_experts(*packs, gate_up_fp8=True)
+    plain, fp8 = (latent_moe_decode_triton.prepare_experts(*packs, gate_up_fp8=f) for f in (False, True))
+    assert not plain.gate_up_fp8 and fp8.gate_up_fp8
+    assert plain.gate_up_words.shape == fp8.gate_up_words.shape and not torch.equal(plain.gate_up_words,
+                                                                                   fp8.gate_up_words)
     x, ids = torch.zeros(1, 256, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.int32)
-    with pytest.raises(ValueError, match="gluon_fp8"):
-        latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, torch.ones(1, 2), experts, gluon_fp8=True)
+    with pytest.raises(ValueError, match="gate_up_fp8"):
+        latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, torch.ones(1, 2), fp8)
 
 
 def _gpu() -> None:
@@ -211,8 +215,7 @@ def test_fp8_gate_up_matches_the_oracle_on_gpu(tokens, stages):
     _gpu()
     packs, x, ids, w = _problem(tokens)
     experts = latent_moe_decode_triton.prepare_experts(*packs, gate_up_fp8=True)
-    got = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, gluon_fp8=True,
-                                                              gluon_stages=stages).float()
+    got = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, gluon_stages=stages).float()
     ref = naive.latent_moe_decode(x.float(), ids, w, *packs)
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < MAX_REL_ERR, err
