@@ -72,14 +72,16 @@ def split_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 if triton is not None:
     _MAX_BIT = tl.constexpr(E4M3_MAX_BIT)
 
-    @triton.jit
-    def _round_to_e4m3(y):
+    def _e4m3_grid(y):
         """y (|y| < 448) rounded to nearest-even on e4m3's grid, in float32 (2^(e - 3) from 2^-6 up, 2^-9 below): the
         residual is taken from it, not from the fp8 value read back (that form, in Triton 3.6 on the H200, gave
-        wrong residuals for ~12 % of the elements, session 11; not traced further)."""
+        wrong residuals for ~12 % of the elements, session 11; not traced further). Jitted for Triton and for
+        Gluon (the interpreter cannot call a Triton function from a Gluon one)."""
         e = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)  # biased exponent, from 2^-6
         magic = (((e + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2^(e - 127 + 20)
         return (y + magic) - magic
+
+    _round_to_e4m3 = triton.jit(_e4m3_grid)
 
     @triton.jit
     def _split_kernel(x, xq, xs, L: tl.constexpr):
@@ -146,6 +148,7 @@ if gluon is not None:
     )
 
     _ROWS, _SLOTS = gl.constexpr(ROWS), gl.constexpr(SLOTS)
+    _round_to_e4m3_gl = gluon.jit(_e4m3_grid)
     _DECODE = gl.constexpr(_decode_asm())
 
     @gluon.constexpr_function
@@ -220,18 +223,20 @@ if gluon is not None:
                 gl.convert_layout(m2, rows, assert_trivial=True), gl.convert_layout(m3, rows, assert_trivial=True))
 
     @gluon.jit
-    def _group_mma(a, x_s, G: gl.constexpr, N: gl.constexpr):
-        """Group G's hi and lo MMAs into a fresh float32 tmp (async)."""
+    def _group_mma(a, x_s, lo_s, G: gl.constexpr, N: gl.constexpr):
+        """Group G's hi and lo MMAs into a fresh float32 tmp (async); lo_s: the stage `x_s` (e4m3 lo) or its
+        view with another element type."""
         hi = x_s.slice(N * G, N).permute([1, 0])
-        lo = x_s.slice(N * (4 + G), N).permute([1, 0])
+        lo = lo_s.slice(N * (4 + G), N).permute([1, 0])
         tmp = warpgroup_mma(a, hi, gl.zeros([_ROWS, N], gl.float32, _mma(N)), use_acc=False, is_async=True)
         return warpgroup_mma(a, lo, tmp, is_async=True)
 
     @gluon.jit
-    def _issue(w_s, x_s, buf, N: gl.constexpr):
+    def _issue(w_s, x_s, lo_s, buf, N: gl.constexpr):
         """A 64-row matrix's step: decode, and its 4 groups' MMAs issued (async)."""
         a0, a1, a2, a3 = _weights(w_s, buf, N)
-        return _group_mma(a0, x_s, 0, N), _group_mma(a1, x_s, 1, N), _group_mma(a2, x_s, 2, N), _group_mma(a3, x_s, 3, N)
+        return (_group_mma(a0, x_s, lo_s, 0, N), _group_mma(a1, x_s, lo_s, 1, N), _group_mma(a2, x_s, lo_s, 2, N),
+                _group_mma(a3, x_s, lo_s, 3, N))
 
     @gluon.jit
     def _scaled(acc, f_s, buf, t0, t1, t2, t3, N: gl.constexpr):
@@ -239,11 +244,26 @@ if gluon is not None:
         m0, m1, m2, m3 = _multipliers(f_s, buf, N)
         return acc + t0 * m0[:, None] + t1 * m1[:, None] + t2 * m2[:, None] + t3 * m3[:, None]
 
+    @gluon.jit
+    def _store_fp8_parts(h, y, pair, ok, rows, F):
+        """y [64 rows of h, N slots] (|y| <= 448) -> hi = e4m3(y) and lo = e5m2(y - hi) (e5m2: 16 binades
+        below e4m3's, so small y keep their bits) at h [T k, 2, F] bytes, rows `pair`, columns `rows` at their
+        positions in the MMA's K order (the inverse of `mma_k_columns`)."""
+        c = rows % 32
+        k = rows - c + 16 * ((c % 8) // 4) + 4 * (c // 8) + c % 4
+        hi = _round_to_e4m3_gl(y)
+        at = h + pair[None, :] * (2 * F) + k[:, None]
+        gl.store(at.to(gl.pointer_type(gl.float8e4nv)), hi.to(gl.float8e4nv), mask=ok[None, :])  # exact
+        gl.store((at + F).to(gl.pointer_type(gl.float8e5)), (y - hi).to(gl.float8e5), mask=ok[None, :])
+
     @gluon.jit(do_not_specialize=["T"])
     def gate_up_kernel(xq, xs, ids, wgu, mgu, h, T, K, F, beta1, beta2, L: gl.constexpr, TP: gl.constexpr,
-                       BK: gl.constexpr, HP: gl.constexpr, STAGES: gl.constexpr, N: gl.constexpr):
+                       BK: gl.constexpr, HP: gl.constexpr, STAGES: gl.constexpr, N: gl.constexpr,
+                       HS: gl.constexpr = 0.0):
         """Grid (T k, F / 64), 4 warps: as decode_wgmma_gluon.gate_up_kernel from `split_activations`' xq / xs
-        and `prepare_gate_up`'s words / fields, for experts of at most N tokens (T <= N)."""
+        and `prepare_gate_up`'s words / fields, for experts of at most N tokens (T <= N). HS = 0: h in HP bf16
+        parts [HP, T k, F]; else h / s as hi + lo bytes [T k, 2, F] (e4m3, e5m2) in the MMA's K order, HS =
+        1 / s (a power of two; decode_fp8_down_gluon's input)."""
         WORDS: gl.constexpr = L // 8
         STEPS: gl.constexpr = L // 128
         e, leader, first, _match, _index = expert_tokens(ids, gl.program_id(0), T, K, TP, BK, 4)
@@ -278,8 +298,8 @@ if gluon is not None:
                 async_copy.commit_group()
                 buf = i % STAGES
                 x_b = x_s.index(buf)
-                g0, g1, g2, g3 = _issue(gate_s, x_b, buf, N)
-                u0, u1, u2, u3 = _issue(up_s, x_b, buf, N)  # decoded while the gate MMAs run
+                g0, g1, g2, g3 = _issue(gate_s, x_b, x_b, buf, N)
+                u0, u1, u2, u3 = _issue(up_s, x_b, x_b, buf, N)  # decoded while the gate MMAs run
                 # (the 8-bit A operands cannot be deps; ptxas keeps their registers until the wait)
                 g0, g1, g2, g3, u0, u1, u2, u3 = warpgroup_mma_wait(0, deps=[g0, g1, g2, g3, u0, u1, u2, u3])
                 g = _scaled(g, gate_f, buf, g0, g1, g2, g3, N)
@@ -291,11 +311,14 @@ if gluon is not None:
             scale = gl.load(xs + pair // K, mask=ok, other=0.0)
             rest = situ_glu(g * scale[None, :], u * scale[None, :], beta1, beta2)
             rows = row0 + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, _mma(N)))
-            for p in gl.static_range(HP):
-                part = rest.to(gl.bfloat16)
-                gl.store(h + (p * T * K + pair[None, :]) * F + rows[:, None], part,
-                         mask=ok[None, :] & (rows < F)[:, None])
-                rest = rest - part.to(gl.float32)
+            if HS == 0.0:
+                for p in gl.static_range(HP):
+                    part = rest.to(gl.bfloat16)
+                    gl.store(h + (p * T * K + pair[None, :]) * F + rows[:, None], part,
+                             mask=ok[None, :] & (rows < F)[:, None])
+                    rest = rest - part.to(gl.float32)
+            else:
+                _store_fp8_parts(h, rest * HS, pair, ok, rows, F)
 
 
 def serves(x: torch.Tensor, F: int) -> bool:
@@ -307,14 +330,19 @@ def serves(x: torch.Tensor, F: int) -> bool:
 
 
 def gate_up(x: torch.Tensor, ids: torch.Tensor, words: torch.Tensor, mults: torch.Tensor, h: torch.Tensor,
-            beta1: float, beta2: float, stages: int) -> None:
+            beta1: float, beta2: float, stages: int, h_scale: float | None = None) -> None:
     """h [parts, T k, F] <- the SiTU-GLU of the routed experts' gate and up rows for x [T, l] (`serves` must
-    hold; words / mults from `prepare_gate_up`)."""
+    hold; words / mults from `prepare_gate_up`). `h_scale` (a power of two s with |h| / s <= 448, see
+    decode_fp8_down_gluon.h_scale): h instead uint8 [T k, 2, F], h / s = hi (e4m3) + lo (e5m2), columns in the
+    MMA's K order."""
     T, L = x.shape
     K = ids.shape[1]
     F = words.shape[1] // 2
     require(stages >= 2, f"the Gluon pipelines need >= 2 stages, got {stages}")
+    fp8_h = {} if h_scale is None else {"HS": 1.0 / h_scale}
+    require(h_scale is None or (h.shape == (T * K, 2, F) and h.dtype == torch.uint8),
+            f"an fp8 h must be uint8 [{T * K}, 2, {F}], got {tuple(h.shape)} {h.dtype}")
     xq, xs = split_activations(x)
     gate_up_kernel[(T * K, F // ROWS)](xq, xs, ids, words, mults, h, T, K, F, beta1, beta2, L=L, TP=SLOTS,
-                                       BK=next_pow2(K), HP=h.shape[0], STAGES=stages, N=8 if T <= 8 else 16,
-                                       num_warps=WARPS)
+                                       BK=next_pow2(K), HP=h.shape[0] if h_scale is None else 1, STAGES=stages,
+                                       N=8 if T <= 8 else 16, num_warps=WARPS, **fp8_h)

@@ -30,7 +30,13 @@ from typing import NamedTuple
 import torch
 
 from kernels._triton import next_pow2, require, sm_count, tl, triton
-from kernels.moe import decode_fp8_gluon, decode_fused_gluon, decode_gluon, decode_wgmma_gluon
+from kernels.moe import (
+    decode_fp8_down_gluon,
+    decode_fp8_gluon,
+    decode_fused_gluon,
+    decode_gluon,
+    decode_wgmma_gluon,
+)
 from kernels.moe.mxfp4_tile_triton import prepare
 from kernels.moe.tiles import Tile, default_tiles
 
@@ -168,13 +174,15 @@ class PreparedExperts(NamedTuple):
     multiplier fields of W_gate;W_up [E, 2F, l / 8], [E, 2F, l / 32] and of W_down [E, l, F / 8], [E, l, F / 32]
     (logical shapes), stored in 32-row blocks. `gate_up_fp8`: W_gate;W_up's words and fields are in
     decode_fp8_gluon's e4m3 layout instead (same shapes and dtypes, other bits): recorded here because nothing in
-    the tensors tells the two apart, and a kernel reading one as the other computes garbage."""
+    the tensors tells the two apart, and a kernel reading one as the other computes garbage. `down_fp8`: W_down's
+    too (with gate_up_fp8: the FP8 down reads the FP8 gate/up's e4m3 h, kernels.moe.decode_fp8_down_gluon)."""
 
     gate_up_words: torch.Tensor
     gate_up_mults: torch.Tensor
     down_words: torch.Tensor
     down_mults: torch.Tensor
     gate_up_fp8: bool = False
+    down_fp8: bool = False
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The four prepared tensors (gate/up words, multipliers, down words, multipliers)."""
@@ -182,14 +190,17 @@ class PreparedExperts(NamedTuple):
 
 
 def prepare_experts(gate_up_packed: torch.Tensor, gate_up_scales: torch.Tensor, down_packed: torch.Tensor,
-                    down_scales: torch.Tensor, gate_up_fp8: bool = False) -> PreparedExperts:
+                    down_scales: torch.Tensor, gate_up_fp8: bool = False, down_fp8: bool = False) -> PreparedExperts:
     """Canonical packs -> PreparedExperts, once per weight load (the same number of bytes). `gate_up_fp8`: W_gate;W_up
     in decode_fp8_gluon's e4m3 layout instead, a load-time choice: such experts serve only the calls the FP8 gate/up
     serves (`decode_fp8_gluon.serves`: CUDA, bf16 x, at most 16 tokens); faster at T = 2 and 16, alike at T = 1
-    and 4 (docs/kernels.md history 47, 49)."""
+    and 4 (docs/kernels.md history 47, 49). `down_fp8` (opt-in, with gate_up_fp8): W_down in that layout too, for the
+    FP8 down (docs/kernels.md history 50)."""
     require(gate_up_packed.dtype == torch.uint8 and down_packed.dtype == torch.uint8, "packed weights are uint8")
+    require(gate_up_fp8 or not down_fp8, "down_fp8 needs gate_up_fp8 (the FP8 down reads the FP8 gate/up's e4m3 h)")
     gate_up = (decode_fp8_gluon.prepare_gate_up if gate_up_fp8 else prepare)(gate_up_packed, gate_up_scales)
-    return PreparedExperts(*gate_up, *prepare(down_packed, down_scales), gate_up_fp8=gate_up_fp8)
+    down = (decode_fp8_gluon.prepare_gate_up if down_fp8 else prepare)(down_packed, down_scales)
+    return PreparedExperts(*gate_up, *down, gate_up_fp8=gate_up_fp8, down_fp8=down_fp8)
 
 
 def _parts(dtype: torch.dtype) -> int:
@@ -292,6 +303,12 @@ def latent_moe_decode_prepared(
     down_wgmma = gluon_down_wgmma and decode_wgmma_gluon.serves_down_tile(gluon_tile)
     gluon_down = bool(down_stages) and token_block == 16 and decode_gluon.serves_down(x, F, hp, gluon_tile)
     d_tile = gluon_tile if gluon_down else (down_tile or default_down)
+    fp8_down = experts.down_fp8  # the FP8 down: its own 128-row 4-warp programs; a down_tile gives its splits
+    if fp8_down:
+        d_tile = down_tile or Tile(splits=1)
+        require(fp8_gate_up and decode_fp8_down_gluon.serves(x, F, d_tile.splits), "experts prepared with down_fp8 "
+                f"need gate_up_fp8, l % 128 == 0 and F % {128 * d_tile.splits} == 0 in >= 2 steps of 128 a split")
+    h_scale = decode_fp8_down_gluon.h_scale(beta1, beta2) if fp8_down else None  # h as e4m3 hi + e5m2 lo bytes
     require(gu_tile.splits == 1, f"gate/up tiles cannot split the reduction (SiTU-GLU needs whole sums), got "
             f"splits={gu_tile.splits}")
     gu_groups, d_groups = gu_tile.groups(L), d_tile.groups(F)
@@ -299,7 +316,8 @@ def latent_moe_decode_prepared(
     # Token tiles of at least 16 rows: one build serves every decode batch up to 16.
     common = {"TP": max(16, next_pow2(T)), "BK": next_pow2(K), "BT": token_block, "HP": hp,
               "USE_ASM": x.is_cuda}
-    h = torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device)
+    h = (torch.empty(T * K, 2, F, dtype=torch.uint8, device=x.device) if fp8_down
+         else torch.empty(hp, T * K, F, dtype=torch.bfloat16, device=x.device))
     partial = torch.empty(d_tile.splits, T * K, L, dtype=torch.float32, device=x.device)
     weights = expert_weights.contiguous()
     gu_words, gu_mults, d_words, d_mults = (t.contiguous() for t in experts.tensors())
@@ -308,7 +326,7 @@ def latent_moe_decode_prepared(
                                         beta2, gu_tile, d_tile, stages, down_stages)
     else:
         if fp8_gate_up:
-            decode_fp8_gluon.gate_up(x, ids, gu_words, gu_mults, h, beta1, beta2, stages)
+            decode_fp8_gluon.gate_up(x, ids, gu_words, gu_mults, h, beta1, beta2, stages, h_scale)
         elif gluon_gate_up and wgmma:
             decode_wgmma_gluon.gate_up(x, ids, gu_words, gu_mults, h, beta1, beta2, stages)
         elif gluon_gate_up:
@@ -318,7 +336,9 @@ def latent_moe_decode_prepared(
                 x, ids, gu_words, gu_mults, h, T, K, F, beta1, beta2, L=L, X_PARTS=_parts(x.dtype), BR=gu_tile.rows,
                 G=gu_groups, STAGES=gu_tile.stages, **common, **gu_tile.launch_options(),
             )
-        if gluon_down and down_wgmma:
+        if fp8_down:
+            decode_fp8_down_gluon.down(h, ids, weights, d_words, d_mults, partial, h_scale, down_stages)
+        elif gluon_down and down_wgmma:
             decode_wgmma_gluon.down(h, ids, weights, d_words, d_mults, partial, d_tile, down_stages)
         elif gluon_down:
             decode_gluon.down(h, ids, weights, d_words, d_mults, partial, d_tile, down_stages)

@@ -36,6 +36,7 @@ class Variant(NamedTuple):
     gluon_wgmma: bool | None = None  # gate/up on warpgroup MMAs (None: the launcher's choice by T k)
     gluon_down_wgmma: bool = False  # down on warpgroup MMAs
     gluon_fp8: bool = False  # experts prepared with gate_up_fp8: gate/up on FP8 warpgroup MMAs (decode_fp8_gluon)
+    down_fp8: bool = False  # with gluon_fp8, down_fp8 too: down on FP8 warpgroup MMAs (decode_fp8_down_gluon)
 
     def label(self) -> str:
         gate_up, down = (t.label() if t else "default" for t in (self.gate_up, self.down))
@@ -43,8 +44,12 @@ class Variant(NamedTuple):
                               for s in (self.gluon_stages, self.gluon_down_stages))
         wgmma = {None: "", True: ",wgmma", False: ",mma"}[self.gluon_wgmma]
         down_wgmma = ",wgmma" if self.gluon_down_wgmma else ""
-        fp8 = ",fp8" if self.gluon_fp8 else ""
-        return f"ours(gu={gate_up}{gu_form}{wgmma}{fp8},down={down}{down_form}{down_wgmma})"
+        fp8, down_fp8 = (",fp8" if f else "" for f in self.layout())
+        return f"ours(gu={gate_up}{gu_form}{wgmma}{fp8},down={down}{down_form}{down_wgmma}{down_fp8})"
+
+    def layout(self) -> tuple[bool, bool]:
+        """prepare_experts' (gate_up_fp8, down_fp8) for this variant."""
+        return self.gluon_fp8, self.gluon_fp8 and self.down_fp8
 
     def tuning(self) -> dict:
         """The launcher's keyword arguments for this variant."""
@@ -167,9 +172,8 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
     tiles = tiles or variants()
     packs = _experts()
     experts = latent_moe_decode_triton.prepare_experts(*packs)  # once, as at weight load
-    # fp8 variants read W_gate;W_up in the e4m3 layout (a product stores one of the two; the bench both)
-    fp8_experts = (latent_moe_decode_triton.prepare_experts(*packs, gate_up_fp8=True)
-                   if any(v.gluon_fp8 for v in tiles) else None)
+    # fp8 variants read W_gate;W_up (and W_down) in the e4m3 layout (a product stores one layout; the bench each)
+    prepared = {layout: latent_moe_decode_triton.prepare_experts(*packs, *layout) for layout in {v.layout() for v in tiles}}
     if len(tiles) > 1:
         try:
             precompile(batches, tiles, experts)
@@ -184,7 +188,7 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
         ref = naive.latent_moe_decode(xs[0].float(), sets[0], ws[0], *packs)  # float32 h and output: the oracle
         shape = f"T={T},E={E},k={TOP_K},l={L},F={F},mxfp4,sets={len(sets)}"
         for v in (v for v in tiles if v.runs_at(T)):
-            chosen = fp8_experts if v.gluon_fp8 else experts
+            chosen = prepared[v.layout()]
             calls = [partial(latent_moe_decode_triton.latent_moe_decode_prepared, x, ids, w, chosen, **v.tuning())
                      for x, ids, w in zip(xs, sets, ws, strict=True)]
             try:
@@ -210,13 +214,12 @@ def launch_once(batches: tuple[int, ...], tiles: tuple[Variant, ...]) -> None:
     records (`ncu --kernel-name regex:"gate_up|down_kernel" ... python -m kernels.perf.moe_cases --once`;
     Triton compiles before the launch, so the profiled launch is the kernel alone)."""
     packs = _experts()
-    experts = {fp8: latent_moe_decode_triton.prepare_experts(*packs, gate_up_fp8=fp8)
-               for fp8 in {v.gluon_fp8 for v in tiles}}
+    experts = {layout: latent_moe_decode_triton.prepare_experts(*packs, *layout) for layout in {v.layout() for v in tiles}}
     for T in batches:
         ids = routings(T)[0].cuda()
         x, w = torch.randn(T, L, device="cuda", dtype=torch.bfloat16), torch.rand(T, TOP_K, device="cuda")
         for v in (v for v in tiles if v.runs_at(T)):
-            latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts[v.gluon_fp8], **v.tuning())
+            latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts[v.layout()], **v.tuning())
     torch.cuda.synchronize()
 
 

@@ -33,6 +33,7 @@ from kernels.fused import (
 from kernels.kda import decode_step_triton, decode_triton, prefill_triton, verify_triton
 from kernels.mla import decode_triton as mla_decode
 from kernels.moe import (
+    decode_fp8_down_gluon,
     decode_fp8_gluon,
     decode_fused_gluon,
     decode_gluon,
@@ -228,6 +229,9 @@ def latent_moe_gluon(tokens: int, experts: int = E, latent: int = LATENT, width:
     decode_gluon.down(h, ids, *down, latent_moe_decode_triton.GLUON_DOWN_TILE, stages)
     decode_fused_gluon.gate_up_down(x, ids, down[0], (*gate_up, *down[1:3]), h, down[3], 4.0, 25.0,
                                     *latent_moe_decode_triton.FUSED_TILES, *latent_moe_decode_triton.FUSED_STAGES)
+    hq, s = empty(pairs, 2, width, dtype=torch.uint8), decode_fp8_down_gluon.h_scale(4.0, 25.0)  # opt-in FP8 down
+    decode_fp8_gluon.gate_up(x, ids, *gate_up, hq, 4.0, 25.0, stages, s)
+    decode_fp8_down_gluon.down(hq, ids, *down, s, stages)
 
 
 def skinny_gemm(tokens: int, tilings=lambda n, k: [skinny_gemm_triton.default_tiling(n, k)]) -> None:
