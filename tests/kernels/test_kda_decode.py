@@ -76,7 +76,7 @@ def test_triton_decode_step_matches_reference(interpreted, lower_bound, block_v)
     slots = torch.tensor([4, 0, 6])
     ref_pools = (state_pool.clone(), conv_pool.clone())
     y = decode_step_triton.kda_decode_step(*x, *params, state_pool, conv_pool, slots, lower_bound=lower_bound,
-                                      block_v=block_v)
+                                           block_v=block_v)
     y_ref = naive.kda_decode_step(*x, *params, *ref_pools, slots, lower_bound=lower_bound)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state_pool, ref_pools[0], rtol=1e-5, atol=1e-6)

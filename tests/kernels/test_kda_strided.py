@@ -79,7 +79,7 @@ def test_one_strided_launch_equals_reference_and_per_head_launches(interpreted, 
     per_head.buffer.copy_(before)
 
     y = decode_step_triton.kda_decode_step(*x, *params, pools.state, pools.conv, slots, lower_bound=lower_bound,
-                                      **tuning)
+                                           **tuning)
 
     y_ref = naive.kda_decode_step(*x, *params, *dense, slots, lower_bound=lower_bound)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
@@ -89,7 +89,7 @@ def test_one_strided_launch_equals_reference_and_per_head_launches(interpreted, 
     assert outside.sum() > 0 and torch.equal(pools.buffer[outside], before[outside])
 
     heads = [decode_step_triton.kda_decode_step(*(t[:, h : h + 1] for t in x), *_head_params(params, h),
-                                           *per_head.head_views(h), slots, lower_bound=lower_bound)
+                                                *per_head.head_views(h), slots, lower_bound=lower_bound)
              for h in range(CASE.heads)]
     torch.testing.assert_close(y, torch.cat(heads, dim=1), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(pools.buffer, per_head.buffer, rtol=1e-6, atol=1e-7)
@@ -150,6 +150,6 @@ def test_row_strided_inputs_need_no_copy(interpreted, tuning):
     slots = torch.tensor([2, 6, 3])
     y = decode_step_triton.kda_decode_step(q, k, v, z, beta, gate, *params, *pools, slots, **tuning)
     y_dense = decode_step_triton.kda_decode_step(*(t.contiguous() for t in (q, k, v, z, beta, gate)), *params,
-                                            *dense_pools, slots, **tuning)
+                                                 *dense_pools, slots, **tuning)
     assert torch.equal(y, y_dense)
     assert torch.equal(pools[0], dense_pools[0]) and torch.equal(pools[1], dense_pools[1])

@@ -40,7 +40,7 @@ def test_pool_view_errors_see_a_write_outside_the_slots(interpreted, monkeypatch
 
     def also_free_page(step_case, state, conv):
         decode_step_triton.kda_decode_step(*(t[:1] for t in step_case.x), *step_case.params, state, conv,
-                                      torch.tensor([free], dtype=torch.int32))
+                                           torch.tensor([free], dtype=torch.int32))
         return strided_step(step_case, state, conv)
 
     monkeypatch.setattr(kda_decode_cases, "strided_step", also_free_page)
