@@ -14,9 +14,10 @@ the router's side branch (`K3_DECODE_BRANCHES`), and in the grouped form, agains
 not timed).
 `--groups skinny` (bench/serve_glue_projections.py): every decode projection
 (`fast_decoder.distinct_projections`) in the skinny GEMM's candidate tilings against cuBLAS as the fast path
-calls it, weights cycled through enough copies to come from HBM. `--groups floor`: one launch that only copies each residual-add GEMM's weight (what a GEMM
-of that size is up against). `--compile-only --shard I N` launches a share of the cases once (run shards in parallel to fill
-Triton's cache before a timed run).
+calls it, weights cycled through enough copies to come from HBM. `--groups floor` (the same file): one launch
+that only copies each residual-add GEMM's weight (what a GEMM of that size is up against). `--compile-only
+--shard I N` launches a share of the cases once (run shards in parallel to fill Triton's cache before a timed
+run).
 
     python -m bench.serve_glue [--model mini] [--tokens 1 16 64 128 256] [--sweep 64] [--out bench/results/serve_glue.json]
 

@@ -9,10 +9,10 @@ Drives the real engine step (`Engine._step`: scheduler, executor, the decode fas
 for the captured CUDA graph whose replay does nothing and whose logits are a static tensor, so what is timed
 is host work only. The real forward cannot run here; the model and the page store live on the meta device
 (shapes and page ids are the preset's, no bytes; the store's fingerprints are stubbed: zeros, see
-`build_engine`). The stand-in logits are bf16 (the graph's dtype) with `--vocab` columns (default 64, not the preset's 163840): on a GPU
-the cast and argmax over them are device work, which on this CPU would be timed as host work (at 1024
-columns and batch 256 the CPU's bf16 argmax alone takes ~1 ms). Greedy rows, no tokenizer (the mini
-preset's vocabulary has none here).
+`build_engine`). The stand-in logits are bf16 (the graph's dtype) with `--vocab` columns (default 64, not
+the preset's 163840): on a GPU the cast and argmax over them are device work, which on this CPU would be timed
+as host work (at 1024 columns and batch 256 the CPU's bf16 argmax alone takes ~1 ms). Greedy rows, no
+tokenizer (the mini preset's vocabulary has none here).
 
 Stages (ms per step, p50 and p99 over `--steps` timed steps after warm-up):
 - schedule: `Scheduler.schedule` (plain steps; an overlapped step's few manager calls fall in "other")
