@@ -1,6 +1,6 @@
 """The latent-MoE decode's down step on FP8 warpgroup MMAs (opt-in; GPU only, Gluon has no interpreter).
 
-decode_fp8_gluon's form for W_down [E, l, F]: the same e4m3 weight layout (`decode_fp8_gluon.prepare_gate_up`
+decode_fp8_gluon's form for W_down [E, l, F]: the same e4m3 weight layout (`decode_fp8_gluon.prepare_weights`
 is generic in rows), a program one warpgroup on two 64-row M tiles of the l rows (the second decoded while the
 first's MMAs run, as gate and up there), the expert's token slots the N side (8 or 16), one wgmma per 32-column
 MXFP4 group with the group's scale on its float32 result; the decode, multipliers, group MMAs and scaled adds
@@ -148,7 +148,7 @@ def serves(x: torch.Tensor, F: int, splits: int) -> bool:
 def down(hq: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, words: torch.Tensor, mults: torch.Tensor,
          partial: torch.Tensor, s: float, stages: int) -> None:
     """partial [splits, T k, l] <- router-weighted down rows of h = s (hi + lo) (hq uint8 [T k, 2, F] from
-    decode_fp8_gluon.gate_up(..., h_scale=s); words / mults: decode_fp8_gluon.prepare_gate_up of W_down)."""
+    decode_fp8_gluon.gate_up(..., h_scale=s); words / mults: decode_fp8_gluon.prepare_weights of W_down)."""
     T, K = ids.shape
     L, F = words.shape[1], hq.shape[2]
     splits = partial.shape[0]

@@ -17,7 +17,7 @@ per group into one float32 tmp.
 
 K order (per 32-column block = scale group G of a 128-column step): lane t of a quad holds word b = t of the
 group for its rows (stored words transposed: word b of group G at position 4 b + G of the row's 16, see
-`prepare_gate_up`); its register h (codes 4 h .. 4 h + 3 of the word, byte i = code 4 h + i) is the MMA's
+`prepare_weights`); its register h (codes 4 h .. 4 h + 3 of the word, byte i = code 4 h + i) is the MMA's
 k = 16 h + 4 t + i, i.e. column 8 t + 4 h + i of the block.
 """
 
@@ -39,13 +39,18 @@ def transposed_groups(words: torch.Tensor) -> torch.Tensor:
     return words.unflatten(-1, (-1, 4, 4)).transpose(-1, -2).flatten(-3)
 
 
-def prepare_gate_up(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Canonical MXFP4 W_gate;W_up (packed uint8 [E, 2F, l // 2], e8m0 scales [E, 2F, l // 32]) -> what
-    `gate_up_kernel` reads, once per weight load (the same bytes as mxfp4_tile_triton.prepare, in place of it):
-    int32 e4m3-layout words [E, 2F, l // 8] (groups transposed, `transposed_groups`) and uint8 multiplier
-    fields [E, 2F, l // 32] (`e4m3_multipliers`), in 32-row x 128-column blocks."""
-    require(packed.shape[-1] % 64 == 0, f"fp8 gate/up needs l % 128 == 0, got l = {2 * packed.shape[-1]}")
-    require(packed.shape[-2] % BLOCK_ROWS == 0, f"blocked MXFP4 needs a multiple of {BLOCK_ROWS} rows")
+def prepare_weights(packed: torch.Tensor, scales: torch.Tensor, matrix: str,
+                    width: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical MXFP4 weights (packed uint8 [E, rows, n // 2], e8m0 scales [E, rows, n // 32]; n the reduction
+    width) -> what the FP8 kernels read (`gate_up_kernel` for W_gate;W_up, decode_fp8_down_gluon for W_down),
+    once per weight load (the same bytes as mxfp4_tile_triton.prepare, in place of it): int32 e4m3-layout words
+    [E, rows, n // 8] (groups transposed, `transposed_groups`) and uint8 multiplier fields [E, rows, n // 32]
+    (`e4m3_multipliers`), in 32-row x 128-column blocks. `matrix` and `width` name the weights and their
+    reduction width (e.g. "W_down", "F") in the errors."""
+    n = 2 * packed.shape[-1]
+    require(n % 128 == 0, f"fp8 {matrix} needs {width} % 128 == 0, got {width} = {n}")
+    require(packed.shape[-2] % BLOCK_ROWS == 0,
+            f"fp8 {matrix} needs a multiple of {BLOCK_ROWS} rows, got {packed.shape[-2]}")
     return _blocked(transposed_groups(device_words_e4m3(packed)), 16), _blocked(e4m3_multipliers(scales), 4)
 
 
@@ -261,7 +266,7 @@ if gluon is not None:
                        BK: gl.constexpr, HP: gl.constexpr, STAGES: gl.constexpr, N: gl.constexpr,
                        HS: gl.constexpr = 0.0):
         """Grid (T k, F / 64), 4 warps: as decode_wgmma_gluon.gate_up_kernel from `split_activations`' xq / xs
-        and `prepare_gate_up`'s words / fields, for experts of at most N tokens (T <= N). HS = 0: h in HP bf16
+        and `prepare_weights`'s words / fields, for experts of at most N tokens (T <= N). HS = 0: h in HP bf16
         parts [HP, T k, F]; else h / s as hi + lo bytes [T k, 2, F] (e4m3, e5m2) in the MMA's K order, HS =
         1 / s (a power of two; decode_fp8_down_gluon's input)."""
         WORDS: gl.constexpr = L // 8
@@ -332,7 +337,7 @@ def serves(x: torch.Tensor, F: int) -> bool:
 def gate_up(x: torch.Tensor, ids: torch.Tensor, words: torch.Tensor, mults: torch.Tensor, h: torch.Tensor,
             beta1: float, beta2: float, stages: int, h_scale: float | None = None) -> None:
     """h [parts, T k, F] <- the SiTU-GLU of the routed experts' gate and up rows for x [T, l] (`serves` must
-    hold; words / mults from `prepare_gate_up`). `h_scale` (a power of two s with |h| / s <= 448, see
+    hold; words / mults from `prepare_weights`). `h_scale` (a power of two s with |h| / s <= 448, see
     decode_fp8_down_gluon.h_scale): h instead uint8 [T k, 2, F], h / s = hi (e4m3) + lo (e5m2), columns in the
     MMA's K order."""
     T, L = x.shape

@@ -198,8 +198,10 @@ def prepare_experts(gate_up_packed: torch.Tensor, gate_up_scales: torch.Tensor, 
     FP8 down (docs/kernels.md history 50)."""
     require(gate_up_packed.dtype == torch.uint8 and down_packed.dtype == torch.uint8, "packed weights are uint8")
     require(gate_up_fp8 or not down_fp8, "down_fp8 needs gate_up_fp8 (the FP8 down reads the FP8 gate/up's e4m3 h)")
-    gate_up = (decode_fp8_gluon.prepare_gate_up if gate_up_fp8 else prepare)(gate_up_packed, gate_up_scales)
-    down = (decode_fp8_gluon.prepare_gate_up if down_fp8 else prepare)(down_packed, down_scales)
+    gate_up = (decode_fp8_gluon.prepare_weights(gate_up_packed, gate_up_scales, "W_gate;W_up", "l") if gate_up_fp8
+               else prepare(gate_up_packed, gate_up_scales))
+    down = (decode_fp8_gluon.prepare_weights(down_packed, down_scales, "W_down", "F") if down_fp8
+            else prepare(down_packed, down_scales))
     return PreparedExperts(*gate_up, *down, gate_up_fp8=gate_up_fp8, down_fp8=down_fp8)
 
 

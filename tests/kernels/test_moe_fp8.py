@@ -82,7 +82,7 @@ def test_prepared_weights_meet_their_activations_in_the_mma_k_order(latent):
     gen = torch.Generator().manual_seed(latent)
     rows = 2 * BLOCK_ROWS
     packed, scales = quantize(torch.randn(3, rows, latent, generator=gen))
-    words, mults = decode_fp8_gluon.prepare_gate_up(packed, scales)
+    words, mults = decode_fp8_gluon.prepare_weights(packed, scales, "W_gate;W_up", "l")
     assert words.shape == (3, rows, latent // 8) and words.dtype == torch.int32 and mults.shape == (3, rows, latent // 32)
     k = decode_fp8_gluon.mma_k_columns(latent)
     assert torch.equal(k.sort().values, torch.arange(latent)) and torch.equal(k // 32, torch.arange(latent) // 32)
@@ -192,7 +192,7 @@ def test_fp8_gate_up_kernel_on_the_reference_split(tokens, stages, monkeypatch):
     packs, x, ids, _w = _problem(tokens)
     parts, s = decode_fp8_gluon.split_activations_reference(x.cpu())
     monkeypatch.setattr(decode_fp8_gluon, "split_activations", lambda _x: (parts.cuda(), s.cuda()))
-    words, mults = decode_fp8_gluon.prepare_gate_up(packs[0], packs[1])
+    words, mults = decode_fp8_gluon.prepare_weights(packs[0], packs[1], "W_gate;W_up", "l")
     K, F = ids.shape[1], packs[0].shape[1] // 2
     h = torch.zeros(1, tokens * K, F, dtype=torch.bfloat16, device="cuda")
     decode_fp8_gluon.gate_up(x, ids, words, mults, h, 4.0, 25.0, stages)

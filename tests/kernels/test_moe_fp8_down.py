@@ -45,13 +45,26 @@ def test_down_weights_reuse_the_gate_up_layout_bit_exactly():
     packs = _packs(E, L, F, gen)
     experts = _fp8_experts(packs)
     assert experts.gate_up_fp8 and experts.down_fp8
-    assert torch.equal(experts.down_words, decode_fp8_gluon.prepare_gate_up(packs[2], packs[3])[0])
+    assert torch.equal(experts.down_words, decode_fp8_gluon.prepare_weights(packs[2], packs[3], "W_down", "F")[0])
     with pytest.raises(ValueError, match="down_fp8 needs gate_up_fp8"):
         latent_moe_decode_triton.prepare_experts(*packs, down_fp8=True)
     assert experts.down_words.shape == (E, L, F // 8) and experts.down_mults.shape == (E, L, F // 32)
     h = torch.randn(F, generator=gen, dtype=F64)
     got = _weights_in_mma_k_order(experts.down_words, experts.down_mults) @ h[decode_fp8_gluon.mma_k_columns(F)]
     torch.testing.assert_close(got, dequantize(packs[2], packs[3], F64) @ h, rtol=1e-12, atol=1e-12)
+
+
+def test_fp8_preparation_errors_name_the_matrix_and_width_they_check():
+    """F = 64 (not a multiple of 128) with down_fp8: the error names W_down and F (not gate/up and l); W_gate;W_up
+    with l = 64 names l; W_down of 48 rows (l) names its rows."""
+    gen = torch.Generator().manual_seed(5)
+    with pytest.raises(ValueError, match=r"fp8 W_down needs F % 128 == 0, got F = 64"):
+        _fp8_experts(_packs(1, 128, 64, gen))
+    with pytest.raises(ValueError, match=r"fp8 W_gate;W_up needs l % 128 == 0, got l = 64"):
+        _fp8_experts(_packs(1, 64, 128, gen))
+    packed, scales = quantize(torch.randn(1, 48, 128, generator=gen))
+    with pytest.raises(ValueError, match=r"fp8 W_down needs a multiple of 32 rows, got 48"):
+        decode_fp8_gluon.prepare_weights(packed, scales, "W_down", "F")
 
 
 def test_h_scale_is_the_smallest_power_of_two_that_fits_and_refuses_others():
