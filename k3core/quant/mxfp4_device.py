@@ -168,6 +168,8 @@ def device_words_e4m3(packed: torch.Tensor) -> torch.Tensor:
 def decode_e4m3(words: torch.Tensor) -> torch.Tensor:
     """What a GPU computes from e4m3-layout words: int32 [..., W] -> uint8 e4m3 bytes [..., 8 W] in element
     order (code c of word w at 8 w + c; view as torch.float8_e4m3fn for the values x 2^-6)."""
+    if words.dtype != torch.int32:
+        raise TypeError(f"e4m3-layout words must be int32 (device_words_e4m3's output), got {words.dtype}")
     w = words.to(torch.int64) & 0xFFFFFFFF
     regs = []
     for rots in E4M3_ROTATIONS:

@@ -55,7 +55,9 @@ def prepare_weights(packed: torch.Tensor, scales: torch.Tensor, matrix: str,
 
 
 def mma_k_columns(width: int) -> torch.Tensor:
-    """Source column of each of `width` activation columns in the MMA's K order (see the module docstring)."""
+    """Source column of each of `width` activation columns in the MMA's K order (see the module docstring);
+    width a multiple of 32 (whole MXFP4 groups: a partial group would map columns past the end)."""
+    require(width >= 0 and width % 32 == 0, f"the MMA's K order needs a width that is a multiple of 32, got {width}")
     k = torch.arange(width)
     h, t, i = (k % 32) // 16, (k % 16) // 4, k % 4
     return k - k % 32 + 8 * t + 4 * h + i

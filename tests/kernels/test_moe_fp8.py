@@ -91,6 +91,23 @@ def test_prepared_weights_meet_their_activations_in_the_mma_k_order(latent):
     torch.testing.assert_close(got, dequantize(packed, scales, torch.float64) @ x, rtol=1e-12, atol=1e-12)
 
 
+def test_input_checks_of_the_k_order_and_the_e4m3_decode():
+    """mma_k_columns permutes each 32-column group within itself and refuses a partial group (which would map
+    columns past the end: the reference split failed with a bare IndexError); decode_e4m3 takes int32 words
+    only (a float tensor would be silently truncated to other words)."""
+    k = decode_fp8_gluon.mma_k_columns(96)
+    assert torch.equal(k.reshape(3, 32).sort(1).values, torch.arange(96).reshape(3, 32))
+    for width in (48, 100, -32):
+        with pytest.raises(ValueError, match=f"multiple of 32, got {width}"):
+            decode_fp8_gluon.mma_k_columns(width)
+    with pytest.raises(ValueError, match="multiple of 32, got 48"):
+        decode_fp8_gluon.split_activations_reference(torch.ones(1, 48, dtype=torch.bfloat16))
+    words = mxfp4_device.device_words_e4m3(torch.randint(0, 256, (2, 8), dtype=torch.uint8))
+    for dtype in (torch.float32, torch.int64, torch.uint8):
+        with pytest.raises(TypeError, match=f"must be int32.*got {dtype}"):
+            mxfp4_device.decode_e4m3(words.to(dtype))
+
+
 def test_activation_split_is_two_e4m3_parts_of_a_power_of_two_scaled_row():
     """x = s (hi + lo) to ~8 significant bits (the residual of an e4m3 rounding, rounded again): per row the
     largest |x| / s is in [128, 256), s a power of two; a zero row gives zeros, a row with an infinity a NaN
