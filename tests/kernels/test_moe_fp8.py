@@ -13,6 +13,7 @@ from k3core.quant.mxfp4 import E2M1_MAGNITUDES, dequantize, quantize, unpack_cod
 from kernels.moe import decode_fp8_gluon, latent_moe_decode_triton, naive
 from kernels.moe.mxfp4_tile_triton import BLOCK_ROWS
 from kernels.perf.moe_cases import MAX_REL_ERR
+from tests.kernels.moe_fp8_helpers import e4m3_values, weights_in_mma_k_order
 
 F64 = torch.float64
 
@@ -21,10 +22,6 @@ def _code_values(packed: torch.Tensor) -> torch.Tensor:
     codes = unpack_codes(packed)
     mags = torch.tensor(E2M1_MAGNITUDES, dtype=F64)[codes & 7]
     return torch.where(codes >= 8, -mags, mags)
-
-
-def _e4m3(bytes_: torch.Tensor) -> torch.Tensor:
-    return bytes_.view(torch.float8_e4m3fn).to(F64)
 
 
 def test_e4m3_words_decode_to_each_code_times_2_pow_minus_6():
@@ -36,7 +33,7 @@ def test_e4m3_words_decode_to_each_code_times_2_pow_minus_6():
     gen = torch.Generator().manual_seed(0)
     packed = torch.cat([packed, torch.randint(0, 256, (16, 8), generator=gen, dtype=torch.uint8)])
     decoded = mxfp4_device.decode_e4m3(mxfp4_device.device_words_e4m3(packed))
-    assert torch.equal(_e4m3(decoded) * 2.0**-mxfp4_device.E4M3_EXPONENT, _code_values(packed))
+    assert torch.equal(e4m3_values(decoded) * 2.0**-mxfp4_device.E4M3_EXPONENT, _code_values(packed))
     assert not (decoded.to(torch.int32) & ~mxfp4_device.E4M3_MASK & 0xFF).any()
 
 
@@ -49,34 +46,15 @@ def test_e4m3_multipliers_times_codes_are_the_dequantized_weights():
     scales = torch.arange(256, dtype=torch.uint8)[:, None]
     fields = mxfp4_device.e4m3_multipliers(scales)
     mult = (fields.to(torch.int32) << 23).view(torch.float32).to(F64)
-    weights = _e4m3(mxfp4_device.decode_e4m3(mxfp4_device.device_words_e4m3(packed))) * mult
+    weights = e4m3_values(mxfp4_device.decode_e4m3(mxfp4_device.device_words_e4m3(packed))) * mult
     finite = scales[:, 0] <= 248
     assert torch.equal(weights[finite], dequantize(packed, scales, torch.float64)[finite])
     assert torch.isinf(mult[~finite]).all()
 
 
-def _unblocked(t: torch.Tensor, cols: int) -> torch.Tensor:
-    """Inverse of mxfp4_tile_triton._blocked: blocks of BLOCK_ROWS x cols back to row-major [..., R, C]."""
-    *lead, rows, width = t.shape
-    b = t.reshape(*lead, rows // BLOCK_ROWS, width // cols, BLOCK_ROWS, cols).transpose(-3, -2)
-    return b.reshape(t.shape)
-
-
-def _weights_in_mma_k_order(words: torch.Tensor, mults: torch.Tensor) -> torch.Tensor:
-    """What the kernel's A fragments hold, times their multipliers, as float64 [E, R, l] in the MMA's K order:
-    a step's stored word at position 4 t + G (row-major after unblocking) feeds group G's MMA from lane t,
-    its register h byte i at k = 16 h + 4 t + i of the group."""
-    words, mults = _unblocked(words, 16), _unblocked(mults, 4)
-    E, R, W = words.shape
-    codes = mxfp4_device.decode_e4m3(words).reshape(E, R, W // 16, 4, 4, 2, 4)  # [step, t, G, h, i]
-    values = _e4m3(codes).permute(0, 1, 2, 4, 5, 3, 6)  # [step, G, h, t, i]
-    mult = (mults.to(torch.int32) << 23).view(torch.float32).to(F64).reshape(E, R, W // 16, 4)
-    return (values * mult[..., None, None, None]).reshape(E, R, W * 8)
-
-
 @pytest.mark.parametrize("latent", [128, 512])
 def test_prepared_weights_meet_their_activations_in_the_mma_k_order(latent):
-    """The weights as the kernel's registers hold them (K order of `_weights_in_mma_k_order`) against the
+    """The weights as the kernel's registers hold them (K order of `weights_in_mma_k_order`) against the
     activations permuted by `mma_k_columns` give the dequantized product exactly (float64): layout, group
     transposition, blocks, decode, multipliers and the activations' K order agree."""
     gen = torch.Generator().manual_seed(latent)
@@ -87,7 +65,7 @@ def test_prepared_weights_meet_their_activations_in_the_mma_k_order(latent):
     k = decode_fp8_gluon.mma_k_columns(latent)
     assert torch.equal(k.sort().values, torch.arange(latent)) and torch.equal(k // 32, torch.arange(latent) // 32)
     x = torch.randn(latent, generator=gen, dtype=F64)
-    got = _weights_in_mma_k_order(words, mults) @ x[k]
+    got = weights_in_mma_k_order(words, mults) @ x[k]
     torch.testing.assert_close(got, dequantize(packed, scales, torch.float64) @ x, rtol=1e-12, atol=1e-12)
 
 

@@ -14,7 +14,7 @@ from kernels.moe import decode_fp8_down_gluon as fp8_down
 from kernels.moe import decode_fp8_gluon, latent_moe_decode_triton, naive
 from kernels.moe.tiles import Tile
 from kernels.perf.moe_cases import MAX_REL_ERR
-from tests.kernels.test_moe_fp8 import _weights_in_mma_k_order
+from tests.kernels.moe_fp8_helpers import weights_in_mma_k_order
 
 F64 = torch.float64
 
@@ -50,7 +50,7 @@ def test_down_weights_reuse_the_gate_up_layout_bit_exactly():
         latent_moe_decode_triton.prepare_experts(*packs, down_fp8=True)
     assert experts.down_words.shape == (E, L, F // 8) and experts.down_mults.shape == (E, L, F // 32)
     h = torch.randn(F, generator=gen, dtype=F64)
-    got = _weights_in_mma_k_order(experts.down_words, experts.down_mults) @ h[decode_fp8_gluon.mma_k_columns(F)]
+    got = weights_in_mma_k_order(experts.down_words, experts.down_mults) @ h[decode_fp8_gluon.mma_k_columns(F)]
     torch.testing.assert_close(got, dequantize(packs[2], packs[3], F64) @ h, rtol=1e-12, atol=1e-12)
 
 
