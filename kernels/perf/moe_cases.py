@@ -18,6 +18,7 @@ import torch
 
 from k3core.quant.mxfp4 import BLOCK, dequantize, quantize
 from kernels.moe import latent_moe_decode_triton, naive
+from kernels.moe.latent_moe_decode_triton import PreparedExperts, prepare_experts
 from kernels.moe.tiles import Tile
 from kernels.perf.harness import Row, copy_bandwidth, kernel_ms, rel_err, time_ms
 
@@ -137,22 +138,29 @@ def _torch_peer(x, ids, weights, packs):
     return (y.reshape(*ids.shape, L) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
+def prepare_layouts(packs, tiles: tuple[Variant, ...]) -> dict[tuple[bool, bool], PreparedExperts]:
+    """The experts in each layout the variants read (`Variant.layout`), each prepared once, as at weight load (a
+    product stores one layout; the bench each)."""
+    return {layout: prepare_experts(*packs, *layout) for layout in {v.layout() for v in tiles}}
+
+
 def precompile(batches: tuple[int, ...], tiles: tuple[Variant, ...],
-               experts: latent_moe_decode_triton.PreparedExperts) -> None:
-    """Build every (batch, tile pair) specialization in parallel processes before timing: one process
-    compiling them one by one would spend most of a short device session in ptxas. The kernels land in
-    Triton's on-disk cache, where the timed launches find them."""
+               prepared: dict[tuple[bool, bool], PreparedExperts], device: str = "cuda") -> None:
+    """Build every (batch, variant) specialization in parallel processes before timing: one process
+    compiling them one by one would spend most of a short device session in ptxas. Each variant is recorded
+    on the experts of its own layout (`prepared`, from `prepare_layouts`), so the FP8 variants build their
+    own kernels. The kernels land in Triton's on-disk cache, where the timed launches find them."""
     from kernels.compile_check import FP_FUSION_ENV, compile_specs, record_launches
 
     os.environ.update(FP_FUSION_ENV)  # the workers build with it and Triton's cache key includes it
 
     with record_launches() as recorder:
         for T in batches:
-            x = torch.empty(T, L, device="cuda", dtype=torch.bfloat16)
-            ids = torch.zeros(T, TOP_K, device="cuda", dtype=torch.int32)
+            x = torch.empty(T, L, device=device, dtype=torch.bfloat16)
+            ids = torch.zeros(T, TOP_K, device=device, dtype=torch.int32)
             for v in tiles:
                 if v.runs_at(T):
-                    latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, ids.float(), experts,
+                    latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, ids.float(), prepared[v.layout()],
                                                                         **v.tuning())
     compile_specs(recorder.unique(), workers=max(1, (os.cpu_count() or 2) - 2))
 
@@ -171,12 +179,10 @@ def moe_rows(batches: tuple[int, ...] = (1, 4, 16), tiles: tuple[Variant, ...] |
     rows: list[Row] = []
     tiles = tiles or variants()
     packs = _experts()
-    experts = latent_moe_decode_triton.prepare_experts(*packs)  # once, as at weight load
-    # fp8 variants read W_gate;W_up (and W_down) in the e4m3 layout (a product stores one layout; the bench each)
-    prepared = {layout: latent_moe_decode_triton.prepare_experts(*packs, *layout) for layout in {v.layout() for v in tiles}}
+    prepared = prepare_layouts(packs, tiles)
     if len(tiles) > 1:
         try:
-            precompile(batches, tiles, experts)
+            precompile(batches, tiles, prepared)
         except Exception as e:  # noqa: BLE001 - only a head start: the timed launches compile what is missing
             print(f"precompile failed, compiling at first launch: {e!r}"[:500], flush=True)
     for T in batches:
@@ -214,7 +220,7 @@ def launch_once(batches: tuple[int, ...], tiles: tuple[Variant, ...]) -> None:
     records (`ncu --kernel-name regex:"gate_up|down_kernel" ... python -m kernels.perf.moe_cases --once`;
     Triton compiles before the launch, so the profiled launch is the kernel alone)."""
     packs = _experts()
-    experts = {layout: latent_moe_decode_triton.prepare_experts(*packs, *layout) for layout in {v.layout() for v in tiles}}
+    experts = prepare_layouts(packs, tiles)
     for T in batches:
         ids = routings(T)[0].cuda()
         x, w = torch.randn(T, L, device="cuda", dtype=torch.bfloat16), torch.rand(T, TOP_K, device="cuda")

@@ -8,6 +8,7 @@ import inspect
 import pytest
 import torch
 
+from k3core.quant.mxfp4 import quantize
 from kernels.moe import latent_moe_decode_triton
 from kernels.moe.tiles import Tile
 from kernels.perf import moe_cases
@@ -60,3 +61,32 @@ def test_variant_labels_and_launcher_arguments():
     assert set(tuning) <= set(launcher) and tuning["gate_up_tile"] == Tile(64, 128, 2, 2)
     assert (tuning["gluon_stages"], tuning["gluon_down_stages"], tuning["gluon_wgmma"], tuning["gluon_down_wgmma"]) == (
         3, 0, True, True)
+
+
+def _tiny_packs(gen: torch.Generator):
+    """Tiny canonical MXFP4 experts (E = 2, l = 256, F = 128) for the layout preparation."""
+    return (*quantize(torch.randn(2, 256, 256, generator=gen)), *quantize(torch.randn(2, 256, 128, generator=gen)))
+
+
+def test_each_layout_is_prepared_once_and_each_variant_precompiles_on_its_own(monkeypatch):
+    """`prepare_layouts` prepares one PreparedExperts per layout the variants read (recorded in its flags), and
+    `precompile` records every variant's launches on the experts of its own layout, not on the bf16 ones. The
+    launcher and the compile workers are stand-ins here (FP8 experts serve only CUDA calls): the test checks
+    which experts each variant's call receives."""
+    gen = torch.Generator().manual_seed(0)
+    packs = _tiny_packs(gen)
+    bf16, fp8, fp8_down = Variant(None, None), Variant(None, None, gluon_fp8=True), Variant(
+        None, None, gluon_fp8=True, down_fp8=True, batches=(4,))
+    prepared = moe_cases.prepare_layouts(packs, (bf16, fp8, fp8_down, Variant(Tile(64, 128, 2, 2), None)))
+    assert set(prepared) == {(False, False), (True, False), (True, True)}
+    assert all((e.gate_up_fp8, e.down_fp8) == layout for layout, e in prepared.items())
+    calls, compiled = [], []
+    monkeypatch.setattr(latent_moe_decode_triton, "latent_moe_decode_prepared",
+                        lambda x, ids, w, experts, **tuning: calls.append((x.shape[0], experts, tuning)))
+    monkeypatch.setattr("kernels.compile_check.compile_specs", lambda specs, workers: compiled.append(specs))
+    moe_cases.precompile((1, 4), (bf16, fp8, fp8_down), prepared, device="cpu")
+    assert [(T, experts) for T, experts, _ in calls] == [
+        (1, prepared[(False, False)]), (1, prepared[(True, False)]),
+        (4, prepared[(False, False)]), (4, prepared[(True, False)]), (4, prepared[(True, True)])]
+    assert all(c[1] is prepared[v.layout()] for c, v in zip(calls, (bf16, fp8, bf16, fp8, fp8_down), strict=True))
+    assert len(compiled) == 1
