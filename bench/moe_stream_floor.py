@@ -25,8 +25,8 @@ from typing import NamedTuple
 import torch
 
 from kernels._triton import tl, triton
-from kernels.moe.latent_moe_decode_triton import PreparedExperts, prepare_experts
 from kernels.moe.mxfp4_tile_triton import BLOCK_ROWS
+from kernels.moe.prepared_experts import PreparedExperts, prepare_experts
 from kernels.perf import harness, moe_cases
 
 GATE_UP, DOWN = 0, 1  # an item's matrix: column 0 of the item table

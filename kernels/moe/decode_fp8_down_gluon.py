@@ -1,12 +1,12 @@
 """The latent-MoE decode's down step on FP8 warpgroup MMAs (opt-in; GPU only, Gluon has no interpreter).
 
-decode_fp8_gluon's form for W_down [E, l, F]: the same e4m3 weight layout (`decode_fp8_gluon.prepare_weights`
+decode_fp8_gluon's form for W_down [E, l, F]: the same e4m3 weight layout (`fp8_operands_triton.prepare_weights`
 is generic in rows), a program one warpgroup on two 64-row M tiles of the l rows (the second decoded while the
 first's MMAs run, as gate and up there), the expert's token slots the N side (8 or 16), one wgmma per 32-column
 MXFP4 group with the group's scale on its float32 result; the decode, multipliers, group MMAs and scaled adds
 are decode_fp8_gluon's. Output: the router-weighted rows into partial [splits, T k, l] float32, which the
 launcher's `_sum_pairs_kernel` adds per token (as after decode_gluon.down). Opt-in: experts prepared with
-latent_moe_decode_triton.prepare_experts(..., gate_up_fp8=True, down_fp8=True).
+prepared_experts.prepare_experts(..., gate_up_fp8=True, down_fp8=True).
 
 The activation h [T k, F] needs no amax and no split launch: SiTU-GLU bounds it, |gate| < beta1 and
 |up part| < beta2, so |h| < beta1 beta2 (100 for the model's 4 and 25), and one power-of-two s fixed at
@@ -25,7 +25,7 @@ import math
 import torch
 
 from kernels._triton import next_pow2, require
-from kernels.moe import decode_fp8_gluon
+from kernels.moe import fp8_operands_triton
 from kernels.moe.decode_fp8_gluon import ROWS, WARPS
 from kernels.moe.mxfp4_stream_gluon import SLOTS, gluon
 
@@ -47,7 +47,7 @@ def h_scale(beta1: float, beta2: float) -> float:
 def split_h_reference(h: torch.Tensor, s: float) -> torch.Tensor:
     """CPU reference of the FP8 gate/up's fp8 h: h [P, F] (|h| / s <= 448) -> uint8 [P, 2, F], h / s = hi
     (e4m3) + lo (e5m2), each rounded to nearest even, columns in the MMA's K order."""
-    y = (h.double() / s)[:, decode_fp8_gluon.mma_k_columns(h.shape[1])]
+    y = (h.double() / s)[:, fp8_operands_triton.mma_k_columns(h.shape[1])]
     hi = y.to(torch.float8_e4m3fn)
     lo = (y - hi.double()).to(torch.float8_e5m2)
     return torch.stack([hi.view(torch.uint8), lo.view(torch.uint8)], 1)
@@ -148,7 +148,7 @@ def serves(x: torch.Tensor, F: int, splits: int) -> bool:
 def down(hq: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, words: torch.Tensor, mults: torch.Tensor,
          partial: torch.Tensor, s: float, stages: int) -> None:
     """partial [splits, T k, l] <- router-weighted down rows of h = s (hi + lo) (hq uint8 [T k, 2, F] from
-    decode_fp8_gluon.gate_up(..., h_scale=s); words / mults: decode_fp8_gluon.prepare_weights of W_down)."""
+    decode_fp8_gluon.gate_up(..., h_scale=s); words / mults: fp8_operands_triton.prepare_weights of W_down)."""
     T, K = ids.shape
     L, F = words.shape[1], hq.shape[2]
     splits = partial.shape[0]

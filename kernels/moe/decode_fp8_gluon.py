@@ -10,112 +10,20 @@ word than the bf16 decode, docs/kernels.md history 47), so this is decode_wgmma_
 64 gate and 64 up rows (the MMA's M side, decoded in registers into wgmma's A fragments), the expert's token
 slots the N side from shared memory (N = 8 up to 8 tokens: half the float32 multiply-adds, else 16).
 
-The activations must be e4m3 too: `split_activations` writes, per token, x / s = hi + lo (both e4m3, one
-power-of-two s a token row; ~8 significant bits like bf16) with each 32-column block's columns in the MMA's
-K order, so that the gate/up program copies them straight into the MMA's shared tiles. Two MMAs (hi, lo)
-per group into one float32 tmp.
-
-K order (per 32-column block = scale group G of a 128-column step): lane t of a quad holds word b = t of the
-group for its rows (stored words transposed: word b of group G at position 4 b + G of the row's 16, see
-`prepare_weights`); its register h (codes 4 h .. 4 h + 3 of the word, byte i = code 4 h + i) is the MMA's
-k = 16 h + 4 t + i, i.e. column 8 t + 4 h + i of the block.
+Its operands (the e4m3 weight layout, `prepare_weights`, and the activations split into e4m3 hi + lo in the
+MMA's K order, `split_activations`) are kernels.moe.fp8_operands_triton's.
 """
 
 from __future__ import annotations
 
 import torch
 
-from k3core.quant.mxfp4_device import E4M3_MASK, E4M3_ROTATIONS, device_words_e4m3, e4m3_multipliers
-from kernels._triton import next_pow2, require, tl, triton
+from k3core.quant.mxfp4_device import E4M3_MASK, E4M3_ROTATIONS
+from kernels._triton import next_pow2, require
+from kernels.moe.fp8_operands_triton import _e4m3_grid, split_activations
 from kernels.moe.mxfp4_stream_gluon import SLOTS, gluon
-from kernels.moe.mxfp4_tile_triton import BLOCK_ROWS, _blocked
 
 ROWS, WARPS = 64, 4  # one warpgroup, one wgmma M tile of gate rows and one of up rows
-E4M3_MAX_BIT = 7  # x / s < 2^8 (e4m3's largest finite is 448): s = 2^(floor(log2(amax)) - 7)
-
-
-def transposed_groups(words: torch.Tensor) -> torch.Tensor:
-    """[..., W] words, W % 16 == 0 -> each 16 words (4 groups of 4) with word b of group G at 4 b + G."""
-    return words.unflatten(-1, (-1, 4, 4)).transpose(-1, -2).flatten(-3)
-
-
-def prepare_weights(packed: torch.Tensor, scales: torch.Tensor, matrix: str,
-                    width: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Canonical MXFP4 weights (packed uint8 [E, rows, n // 2], e8m0 scales [E, rows, n // 32]; n the reduction
-    width) -> what the FP8 kernels read (`gate_up_kernel` for W_gate;W_up, decode_fp8_down_gluon for W_down),
-    once per weight load (the same bytes as mxfp4_tile_triton.prepare, in place of it): int32 e4m3-layout words
-    [E, rows, n // 8] (groups transposed, `transposed_groups`) and uint8 multiplier fields [E, rows, n // 32]
-    (`e4m3_multipliers`), in 32-row x 128-column blocks. `matrix` and `width` name the weights and their
-    reduction width (e.g. "W_down", "F") in the errors."""
-    n = 2 * packed.shape[-1]
-    require(n % 128 == 0, f"fp8 {matrix} needs {width} % 128 == 0, got {width} = {n}")
-    require(packed.shape[-2] % BLOCK_ROWS == 0,
-            f"fp8 {matrix} needs a multiple of {BLOCK_ROWS} rows, got {packed.shape[-2]}")
-    return _blocked(transposed_groups(device_words_e4m3(packed)), 16), _blocked(e4m3_multipliers(scales), 4)
-
-
-def mma_k_columns(width: int) -> torch.Tensor:
-    """Source column of each of `width` activation columns in the MMA's K order (see the module docstring);
-    width a multiple of 32 (whole MXFP4 groups: a partial group would map columns past the end)."""
-    require(width >= 0 and width % 32 == 0, f"the MMA's K order needs a width that is a multiple of 32, got {width}")
-    k = torch.arange(width)
-    h, t, i = (k % 32) // 16, (k % 16) // 4, k % 4
-    return k - k % 32 + 8 * t + 4 * h + i
-
-
-def split_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU reference of `split_activations`: x [T, l] -> (e4m3 [T, 2, l] hi / lo in the MMA's K order, float32
-    [T] s) with x ~ s (hi + lo)."""
-    xf = x.float()
-    amax = xf.abs().amax(-1).clamp_min(2.0**-118)
-    s = torch.ldexp(torch.ones_like(amax), torch.frexp(amax)[1] - 1 - E4M3_MAX_BIT)
-    y = (xf / s[:, None])[:, mma_k_columns(x.shape[1])]
-    hi = y.to(torch.float8_e4m3fn)
-    lo = (y - hi.float()).to(torch.float8_e4m3fn)
-    s = torch.where(torch.isfinite(amax), s, torch.nan)
-    return torch.stack([hi, lo], 1), s
-
-
-if triton is not None:
-    _MAX_BIT = tl.constexpr(E4M3_MAX_BIT)
-
-    def _e4m3_grid(y):
-        """y (|y| < 448) rounded to nearest-even on e4m3's grid, in float32 (2^(e - 3) from 2^-6 up, 2^-9 below): the
-        residual is taken from it, not from the fp8 value read back (that form, in Triton 3.6 on the H200, gave
-        wrong residuals for ~12 % of the elements, session 11; not traced further). Jitted for Triton and for
-        Gluon (the interpreter cannot call a Triton function from a Gluon one)."""
-        e = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)  # biased exponent, from 2^-6
-        magic = (((e + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2^(e - 127 + 20)
-        return (y + magic) - magic
-
-    _round_to_e4m3 = triton.jit(_e4m3_grid)
-
-    @triton.jit
-    def _split_kernel(x, xq, xs, L: tl.constexpr):
-        """One token row a program: amax, s = 2^(floor(log2 amax) - 7), hi = e4m3(x / s), lo = e4m3(x / s - hi),
-        columns gathered into the MMA's K order."""
-        t = tl.program_id(0).to(tl.int64)
-        k = tl.arange(0, L)
-        src = k - k % 32 + 8 * ((k % 16) // 4) + 4 * ((k % 32) // 16) + k % 4
-        v = tl.load(x + t * L + src).to(tl.float32)
-        amax = tl.max(tl.abs(v), 0)
-        e = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 9)  # biased exponent (>= 2^-118)
-        s = ((e - _MAX_BIT) << 23).to(tl.float32, bitcast=True)
-        y = v * ((254 - e + _MAX_BIT) << 23).to(tl.float32, bitcast=True)  # x / s, exact
-        hi = _round_to_e4m3(y)
-        tl.store(xq + t * 2 * L + k, hi.to(tl.float8e4nv))  # exact
-        tl.store(xq + t * 2 * L + L + k, (y - hi).to(tl.float8e4nv))
-        tl.store(xs + t, tl.where(e == 255, float("nan"), s))
-
-
-def split_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x bf16 [T, l] -> (e4m3 [T, 2, l], float32 [T]) as `split_activations_reference`."""
-    T, L = x.shape
-    require(L == next_pow2(L) and L % 128 == 0, f"fp8 activations need l a power of two >= 128, got {L}")
-    xq = torch.empty(T, 2, L, dtype=torch.float8_e4m3fn, device=x.device)
-    xs = torch.empty(T, dtype=torch.float32, device=x.device)
-    _split_kernel[(T,)](x, xq, xs, L=L, num_warps=4)
-    return xq, xs
 
 
 def _decode_asm() -> str:
@@ -255,7 +163,7 @@ if gluon is not None:
     def _store_fp8_parts(h, y, pair, ok, rows, F):
         """y [64 rows of h, N slots] (|y| <= 448) -> hi = e4m3(y) and lo = e5m2(y - hi) (e5m2: 16 binades
         below e4m3's, so small y keep their bits) at h [T k, 2, F] bytes, rows `pair`, columns `rows` at their
-        positions in the MMA's K order (the inverse of `mma_k_columns`)."""
+        positions in the MMA's K order (the inverse of fp8_operands_triton.mma_k_columns)."""
         c = rows % 32
         k = rows - c + 16 * ((c % 8) // 4) + 4 * (c // 8) + c % 4
         hi = _round_to_e4m3_gl(y)
@@ -268,7 +176,7 @@ if gluon is not None:
                        BK: gl.constexpr, HP: gl.constexpr, STAGES: gl.constexpr, N: gl.constexpr,
                        HS: gl.constexpr = 0.0):
         """Grid (T k, F / 64), 4 warps: as decode_wgmma_gluon.gate_up_kernel from `split_activations`' xq / xs
-        and `prepare_weights`'s words / fields, for experts of at most N tokens (T <= N). HS = 0: h in HP bf16
+        and fp8_operands_triton.prepare_weights' words / fields, for experts of at most N tokens (T <= N). HS = 0: h in HP bf16
         parts [HP, T k, F]; else h / s as hi + lo bytes [T k, 2, F] (e4m3, e5m2) in the MMA's K order, HS =
         1 / s (a power of two; decode_fp8_down_gluon's input)."""
         WORDS: gl.constexpr = L // 8
@@ -339,7 +247,7 @@ def serves(x: torch.Tensor, F: int) -> bool:
 def gate_up(x: torch.Tensor, ids: torch.Tensor, words: torch.Tensor, mults: torch.Tensor, h: torch.Tensor,
             beta1: float, beta2: float, stages: int, h_scale: float | None = None) -> None:
     """h [parts, T k, F] <- the SiTU-GLU of the routed experts' gate and up rows for x [T, l] (`serves` must
-    hold; words / mults from `prepare_weights`). `h_scale` (a power of two s with |h| / s <= 448, see
+    hold; words / mults from fp8_operands_triton.prepare_weights). `h_scale` (a power of two s with |h| / s <= 448, see
     decode_fp8_down_gluon.h_scale): h instead uint8 [T k, 2, F], h / s = hi (e4m3) + lo (e5m2), columns in the
     MMA's K order."""
     T, L = x.shape

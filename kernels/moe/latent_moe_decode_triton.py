@@ -1,31 +1,29 @@
 """Routed-expert decode with MXFP4 weights streamed and dequantised on the fly (§5.4.2, WarpDecode idea).
 
-At decode batch sizes a grouped GEMM degenerates into streaming weight matrices, so the work is cut by
-output rows and by expert: the program of the first (token, expert) pair that names an expert serves every
-token routed to it (the programs of later pairs exit at once), so an expert's weights leave DRAM and are
-dequantised once per step however many tokens share it. The tokens of an expert, packed into BT = 16
-slots, are the M side of a tensor-core product whose N side is BR weight rows: each weight tile is decoded
-to bf16 in registers (kernels.moe.mxfp4_tile_triton: 2^-32 x the weight, undone on the float32
-accumulators) and multiplied once for all of the expert's tokens. Activations that are not bf16 enter as a
-sum of 2-3 bf16 parts, so the products keep the activations' precision.
+At decode batch sizes a grouped GEMM degenerates into streaming weight matrices, so the work is cut by output
+rows and by expert: the program of the first (token, expert) pair that names an expert serves every token
+routed to it (the programs of later pairs exit at once), so an expert's weights leave DRAM and are dequantised
+once per step however many tokens share it. The tokens of an expert, packed into BT = 16 slots, are the M side
+of a tensor-core product whose N side is BR weight rows: each weight tile is decoded to bf16 in registers
+(kernels.moe.mxfp4_tile_triton: 2^-32 x the weight, undone on the float32 accumulators) and multiplied once
+for all of the expert's tokens. Activations that are not bf16 enter as a sum of 2-3 bf16 parts, so the
+products keep the activations' precision.
 
 Kernel 1: gate and up rows -> SiTU-GLU -> h, stored as bf16 parts [parts, T*k, F] with x's precision (the
 operand format of kernel 2). Kernel 2: down rows times the router weight -> [splits, T*k, l] (rows of a
 token's first pair that names the expert; the down tile's `splits` cut the reduction over F, so that few
-experts still give enough programs). Kernel 3: a token's rows and splits summed into u [T, l] in x's
-dtype, in a fixed order.
+experts still give enough programs). Kernel 3: a token's rows and splits summed into u [T, l] in x's dtype, in
+a fixed order.
 
 On CUDA with bf16 activations and T <= 16 (every decode batch), kernels 1 and 2 run as their Gluon forms
 (kernels.moe.decode_gluon: the same computation with conflict-free activation staging and a deeper cp.async
 ring, 1.37-1.39x at T = 1 / 4 / 16; docs/kernels.md, history 32), gate/up from as many (token, expert) pairs
 as SMs on warpgroup MMAs (kernels.moe.decode_wgmma_gluon, history 35), from 48 pairs to fewer than SMs both in
-one launch (kernels.moe.decode_fused_gluon, history 43-44); these Triton kernels serve the rest and are the form
-the CPU interpreter tests.
+one launch (kernels.moe.decode_fused_gluon, history 43-44); these Triton kernels serve the rest and are the
+form the CPU interpreter tests.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
@@ -37,8 +35,17 @@ from kernels.moe import (
     decode_gluon,
     decode_wgmma_gluon,
 )
-from kernels.moe.mxfp4_tile_triton import prepare
-from kernels.moe.tiles import Tile, default_tiles
+from kernels.moe.prepared_experts import PreparedExperts, prepare_experts
+from kernels.moe.tiles import (
+    FUSED_STAGES,
+    FUSED_TILES,
+    GLUON_DOWN_TILE,
+    GLUON_STAGES,
+    Tile,
+    default_tiles,
+    fused_by_default,
+    wgmma_by_default,
+)
 
 if triton is not None:
     from kernels.moe.expert_slots_triton import expert_tokens, slots
@@ -145,66 +152,6 @@ if triton is not None:
         tl.store(out + t * L + cols, total.to(out.dtype.element_ty), mask=cols < L)
 
 
-# The Gluon kernels' cp.async stages and down tile where the caller names none (session 8, history 32, same
-# run, us at T = 1 / 4 / 16: gate/up 17.1 / 46.9 / 124.7 against the Triton kernel's 23.4 / 66.3 / 164.3, 2
-# stages alike, 4 slower at T = 4 / 16; down at 4 warps 10.1 / 25.8 / 63.8, at 2 warps (the Triton kernel's
-# default) 11.0 / 27.5 / 68.4, Triton 13.5 / 36.5 / 93.9). The gate/up tile stays default_tiles' 64 x 128 at
-# 2 warps: 4 warps or 32 rows were slower at T = 4 / 16.
-GLUON_STAGES = 3
-GLUON_DOWN_TILE = Tile(128, 128, 4, 3)
-# gluon_fused's (gate/up, down) tiles where the caller names neither (one launch: equal warps) and cp.async
-# stages (session 10, history 43, same runs, whole call us at T = 4: 70.2 / 68.9 at 2 + 2 stages against 70.4 /
-# 72.1 at 3 + 3; 4-warp tiles 71.0-71.5; the two-launch default 74.7 / 76.5).
-FUSED_TILES = (Tile(64, 128, 2, 3), Tile(128, 128, 2, 3))
-FUSED_STAGES = (2, 2)
-
-
-def fused_by_default(pairs: int, sms: int) -> bool:
-    """Whether a call of `pairs` (token, expert) pairs takes the one-launch form when the caller names no tiles:
-    from 48 pairs (T = 3 at k = 16: 61.0 us against 62.7 / 63.2, one run, history 44; T = 4 faster in three runs,
-    history 43-44) while the mma.sync gate/up is the default (fewer pairs than SMs). At 16 and 32 pairs (T = 1, 2)
-    it measured slower (41-42 us against 30; 57.6 against 44.4): every item is resident at once and the tickets,
-    taken in arrival order, put the gate/up items on a few SMs (at T = 1 on 76 of 132, up to 4 each; traced in
-    history 44); from T = 3 there are more gate/up items than resident programs, so the tickets balance them."""
-    return 48 <= pairs < sms
-
-
-class PreparedExperts(NamedTuple):
-    """MXFP4 experts in the decoder's layout (kernels.moe.mxfp4_tile_triton.prepare): int32 words and uint8
-    multiplier fields of W_gate;W_up [E, 2F, l / 8], [E, 2F, l / 32] and of W_down [E, l, F / 8], [E, l, F / 32]
-    (logical shapes), stored in 32-row blocks. `gate_up_fp8`: W_gate;W_up's words and fields are in
-    decode_fp8_gluon's e4m3 layout instead (same shapes and dtypes, other bits): recorded here because nothing in
-    the tensors tells the two apart, and a kernel reading one as the other computes garbage. `down_fp8`: W_down's
-    too (with gate_up_fp8: the FP8 down reads the FP8 gate/up's e4m3 h, kernels.moe.decode_fp8_down_gluon)."""
-
-    gate_up_words: torch.Tensor
-    gate_up_mults: torch.Tensor
-    down_words: torch.Tensor
-    down_mults: torch.Tensor
-    gate_up_fp8: bool = False
-    down_fp8: bool = False
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The four prepared tensors (gate/up words, multipliers, down words, multipliers)."""
-        return self.gate_up_words, self.gate_up_mults, self.down_words, self.down_mults
-
-
-def prepare_experts(gate_up_packed: torch.Tensor, gate_up_scales: torch.Tensor, down_packed: torch.Tensor,
-                    down_scales: torch.Tensor, gate_up_fp8: bool = False, down_fp8: bool = False) -> PreparedExperts:
-    """Canonical packs -> PreparedExperts, once per weight load (the same number of bytes). `gate_up_fp8`: W_gate;W_up
-    in decode_fp8_gluon's e4m3 layout instead, a load-time choice: such experts serve only the calls the FP8 gate/up
-    serves (`decode_fp8_gluon.serves`: CUDA, bf16 x, at most 16 tokens); faster at T = 2 and 16, alike at T = 1
-    and 4 (docs/kernels.md history 47, 49). `down_fp8` (opt-in, with gate_up_fp8): W_down in that layout too, for the
-    FP8 down (docs/kernels.md history 50)."""
-    require(gate_up_packed.dtype == torch.uint8 and down_packed.dtype == torch.uint8, "packed weights are uint8")
-    require(gate_up_fp8 or not down_fp8, "down_fp8 needs gate_up_fp8 (the FP8 down reads the FP8 gate/up's e4m3 h)")
-    gate_up = (decode_fp8_gluon.prepare_weights(gate_up_packed, gate_up_scales, "W_gate;W_up", "l") if gate_up_fp8
-               else prepare(gate_up_packed, gate_up_scales))
-    down = (decode_fp8_gluon.prepare_weights(down_packed, down_scales, "W_down", "F") if down_fp8
-            else prepare(down_packed, down_scales))
-    return PreparedExperts(*gate_up, *down, gate_up_fp8=gate_up_fp8, down_fp8=down_fp8)
-
-
 def _parts(dtype: torch.dtype) -> int:
     """bf16 parts that hold an activation of `dtype` exactly (bf16 8 bits, fp16 11, float32 24)."""
     return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 3)
@@ -294,10 +241,7 @@ def latent_moe_decode_prepared(
     else:
         stages, down_stages = (GLUON_STAGES if s is None else s for s in (gluon_stages, gluon_down_stages))
     default_gu, default_down = default_tiles(T * K, sms)
-    # Gate/up on warpgroup MMAs by default from as many (token, expert) pairs as SMs (session 8, history 35,
-    # same run, us at T = 1 / 4 / 16: gate/up 16.9 / 46.8 / 120.0 against mma.sync's 17.0 / 47.0 / 128.6;
-    # whole call 31.7 / 77.8 / 183.2 against 30.0 / 77.9 / 193.2: faster at T = 16, alike at 4, slower at 1).
-    wgmma = (T * K >= sms if gluon_wgmma is None else gluon_wgmma) and gate_up_tile is None
+    wgmma = (wgmma_by_default(T * K, sms) if gluon_wgmma is None else gluon_wgmma) and gate_up_tile is None
     gluon_gu_tile = gate_up_tile or (decode_wgmma_gluon.GATE_UP_TILE if wgmma else default_gu)
     gluon_gate_up = bool(stages) and token_block == 16 and decode_gluon.serves_gate_up(x, F, gluon_gu_tile)
     gu_tile = gluon_gu_tile if gluon_gate_up else (gate_up_tile or default_gu)

@@ -1,4 +1,5 @@
-"""Tile shapes of the latent-MoE decode kernels (one per kernel: gate/up and down tune apart).
+"""Tile shapes of the latent-MoE decode kernels (one per kernel: gate/up and down tune apart), and the launcher's
+defaults: tiles, Gluon stages and which form serves a call when the caller names none (measured, see each).
 
 Both kernels stream weight rows: a program owns `rows` rows of one expert and walks the reduction `cols`
 columns per step. Each step decodes rows x cols MXFP4 weights in registers, so the tile sets both how many
@@ -62,3 +63,35 @@ def default_tiles(pairs: int, sms: int) -> tuple[Tile, Tile]:
     if pairs < sms:
         return Tile(64, 128, 2, 2), Tile(128, 128, 2, 2)
     return Tile(64, 128, 2, 3, 168), Tile(128, 128, 2, 3, 168)
+
+
+# The Gluon kernels' cp.async stages and down tile where the caller names none (session 8, history 32, same
+# run, us at T = 1 / 4 / 16: gate/up 17.1 / 46.9 / 124.7 against the Triton kernel's 23.4 / 66.3 / 164.3, 2
+# stages alike, 4 slower at T = 4 / 16; down at 4 warps 10.1 / 25.8 / 63.8, at 2 warps (the Triton kernel's
+# default) 11.0 / 27.5 / 68.4, Triton 13.5 / 36.5 / 93.9). The gate/up tile stays default_tiles' 64 x 128 at
+# 2 warps: 4 warps or 32 rows were slower at T = 4 / 16.
+GLUON_STAGES = 3
+GLUON_DOWN_TILE = Tile(128, 128, 4, 3)
+# gluon_fused's (gate/up, down) tiles where the caller names neither (one launch: equal warps) and cp.async
+# stages (session 10, history 43, same runs, whole call us at T = 4: 70.2 / 68.9 at 2 + 2 stages against 70.4 /
+# 72.1 at 3 + 3; 4-warp tiles 71.0-71.5; the two-launch default 74.7 / 76.5).
+FUSED_TILES = (Tile(64, 128, 2, 3), Tile(128, 128, 2, 3))
+FUSED_STAGES = (2, 2)
+
+
+def fused_by_default(pairs: int, sms: int) -> bool:
+    """Whether a call of `pairs` (token, expert) pairs takes the one-launch form when the caller names no tiles:
+    from 48 pairs (T = 3 at k = 16: 61.0 us against 62.7 / 63.2, one run, history 44; T = 4 faster in three runs,
+    history 43-44) while the mma.sync gate/up is the default (fewer pairs than SMs). At 16 and 32 pairs (T = 1, 2)
+    it measured slower (41-42 us against 30; 57.6 against 44.4): every item is resident at once and the tickets,
+    taken in arrival order, put the gate/up items on a few SMs (at T = 1 on 76 of 132, up to 4 each; traced in
+    history 44); from T = 3 there are more gate/up items than resident programs, so the tickets balance them."""
+    return 48 <= pairs < sms
+
+
+def wgmma_by_default(pairs: int, sms: int) -> bool:
+    """Whether a call of `pairs` (token, expert) pairs takes gate/up on warpgroup MMAs when the caller names no
+    gate/up tile: from as many pairs as SMs (session 8, history 35, same run, us at T = 1 / 4 / 16: gate/up
+    16.9 / 46.8 / 120.0 against mma.sync's 17.0 / 47.0 / 128.6; whole call 31.7 / 77.8 / 183.2 against 30.0 /
+    77.9 / 193.2: faster at T = 16, alike at 4, slower at 1)."""
+    return pairs >= sms

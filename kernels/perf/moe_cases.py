@@ -18,7 +18,7 @@ import torch
 
 from k3core.quant.mxfp4 import BLOCK, dequantize, quantize
 from kernels.moe import latent_moe_decode_triton, naive
-from kernels.moe.latent_moe_decode_triton import PreparedExperts, prepare_experts
+from kernels.moe.prepared_experts import PreparedExperts, prepare_experts
 from kernels.moe.tiles import Tile
 from kernels.perf.harness import Row, copy_bandwidth, kernel_ms, rel_err, time_ms
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench import moe_stream_floor as floor
-from kernels.moe.latent_moe_decode_triton import PreparedExperts
+from kernels.moe.prepared_experts import PreparedExperts
 from kernels.perf import moe_cases
 from tests.kernels.conftest import interpreted  # noqa: F401 - the fixture
 

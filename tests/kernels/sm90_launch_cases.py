@@ -39,9 +39,10 @@ from kernels.moe import (
     decode_gluon,
     decode_wgmma_gluon,
     latent_moe_decode_triton,
+    prepared_experts,
     situ_glu_triton,
 )
-from kernels.moe.tiles import default_tiles
+from kernels.moe.tiles import FUSED_STAGES, FUSED_TILES, GLUON_DOWN_TILE, GLUON_STAGES, default_tiles
 from kernels.perf import attnres_cases, kda_decode_cases, kda_prefill_tuning, mla_cases, moe_cases
 from services.engine import fast_ffn
 from services.engine.decode_inputs import DecodeInputs
@@ -205,7 +206,7 @@ def latent_moe(tokens: int, experts: int = E, latent: int = LATENT, width: int =
                **tuning) -> None:
     """The MXFP4 routed-expert decode (kernels/moe) on prepared experts (int32 words, uint8 multipliers)."""
     u8 = torch.uint8
-    experts_ = latent_moe_decode_triton.PreparedExperts(
+    experts_ = prepared_experts.PreparedExperts(
         empty(experts, 2 * width, latent // 8, dtype=I32), empty(experts, 2 * width, latent // 32, dtype=u8),
         empty(experts, latent, width // 8, dtype=I32), empty(experts, latent, width // 32, dtype=u8))
     latent_moe_decode_triton.latent_moe_decode_prepared(empty(tokens, latent), torch.zeros(tokens, top_k, dtype=I64),
@@ -217,7 +218,7 @@ def latent_moe_gluon(tokens: int, experts: int = E, latent: int = LATENT, width:
     """The Gluon forms of the MXFP4 routed-expert decode (kernels/moe/decode_gluon.py, decode_wgmma_gluon.py)
     with the tiles and stages the launcher gives them on CUDA for bf16 activations (it takes them only there,
     so `latent_moe` cannot reach them from CPU tensors)."""
-    u8, pairs, stages = torch.uint8, tokens * top_k, latent_moe_decode_triton.GLUON_STAGES
+    u8, pairs, stages = torch.uint8, tokens * top_k, GLUON_STAGES
     x, ids, h = empty(tokens, latent), torch.zeros(tokens, top_k, dtype=I64), empty(1, pairs, width)
     gate_up = (empty(experts, 2 * width, latent // 8, dtype=I32), empty(experts, 2 * width, latent // 32, dtype=u8))
     down = (empty(tokens, top_k, dtype=F32), empty(experts, latent, width // 8, dtype=I32),
@@ -226,9 +227,9 @@ def latent_moe_gluon(tokens: int, experts: int = E, latent: int = LATENT, width:
     decode_wgmma_gluon.gate_up(x, ids, *gate_up, h, 4.0, 25.0, stages)
     decode_fp8_gluon.gate_up(x, ids, *gate_up, h, 4.0, 25.0, stages)  # experts prepared with gate_up_fp8: N = 8 at T = 1, 16 at 16
     decode_wgmma_gluon.down(h, ids, *down, decode_wgmma_gluon.DOWN_TILE, stages)
-    decode_gluon.down(h, ids, *down, latent_moe_decode_triton.GLUON_DOWN_TILE, stages)
+    decode_gluon.down(h, ids, *down, GLUON_DOWN_TILE, stages)
     decode_fused_gluon.gate_up_down(x, ids, down[0], (*gate_up, *down[1:3]), h, down[3], 4.0, 25.0,
-                                    *latent_moe_decode_triton.FUSED_TILES, *latent_moe_decode_triton.FUSED_STAGES)
+                                    *FUSED_TILES, *FUSED_STAGES)
     hq, s = empty(pairs, 2, width, dtype=torch.uint8), decode_fp8_down_gluon.h_scale(4.0, 25.0)  # opt-in FP8 down
     decode_fp8_gluon.gate_up(x, ids, *gate_up, hq, 4.0, 25.0, stages, s)
     decode_fp8_down_gluon.down(hq, ids, *down, s, stages)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from k3core.quant.mxfp4 import quantize
 from kernels import compile_check
-from kernels.moe import latent_moe_decode_triton, naive
+from kernels.moe import latent_moe_decode_triton, naive, prepared_experts
 from kernels.moe.tiles import Tile, default_tiles
 
 
@@ -110,7 +110,7 @@ def test_calls_gluon_does_not_take_run_triton_at_the_default_tiles():
     its own 64-row 4-warp tile; a call no Gluon kernel takes (here CPU tensors, launches recorded as the H200
     would compile them) runs both Triton kernels at `default_tiles`' tiles, that tile not carried over."""
     T, K, E, L, F = 16, 16, 16, 256, 128
-    experts = latent_moe_decode_triton.PreparedExperts(
+    experts = prepared_experts.PreparedExperts(
         torch.zeros(E, 2 * F, L // 8, dtype=torch.int32), torch.zeros(E, 2 * F, L // 32, dtype=torch.uint8),
         torch.zeros(E, L, F // 8, dtype=torch.int32), torch.zeros(E, L, F // 32, dtype=torch.uint8))
     with compile_check.record_launches({"USE_ASM": True}) as recorder:

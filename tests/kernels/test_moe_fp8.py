@@ -10,7 +10,13 @@ import torch
 
 from k3core.quant import mxfp4_device
 from k3core.quant.mxfp4 import E2M1_MAGNITUDES, dequantize, quantize, unpack_codes
-from kernels.moe import decode_fp8_gluon, latent_moe_decode_triton, naive
+from kernels.moe import (
+    decode_fp8_gluon,
+    fp8_operands_triton,
+    latent_moe_decode_triton,
+    naive,
+    prepared_experts,
+)
 from kernels.moe.mxfp4_tile_triton import BLOCK_ROWS
 from kernels.perf.moe_cases import MAX_REL_ERR
 from tests.kernels.moe_fp8_helpers import e4m3_values, weights_in_mma_k_order
@@ -60,9 +66,9 @@ def test_prepared_weights_meet_their_activations_in_the_mma_k_order(latent):
     gen = torch.Generator().manual_seed(latent)
     rows = 2 * BLOCK_ROWS
     packed, scales = quantize(torch.randn(3, rows, latent, generator=gen))
-    words, mults = decode_fp8_gluon.prepare_weights(packed, scales, "W_gate;W_up", "l")
+    words, mults = fp8_operands_triton.prepare_weights(packed, scales, "W_gate;W_up", "l")
     assert words.shape == (3, rows, latent // 8) and words.dtype == torch.int32 and mults.shape == (3, rows, latent // 32)
-    k = decode_fp8_gluon.mma_k_columns(latent)
+    k = fp8_operands_triton.mma_k_columns(latent)
     assert torch.equal(k.sort().values, torch.arange(latent)) and torch.equal(k // 32, torch.arange(latent) // 32)
     x = torch.randn(latent, generator=gen, dtype=F64)
     got = weights_in_mma_k_order(words, mults) @ x[k]
@@ -73,13 +79,13 @@ def test_input_checks_of_the_k_order_and_the_e4m3_decode():
     """mma_k_columns permutes each 32-column group within itself and refuses a partial group (which would map
     columns past the end: the reference split failed with a bare IndexError); decode_e4m3 takes int32 words
     only (a float tensor would be silently truncated to other words)."""
-    k = decode_fp8_gluon.mma_k_columns(96)
+    k = fp8_operands_triton.mma_k_columns(96)
     assert torch.equal(k.reshape(3, 32).sort(1).values, torch.arange(96).reshape(3, 32))
     for width in (48, 100, -32):
         with pytest.raises(ValueError, match=f"multiple of 32, got {width}"):
-            decode_fp8_gluon.mma_k_columns(width)
+            fp8_operands_triton.mma_k_columns(width)
     with pytest.raises(ValueError, match="multiple of 32, got 48"):
-        decode_fp8_gluon.split_activations_reference(torch.ones(1, 48, dtype=torch.bfloat16))
+        fp8_operands_triton.split_activations_reference(torch.ones(1, 48, dtype=torch.bfloat16))
     words = mxfp4_device.device_words_e4m3(torch.randint(0, 256, (2, 8), dtype=torch.uint8))
     for dtype in (torch.float32, torch.int64, torch.uint8):
         with pytest.raises(TypeError, match=f"must be int32.*got {dtype}"):
@@ -92,28 +98,28 @@ def test_activation_split_is_two_e4m3_parts_of_a_power_of_two_scaled_row():
     scale (the output is not finite, as the reference's)."""
     gen = torch.Generator().manual_seed(2)
     x = (torch.randn(4, 256, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 1e4])[:, None]).to(torch.bfloat16)
-    parts, s = decode_fp8_gluon.split_activations_reference(x)
+    parts, s = fp8_operands_triton.split_activations_reference(x)
     assert parts.dtype == torch.float8_e4m3fn and parts.shape == (4, 2, 256)
     assert torch.equal(torch.frexp(s)[0], torch.full_like(s, 0.5))
     back = torch.empty(4, 256, dtype=F64)
-    back[:, decode_fp8_gluon.mma_k_columns(256)] = parts.to(F64).sum(1) * s[:, None].to(F64)
+    back[:, fp8_operands_triton.mma_k_columns(256)] = parts.to(F64).sum(1) * s[:, None].to(F64)
     amax = x.double().abs().amax(1)
     assert ((amax / s) >= 128).all() and ((amax / s) < 256).all()
     err = (back - x.double()).abs() / amax[:, None]
     assert err.max() < 2.0**-10, err.max()  # hi: 4 bits, lo: 4 more of what is left (subnormal at the bottom)
-    zero_parts, zero_s = decode_fp8_gluon.split_activations_reference(torch.zeros(1, 128, dtype=torch.bfloat16))
+    zero_parts, zero_s = fp8_operands_triton.split_activations_reference(torch.zeros(1, 128, dtype=torch.bfloat16))
     assert not zero_parts.to(F64).any() and torch.isfinite(zero_s).all()
     inf = torch.zeros(1, 128, dtype=torch.bfloat16)
     inf[0, 5] = float("inf")
-    assert torch.isnan(decode_fp8_gluon.split_activations_reference(inf)[1]).all()
+    assert torch.isnan(fp8_operands_triton.split_activations_reference(inf)[1]).all()
 
 
 def _fp8_decode_simulated(x, ids, w, packs):
     """The whole call as the FP8 gate/up computes it (activations through the hi / lo split, weights exact),
     down as the oracle (float32)."""
-    parts, s = decode_fp8_gluon.split_activations_reference(x)
+    parts, s = fp8_operands_triton.split_activations_reference(x)
     x_split = torch.empty(x.shape, dtype=torch.float32)
-    x_split[:, decode_fp8_gluon.mma_k_columns(x.shape[1])] = parts.float().sum(1) * s[:, None]
+    x_split[:, fp8_operands_triton.mma_k_columns(x.shape[1])] = parts.float().sum(1) * s[:, None]
     return naive.latent_moe_decode(x_split, ids, w, *packs)
 
 
@@ -138,7 +144,7 @@ def test_fp8_prepared_experts_record_their_layout_and_refuse_calls_they_cannot_s
     """The e4m3 layout has the bf16 layout's shapes and dtypes: the prepared experts say which they hold, and a
     call the FP8 gate/up does not serve (a CPU call here) is refused instead of reading one layout as the other."""
     packs = (*quantize(torch.randn(2, 128, 256)), *quantize(torch.randn(2, 256, 64)))
-    plain, fp8 = (latent_moe_decode_triton.prepare_experts(*packs, gate_up_fp8=f) for f in (False, True))
+    plain, fp8 = (prepared_experts.prepare_experts(*packs, gate_up_fp8=f) for f in (False, True))
     assert not plain.gate_up_fp8 and fp8.gate_up_fp8
     assert plain.gate_up_words.shape == fp8.gate_up_words.shape and not torch.equal(plain.gate_up_words,
                                                                                    fp8.gate_up_words)
@@ -159,8 +165,8 @@ def test_split_kernel_matches_the_reference_on_gpu():
     gen = torch.Generator(device="cuda").manual_seed(4)
     x = (torch.randn(5, 2048, generator=gen, device="cuda") * 3).to(torch.bfloat16)
     x[3] = 0
-    parts, s = decode_fp8_gluon.split_activations(x)
-    ref_parts, ref_s = decode_fp8_gluon.split_activations_reference(x.cpu())
+    parts, s = fp8_operands_triton.split_activations(x)
+    ref_parts, ref_s = fp8_operands_triton.split_activations_reference(x.cpu())
     got, want = parts.cpu().view(torch.uint8), ref_parts.view(torch.uint8)
     bad = [(got[:, p] != want[:, p]).sum().item() for p in range(2)]
     assert bad == [0, 0], f"mismatching (hi, lo) bytes: {bad}; first lo: {got[0, 1, :8].tolist()} {want[0, 1, :8].tolist()}"
@@ -185,14 +191,14 @@ def test_fp8_gate_up_kernel_on_the_reference_split(tokens, stages, monkeypatch):
     product of the same activations (s (hi + lo)) with the dequantized weights, SiTU-GLU, within bf16's rounding."""
     _gpu()
     packs, x, ids, _w = _problem(tokens)
-    parts, s = decode_fp8_gluon.split_activations_reference(x.cpu())
+    parts, s = fp8_operands_triton.split_activations_reference(x.cpu())
     monkeypatch.setattr(decode_fp8_gluon, "split_activations", lambda _x: (parts.cuda(), s.cuda()))
-    words, mults = decode_fp8_gluon.prepare_weights(packs[0], packs[1], "W_gate;W_up", "l")
+    words, mults = fp8_operands_triton.prepare_weights(packs[0], packs[1], "W_gate;W_up", "l")
     K, F = ids.shape[1], packs[0].shape[1] // 2
     h = torch.zeros(1, tokens * K, F, dtype=torch.bfloat16, device="cuda")
     decode_fp8_gluon.gate_up(x, ids, words, mults, h, 4.0, 25.0, stages)
     x_split = torch.empty(x.shape, dtype=F64)
-    x_split[:, decode_fp8_gluon.mma_k_columns(x.shape[1])] = parts.to(F64).sum(1) * s[:, None].to(F64)
+    x_split[:, fp8_operands_triton.mma_k_columns(x.shape[1])] = parts.to(F64).sum(1) * s[:, None].to(F64)
     w = dequantize(packs[0].cpu(), packs[1].cpu(), torch.float64)[ids.cpu().flatten().long()]  # [T k, 2F, l]
     gate_up = torch.einsum("pfl,pl->pf", w, x_split.repeat_interleave(K, 0))
     want = naive.situ_glu_fused(gate_up.float())
@@ -209,7 +215,7 @@ def test_fp8_gate_up_matches_the_oracle_on_gpu(tokens, stages):
     arithmetic; token 1 shares token 0's first expert."""
     _gpu()
     packs, x, ids, w = _problem(tokens)
-    experts = latent_moe_decode_triton.prepare_experts(*packs, gate_up_fp8=True)
+    experts = prepared_experts.prepare_experts(*packs, gate_up_fp8=True)
     got = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, gluon_stages=stages).float()
     ref = naive.latent_moe_decode(x.float(), ids, w, *packs)
     err = ((got - ref).norm() / ref.norm()).item()

@@ -11,7 +11,12 @@ import torch
 from k3core.ops.moe import situ_glu
 from k3core.quant.mxfp4 import dequantize, quantize
 from kernels.moe import decode_fp8_down_gluon as fp8_down
-from kernels.moe import decode_fp8_gluon, latent_moe_decode_triton, naive
+from kernels.moe import (
+    fp8_operands_triton,
+    latent_moe_decode_triton,
+    naive,
+    prepared_experts,
+)
 from kernels.moe.tiles import Tile
 from kernels.perf.moe_cases import MAX_REL_ERR
 from tests.kernels.moe_fp8_helpers import weights_in_mma_k_order
@@ -28,12 +33,12 @@ def _from_k_order(parts: torch.Tensor, s: float) -> torch.Tensor:
     """uint8 [P, 2, F] hi (e4m3) / lo (e5m2) in the MMA's K order -> float64 s (hi + lo) [P, F] in column order."""
     hi, lo = parts[:, 0].view(torch.float8_e4m3fn).to(F64), parts[:, 1].view(torch.float8_e5m2).to(F64)
     back = torch.empty(parts.shape[0], parts.shape[2], dtype=F64)
-    back[:, decode_fp8_gluon.mma_k_columns(parts.shape[2])] = (hi + lo) * s
+    back[:, fp8_operands_triton.mma_k_columns(parts.shape[2])] = (hi + lo) * s
     return back
 
 
-def _fp8_experts(packs) -> latent_moe_decode_triton.PreparedExperts:
-    return latent_moe_decode_triton.prepare_experts(*packs, gate_up_fp8=True, down_fp8=True)
+def _fp8_experts(packs) -> prepared_experts.PreparedExperts:
+    return prepared_experts.prepare_experts(*packs, gate_up_fp8=True, down_fp8=True)
 
 
 def test_down_weights_reuse_the_gate_up_layout_bit_exactly():
@@ -45,12 +50,12 @@ def test_down_weights_reuse_the_gate_up_layout_bit_exactly():
     packs = _packs(E, L, F, gen)
     experts = _fp8_experts(packs)
     assert experts.gate_up_fp8 and experts.down_fp8
-    assert torch.equal(experts.down_words, decode_fp8_gluon.prepare_weights(packs[2], packs[3], "W_down", "F")[0])
+    assert torch.equal(experts.down_words, fp8_operands_triton.prepare_weights(packs[2], packs[3], "W_down", "F")[0])
     with pytest.raises(ValueError, match="down_fp8 needs gate_up_fp8"):
-        latent_moe_decode_triton.prepare_experts(*packs, down_fp8=True)
+        prepared_experts.prepare_experts(*packs, down_fp8=True)
     assert experts.down_words.shape == (E, L, F // 8) and experts.down_mults.shape == (E, L, F // 32)
     h = torch.randn(F, generator=gen, dtype=F64)
-    got = weights_in_mma_k_order(experts.down_words, experts.down_mults) @ h[decode_fp8_gluon.mma_k_columns(F)]
+    got = weights_in_mma_k_order(experts.down_words, experts.down_mults) @ h[fp8_operands_triton.mma_k_columns(F)]
     torch.testing.assert_close(got, dequantize(packs[2], packs[3], F64) @ h, rtol=1e-12, atol=1e-12)
 
 
@@ -64,7 +69,7 @@ def test_fp8_preparation_errors_name_the_matrix_and_width_they_check():
         _fp8_experts(_packs(1, 64, 128, gen))
     packed, scales = quantize(torch.randn(1, 48, 128, generator=gen))
     with pytest.raises(ValueError, match=r"fp8 W_down needs a multiple of 32 rows, got 48"):
-        decode_fp8_gluon.prepare_weights(packed, scales, "W_down", "F")
+        fp8_operands_triton.prepare_weights(packed, scales, "W_down", "F")
 
 
 def test_h_scale_is_the_smallest_power_of_two_that_fits_and_refuses_others():
@@ -98,9 +103,9 @@ def test_split_h_is_two_e4m3_parts_within_their_rounding_bound():
 def _simulated(x, ids, w, packs, h_format: str, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
     """The whole call in float64 as the FP8 kernels round it: x through the gate/up's hi / lo split, exact
     weights, h as e4m3 hi / lo at the fixed scale ("fp8") or as bf16 ("bf16": today's down input)."""
-    parts, sx = decode_fp8_gluon.split_activations_reference(x)
+    parts, sx = fp8_operands_triton.split_activations_reference(x)
     xs = torch.empty(x.shape, dtype=F64)
-    xs[:, decode_fp8_gluon.mma_k_columns(x.shape[1])] = parts.to(F64).sum(1) * sx[:, None].to(F64)
+    xs[:, fp8_operands_triton.mma_k_columns(x.shape[1])] = parts.to(F64).sum(1) * sx[:, None].to(F64)
     F = packs[0].shape[1] // 2
     flat = ids.flatten().long()
     gate_up = torch.einsum("pfl,pl->pf", dequantize(packs[0][flat], packs[1][flat], F64),

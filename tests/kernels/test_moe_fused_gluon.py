@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from k3core.quant.mxfp4 import quantize
-from kernels.moe import decode_fused_gluon, latent_moe_decode_triton, naive
-from kernels.moe.tiles import Tile
+from kernels.moe import decode_fused_gluon, latent_moe_decode_triton, naive, prepared_experts
+from kernels.moe.tiles import FUSED_STAGES, FUSED_TILES, Tile, fused_by_default
 
-FUSED = latent_moe_decode_triton.FUSED_TILES  # the tiles the launcher ships with
+FUSED = FUSED_TILES  # the tiles the launcher ships with
 
 
 def _problem(tokens: int, experts: int, top_k: int, latent: int, width: int, device: str, seed: int = 0):
@@ -45,7 +45,7 @@ def test_the_switch_keeps_cpu_calls_on_the_triton_kernels():
     """gluon_fused on CPU tensors changes nothing: bit-equal to the call without it (same Triton kernels, same
     default tiles, not FUSED_TILES), and within the oracle's bar."""
     x, ids, w, packs = _problem(2, 4, 2, 128, 128, "cpu")
-    experts = latent_moe_decode_triton.prepare_experts(*packs)
+    experts = prepared_experts.prepare_experts(*packs)
     fused = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, gluon_fused=True)
     plain = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts)
     assert torch.equal(fused, plain)
@@ -57,7 +57,7 @@ def test_default_takes_the_fused_form_from_48_pairs_to_fewer_than_sms():
     """The launcher's default: two launches below 48 (token, expert) pairs (T = 1, 2 measured slower) and from
     as many pairs as SMs (the warpgroup gate/up's range), one launch between."""
     sms = 132
-    assert [latent_moe_decode_triton.fused_by_default(p, sms) for p in (16, 32, 47, 48, 64, 131, 132, 256)] == [
+    assert [fused_by_default(p, sms) for p in (16, 32, 47, 48, 64, 131, 132, 256)] == [
         False, False, False, True, True, True, False, False]
 
 
@@ -79,7 +79,7 @@ E, K, L, F = 12, 4, 512, 512  # the GPU cases' experts: 4 steps of 128 columns a
 
 def _gpu_call(tokens: int, seed: int, tiles: tuple[Tile, Tile], stages: tuple[int, int]):
     x, ids, w, packs = _problem(tokens, E, K, L, F, "cuda", seed)
-    experts = latent_moe_decode_triton.prepare_experts(*packs)
+    experts = prepared_experts.prepare_experts(*packs)
     tuning = {"gate_up_tile": tiles[0], "down_tile": tiles[1], "gluon_stages": stages[0],
               "gluon_down_stages": stages[1]}
     return x, ids, w, packs, experts, tuning
@@ -138,12 +138,11 @@ def test_the_default_call_at_64_pairs_is_the_fused_form_on_gpu(monkeypatch):
     FUSED_STAGES (bit-equal to naming them)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    x, ids, w, _packs, experts, tuning = _gpu_call(16, 11, latent_moe_decode_triton.FUSED_TILES,
-                                                   latent_moe_decode_triton.FUSED_STAGES)
+    x, ids, w, _packs, experts, tuning = _gpu_call(16, 11, FUSED_TILES, FUSED_STAGES)
     launches = []
     launch = decode_fused_gluon.gate_up_down
     monkeypatch.setattr(decode_fused_gluon, "gate_up_down", lambda *a: launches.append(a[-4:]) or launch(*a))
     default = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts)
-    assert launches == [(*latent_moe_decode_triton.FUSED_TILES, *latent_moe_decode_triton.FUSED_STAGES)]
+    assert launches == [(*FUSED_TILES, *FUSED_STAGES)]
     fused = latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, gluon_fused=True, **tuning)
     assert torch.equal(default, fused)

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from k3core.quant.mxfp4 import quantize
-from kernels.moe import decode_gluon, decode_wgmma_gluon, latent_moe_decode_triton, naive
-from kernels.moe.tiles import Tile
+from kernels.moe import (
+    decode_gluon,
+    decode_wgmma_gluon,
+    latent_moe_decode_triton,
+    naive,
+    prepared_experts,
+)
+from kernels.moe.tiles import GLUON_DOWN_TILE, Tile
 
 GLUON_TILE = Tile(64, 128, 2, 2)
 
@@ -53,7 +59,7 @@ def _call_matches_oracle_and_triton(tokens: int, seed: int, tiles: dict, **gluon
     experts (token 1 names token 0's first expert; at 16 tokens some expert serves several)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     packs = _experts(gen, E, L, F, "cuda")
-    experts = latent_moe_decode_triton.prepare_experts(*packs)
+    experts = prepared_experts.prepare_experts(*packs)
     x = torch.randn(tokens, L, generator=gen, device="cuda").to(torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=gen, device="cuda")[:K] for _ in range(tokens)]).int()
     if tokens > 1 and not (ids[1] == ids[0, 0]).any():
@@ -123,7 +129,7 @@ def test_warpgroup_kernels_match_the_oracle_on_gpu(tokens, stages, down_wgmma, d
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     x = torch.empty(tokens, L, dtype=torch.bfloat16, device="cuda")
-    down_tile = down or (decode_wgmma_gluon.DOWN_TILE if down_wgmma else latent_moe_decode_triton.GLUON_DOWN_TILE)
+    down_tile = down or (decode_wgmma_gluon.DOWN_TILE if down_wgmma else GLUON_DOWN_TILE)
     assert decode_gluon.serves_gate_up(x, F, decode_wgmma_gluon.GATE_UP_TILE)
     assert decode_gluon.serves_down(x, F, 1, down_tile) and (not down_wgmma or decode_wgmma_gluon.serves_down_tile(down_tile))
     _call_matches_oracle_and_triton(tokens, 100 + tokens, {"down_tile": down}, gluon_stages=stages,
