@@ -59,6 +59,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma_wait
 
     from kernels.moe.decode_fp8_gluon import _X_SHARED, _copy_x, _gather, _issue, _mma, _scaled, _x_rows
+    from kernels.moe.decode_gluon import _h_arrived
     from kernels.moe.mxfp4_stream_gluon import (
         block_tile,
         copy_tile,
@@ -76,22 +77,22 @@ if gluon is not None:
         """A [16] slot vector's first N entries in the accumulators' column layout."""
         return gl.convert_layout(_gather(v, slot, layout), gl.SliceLayout(0, _mma(N)))
 
-    @gluon.jit(do_not_specialize=["T"])
-    def down_kernel(hq, ids, weights, wd, md, partial, T, K, L, s, F: gl.constexpr, TP: gl.constexpr,
-                    BK: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr, N: gl.constexpr):
-        """Grid (T k, l / 128, SPLITS), 4 warps: partial[split, pair] <- p * s * (rows of W_down) . (hi + lo)
-        over the split's F / SPLITS columns, for the experts' leading pairs (hq: uint8 [T k, 2, F])."""
+    @gluon.jit
+    def down_rows(hq, ids, weights, wd, md, partial, lead, row0, split, T, K, L, s, F: gl.constexpr,
+                  TP: gl.constexpr, BK: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr, N: gl.constexpr,
+                  arrivals, NEED: gl.constexpr):
+        """One FP8 down program's work (the two 64-row tiles from row0 of split `split`, where pair `lead` leads
+        its expert). NEED > 0 (decode_fp8_fused_gluon): the ring's first weight stages are issued before waiting
+        for the counter at `arrivals` to reach NEED (the expert's h published), and only then its h stages."""
         WORDS: gl.constexpr = F // 8
         STEPS: gl.constexpr = F // 128 // SPLITS
-        e, leader, first, match, index = expert_tokens(ids, gl.program_id(0), T, K, TP, BK, 4)
+        e, leader, first, match, index = expert_tokens(ids, lead, T, K, TP, BK, 4)
         if leader:
             hit, slot_pair, used = slots(first, 4)
             # A token that names the expert in several slots gets the sum of their router weights.
             p_tok = gl.sum(gl.load(weights + index, mask=match, other=0.0), 1)
             p_slot = gl.sum(gl.where(hit, gl.convert_layout(p_tok, gl.SliceLayout(0, small_layout(4)))[None, :], 0.0), 1)
-            split = gl.program_id(2)
             step0 = split * STEPS
-            row0 = gl.program_id(1) * (2 * _ROWS)
             a_words, a_fields = block_tile(row0, WORDS, _ROWS, 4)
             a_words = wd + e * L * WORDS + a_words
             a_fields = md + e * L * (WORDS // 4) + a_fields
@@ -100,11 +101,18 @@ if gluon is not None:
             h_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 8 * N, 32], _X_SHARED)
             a_s, a_f = words_ring(STAGES, _ROWS), fields_ring(STAGES, _ROWS)
             b_s, b_f = words_ring(STAGES, _ROWS), fields_ring(STAGES, _ROWS)
+            if NEED > 0:
+                for i in gl.static_range(STAGES - 1):
+                    if i < STEPS:
+                        copy_tile(a_s, a_f, i, a_words, a_fields, step0 + i)
+                        copy_tile(b_s, b_f, i, b_words, b_fields, step0 + i)
+                _h_arrived(arrivals, NEED)
             for i in gl.static_range(STAGES - 1):
                 if i < STEPS:
                     _copy_x(h_s, i, h_rows, h_ok, step0 + i)
-                    copy_tile(a_s, a_f, i, a_words, a_fields, step0 + i)
-                    copy_tile(b_s, b_f, i, b_words, b_fields, step0 + i)
+                    if NEED == 0:
+                        copy_tile(a_s, a_f, i, a_words, a_fields, step0 + i)
+                        copy_tile(b_s, b_f, i, b_words, b_fields, step0 + i)
                 async_copy.commit_group()
             acc_a = gl.zeros([_ROWS, N], gl.float32, _mma(N))
             acc_b = gl.zeros([_ROWS, N], gl.float32, _mma(N))
@@ -135,6 +143,15 @@ if gluon is not None:
             out = partial + (split * T * K + pair[None, :]) * L + rows[:, None]
             gl.store(out, acc_a * scale[None, :], mask=ok[None, :])
             gl.store(out + _ROWS, acc_b * scale[None, :], mask=ok[None, :])
+
+    @gluon.jit(do_not_specialize=["T"])
+    def down_kernel(hq, ids, weights, wd, md, partial, T, K, L, s, F: gl.constexpr, TP: gl.constexpr,
+                    BK: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr, N: gl.constexpr):
+        """Grid (T k, l / 128, SPLITS), 4 warps: partial[split, pair] <- p * s * (rows of W_down) . (hi + lo)
+        over the split's F / SPLITS columns, for the experts' leading pairs (hq: uint8 [T k, 2, F])."""
+        # NEED = 0: h is complete before this launch (`ids` only fills the unused `arrivals` pointer)
+        down_rows(hq, ids, weights, wd, md, partial, gl.program_id(0), gl.program_id(1) * (2 * _ROWS),
+                  gl.program_id(2), T, K, L, s, F, TP, BK, SPLITS, STAGES, N, ids, 0)
 
 
 def serves(x: torch.Tensor, F: int, splits: int) -> bool:

@@ -171,20 +171,17 @@ if gluon is not None:
         gl.store(at.to(gl.pointer_type(gl.float8e4nv)), hi.to(gl.float8e4nv), mask=ok[None, :])  # exact
         gl.store((at + F).to(gl.pointer_type(gl.float8e5)), (y - hi).to(gl.float8e5), mask=ok[None, :])
 
-    @gluon.jit(do_not_specialize=["T"])
-    def gate_up_kernel(xq, xs, ids, wgu, mgu, h, T, K, F, beta1, beta2, L: gl.constexpr, TP: gl.constexpr,
-                       BK: gl.constexpr, HP: gl.constexpr, STAGES: gl.constexpr, N: gl.constexpr,
-                       HS: gl.constexpr = 0.0):
-        """Grid (T k, F / 64), 4 warps: as decode_wgmma_gluon.gate_up_kernel from `split_activations`' xq / xs
-        and fp8_operands_triton.prepare_weights' words / fields, for experts of at most N tokens (T <= N). HS = 0: h in HP bf16
-        parts [HP, T k, F]; else h / s as hi + lo bytes [T k, 2, F] (e4m3, e5m2) in the MMA's K order, HS =
-        1 / s (a power of two; decode_fp8_down_gluon's input)."""
+    @gluon.jit
+    def gate_up_rows(xq, xs, ids, wgu, mgu, h, lead, row0, T, K, F, beta1, beta2, L: gl.constexpr,
+                     TP: gl.constexpr, BK: gl.constexpr, HP: gl.constexpr, STAGES: gl.constexpr, N: gl.constexpr,
+                     HS: gl.constexpr):
+        """One FP8 gate/up program's work: rows row0 .. row0 + 64 of h for the tokens of pair `lead`'s expert,
+        where `lead` leads it (both gate_up_kernel and decode_fp8_fused_gluon's one-launch kernel)."""
         WORDS: gl.constexpr = L // 8
         STEPS: gl.constexpr = L // 128
-        e, leader, first, _match, _index = expert_tokens(ids, gl.program_id(0), T, K, TP, BK, 4)
+        e, leader, first, _match, _index = expert_tokens(ids, lead, T, K, TP, BK, 4)
         if leader:
             _hit, slot_pair, used = slots(first, 4)
-            row0 = gl.program_id(1) * _ROWS
             gate_words, gate_fields = block_tile(row0, WORDS, _ROWS, 4)
             words = wgu + e * (2 * F) * WORDS + gate_words
             fields = mgu + e * (2 * F) * (WORDS // 4) + gate_fields
@@ -234,6 +231,17 @@ if gluon is not None:
                     rest = rest - part.to(gl.float32)
             else:
                 _store_fp8_parts(h, rest * HS, pair, ok, rows, F)
+
+    @gluon.jit(do_not_specialize=["T"])
+    def gate_up_kernel(xq, xs, ids, wgu, mgu, h, T, K, F, beta1, beta2, L: gl.constexpr, TP: gl.constexpr,
+                       BK: gl.constexpr, HP: gl.constexpr, STAGES: gl.constexpr, N: gl.constexpr,
+                       HS: gl.constexpr = 0.0):
+        """Grid (T k, F / 64), 4 warps: as decode_wgmma_gluon.gate_up_kernel from `split_activations`' xq / xs
+        and fp8_operands_triton.prepare_weights' words / fields, for experts of at most N tokens (T <= N). HS = 0:
+        h in HP bf16 parts [HP, T k, F]; else h / s as hi + lo bytes [T k, 2, F] (e4m3, e5m2) in the MMA's K
+        order, HS = 1 / s (a power of two; decode_fp8_down_gluon's input)."""
+        gate_up_rows(xq, xs, ids, wgu, mgu, h, gl.program_id(0), gl.program_id(1) * _ROWS, T, K, F, beta1, beta2, L,
+                     TP, BK, HP, STAGES, N, HS)
 
 
 def serves(x: torch.Tensor, F: int) -> bool:

@@ -26,6 +26,21 @@ if gluon is not None:
 
     from kernels.moe.decode_gluon import down_rows, gate_up_rows
 
+    @gluon.jit
+    def publish(arrival):
+        """A gate/up item's h rows, published: one release on its pair's arrival counter."""
+        gl.thread_barrier()  # every thread's h stores precede the (single-thread) release
+        gl.atomic_add(arrival, 1, sem="release", scope="gpu")
+
+    @gluon.jit
+    def count_out(counters, items, pairs, TP: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr):
+        """Every program counts out; the last of `items` (all others have taken their tickets and stopped
+        waiting) leaves the counters (ticket, finished, `pairs` arrivals) zeroed for the next launch."""
+        if gl.atomic_add(counters + 1, 1, sem="acq_rel", scope="gpu") == items - 1:
+            zero: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+            slot = gl.arange(0, 2 * TP * BK, layout=zero)  # >= T k + 2 (T <= TP)
+            gl.store(counters + slot, gl.zeros([2 * TP * BK], gl.int32, zero), mask=slot < pairs + 2)
+
     @gluon.jit(do_not_specialize=["T"])
     def gate_up_down_kernel(x, ids, weights, wgu, mgu, wd, md, h, partial, counters, T, K, beta1, beta2,
                             L: gl.constexpr, F: gl.constexpr, TP: gl.constexpr, BK: gl.constexpr,
@@ -42,19 +57,13 @@ if gluon is not None:
             pair = item // GU_BLOCKS
             gate_up_rows(x, ids, wgu, mgu, h, pair, (item % GU_BLOCKS) * GU_ROWS, T, K, F, beta1, beta2, L, TP, BK,
                          1, GU_ROWS, WARPS, GU_STAGES)
-            gl.thread_barrier()  # every thread's h stores precede the (single-thread) release
-            gl.atomic_add(arrivals + pair, 1, sem="release", scope="gpu")
+            publish(arrivals + pair)
         else:
             down = item - gate_up_items
             pair = down // D_BLOCKS
             down_rows(h, ids, weights, wd, md, partial, pair, (down % D_BLOCKS) * D_ROWS, 0, T, K, L, F, TP, BK,
                       D_ROWS, WARPS, 1, D_STAGES, arrivals + pair, GU_BLOCKS)
-        # Every program counts out; the last one (all others have taken their tickets and stopped waiting)
-        # leaves the counters zeroed for the next launch.
-        if gl.atomic_add(counters + 1, 1, sem="acq_rel", scope="gpu") == gate_up_items + T * K * D_BLOCKS - 1:
-            zero: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-            slot = gl.arange(0, 2 * TP * BK, layout=zero)  # >= T k + 2 (T <= TP)
-            gl.store(counters + slot, gl.zeros([2 * TP * BK], gl.int32, zero), mask=slot < T * K + 2)
+        count_out(counters, gate_up_items + T * K * D_BLOCKS, T * K, TP, BK, WARPS)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -30,6 +30,7 @@ import torch
 from kernels._triton import next_pow2, require, sm_count, tl, triton
 from kernels.moe import (
     decode_fp8_down_gluon,
+    decode_fp8_fused_gluon,
     decode_fp8_gluon,
     decode_fused_gluon,
     decode_gluon,
@@ -206,7 +207,8 @@ def latent_moe_decode_prepared(
     `gluon_fused`: the mma.sync gate/up and the down in one launch (kernels.moe.decode_fused_gluon, at
     FUSED_TILES unless both tiles are given, FUSED_STAGES unless stages are) where it serves the call
     (default: `fused_by_default`). Experts prepared with `gate_up_fp8` take gate/up on FP8 warpgroup MMAs
-    (kernels.moe.decode_fp8_gluon; CUDA, bf16, T <= 16; other calls are refused) and down as without it.
+    (kernels.moe.decode_fp8_gluon; CUDA, bf16, T <= 16; other calls are refused) and down as without it; with
+    `down_fp8` too, both in one launch where `gluon_fused` (kernels.moe.decode_fp8_fused_gluon, their stages).
     """
     T, L = x.shape
     gu_words, gu_mults, d_words, d_mults = experts.tensors()
@@ -255,6 +257,7 @@ def latent_moe_decode_prepared(
         require(fp8_gate_up and decode_fp8_down_gluon.serves(x, F, d_tile.splits), "experts prepared with down_fp8 "
                 f"need gate_up_fp8, l % 128 == 0 and F % {128 * d_tile.splits} == 0 in >= 2 steps of 128 a split")
     h_scale = decode_fp8_down_gluon.h_scale(beta1, beta2) if fp8_down else None  # h as e4m3 hi + e5m2 lo bytes
+    fp8_fused = gluon_fused and fp8_down and decode_fp8_fused_gluon.serves(x, F, d_tile.splits)  # at its stages
     require(gu_tile.splits == 1, f"gate/up tiles cannot split the reduction (SiTU-GLU needs whole sums), got "
             f"splits={gu_tile.splits}")
     gu_groups, d_groups = gu_tile.groups(L), d_tile.groups(F)
@@ -270,6 +273,9 @@ def latent_moe_decode_prepared(
     if fused:  # gate/up and down in one launch
         decode_fused_gluon.gate_up_down(x, ids, weights, (gu_words, gu_mults, d_words, d_mults), h, partial, beta1,
                                         beta2, gu_tile, d_tile, stages, down_stages)
+    elif fp8_fused:  # the FP8 gate/up and down in one launch
+        decode_fp8_fused_gluon.gate_up_down(x, ids, weights, (gu_words, gu_mults, d_words, d_mults), h, partial,
+                                            beta1, beta2, h_scale, stages, down_stages)
     else:
         if fp8_gate_up:
             decode_fp8_gluon.gate_up(x, ids, gu_words, gu_mults, h, beta1, beta2, stages, h_scale)

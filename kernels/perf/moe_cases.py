@@ -38,6 +38,7 @@ class Variant(NamedTuple):
     gluon_down_wgmma: bool = False  # down on warpgroup MMAs
     gluon_fp8: bool = False  # experts prepared with gate_up_fp8: gate/up on FP8 warpgroup MMAs (decode_fp8_gluon)
     down_fp8: bool = False  # with gluon_fp8, down_fp8 too: down on FP8 warpgroup MMAs (decode_fp8_down_gluon)
+    gluon_fused: bool | None = None  # gate/up and down in one launch (None: the launcher's fused_by_default)
 
     def label(self) -> str:
         gate_up, down = (t.label() if t else "default" for t in (self.gate_up, self.down))
@@ -46,7 +47,8 @@ class Variant(NamedTuple):
         wgmma = {None: "", True: ",wgmma", False: ",mma"}[self.gluon_wgmma]
         down_wgmma = ",wgmma" if self.gluon_down_wgmma else ""
         fp8, down_fp8 = (",fp8" if f else "" for f in self.layout())
-        return f"ours(gu={gate_up}{gu_form}{wgmma}{fp8},down={down}{down_form}{down_wgmma}{down_fp8})"
+        fused = {None: "", True: ",one launch", False: ",two launches"}[self.gluon_fused]
+        return f"ours(gu={gate_up}{gu_form}{wgmma}{fp8},down={down}{down_form}{down_wgmma}{down_fp8}{fused})"
 
     def layout(self) -> tuple[bool, bool]:
         """prepare_experts' (gate_up_fp8, down_fp8) for this variant."""
@@ -56,7 +58,7 @@ class Variant(NamedTuple):
         """The launcher's keyword arguments for this variant."""
         return {"gate_up_tile": self.gate_up, "down_tile": self.down, "gluon_stages": self.gluon_stages,
                 "gluon_down_stages": self.gluon_down_stages, "gluon_wgmma": self.gluon_wgmma,
-                "gluon_down_wgmma": self.gluon_down_wgmma}
+                "gluon_down_wgmma": self.gluon_down_wgmma, "gluon_fused": self.gluon_fused}
 
     def runs_at(self, T: int) -> bool:
         return not self.batches or T in self.batches

@@ -34,6 +34,7 @@ from kernels.kda import decode_step_triton, decode_triton, prefill_triton, verif
 from kernels.mla import decode_triton as mla_decode
 from kernels.moe import (
     decode_fp8_down_gluon,
+    decode_fp8_fused_gluon,
     decode_fp8_gluon,
     decode_fused_gluon,
     decode_gluon,
@@ -233,6 +234,7 @@ def latent_moe_gluon(tokens: int, experts: int = E, latent: int = LATENT, width:
     hq, s = empty(pairs, 2, width, dtype=torch.uint8), decode_fp8_down_gluon.h_scale(4.0, 25.0)  # opt-in FP8 down
     decode_fp8_gluon.gate_up(x, ids, *gate_up, hq, 4.0, 25.0, stages, s)
     decode_fp8_down_gluon.down(hq, ids, *down, s, stages)
+    decode_fp8_fused_gluon.gate_up_down(x, ids, down[0], (*gate_up, *down[1:3]), hq, down[3], 4.0, 25.0, s, stages, stages)
 
 
 def skinny_gemm(tokens: int, tilings=lambda n, k: [skinny_gemm_triton.default_tiling(n, k)]) -> None:

@@ -55,6 +55,9 @@ def test_variant_labels_and_launcher_arguments():
     assert Variant(None, None, gluon_stages=2, gluon_wgmma=True).label() == "ours(gu=default,gluon s2,wgmma,down=default)"
     assert Variant(Tile(64, 128, 2, 2), None, gluon_wgmma=False, gluon_down_stages=4,
                    gluon_down_wgmma=True).label() == "ours(gu=64x128,w2,s2,mma,down=default,gluon s4,wgmma)"
+    assert Variant(None, None, gluon_fp8=True, down_fp8=True, gluon_fused=True).label() == (
+        "ours(gu=default,fp8,down=default,fp8,one launch)")
+    assert Variant(None, None, gluon_fp8=True, down_fp8=True, gluon_fused=False).tuning()["gluon_fused"] is False
     launcher = inspect.signature(latent_moe_decode_triton.latent_moe_decode_prepared).parameters
     tuning = Variant(Tile(64, 128, 2, 2), Tile(128, 128, 4, 3), gluon_stages=3, gluon_down_stages=0,
                      gluon_wgmma=True, gluon_down_wgmma=True).tuning()
