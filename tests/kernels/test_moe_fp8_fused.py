@@ -66,10 +66,12 @@ def test_the_launcher_gives_fp8_experts_the_one_launch_where_gluon_fused_says(mo
     monkeypatch.setattr(decode_fp8_gluon, "serves", lambda x, F: True)
     monkeypatch.setattr(decode_fp8_down_gluon, "serves", lambda x, F, splits: True)
     monkeypatch.setattr(decode_fp8_fused_gluon, "serves", lambda x, F, splits: splits == 1)
+    # The stand-ins zero the partial sums they stand in for, so the real pair-sum launch after them reads
+    # defined values (torch.empty's garbage overflowed in the interpreter).
     monkeypatch.setattr(decode_fp8_fused_gluon, "gate_up_down",
-                        lambda *a: calls.append(("one", a[-3:])))  # (s, gate/up stages, down stages)
+                        lambda *a: (a[5].zero_(), calls.append(("one", a[-3:]))))  # (s, gate/up, down stages)
     monkeypatch.setattr(decode_fp8_gluon, "gate_up", lambda *a: calls.append(("gate_up", a[-2])))
-    monkeypatch.setattr(decode_fp8_down_gluon, "down", lambda *a: calls.append(("down", a[-1])))
+    monkeypatch.setattr(decode_fp8_down_gluon, "down", lambda *a: (a[5].zero_(), calls.append(("down", a[-1]))))
     x, ids, w, experts, _packs = _problem(tokens, "cpu", tokens)
     latent_moe_decode_triton.latent_moe_decode_prepared(x, ids, w, experts, **tuning)
     stages = (tuning.get("gluon_stages", GLUON_STAGES), tuning.get("gluon_down_stages", GLUON_STAGES))
