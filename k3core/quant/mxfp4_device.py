@@ -92,14 +92,18 @@ def _as_int32(values: torch.Tensor) -> torch.Tensor:
     return torch.where(values >= 1 << 31, values - (1 << 32), values).to(torch.int32)
 
 
-def device_words(packed: torch.Tensor) -> torch.Tensor:
-    """Canonical packed uint8 [..., K // 2] -> int32 [..., K // 8] words of the device layout."""
+def _word_codes(packed: torch.Tensor) -> torch.Tensor:
+    """Canonical packed uint8 [..., K // 2] -> int64 codes [..., K // 8, 8] in element order, a word's 8 a row."""
     if packed.dtype != torch.uint8 or packed.shape[-1] % 4:
         raise ValueError(f"packed MXFP4 must be uint8 with a last dim divisible by 4, got {packed.dtype} "
                          f"{tuple(packed.shape)}")
     b = packed.to(torch.int64).unflatten(-1, (-1, 4))
-    codes = torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)  # [..., words, 8], element order
-    return _as_int32(_apply(_inverse_rows(), _field_bits(codes)))
+    return torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)
+
+
+def device_words(packed: torch.Tensor) -> torch.Tensor:
+    """Canonical packed uint8 [..., K // 2] -> int32 [..., K // 8] words of the device layout."""
+    return _as_int32(_apply(_inverse_rows(), _field_bits(_word_codes(packed))))
 
 
 def canonical_packed(words: torch.Tensor) -> torch.Tensor:
@@ -153,11 +157,7 @@ def _e4m3_inverse_rows() -> tuple[int, ...]:
 
 def device_words_e4m3(packed: torch.Tensor) -> torch.Tensor:
     """Canonical packed uint8 [..., K // 2] -> int32 [..., K // 8] words of the e4m3 layout."""
-    if packed.dtype != torch.uint8 or packed.shape[-1] % 4:
-        raise ValueError(f"packed MXFP4 must be uint8 with a last dim divisible by 4, got {packed.dtype} "
-                         f"{tuple(packed.shape)}")
-    b = packed.to(torch.int64).unflatten(-1, (-1, 4))
-    codes = torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)  # [..., words, 8], element order
+    codes = _word_codes(packed)
     fields = torch.zeros(codes.shape[:-1], dtype=torch.int64, device=codes.device)
     for c in range(8):
         for f in range(4):
