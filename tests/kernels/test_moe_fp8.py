@@ -20,6 +20,7 @@ from kernels.moe import (
 from kernels.moe.mxfp4_tile_triton import BLOCK_ROWS
 from kernels.perf.moe_cases import MAX_REL_ERR
 from tests.kernels.moe_fp8_helpers import e4m3_values, weights_in_mma_k_order
+from tests.kernels.moe_problems import expert_packs, moe_problem
 
 F64 = torch.float64
 
@@ -129,8 +130,7 @@ def test_split_activations_keep_the_call_within_the_bench_bar():
     that need a fifth bit or fall below e4m3's normals (~1e-6 at the bench's shapes, T = 1 / 4)."""
     gen = torch.Generator().manual_seed(3)
     E, K, L, F, T = 8, 4, 256, 128, 3
-    packs = (*quantize(torch.randn(E, 2 * F, L, generator=gen) * L**-0.5),
-             *quantize(torch.randn(E, L, F, generator=gen) * F**-0.5))
+    packs = expert_packs(E, L, F, gen)
     x = torch.randn(T, L, generator=gen).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).int()
     w = torch.rand(T, K, generator=gen)
@@ -173,15 +173,8 @@ def test_split_kernel_matches_the_reference_on_gpu():
     assert torch.equal(s.cpu(), ref_s)
 
 
-def _problem(tokens: int, E: int = 12, K: int = 4, L: int = 512, F: int = 256):
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    packs = (*quantize(torch.randn(E, 2 * F, L, generator=gen, device="cuda") * L**-0.5),
-             *quantize(torch.randn(E, L, F, generator=gen, device="cuda") * F**-0.5))
-    x = torch.randn(tokens, L, generator=gen, device="cuda").to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=gen, device="cuda")[:K] for _ in range(tokens)]).int()
-    if tokens > 1 and not (ids[1] == ids[0, 0]).any():
-        ids[1, 2] = ids[0, 0]
-    return packs, x, ids, torch.rand(tokens, K, generator=gen, device="cuda")
+def _problem(tokens: int):
+    return moe_problem(tokens, experts=12, top_k=4, latent=512, width=256, device="cuda", seed=tokens)
 
 
 @pytest.mark.gpu

@@ -20,13 +20,9 @@ from kernels.moe import (
 from kernels.moe.tiles import Tile
 from kernels.perf.moe_cases import MAX_REL_ERR
 from tests.kernels.moe_fp8_helpers import weights_in_mma_k_order
+from tests.kernels.moe_problems import expert_packs, moe_problem
 
 F64 = torch.float64
-
-
-def _packs(E: int, L: int, F: int, gen: torch.Generator, device: str = "cpu"):
-    return (*quantize(torch.randn(E, 2 * F, L, generator=gen, device=device) * L**-0.5),
-            *quantize(torch.randn(E, L, F, generator=gen, device=device) * F**-0.5))
 
 
 def _from_k_order(parts: torch.Tensor, s: float) -> torch.Tensor:
@@ -47,7 +43,7 @@ def test_down_weights_reuse_the_gate_up_layout_bit_exactly():
     dequantized product exactly; the experts record it, and down_fp8 alone is refused (it reads e4m3 h)."""
     gen = torch.Generator().manual_seed(0)
     E, L, F = 3, 128, 256
-    packs = _packs(E, L, F, gen)
+    packs = expert_packs(E, L, F, gen)
     experts = _fp8_experts(packs)
     assert experts.gate_up_fp8 and experts.down_fp8
     assert torch.equal(experts.down_words, fp8_operands_triton.prepare_weights(packs[2], packs[3], "W_down", "F")[0])
@@ -64,9 +60,9 @@ def test_fp8_preparation_errors_name_the_matrix_and_width_they_check():
     with l = 64 names l; W_down of 48 rows (l) names its rows."""
     gen = torch.Generator().manual_seed(5)
     with pytest.raises(ValueError, match=r"fp8 W_down needs F % 128 == 0, got F = 64"):
-        _fp8_experts(_packs(1, 128, 64, gen))
+        _fp8_experts(expert_packs(1, 128, 64, gen))
     with pytest.raises(ValueError, match=r"fp8 W_gate;W_up needs l % 128 == 0, got l = 64"):
-        _fp8_experts(_packs(1, 64, 128, gen))
+        _fp8_experts(expert_packs(1, 64, 128, gen))
     packed, scales = quantize(torch.randn(1, 48, 128, generator=gen))
     with pytest.raises(ValueError, match=r"fp8 W_down needs a multiple of 32 rows, got 48"):
         fp8_operands_triton.prepare_weights(packed, scales, "W_down", "F")
@@ -124,7 +120,7 @@ def test_fp8_h_keeps_the_whole_call_within_the_bench_bar(x_scale):
     an e4m3 lo lost 3e-2 there, below its normals; e5m2's reach keeps it as close as bf16)."""
     gen = torch.Generator().manual_seed(2)
     E, K, L, F, T = 8, 4, 256, 256, 3
-    packs = _packs(E, L, F, gen)
+    packs = expert_packs(E, L, F, gen)
     x = (torch.randn(T, L, generator=gen) * x_scale).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).int()
     w = torch.rand(T, K, generator=gen)
@@ -139,7 +135,7 @@ def test_fp8_down_calls_refuse_what_they_cannot_serve():
     FP8 down experts recorded without the FP8 gate/up, and (test above) betas whose product needs a larger
     scale than checked."""
     gen = torch.Generator().manual_seed(3)
-    experts = _fp8_experts(_packs(2, 256, 256, gen))
+    experts = _fp8_experts(expert_packs(2, 256, 256, gen))
     ids, w = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, 2)
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     call = latent_moe_decode_triton.latent_moe_decode_prepared
@@ -156,14 +152,8 @@ def _gpu() -> None:
         pytest.skip("needs a CUDA device")
 
 
-def _problem(tokens: int, E: int = 12, K: int = 4, L: int = 256, F: int = 512):
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    packs = _packs(E, L, F, gen, "cuda")
-    x = torch.randn(tokens, L, generator=gen, device="cuda").to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=gen, device="cuda")[:K] for _ in range(tokens)]).int()
-    if tokens > 1 and not (ids[1] == ids[0, 0]).any():
-        ids[1, 2] = ids[0, 0]
-    return packs, x, ids, torch.rand(tokens, K, generator=gen, device="cuda")
+def _problem(tokens: int):
+    return moe_problem(tokens, experts=12, top_k=4, latent=256, width=512, device="cuda", seed=tokens)
 
 
 @pytest.mark.gpu

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3core.quant.mxfp4 import quantize
 from kernels.moe import (
     decode_fp8_down_gluon,
     decode_fp8_fused_gluon,
@@ -20,6 +19,7 @@ from kernels.moe import (
 )
 from kernels.moe.tiles import GLUON_STAGES, Tile
 from kernels.perf.moe_cases import MAX_REL_ERR
+from tests.kernels.moe_problems import moe_problem
 
 E, K, L, F = 12, 4, 256, 512  # 2 gate/up steps and 4 down steps of 128 columns a program
 
@@ -27,15 +27,9 @@ E, K, L, F = 12, 4, 256, 512  # 2 gate/up steps and 4 down steps of 128 columns 
 def _problem(tokens: int, device: str, seed: int):
     """bf16 x [T, l], ids [T, k] (token 1 shares token 0's first expert), router weights, FP8-prepared experts
     and the canonical packs."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    packs = (*quantize(torch.randn(E, 2 * F, L, generator=gen, device=device) * L**-0.5),
-             *quantize(torch.randn(E, L, F, generator=gen, device=device) * F**-0.5))
-    x = torch.randn(tokens, L, generator=gen, device=device).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=gen, device=device)[:K] for _ in range(tokens)]).int()
-    if tokens > 1 and not (ids[1] == ids[0, 0]).any():
-        ids[1, 2] = ids[0, 0]
+    packs, x, ids, w = moe_problem(tokens, E, K, L, F, device, seed)
     experts = prepared_experts.prepare_experts(*packs, gate_up_fp8=True, down_fp8=True)
-    return x, ids, torch.rand(tokens, K, generator=gen, device=device), experts, packs
+    return x, ids, w, experts, packs
 
 
 def test_serves_only_cuda_calls_with_both_fp8_kernels_and_no_split():

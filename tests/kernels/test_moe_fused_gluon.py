@@ -8,23 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3core.quant.mxfp4 import quantize
 from kernels.moe import decode_fused_gluon, latent_moe_decode_triton, naive, prepared_experts
 from kernels.moe.tiles import FUSED_STAGES, FUSED_TILES, Tile, fused_by_default
+from tests.kernels.moe_problems import moe_problem
 
 FUSED = FUSED_TILES  # the tiles the launcher ships with
 
 
 def _problem(tokens: int, experts: int, top_k: int, latent: int, width: int, device: str, seed: int = 0):
     """x bf16 [T, l], ids [T, k] (token 1 names token 0's first expert), router weights, the canonical packs."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    packs = (*quantize(torch.randn(experts, 2 * width, latent, generator=gen, device=device) * latent**-0.5),
-             *quantize(torch.randn(experts, latent, width, generator=gen, device=device) * width**-0.5))
-    x = torch.randn(tokens, latent, generator=gen, device=device).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(experts, generator=gen, device=device)[:top_k] for _ in range(tokens)]).int()
-    if tokens > 1 and not (ids[1] == ids[0, 0]).any():
-        ids[1, 1] = ids[0, 0]
-    return x, ids, torch.rand(tokens, top_k, generator=gen, device=device), packs
+    packs, x, ids, w = moe_problem(tokens, experts, top_k, latent, width, device, seed)
+    return x, ids, w, packs
 
 
 def test_serves_only_cuda_calls_with_equal_warps_one_h_part_and_no_split():
