@@ -56,9 +56,18 @@ def split_h_reference(h: torch.Tensor, s: float) -> torch.Tensor:
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-    from kernels.moe.decode_fp8_gluon import _X_SHARED, _copy_x, _gather, _issue, _mma, _scaled, _x_rows
+    from kernels.moe.decode_fp8_gluon import (
+        _X_SHARED,
+        _copy_x,
+        _gather,
+        _issue,
+        _mma,
+        _next_step,
+        _scaled,
+        _x_rows,
+    )
     from kernels.moe.decode_gluon import _h_arrived
     from kernels.moe.mxfp4_stream_gluon import (
         block_tile,
@@ -117,15 +126,8 @@ if gluon is not None:
             acc_a = gl.zeros([_ROWS, N], gl.float32, _mma(N))
             acc_b = gl.zeros([_ROWS, N], gl.float32, _mma(N))
             for i in range(STEPS):
-                async_copy.wait_group(STAGES - 2)
-                fence_async_shared()  # this thread's copies of step i, seen by the MMAs' reads
-                gl.thread_barrier()  # step i landed everywhere; the previous step's MMAs and reads are done
-                nxt = i + STAGES - 1
-                if nxt < STEPS:
-                    _copy_x(h_s, nxt % STAGES, h_rows, h_ok, step0 + nxt)
-                    copy_tile(a_s, a_f, nxt % STAGES, a_words, a_fields, step0 + nxt)
-                    copy_tile(b_s, b_f, nxt % STAGES, b_words, b_fields, step0 + nxt)
-                async_copy.commit_group()
+                _next_step(h_s, a_s, a_f, b_s, b_f, h_rows, h_ok, a_words, a_fields, b_words, b_fields, i, step0,
+                           STEPS, STAGES)
                 buf = i % STAGES
                 h_b = h_s.index(buf)
                 lo_b = h_b._reinterpret(gl.float8e5, [8 * N, 32], _X_SHARED)

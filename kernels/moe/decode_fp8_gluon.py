@@ -102,6 +102,27 @@ if gluon is not None:
         async_copy.async_copy_global_to_shared(ring.index(buf), rows[:, None] + offsets[None, :], mask=ok[:, None])
 
     @gluon.jit
+    def _fill(x_s, a_s, a_f, b_s, b_f, buf, x_rows, x_ok, a_words, a_fields, b_words, b_fields, step):
+        """Ring stage `buf` <- step `step`'s activation rows and both weight tiles (words and fields)."""
+        _copy_x(x_s, buf, x_rows, x_ok, step)
+        copy_tile(a_s, a_f, buf, a_words, a_fields, step)
+        copy_tile(b_s, b_f, buf, b_words, b_fields, step)
+
+    @gluon.jit
+    def _next_step(x_s, a_s, a_f, b_s, b_f, x_rows, x_ok, a_words, a_fields, b_words, b_fields, i, step0,
+                   STEPS: gl.constexpr, STAGES: gl.constexpr):
+        """The ring at loop step i (both FP8 kernels): step i's stage waited for and made visible, then the stage
+        freed by step i - 1 refilled with step i + STAGES - 1 (of STEPS, counted from step0)."""
+        async_copy.wait_group(STAGES - 2)
+        fence_async_shared()  # this thread's copies of step i, seen by the MMAs' reads
+        gl.thread_barrier()  # step i landed everywhere; the previous step's MMAs and reads are done
+        nxt = i + STAGES - 1
+        if nxt < STEPS:
+            _fill(x_s, a_s, a_f, b_s, b_f, nxt % STAGES, x_rows, x_ok, a_words, a_fields, b_words, b_fields,
+                  step0 + nxt)
+        async_copy.commit_group()
+
+    @gluon.jit
     def _split4(t):
         """[..., 2, 2] (index 2 a + b) -> its 4 slices in index order."""
         a, b = gl.split(t)
@@ -192,22 +213,13 @@ if gluon is not None:
             up_s, up_f = words_ring(STAGES, _ROWS), fields_ring(STAGES, _ROWS)
             for s in gl.static_range(STAGES - 1):
                 if s < STEPS:
-                    _copy_x(x_s, s, x_rows, x_ok, s)
-                    copy_tile(gate_s, gate_f, s, words, fields, s)
-                    copy_tile(up_s, up_f, s, up_words, up_fields, s)
+                    _fill(x_s, gate_s, gate_f, up_s, up_f, s, x_rows, x_ok, words, fields, up_words, up_fields, s)
                 async_copy.commit_group()
             g = gl.zeros([_ROWS, N], gl.float32, _mma(N))
             u = gl.zeros([_ROWS, N], gl.float32, _mma(N))
             for i in range(STEPS):
-                async_copy.wait_group(STAGES - 2)
-                fence_async_shared()  # this thread's copies of step i, seen by the MMAs' reads
-                gl.thread_barrier()  # step i landed everywhere; the previous step's MMAs and reads are done
-                nxt = i + STAGES - 1
-                if nxt < STEPS:
-                    _copy_x(x_s, nxt % STAGES, x_rows, x_ok, nxt)
-                    copy_tile(gate_s, gate_f, nxt % STAGES, words, fields, nxt)
-                    copy_tile(up_s, up_f, nxt % STAGES, up_words, up_fields, nxt)
-                async_copy.commit_group()
+                _next_step(x_s, gate_s, gate_f, up_s, up_f, x_rows, x_ok, words, fields, up_words, up_fields, i, 0,
+                           STEPS, STAGES)
                 buf = i % STAGES
                 x_b = x_s.index(buf)
                 g0, g1, g2, g3 = _issue(gate_s, x_b, x_b, buf, N)
