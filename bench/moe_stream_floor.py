@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from k3core.cache.hashing import xor_fold
 from kernels._triton import tl, triton
 from kernels.moe.mxfp4_tile_triton import BLOCK_ROWS
 from kernels.moe.prepared_experts import PreparedExperts, prepare_experts
@@ -138,13 +139,9 @@ def form_call(form: Form, ids: torch.Tensor, experts: PreparedExperts):
 
 
 def xor_all(t: torch.Tensor) -> int:
-    """XOR of every element of an int32 tensor, as an unsigned 32-bit int (halving: torch has no XOR sum)."""
-    t = t.flatten()
-    while t.numel() > 1:
-        if t.numel() % 2:
-            t = torch.cat([t, t.new_zeros(1)])
-        t = t[: t.numel() // 2] ^ t[t.numel() // 2:]
-    return int(t.item()) & 0xFFFFFFFF if t.numel() else 0
+    """XOR of every element of an int32 tensor, as an unsigned 32-bit int (k3core.cache.hashing.xor_fold on the
+    sign-extended values: their low 32 bits are the int32 XOR)."""
+    return int(xor_fold(t.flatten().long()[None])[0]) & 0xFFFFFFFF if t.numel() else 0
 
 
 def fold(outs: list[torch.Tensor]) -> int:

@@ -93,11 +93,11 @@ def checksum_rows(matrix: torch.Tensor, rows: Sequence[int], num_bytes: int, chu
             folded = mixed
         else:
             folded[:, : mixed.shape[1]] ^= mixed
-    xor = total if folded is None else _xor_fold(folded)  # no bytes: both lanes 0 (and the length 0)
+    xor = total if folded is None else xor_fold(folded)  # no bytes: both lanes 0 (and the length 0)
     return torch.stack([total & MASK63, xor ^ num_bytes], dim=1)
 
 
-def _xor_fold(x: torch.Tensor) -> torch.Tensor:
+def xor_fold(x: torch.Tensor) -> torch.Tensor:
     """XOR along the last dim of an int64 tensor [R, n >= 1] -> [R] (torch has no xor reduction): halve and
     fold."""
     while x.shape[1] > 1:
