@@ -145,12 +145,18 @@ class Engine(TokenStreaming):
                 self.scheduler.add(req)
             elif kind == "call":
                 fn, future, settle = item  # type: ignore[misc]
+                # A caller that stopped waiting may have cancelled its future (a timed-out RPC): then nothing
+                # runs, and no result is set on it (that raised InvalidStateError and killed this loop).
+                if not future.set_running_or_notify_cancel():
+                    continue
                 if settle:
                     self.overlap.settle(Fallback.CALL)  # no step in flight (e.g. a weight reload)
                 try:
-                    future.set_result(fn(self.manager.manager))
+                    result = fn(self.manager.manager)
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     future.set_exception(exc)
+                else:
+                    future.set_result(result)
             elif kind == "cancel":
                 if str(item) in self.requests:
                     # its token of the step in flight first, as the plain loop has it (it may end the request)

@@ -94,6 +94,20 @@ def test_cancel_frees_pages_at_the_next_step(worker_factory):
     assert engine.pool_usage() == 0.0
 
 
+def test_a_call_cancelled_before_it_runs_is_skipped_and_the_engine_lives_on(worker_factory):
+    """A caller that gave up cancels its future while the call waits in the inbox (a timed-out RPC): the engine
+    must neither run it nor die setting a result on it (it did: InvalidStateError ended the loop)."""
+    engine = worker_factory().engine
+    gate, ran = threading.Event(), []
+    blocker = engine.call(lambda manager: gate.wait(10))  # holds the loop so the next call stays queued
+    queued = engine.call(lambda manager: ran.append(1))
+    assert queued.cancel()
+    gate.set()
+    assert blocker.result(10) is True
+    assert engine.call(lambda manager: "alive").result(10) == "alive"
+    assert ran == [] and engine.failure is None
+
+
 def test_a_shared_prefix_gets_a_checkpoint_at_its_branch_point(worker_factory):
     # A's prompt is cached with one checkpoint at its own end; B shares only the first 64 tokens, so its
     # lookup matches 64 MLA tokens but no KDA state there. B's forward must end at 64 and keep the state,
